@@ -1,0 +1,333 @@
+"""Connecting to NATS, creating Shoal's streams and buckets, typed KV access with CAS.
+
+`connect()` returns a `Bus`: the connection, its JetStream context and one
+`TypedBucket` per KV bucket of the NATS contract. Creating streams and buckets
+is idempotent: every service calls it at start, in any order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+import msgspec
+import nats
+import nats.errors
+import nats.js.errors
+import structlog
+from nats.aio.client import Client as NATS
+from nats.js import JetStreamContext
+from nats.js.api import (
+    DiscardPolicy,
+    KeyValueConfig,
+    RetentionPolicy,
+    StorageType,
+    StreamConfig,
+)
+from nats.js.kv import KeyValue
+
+from shoal.shared import subjects
+from shoal.shared.messages import GpuRecord, ModelSpec, NodeRecord, ReplicaRecord, encode_json
+from shoal.shared.messages import (
+    gpu_record_decoder,
+    model_spec_decoder,
+    node_record_decoder,
+    replica_record_decoder,
+)
+
+log = structlog.get_logger(__name__)
+
+T = TypeVar("T", bound=msgspec.Struct)
+
+STREAM_IN_USE_ERR = 10058  # JSStreamNameExistErr: exists with a different configuration
+
+
+class BusError(RuntimeError):
+    """NATS could not be reached or refused a request."""
+
+
+@dataclass(frozen=True)
+class Versioned(Generic[T]):
+    """A decoded KV value and the revision it was read at (the CAS token)."""
+
+    value: T
+    revision: int
+
+
+class TypedBucket(Generic[T]):
+    """A KV bucket whose values are JSON-encoded `T` Structs.
+
+    Values that do not decode are logged and treated as absent: one bad write
+    by hand (`nats kv put`) must not take a service down.
+    """
+
+    def __init__(self, kv: KeyValue, decoder: msgspec.json.Decoder[T], name: str) -> None:
+        self.kv = kv
+        self.name = name
+        self._decoder = decoder
+
+    def _decode(self, key: str, raw: bytes | None) -> T | None:
+        if not raw:
+            return None
+        try:
+            return self._decoder.decode(raw)
+        except msgspec.DecodeError as exc:
+            log.error("kv_value_malformed", bucket=self.name, key=key, error=str(exc))
+            return None
+
+    async def get(self, key: str) -> Versioned[T] | None:
+        try:
+            entry = await self.kv.get(key)
+        except nats.js.errors.KeyNotFoundError:
+            return None
+        value = self._decode(key, entry.value)
+        if value is None or entry.revision is None:
+            return None
+        return Versioned(value, entry.revision)
+
+    async def get_all(self, prefix: str = ">") -> dict[str, Versioned[T]]:
+        """Current value of every key matching `prefix` (a KV key filter, e.g. ``node-a.*``)."""
+        watcher = await self.kv.watch(prefix, ignore_deletes=True)
+        found: dict[str, Versioned[T]] = {}
+        try:
+            while True:
+                try:
+                    entry = await watcher.updates(timeout=5.0)
+                except nats.errors.TimeoutError:
+                    break
+                if entry is None:
+                    break
+                value = self._decode(entry.key, entry.value)
+                if value is not None and entry.revision is not None:
+                    found[entry.key] = Versioned(value, entry.revision)
+                if not entry.delta:
+                    break
+        finally:
+            await watcher.stop()
+        return found
+
+    async def put(self, key: str, value: T) -> int:
+        """Unconditional write (not CAS): only for keys a single owner writes."""
+        return await self.kv.put(key, encode_json(value))
+
+    async def create(self, key: str, value: T) -> int | None:
+        """Write only if absent; None if the key exists."""
+        try:
+            return await self.kv.create(key, encode_json(value))
+        except nats.js.errors.KeyWrongLastSequenceError:
+            return None
+
+    async def update(self, key: str, value: T, revision: int) -> int | None:
+        """CAS write; None if the key changed since `revision`."""
+        try:
+            return await self.kv.update(key, encode_json(value), last=revision)
+        except nats.js.errors.KeyWrongLastSequenceError:
+            return None
+
+    async def delete(self, key: str, revision: int | None = None) -> bool:
+        """Delete (CAS when `revision` is given); False on a conflict."""
+        try:
+            await self.kv.delete(key, last=revision)
+        except nats.js.errors.APIError as exc:
+            if exc.err_code in (10071, 10164):
+                return False
+            raise
+        return True
+
+
+class CasConflict(RuntimeError):
+    """A compare-and-swap kept losing races past its retry budget."""
+
+
+Mutation = Callable[[T | None], T | None]
+
+
+async def cas_update(
+    bucket: TypedBucket[T],
+    key: str,
+    mutate: Mutation[T],
+    *,
+    max_attempts: int = 12,
+    on_conflict: Callable[[], None] | None = None,
+    rng: random.Random | None = None,
+) -> Versioned[T] | None:
+    """Read-modify-write one key with compare-and-swap.
+
+    `mutate` gets the current value (None if absent) and returns the new value,
+    or None to leave the key as it is. It must be pure: it is re-run on the
+    fresh value after every conflict.
+
+    Returns the written (or unchanged current) value, or None when `mutate`
+    declined and the key is absent. Raises CasConflict after `max_attempts`.
+    """
+    rand = rng or random
+    for attempt in range(max_attempts):
+        current = await bucket.get(key)
+        new_value = mutate(current.value if current else None)
+        if new_value is None:
+            return current
+        if current is None:
+            revision = await bucket.create(key, new_value)
+        else:
+            revision = await bucket.update(key, new_value, current.revision)
+        if revision is not None:
+            return Versioned(new_value, revision)
+        if on_conflict is not None:
+            on_conflict()
+        await asyncio.sleep(rand.uniform(0.0, 0.002 * (2 ** min(attempt, 6))))
+    raise CasConflict(f"{bucket.name}/{key}: compare-and-swap lost {max_attempts} races in a row")
+
+
+@dataclass
+class Bus:
+    """One NATS connection and every stream/bucket handle a service needs."""
+
+    nc: NATS
+    js: JetStreamContext
+    models: TypedBucket[ModelSpec]
+    gpus: TypedBucket[GpuRecord]
+    replicas: TypedBucket[ReplicaRecord]
+    nodes: TypedBucket[NodeRecord]
+
+    async def close(self) -> None:
+        if not self.nc.is_closed:
+            await self.nc.close()
+
+
+NODE_TTL_S = 15.0
+"""A node whose agent has not heartbeated for this long disappears from ``shoal_nodes``."""
+
+
+def _stream_configs() -> list[StreamConfig]:
+    return [
+        StreamConfig(
+            name=subjects.REQUESTS_STREAM,
+            description="Shoal inference requests; one durable pull consumer per model, shared by its replicas",
+            subjects=[f"{subjects.INFER_PREFIX}.>"],
+            retention=RetentionPolicy.WORK_QUEUE,
+            storage=StorageType.FILE,
+            discard=DiscardPolicy.OLD,
+            duplicate_window=120.0,
+            max_age=3600.0,
+        ),
+        StreamConfig(
+            name=subjects.EVENTS_STREAM,
+            description="Shoal cluster events: placement, eviction, sleep, wake, preemption, failure",
+            subjects=[f"{subjects.EVENT_PREFIX}.>"],
+            retention=RetentionPolicy.LIMITS,
+            storage=StorageType.FILE,
+            discard=DiscardPolicy.OLD,
+            max_msgs=100_000,
+            max_age=7 * 24 * 3600.0,
+        ),
+    ]
+
+
+def _bucket_configs(node_ttl_s: float) -> list[KeyValueConfig]:
+    return [
+        KeyValueConfig(
+            bucket=subjects.MODELS_BUCKET,
+            description="Shoal models: ModelSpec per model token, with measured serving memory",
+            history=5,
+            storage=StorageType.FILE,
+        ),
+        KeyValueConfig(
+            bucket=subjects.GPUS_BUCKET,
+            description="Shoal GPUs: one key per <node>.<index>; occupants, intents, wake lock; CAS only",
+            history=5,
+            storage=StorageType.FILE,
+        ),
+        KeyValueConfig(
+            bucket=subjects.REPLICAS_BUCKET,
+            description="Shoal replicas: <model token>.<replica id> -> node, GPUs, bytes, level, state",
+            history=5,
+            storage=StorageType.FILE,
+        ),
+        KeyValueConfig(
+            bucket=subjects.NODES_BUCKET,
+            description="Shoal nodes: capacity and heartbeat (entries expire without heartbeats)",
+            history=1,
+            ttl=node_ttl_s,
+            storage=StorageType.FILE,
+        ),
+    ]
+
+
+async def _ensure_stream(js: JetStreamContext, config: StreamConfig) -> None:
+    try:
+        await js.add_stream(config)
+    except nats.js.errors.BadRequestError as exc:
+        if exc.err_code != STREAM_IN_USE_ERR:
+            raise
+        # Exists with another configuration (an older or newer Shoal): bring it to ours.
+        await js.update_stream(config)
+
+
+async def _ensure_bucket(js: JetStreamContext, config: KeyValueConfig) -> KeyValue:
+    try:
+        return await js.create_key_value(config)
+    except nats.js.errors.BadRequestError as exc:
+        if exc.err_code != STREAM_IN_USE_ERR:
+            raise
+        log.warning("kv_bucket_config_differs", bucket=config.bucket, detail=exc.description)
+        return await js.key_value(config.bucket)
+
+
+async def ensure_resources(js: JetStreamContext, *, node_ttl_s: float = NODE_TTL_S) -> dict[str, KeyValue]:
+    """Create (or leave as they are) every stream and bucket of the NATS contract."""
+    for stream in _stream_configs():
+        await _ensure_stream(js, stream)
+    buckets: dict[str, KeyValue] = {}
+    for bucket in _bucket_configs(node_ttl_s):
+        buckets[bucket.bucket] = await _ensure_bucket(js, bucket)
+    return buckets
+
+
+async def connect(
+    url: str,
+    name: str,
+    *,
+    connect_timeout_s: float = 5.0,
+    node_ttl_s: float = NODE_TTL_S,
+    on_disconnect: Callable[[], Awaitable[None]] | None = None,
+) -> Bus:
+    """Connect to NATS as `name`, create Shoal's streams and buckets, return the handles."""
+
+    async def error_cb(exc: Exception) -> None:
+        log.warning("nats_error", client=name, error=repr(exc))
+
+    async def disconnected_cb() -> None:
+        log.info("nats_disconnected", client=name)
+        if on_disconnect is not None:
+            await on_disconnect()
+
+    try:
+        nc = await nats.connect(
+            url,
+            name=name,
+            connect_timeout=connect_timeout_s,
+            max_reconnect_attempts=-1,
+            reconnect_time_wait=0.5,
+            error_cb=error_cb,
+            disconnected_cb=disconnected_cb,
+            allow_reconnect=True,
+        )
+    except (OSError, nats.errors.NoServersError, asyncio.TimeoutError) as exc:
+        raise BusError(f"cannot connect to NATS at {url}: {exc}") from exc
+    js = nc.jetstream(timeout=10.0)
+    try:
+        kvs = await ensure_resources(js, node_ttl_s=node_ttl_s)
+    except Exception:
+        await nc.close()
+        raise
+    return Bus(
+        nc=nc,
+        js=js,
+        models=TypedBucket(kvs[subjects.MODELS_BUCKET], model_spec_decoder, subjects.MODELS_BUCKET),
+        gpus=TypedBucket(kvs[subjects.GPUS_BUCKET], gpu_record_decoder, subjects.GPUS_BUCKET),
+        replicas=TypedBucket(kvs[subjects.REPLICAS_BUCKET], replica_record_decoder, subjects.REPLICAS_BUCKET),
+        nodes=TypedBucket(kvs[subjects.NODES_BUCKET], node_record_decoder, subjects.NODES_BUCKET),
+    )

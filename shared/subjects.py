@@ -1,0 +1,148 @@
+"""Every NATS name Shoal uses, and the model-key <-> subject-token mapping.
+
+Model keys such as ``meta-llama/Llama-3.1-8B`` are not subject tokens (``.``
+separates tokens, and KV keys allow only ``[-/_=.a-zA-Z0-9]``). `model_token`
+maps a key to a token of ``[A-Za-z0-9_-]`` plus ``=XX`` escapes (the hex of
+each UTF-8 byte of any other character), reversibly and readably:
+``meta-llama/Llama-3.1-8B`` -> ``meta-llama=2FLlama-3=2E1-8B``.
+"""
+
+from __future__ import annotations
+
+import re
+
+# Streams and buckets (the NATS contract in DESIGN.md).
+REQUESTS_STREAM = "SHOAL_REQUESTS"
+EVENTS_STREAM = "SHOAL_EVENTS"
+MODELS_BUCKET = "shoal_models"
+GPUS_BUCKET = "shoal_gpus"
+REPLICAS_BUCKET = "shoal_replicas"
+NODES_BUCKET = "shoal_nodes"
+
+INFER_PREFIX = "shoal.infer"
+EVENT_PREFIX = "shoal.event"
+REPLY_PREFIX = "shoal.reply"
+CANCEL_PREFIX = "shoal.cancel"
+SCHEDULER_PREFIX = "shoal.scheduler"
+NODE_PREFIX = "shoal.node"
+
+# Headers carried on inference requests (a JetStream message's reply subject is
+# its ack subject, so the gateway's reply subject travels in a header).
+HDR_REPLY_TO = "Shoal-Reply-To"
+HDR_REQUEST_ID = "Shoal-Request-Id"
+HDR_DEADLINE = "Shoal-Deadline"
+HDR_MSG_ID = "Nats-Msg-Id"
+
+_SAFE = re.compile(r"[A-Za-z0-9_-]")
+_TOKEN = re.compile(r"(?:[A-Za-z0-9_-]|=[0-9A-F]{2})+")
+MAX_MODEL_KEY_CHARS = 256
+
+
+class InvalidModelKey(ValueError):
+    """A model key that Shoal cannot name (empty, too long, or control characters)."""
+
+
+class InvalidModelToken(ValueError):
+    """A subject token that no model key maps to."""
+
+
+def validate_model_key(model_key: str) -> str:
+    """Return `model_key` if Shoal can serve a model under that name, else raise InvalidModelKey."""
+    if not model_key:
+        raise InvalidModelKey("model key is empty")
+    if len(model_key) > MAX_MODEL_KEY_CHARS:
+        raise InvalidModelKey(f"model key is longer than {MAX_MODEL_KEY_CHARS} characters")
+    if any(ch.isspace() or not ch.isprintable() for ch in model_key):
+        raise InvalidModelKey(f"model key {model_key!r} contains whitespace or control characters")
+    return model_key
+
+
+def model_token(model_key: str) -> str:
+    """Map a model key to a subject- and KV-key-safe token (reversible, see module doc)."""
+    validate_model_key(model_key)
+    parts: list[str] = []
+    for ch in model_key:
+        if _SAFE.fullmatch(ch):
+            parts.append(ch)
+        else:
+            parts.extend(f"={byte:02X}" for byte in ch.encode())
+    return "".join(parts)
+
+
+def model_key_from_token(token: str) -> str:
+    """Inverse of `model_token`; raises InvalidModelToken for strings it never produces."""
+    if not _TOKEN.fullmatch(token):
+        raise InvalidModelToken(f"{token!r} is not a model token")
+    raw = bytearray()
+    i = 0
+    while i < len(token):
+        if token[i] == "=":
+            raw.append(int(token[i + 1 : i + 3], 16))
+            i += 3
+        else:
+            raw.extend(token[i].encode())
+            i += 1
+    try:
+        key = raw.decode()
+    except UnicodeDecodeError as exc:
+        raise InvalidModelToken(f"{token!r} does not decode to UTF-8") from exc
+    if model_token(key) != token:
+        raise InvalidModelToken(f"{token!r} is not the canonical token of {key!r}")
+    return key
+
+
+def infer_subject(model_key: str) -> str:
+    return f"{INFER_PREFIX}.{model_token(model_key)}"
+
+
+def cancel_subject(model_key: str) -> str:
+    return f"{CANCEL_PREFIX}.{model_token(model_key)}"
+
+
+def reply_subject(gateway_id: str, request_id: str) -> str:
+    return f"{REPLY_PREFIX}.{gateway_id}.{request_id}"
+
+
+def reply_wildcard(gateway_id: str) -> str:
+    return f"{REPLY_PREFIX}.{gateway_id}.>"
+
+
+def event_subject(kind: str) -> str:
+    return f"{EVENT_PREFIX}.{kind}"
+
+
+def consumer_name(model_key: str) -> str:
+    """Durable pull consumer shared by every replica of one model."""
+    return f"infer-{model_token(model_key)}"
+
+
+def replica_name(model_key: str, replica_id: str) -> str:
+    """The replica naming contract of seed 002: ``ModelActor:<model_key>:<replica_id>``."""
+    return f"ModelActor:{model_key}:{replica_id}"
+
+
+def replica_kv_key(model_key: str, replica_id: str) -> str:
+    """Key of a replica in `shoal_replicas`: ``<model token>.<replica id>`` (watchable per model)."""
+    return f"{model_token(model_key)}.{replica_id}"
+
+
+def gpu_kv_key(node_id: str, gpu_index: int) -> str:
+    return f"{node_id}.{gpu_index}"
+
+
+def node_subject(node_id: str, verb: str) -> str:
+    return f"{NODE_PREFIX}.{node_id}.{verb}"
+
+
+def scheduler_subject(verb: str) -> str:
+    return f"{SCHEDULER_PREFIX}.{verb}"
+
+
+_NODE_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
+
+
+def validate_node_id(node_id: str) -> str:
+    """Node ids become subject tokens and KV key parts: ``[A-Za-z0-9_-]{1,64}``."""
+    if not _NODE_ID.fullmatch(node_id):
+        raise ValueError(f"node id {node_id!r} must match [A-Za-z0-9_-]{{1,64}}")
+    return node_id
