@@ -21,6 +21,8 @@ import structlog
 from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 from nats.js.api import (
+    AckPolicy,
+    ConsumerConfig,
     DiscardPolicy,
     KeyValueConfig,
     RetentionPolicy,
@@ -30,7 +32,7 @@ from nats.js.api import (
 from nats.js.kv import KeyValue
 
 from shoal.shared import subjects
-from shoal.shared.messages import GpuRecord, ModelSpec, NodeRecord, ReplicaRecord, encode_json
+from shoal.shared.messages import Event, GpuRecord, ModelSpec, NodeRecord, ReplicaRecord, encode_json
 from shoal.shared.messages import (
     gpu_record_decoder,
     model_spec_decoder,
@@ -43,6 +45,8 @@ log = structlog.get_logger(__name__)
 T = TypeVar("T", bound=msgspec.Struct)
 
 STREAM_IN_USE_ERR = 10058  # JSStreamNameExistErr: exists with a different configuration
+MAX_DELIVERIES = 3
+"""A request is tried at most this often (a worker dying mid-request counts as a try)."""
 
 
 class BusError(RuntimeError):
@@ -68,6 +72,10 @@ class TypedBucket(Generic[T]):
         self.kv = kv
         self.name = name
         self._decoder = decoder
+
+    def decode(self, key: str, raw: bytes | None) -> T | None:
+        """Decode a raw value of this bucket (None, and logged, if malformed)."""
+        return self._decode(key, raw)
 
     def _decode(self, key: str, raw: bytes | None) -> T | None:
         if not raw:
@@ -331,3 +339,38 @@ async def connect(
         replicas=TypedBucket(kvs[subjects.REPLICAS_BUCKET], replica_record_decoder, subjects.REPLICAS_BUCKET),
         nodes=TypedBucket(kvs[subjects.NODES_BUCKET], node_record_decoder, subjects.NODES_BUCKET),
     )
+
+
+async def ensure_model_consumer(js: JetStreamContext, model_key: str, *, ack_wait_s: float = 30.0) -> str:
+    """Create (idempotently) the durable pull consumer every replica of `model_key` shares.
+
+    Replicas send in-progress acks while generating, so `ack_wait_s` only
+    bounds how long a dead worker's message waits before redelivery.
+    """
+    durable = subjects.consumer_name(model_key)
+    config = ConsumerConfig(
+        durable_name=durable,
+        description=f"Shoal replicas of {model_key}",
+        filter_subject=subjects.infer_subject(model_key),
+        ack_policy=AckPolicy.EXPLICIT,
+        ack_wait=ack_wait_s,
+        max_deliver=MAX_DELIVERIES,
+        max_ack_pending=4096,
+        max_waiting=512,
+    )
+    try:
+        await js.add_consumer(subjects.REQUESTS_STREAM, config)
+    except nats.js.errors.BadRequestError as exc:
+        # 10148: exists with another config (an older Shoal); keep serving with it.
+        if exc.err_code != 10148:
+            raise
+        log.warning("consumer_config_differs", consumer=durable, detail=exc.description)
+    return durable
+
+
+async def publish_event(js: JetStreamContext, event: Event) -> None:
+    """Record `event` in ``SHOAL_EVENTS``; a failure to record is logged, never raised."""
+    try:
+        await js.publish(subjects.event_subject(event.kind), encode_json(event))
+    except (nats.errors.Error, asyncio.TimeoutError) as exc:
+        log.warning("event_publish_failed", kind=event.kind, error=str(exc))

@@ -145,6 +145,9 @@ class ModelSpec(Struct, kw_only=True, omit_defaults=True):
     measured_serving_bytes: int | None = None
     """Measured on a node after load and warm-up; beats everything else."""
     measured_at: float | None = None
+    weight_bytes: int | None = None
+    """Raw checkpoint size: what a WARM replica holds in CPU RAM (filled in by inspection)."""
+    num_parameters: int | None = None
     num_gpus: int = 1
     dedicated: bool = False
     """Dedicated replicas are never evicted under memory pressure."""
@@ -338,7 +341,25 @@ class RestoreReplica(Struct, tag="from_cache", tag_field="type"):
     replica: ReplicaRecord
 
 
-NodeCommand = CreateReplica | StopReplica | CacheReplica | RestoreReplica
+class InspectModel(Struct, tag="inspect", tag_field="type"):
+    """Scheduler -> any node agent (they hold the models): read a model's config and size."""
+
+    path: str
+    dtype: str = "auto"
+    kv_cache_tokens: int = 4096
+
+
+NodeCommand = CreateReplica | StopReplica | CacheReplica | RestoreReplica | InspectModel
+
+
+class ModelFacts(Struct, omit_defaults=True):
+    """What a node agent learned of a model from its files, without loading weights."""
+
+    weight_bytes: int
+    num_parameters: int
+    estimated_bytes: int
+    max_model_len: int | None = None
+    architecture: str = ""
 
 
 class NodeReply(Struct, omit_defaults=True):
@@ -384,6 +405,7 @@ scheduler_command_decoder: msgspec.json.Decoder[SchedulerCommand] = msgspec.json
 scheduler_reply_decoder = msgspec.json.Decoder(SchedulerReply)
 node_command_decoder: msgspec.json.Decoder[NodeCommand] = msgspec.json.Decoder(NodeCommand)  # type: ignore[arg-type]
 node_reply_decoder = msgspec.json.Decoder(NodeReply)
+model_facts_decoder = msgspec.json.Decoder(ModelFacts)
 worker_event_decoder = msgspec.json.Decoder(WorkerEvent)
 event_decoder = msgspec.json.Decoder(Event)
 

@@ -25,6 +25,8 @@ REPLY_PREFIX = "shoal.reply"
 CANCEL_PREFIX = "shoal.cancel"
 SCHEDULER_PREFIX = "shoal.scheduler"
 NODE_PREFIX = "shoal.node"
+NODE_INSPECT = f"{NODE_PREFIX}.inspect"
+"""Queue-grouped: any node agent sizes a model from the files it can see."""
 
 # Headers carried on inference requests (a JetStream message's reply subject is
 # its ack subject, so the gateway's reply subject travels in a header).

@@ -30,3 +30,16 @@ async def bus(nats_server: EmbeddedNatsServer) -> AsyncIterator[Bus]:
         yield connection
     finally:
         await connection.close()
+
+
+@pytest.fixture(scope="session")
+def demo_models_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The demo models, made once per test session (or taken from $SHOAL_TEST_MODELS_ROOT)."""
+    import os
+
+    from shoal.services.worker.demo_models import make_demo_models
+
+    given = os.environ.get("SHOAL_TEST_MODELS_ROOT")
+    root = Path(given) if given else tmp_path_factory.mktemp("models")
+    make_demo_models(root)
+    return root

@@ -1,0 +1,187 @@
+"""The `shoal` command.
+
+    shoal up            everything on this machine (embedded NATS, demo models, virtual GPUs)
+    shoal gateway       the OpenAI-compatible HTTP gateway
+    shoal scheduler     placement and replicas
+    shoal node-agent    this machine's GPUs and worker processes
+    shoal worker        one replica (spawned by the node agent)
+    shoal demo-models   write the demo models under a models root
+    shoal inspect       streams, KV buckets and micro services (what the NATS CLI shows)
+    shoal status        nodes, GPUs, replicas and models
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+from shoal.shared.config import ConfigError, ShoalConfig, load_config
+from shoal.shared.logging import configure_logging
+
+
+def _common(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", help="shoal.toml (default: $SHOAL_CONFIG or ./shoal.toml if present)")
+    parser.add_argument("--nats-url", help="NATS server URL (shoal up: omit to start an embedded one)")
+    parser.add_argument("--log-format", choices=["console", "json"])
+    parser.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+
+
+def _gateway_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--host", help="gateway listen address (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, help="gateway port (default 8000)")
+
+
+def _node_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--node-id", help="unique node id (default: host name)")
+    parser.add_argument("--gpus", help="nvml, or virtual:<count>x<size> (default virtual:2x16GiB)")
+    parser.add_argument("--models-root", help="directory holding the models (default ./models)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="shoal", description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    up = commands.add_parser("up", help="run everything on this machine")
+    _common(up)
+    _gateway_flags(up)
+    _node_flags(up)
+    up.add_argument("--state-dir", help="embedded NATS store and worker logs (default ./.shoal)")
+    up.add_argument("--no-demo-models", action="store_true", help="serve only the models in the config")
+
+    for name, help_text, extra in (
+        ("gateway", "run the HTTP gateway", [_gateway_flags]),
+        ("scheduler", "run a scheduler", []),
+        ("node-agent", "run this machine's node agent", [_node_flags]),
+    ):
+        sub = commands.add_parser(name, help=help_text)
+        _common(sub)
+        for add in extra:
+            add(sub)
+        if name == "node-agent":
+            sub.add_argument("--state-dir", help="worker logs (default ./.shoal)")
+
+    from shoal.services.worker.main import add_worker_arguments
+
+    add_worker_arguments(commands.add_parser("worker", help="run one replica (normally spawned by a node agent)"))
+
+    demo = commands.add_parser("demo-models", help="write the demo models")
+    demo.add_argument("--models-root", default="./models")
+    demo.add_argument("--force", action="store_true", help="rewrite models that exist")
+
+    for name, help_text in (("inspect", "streams, KV buckets and micro services"),
+                            ("status", "nodes, GPUs, replicas and models")):  # fmt: skip
+        sub = commands.add_parser(name, help=help_text)
+        _common(sub)
+        sub.add_argument("--state-dir", help="where `shoal up` wrote its NATS URL (default ./.shoal)")
+    return parser
+
+
+def config_from_args(args: argparse.Namespace) -> ShoalConfig:
+    overrides: dict[str, Any] = {}
+
+    def put(section: str | None, key: str, value: Any) -> None:
+        if value is None:
+            return
+        if section is None:
+            overrides[key] = value
+        else:
+            overrides.setdefault(section, {})[key] = value
+
+    put("nats", "url", getattr(args, "nats_url", None))
+    put("gateway", "host", getattr(args, "host", None))
+    put("gateway", "port", getattr(args, "port", None))
+    put("node", "node_id", getattr(args, "node_id", None))
+    put("node", "gpus", getattr(args, "gpus", None))
+    put("node", "models_root", getattr(args, "models_root", None))
+    put(None, "state_dir", getattr(args, "state_dir", None))
+    if getattr(args, "no_demo_models", False):
+        overrides["demo_models"] = False
+    put("logging", "format", getattr(args, "log_format", None))
+    put("logging", "level", getattr(args, "log_level", None))
+    return load_config(args.config, overrides=overrides)
+
+
+def _nats_url_for_tools(config: ShoalConfig) -> str:
+    if config.nats.url:
+        return config.nats.url
+    from shoal.services.launcher import NATS_URL_FILE
+
+    url_file = Path(config.state_dir) / NATS_URL_FILE
+    if url_file.is_file():
+        return url_file.read_text().strip()
+    return "nats://127.0.0.1:4222"
+
+
+async def _with_bus(url: str, name: str, action: Callable[[Any], Awaitable[None]]) -> None:
+    from shoal.shared.bus import connect
+
+    bus = await connect(url, name)
+    try:
+        await action(bus)
+    finally:
+        await bus.close()
+
+
+async def _run_service(config: ShoalConfig, which: str) -> None:
+    from shoal.services import launcher
+    from shoal.shared.metrics import Registry
+
+    registry = Registry()
+    url = config.nats.url or "nats://127.0.0.1:4222"
+    starters = {
+        "gateway": launcher.gateway_running,
+        "scheduler": launcher.scheduler_running,
+        "node-agent": launcher.node_agent_running,
+    }
+    async with starters[which](config, url, registry):
+        await launcher.wait_for_signal()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "worker":
+        from shoal.services.worker.main import run_worker
+
+        return run_worker(args)
+    if args.command == "demo-models":
+        from shoal.services.worker.demo_models import make_demo_models
+
+        configure_logging("console", "info")
+        for model in make_demo_models(Path(args.models_root), force=args.force):
+            print(f"{model.key:<20} {model.num_parameters / 1e6:7.1f}M params  {Path(args.models_root) / model.path}")
+        return 0
+    try:
+        config = config_from_args(args)
+    except ConfigError as exc:
+        print(f"shoal: {exc}", file=sys.stderr)
+        return 2
+    configure_logging(config.logging.format, config.logging.level, service=args.command)
+    from shoal.services import launcher
+    from shoal.services.inspection import inspect, status
+    from shoal.shared.bus import BusError
+
+    try:
+        if args.command == "up":
+            launcher.ensure_demo_models(config)
+            with launcher.nats_for(config) as url:
+                asyncio.run(launcher.run_up(config, url))
+        elif args.command in ("inspect", "status"):
+            action = inspect if args.command == "inspect" else status
+            asyncio.run(_with_bus(_nats_url_for_tools(config), f"shoal-{args.command}",
+                                  lambda bus: action(bus, sys.stdout)))  # fmt: skip
+        else:
+            asyncio.run(_run_service(config, args.command))
+    except (BusError, ConfigError, OSError) as exc:
+        print(f"shoal {args.command}: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,204 @@
+"""One request's trip through NATS: admission, placement, publish, replies, deadline, cancel.
+
+Redelivery vs streaming (DESIGN.md, "Hard parts"): a worker that dies leaves
+its message un-acked and JetStream redelivers it to another replica, whose
+replies carry a higher attempt number. Replies of an older attempt are
+dropped. When a new attempt begins after the client already holds text:
+
+* the request is reproducible (greedy or seeded): the new attempt's chunks are
+  skipped up to the sequence number already delivered, so the stream resumes
+  where it stopped — no duplicate, no gap;
+* otherwise a non-streamed request starts over silently (its partial text was
+  never sent), and a streamed one ends with a clear error event.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import defaultdict
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import nats.errors
+import structlog
+
+from shoal.services.gateway.cluster import ClusterView
+from shoal.services.gateway.errors import (
+    ApiError,
+    DeadlineExceeded,
+    NotFound,
+    TooManyRequests,
+    Unavailable,
+    error_for_status,
+)
+from shoal.services.gateway.router import ReplyRouter
+from shoal.shared import subjects
+from shoal.shared.bus import Bus
+from shoal.shared.config import GatewayConfig
+from shoal.shared.messages import (
+    CancelRequest,
+    EnsureModel,
+    ErrorReply,
+    FinalReply,
+    InferenceRequest,
+    TokenChunk,
+    encode_msgpack,
+    scheduler_reply_decoder,
+)
+from shoal.shared.metrics import Registry
+from shoal.shared.micro import ServiceCallError, ServiceError, ServiceUnavailable, request_json
+
+log = structlog.get_logger(__name__)
+
+
+class StreamBroken(ApiError):
+    """The replica serving a non-reproducible stream died after text was sent."""
+
+    status = 503
+    error_type = "service_unavailable"
+
+
+@dataclass(frozen=True)
+class Restart:
+    """A non-streamed request starts over (a new attempt, not reproducible): drop the text so far."""
+
+
+Event = TokenChunk | FinalReply | Restart
+
+
+class Dispatcher:
+    def __init__(self, bus: Bus, router: ReplyRouter, cluster: ClusterView, config: GatewayConfig,
+                 metrics: Registry) -> None:  # fmt: skip
+        self._bus = bus
+        self._router = router
+        self._cluster = cluster
+        self._config = config
+        self._num_queued: defaultdict[str, int] = defaultdict(int)
+        self._ensuring: dict[str, asyncio.Future[None]] = {}
+        self._ttft = metrics.histogram(
+            "shoal_gateway_time_to_first_token_seconds", "From receipt to the first token", ["model"]
+        )
+        self._queued_gauge = metrics.gauge("shoal_gateway_requests_in_flight", "Requests waiting or running", ["model"])
+
+    def admit(self, model: str) -> None:
+        """404 for an unknown model, 429 when its queue in this gateway is full."""
+        spec = self._cluster.get_model(model)
+        if spec is None:
+            raise NotFound(f"model {model!r} does not exist; GET /v1/models lists the served models",
+                           code="model_not_found", param="model")  # fmt: skip
+        limit = spec.max_queue or self._config.max_queue_per_model
+        if self._num_queued[model] >= limit:
+            raise TooManyRequests(f"too many requests for {model!r} in flight ({limit}); retry shortly",
+                                  retry_after_s=1.0)  # fmt: skip
+
+    async def ensure_placed(self, model: str) -> None:
+        """Ask the scheduler for a replica when the model has none on its way (one ask per model at a time)."""
+        if self._cluster.has_active_replica(model):
+            return
+        pending = self._ensuring.get(model)
+        if pending is None:
+            pending = asyncio.ensure_future(self._ask_scheduler(model))
+            self._ensuring[model] = pending
+            pending.add_done_callback(lambda _: self._ensuring.pop(model, None))
+        await asyncio.shield(pending)
+
+    async def _ask_scheduler(self, model: str) -> None:
+        try:
+            reply = await request_json(self._bus.nc, subjects.scheduler_subject("ensure"), EnsureModel(model),
+                                       scheduler_reply_decoder, timeout_s=60.0)  # fmt: skip
+        except ServiceUnavailable as exc:
+            raise Unavailable("no scheduler is running; the model cannot be placed", retry_after_s=5.0) from exc
+        except ServiceError as exc:
+            raise error_for_status(exc.code, exc.description) from exc
+        except ServiceCallError as exc:
+            raise Unavailable(f"the scheduler did not answer: {exc}", retry_after_s=5.0) from exc
+        if not reply.ok:
+            raise Unavailable(f"model {model!r} cannot be placed now: {reply.message}",
+                              code=reply.status, retry_after_s=reply.retry_after_s or 5.0)  # fmt: skip
+
+    async def run(self, request: InferenceRequest, *, restartable: bool) -> AsyncIterator[Event]:
+        """Publish `request` and yield its chunks and final reply (see the module doc).
+
+        Args:
+            restartable: the caller has sent nothing yet and can drop text on `Restart`.
+
+        Raises:
+            ApiError: the worker's error, 504 at the deadline, StreamBroken.
+        """
+        model = request.model
+        self._num_queued[model] += 1
+        self._queued_gauge.set(self._num_queued[model], model=model)
+        queue = self._router.open(request.request_id)
+        started = time.monotonic()
+        finished = False
+        try:
+            await self._publish(request)
+            attempt = 0
+            num_sent = 0  # chunks of this request the caller has seen
+            skip_below = 0  # a resumed attempt skips the chunks already sent
+            while True:
+                reply = await self._next_reply(queue, request)
+                if reply.attempt < attempt:
+                    continue  # late reply of a dead attempt
+                if reply.attempt > attempt:
+                    if num_sent and attempt:
+                        if request.params.is_reproducible:
+                            skip_below = num_sent
+                            log.warning("stream_resumed", request_id=request.request_id, attempt=reply.attempt)
+                        elif restartable:
+                            num_sent = 0
+                            yield Restart()
+                        else:
+                            raise StreamBroken("the replica serving this stream failed; retry the request")
+                    attempt = reply.attempt
+                match reply:
+                    case TokenChunk(seq=seq):
+                        if seq < skip_below:
+                            continue
+                        if num_sent == 0:
+                            self._ttft.observe(time.monotonic() - started, model=model)
+                        num_sent += 1
+                        yield reply
+                    case FinalReply():
+                        finished = True
+                        yield reply
+                        return
+                    case ErrorReply(status=status, message=message, code=code):
+                        finished = True
+                        raise error_for_status(status, message, code=code)
+        finally:
+            self._router.close(request.request_id)
+            self._num_queued[model] -= 1
+            self._queued_gauge.set(self._num_queued[model], model=model)
+            if not finished:
+                await self._cancel(request, "client disconnected or deadline passed")
+
+    async def _publish(self, request: InferenceRequest) -> None:
+        headers = {
+            subjects.HDR_REPLY_TO: request.reply_to,
+            subjects.HDR_REQUEST_ID: request.request_id,
+            subjects.HDR_DEADLINE: f"{request.deadline:.3f}",
+            subjects.HDR_MSG_ID: request.request_id,
+        }
+        try:
+            await self._bus.js.publish(subjects.infer_subject(request.model), encode_msgpack(request),
+                                       headers=headers, timeout=5.0)  # fmt: skip
+        except (nats.errors.Error, asyncio.TimeoutError) as exc:
+            raise Unavailable(f"the request queue is unavailable: {exc}", retry_after_s=2.0) from exc
+
+    async def _next_reply(self, queue: asyncio.Queue, request: InferenceRequest):  # type: ignore[no-untyped-def]
+        remaining = request.deadline - time.time()
+        try:
+            return await asyncio.wait_for(queue.get(), timeout=max(0.0, remaining))
+        except TimeoutError as exc:
+            raise DeadlineExceeded(
+                f"the request did not finish within its deadline ({self._config.request_timeout_s:.0f}s)"
+            ) from exc
+
+    async def _cancel(self, request: InferenceRequest, reason: str) -> None:
+        try:
+            await self._bus.nc.publish(subjects.cancel_subject(request.model),
+                                       encode_msgpack(CancelRequest(request.request_id, reason)))  # fmt: skip
+        except nats.errors.Error as exc:
+            log.warning("cancel_publish_failed", request_id=request.request_id, error=str(exc))

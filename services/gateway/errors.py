@@ -1,0 +1,132 @@
+"""OpenAI-style errors at the HTTP edge.
+
+Handlers raise `ApiError` subclasses; the error middleware turns them (and
+aiohttp's own HTTP errors, and anything unexpected) into
+``{"error": {"message", "type", "code", "param"}}`` with the right status.
+No traceback ever reaches a client; every error is logged with the request id.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+
+import msgspec
+import structlog
+from aiohttp import web
+
+log = structlog.get_logger(__name__)
+
+
+class ApiError(Exception):
+    status = 500
+    error_type = "server_error"
+
+    def __init__(self, message: str, *, code: str | None = None, param: str | None = None,
+                 retry_after_s: float | None = None) -> None:  # fmt: skip
+        super().__init__(message)
+        self.message = message
+        self.code = code
+        self.param = param
+        self.retry_after_s = retry_after_s
+
+
+class BadRequest(ApiError):
+    status = 400
+    error_type = "invalid_request_error"
+
+
+class Unauthorized(ApiError):
+    status = 401
+    error_type = "authentication_error"
+
+
+class Forbidden(ApiError):
+    status = 403
+    error_type = "permission_error"
+
+
+class NotFound(ApiError):
+    status = 404
+    error_type = "not_found_error"
+
+
+class PayloadTooLarge(ApiError):
+    status = 413
+    error_type = "invalid_request_error"
+
+
+class TooManyRequests(ApiError):
+    status = 429
+    error_type = "rate_limit_error"
+
+
+class Unavailable(ApiError):
+    status = 503
+    error_type = "service_unavailable"
+
+
+class DeadlineExceeded(ApiError):
+    status = 504
+    error_type = "timeout"
+
+
+_BY_STATUS: dict[int, type[ApiError]] = {
+    cls.status: cls
+    for cls in (BadRequest, Unauthorized, Forbidden, NotFound, PayloadTooLarge, TooManyRequests, Unavailable,
+                DeadlineExceeded)  # fmt: skip
+}
+
+
+def error_for_status(status: int, message: str, *, code: str | None = None) -> ApiError:
+    """The ApiError a worker's or scheduler's status maps to (unknown statuses are 500s)."""
+    cls = _BY_STATUS.get(status, ApiError)
+    return cls(message, code=code)
+
+
+class _ErrorBody(msgspec.Struct):
+    message: str
+    type: str
+    code: str | None = None
+    param: str | None = None
+
+
+class _ErrorEnvelope(msgspec.Struct):
+    error: _ErrorBody
+
+
+_encoder = msgspec.json.Encoder()
+
+
+def error_payload(error: ApiError) -> bytes:
+    body = _ErrorBody(error.message, error.error_type, error.code, error.param)
+    return _encoder.encode(_ErrorEnvelope(body))
+
+
+def error_response(error: ApiError) -> web.Response:
+    headers = {}
+    if error.retry_after_s is not None:
+        headers["Retry-After"] = str(max(1, round(error.retry_after_s)))
+    return web.Response(
+        status=error.status, body=error_payload(error), content_type="application/json", headers=headers
+    )
+
+
+@web.middleware
+async def error_middleware(
+    request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except ApiError as exc:
+        log.info("request_error", status=exc.status, error=exc.message, path=request.path)
+        return error_response(exc)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        message = {404: f"no route for {request.method} {request.path}", 405: f"{request.method} is not allowed on "
+                   f"{request.path}", 413: "request body too large"}.get(exc.status, exc.reason)  # fmt: skip
+        log.info("request_error", status=exc.status, error=message, path=request.path)
+        return error_response(error_for_status(exc.status, message))
+    except Exception:
+        log.exception("request_crashed", path=request.path)
+        return error_response(ApiError("internal error; the gateway logged the details"))

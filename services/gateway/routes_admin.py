@@ -1,0 +1,105 @@
+"""Admin API: register/remove models at run time, scale, evict, and the cluster view.
+
+    GET    /admin/cluster                      nodes, GPUs, replicas, models
+    POST   /admin/models                       register (body: a [[models]] entry of shoal.toml, as JSON)
+    DELETE /admin/models/{model}               remove (its replicas stop)
+    POST   /admin/models/{model}/scale         {"replicas": N}
+    POST   /admin/models/{model}/evict         {} for every replica, or {"replica_id": "..."}
+"""
+
+from __future__ import annotations
+
+import msgspec
+from aiohttp import web
+
+from shoal.services.gateway.errors import BadRequest, Unavailable, error_for_status
+from shoal.services.gateway.openai_api import decode_body, encoder
+from shoal.services.gateway.state import GATEWAY
+from shoal.services.scheduler.registry import spec_from_config
+from shoal.shared import subjects
+from shoal.shared.config import ModelConfig
+from shoal.shared.messages import (
+    EvictReplicas,
+    RegisterModel,
+    RemoveModel,
+    ScaleModel,
+    SchedulerCommand,
+    scheduler_reply_decoder,
+)
+from shoal.shared.micro import ServiceCallError, ServiceError, ServiceUnavailable, request_json
+
+routes = web.RouteTableDef()
+
+
+class ScaleBody(msgspec.Struct, forbid_unknown_fields=True):
+    replicas: int
+
+
+class EvictBody(msgspec.Struct, forbid_unknown_fields=True):
+    replica_id: str | None = None
+
+
+async def _command(request: web.Request, verb: str, command: SchedulerCommand) -> web.Response:
+    state = request.app[GATEWAY]
+    try:
+        reply = await request_json(state.bus.nc, subjects.scheduler_subject(verb), command, scheduler_reply_decoder,
+                                   timeout_s=120.0)  # fmt: skip
+    except ServiceUnavailable as exc:
+        raise Unavailable("no scheduler is running", retry_after_s=5.0) from exc
+    except ServiceError as exc:
+        raise error_for_status(exc.code, exc.description) from exc
+    except ServiceCallError as exc:
+        raise Unavailable(str(exc), retry_after_s=5.0) from exc
+    return web.Response(body=encoder.encode(reply), content_type="application/json",
+                        status=200 if reply.ok else 503)  # fmt: skip
+
+
+@routes.post("/admin/models")
+async def register_model(request: web.Request) -> web.Response:
+    try:
+        model = msgspec.json.decode(await request.read(), type=ModelConfig)
+    except msgspec.ValidationError as exc:
+        raise BadRequest(f"invalid model: {exc}") from exc
+    except msgspec.DecodeError as exc:
+        raise BadRequest(f"request body is not valid JSON: {exc}") from exc
+    return await _command(request, "register", RegisterModel(spec_from_config(model, source="admin")))
+
+
+@routes.delete("/admin/models/{model:.+}")
+async def remove_model(request: web.Request) -> web.Response:
+    return await _command(request, "remove", RemoveModel(request.match_info["model"]))
+
+
+@routes.post("/admin/models/{model:.+}/scale")
+async def scale_model(request: web.Request) -> web.Response:
+    body = decode_body(await request.read(), ScaleBody)
+    if body.replicas < 0:
+        raise BadRequest("replicas must be >= 0", param="replicas")
+    return await _command(request, "scale", ScaleModel(request.match_info["model"], body.replicas))
+
+
+@routes.post("/admin/models/{model:.+}/evict")
+async def evict_model(request: web.Request) -> web.Response:
+    raw = await request.read()
+    body = decode_body(raw, EvictBody) if raw.strip() else EvictBody()
+    return await _command(request, "evict", EvictReplicas(request.match_info["model"], body.replica_id))
+
+
+class ClusterReport(msgspec.Struct):
+    nodes: list[object]
+    gpus: list[object]
+    replicas: list[object]
+    models: list[object]
+
+
+@routes.get("/admin/cluster")
+async def cluster(request: web.Request) -> web.Response:
+    bus = request.app[GATEWAY].bus
+    report = ClusterReport(
+        nodes=[v.value for v in (await bus.nodes.get_all()).values()],
+        gpus=[v.value for v in (await bus.gpus.get_all()).values()],
+        replicas=[v.value for v in (await bus.replicas.get_all()).values()],
+        models=[v.value for v in (await bus.models.get_all()).values()],
+    )
+    return web.Response(body=encoder.encode(report), content_type="application/json")
+

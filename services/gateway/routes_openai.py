@@ -1,0 +1,200 @@
+"""``/v1/models``, ``/v1/chat/completions`` and ``/v1/completions``.
+
+Streaming is decided by the body's ``stream`` field (the `openai` client sends
+``Accept: application/json`` for streams too). Streams are Server-Sent Events
+ending with ``data: [DONE]``; an error after the stream started is sent as an
+``{"error": ...}`` event, which the `openai` client raises as an APIError.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+import uuid
+from typing import Any
+
+import structlog
+from aiohttp import web
+
+from shoal.services.gateway.dispatch import Restart
+from shoal.services.gateway.errors import ApiError, NotFound, error_payload
+from shoal.services.gateway.openai_api import (
+    UNLIMITED_MAX_TOKENS,
+    ChatCompletionRequest,
+    CompletionRequest,
+    Kind,
+    ModelCard,
+    ModelList,
+    chat_messages,
+    completion_prompt,
+    decode_body,
+    encoder,
+    full_response,
+    sampling_params,
+    stream_chunk,
+    usage,
+)
+from shoal.services.gateway.state import GATEWAY, GatewayState
+from shoal.shared.messages import FinalReply, InferenceRequest, SamplingParams, TokenChunk
+
+log = structlog.get_logger(__name__)
+
+routes = web.RouteTableDef()
+
+
+def _json(payload: object, status: int = 200) -> web.Response:
+    return web.Response(body=encoder.encode(payload), status=status, content_type="application/json")
+
+
+@routes.get("/v1/models")
+async def list_models(request: web.Request) -> web.Response:
+    state = request.app[GATEWAY]
+    cards = [_card(spec.key, spec.registered_at, spec.max_model_len) for spec in state.cluster.models.values()]
+    return _json(ModelList(sorted(cards, key=lambda c: c.id)))
+
+
+@routes.get("/v1/models/{model:.+}")
+async def get_model(request: web.Request) -> web.Response:
+    state = request.app[GATEWAY]
+    model = request.match_info["model"]
+    spec = state.cluster.get_model(model)
+    if spec is None:
+        raise NotFound(f"model {model!r} does not exist", code="model_not_found", param="model")
+    return _json(_card(spec.key, spec.registered_at, spec.max_model_len))
+
+
+def _card(key: str, registered_at: float, max_model_len: int | None) -> ModelCard:
+    return ModelCard(id=key, created=int(registered_at), root=key, max_model_len=max_model_len)
+
+
+@routes.post("/v1/chat/completions")
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    state = request.app[GATEWAY]
+    body = decode_body(await request.read(), ChatCompletionRequest)
+    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    params = sampling_params(body, max_tokens, UNLIMITED_MAX_TOKENS)
+    messages = chat_messages(body, state.config.max_prompt_chars)
+    inference = _inference_request(state, body.model, params, stream=body.stream, messages=messages)
+    return await _serve(request, state, inference, "chat", body.stream,
+                        bool(body.stream_options and body.stream_options.include_usage))  # fmt: skip
+
+
+@routes.post("/v1/completions")
+async def completions(request: web.Request) -> web.StreamResponse:
+    state = request.app[GATEWAY]
+    body = decode_body(await request.read(), CompletionRequest)
+    params = sampling_params(body, body.max_tokens, 16)
+    prompt, prompt_ids = completion_prompt(body, state.config.max_prompt_chars)
+    inference = _inference_request(state, body.model, params, stream=body.stream, prompt=prompt,
+                                   prompt_token_ids=prompt_ids)  # fmt: skip
+    return await _serve(request, state, inference, "completion", body.stream,
+                        bool(body.stream_options and body.stream_options.include_usage))  # fmt: skip
+
+
+def _inference_request(state: GatewayState, model: str, params: SamplingParams, *, stream: bool,
+                       **prompt: Any) -> InferenceRequest:  # fmt: skip
+    request_id = uuid.uuid4().hex
+    structlog.contextvars.bind_contextvars(request_id=request_id, model=model)
+    created = time.time()
+    return InferenceRequest(
+        request_id=request_id,
+        model=model,
+        params=params,
+        deadline=created + state.config.request_timeout_s,
+        reply_to=state.router.reply_subject(request_id),
+        stream=stream,
+        gateway_id=state.router.gateway_id,
+        created=created,
+        **prompt,
+    )
+
+
+async def _serve(request: web.Request, state: GatewayState, inference: InferenceRequest, kind: Kind,
+                 stream: bool, include_usage: bool) -> web.StreamResponse:  # fmt: skip
+    state.dispatcher.admit(inference.model)
+    outcome = "error"
+    started = time.monotonic()
+    try:
+        await state.dispatcher.ensure_placed(inference.model)
+        if stream:
+            response = await _stream(request, state, inference, kind, include_usage)
+        else:
+            response = await _collect(state, inference, kind)
+        outcome = "ok"
+        return response
+    except ApiError as exc:
+        outcome = str(exc.status)
+        raise
+    finally:
+        state.requests_total.inc(model=inference.model, kind=kind, outcome=outcome)
+        state.latency.observe(time.monotonic() - started, model=inference.model)
+
+
+async def _collect(state: GatewayState, inference: InferenceRequest, kind: Kind) -> web.Response:
+    parts: list[str] = []
+    final: FinalReply | None = None
+    async with contextlib.aclosing(state.dispatcher.run(inference, restartable=True)) as events:
+        async for event in events:
+            match event:
+                case Restart():
+                    parts.clear()
+                case TokenChunk(text=text):
+                    parts.append(text)
+                case FinalReply():
+                    final = event
+    assert final is not None, "dispatcher ended without a final reply or an error"
+    response_id = ("chatcmpl-" if kind == "chat" else "cmpl-") + inference.request_id
+    body = full_response(kind, response_id, int(inference.created), inference.model, "".join(parts),
+                         final.finish_reason, usage(final.prompt_tokens, final.completion_tokens))  # fmt: skip
+    return _json(body)
+
+
+async def _stream(request: web.Request, state: GatewayState, inference: InferenceRequest, kind: Kind,
+                  include_usage: bool) -> web.StreamResponse:  # fmt: skip
+    response_id = ("chatcmpl-" if kind == "chat" else "cmpl-") + inference.request_id
+    created = int(inference.created)
+    model = inference.model
+    events = state.dispatcher.run(inference, restartable=False)
+    async with contextlib.aclosing(events):
+        # Wait for the first event before committing to a 200: errors before any token
+        # (unknown model in the worker, prompt too long...) keep their proper status.
+        first = await anext(events)
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                               "X-Request-Id": inference.request_id})  # fmt: skip
+        await response.prepare(request)
+        sse = _SseWriter(response)
+        try:
+            if kind == "chat":
+                await sse.send(stream_chunk(kind, response_id, created, model, text="", role=True))
+            event = first
+            while True:
+                match event:
+                    case TokenChunk(text=text):
+                        await sse.send(stream_chunk(kind, response_id, created, model, text=text))
+                    case FinalReply():
+                        token_usage = usage(event.prompt_tokens, event.completion_tokens)
+                        await sse.send(stream_chunk(kind, response_id, created, model,
+                                                    finish_reason=event.finish_reason,
+                                                    text="" if kind == "completion" else None))  # fmt: skip
+                        if include_usage:
+                            await sse.send(stream_chunk(kind, response_id, created, model, token_usage=token_usage,
+                                                        usage_only=True))  # fmt: skip
+                        break
+                event = await anext(events)
+        except ApiError as exc:
+            log.info("stream_error", status=exc.status, error=exc.message)
+            await sse.send(error_payload(exc))
+        await sse.done()
+    return response
+
+
+class _SseWriter:
+    def __init__(self, response: web.StreamResponse) -> None:
+        self._response = response
+
+    async def send(self, payload: bytes) -> None:
+        await self._response.write(b"data: " + payload + b"\n\n")
+
+    async def done(self) -> None:
+        await self._response.write(b"data: [DONE]\n\n")
+        await self._response.write_eof()

@@ -1,0 +1,29 @@
+"""What every gateway handler reaches through ``request.app[GATEWAY]``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from aiohttp import web
+
+from shoal.services.gateway.cluster import ClusterView
+from shoal.services.gateway.dispatch import Dispatcher
+from shoal.services.gateway.router import ReplyRouter
+from shoal.shared.bus import Bus
+from shoal.shared.config import GatewayConfig
+from shoal.shared.metrics import Counter, Histogram, Registry
+
+
+@dataclass
+class GatewayState:
+    config: GatewayConfig
+    bus: Bus
+    router: ReplyRouter
+    cluster: ClusterView
+    dispatcher: Dispatcher
+    metrics: Registry
+    requests_total: Counter
+    latency: Histogram
+
+
+GATEWAY = web.AppKey("gateway", GatewayState)

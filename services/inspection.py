@@ -1,0 +1,117 @@
+"""`shoal inspect` and `shoal status`: what the NATS CLI would show, without the NATS CLI.
+
+`inspect` lists the streams, the KV buckets with their keys and decoded values,
+and the micro services answering ``$SRV.PING`` (like ``nats stream ls``,
+``nats kv ls`` / ``nats kv get`` and ``nats micro ls``). `status` shows the
+cluster as an operator wants it: nodes, each GPU with a usage bar and its
+occupants, replicas with their level and state, models with their memory figure.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any, TextIO
+
+import msgspec
+import nats.errors
+
+from shoal.shared.bus import Bus
+from shoal.shared.messages import GpuRecord, ModelSpec, ReplicaRecord
+
+BAR_WIDTH = 30
+
+
+def _gib(num_bytes: int) -> str:
+    return f"{num_bytes / 2**30:.2f} GiB"
+
+
+async def ping_services(bus: Bus, wait_s: float = 0.5) -> list[dict[str, Any]]:
+    """Every micro service instance that answers ``$SRV.PING`` within `wait_s`."""
+    inbox = bus.nc.new_inbox()
+    found: list[dict[str, Any]] = []
+    subscription = await bus.nc.subscribe(inbox)
+    try:
+        await bus.nc.publish("$SRV.PING", b"", reply=inbox)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + wait_s
+        while (remaining := deadline - loop.time()) > 0:
+            try:
+                msg = await subscription.next_msg(timeout=remaining)
+            except (nats.errors.TimeoutError, TimeoutError):
+                break
+            found.append(json.loads(msg.data))
+    finally:
+        await subscription.unsubscribe()
+    return sorted(found, key=lambda s: (s.get("name", ""), s.get("id", "")))
+
+
+async def inspect(bus: Bus, out: TextIO) -> None:
+    out.write("Streams (nats stream ls):\n")
+    for info in await bus.js.streams_info():
+        state = info.state
+        out.write(f"  {info.config.name:<26} messages={state.messages:<8} consumers={state.consumer_count:<4} "
+                  f"{info.config.description or ''}\n")  # fmt: skip
+        if info.config.name.startswith("KV_"):
+            continue
+        for consumer in await bus.js.consumers_info(info.config.name):
+            out.write(f"    consumer {consumer.name:<30} pending={consumer.num_pending} "
+                      f"ack_pending={consumer.num_ack_pending} waiting={consumer.num_waiting}\n")  # fmt: skip
+    for bucket in (bus.models, bus.gpus, bus.replicas, bus.nodes):
+        entries = await bucket.get_all()
+        out.write(f"\nKV bucket {bucket.name} (nats kv ls {bucket.name}; nats kv get {bucket.name} <key>): "
+                  f"{len(entries)} keys\n")  # fmt: skip
+        for key in sorted(entries):
+            out.write(f"  {key} = {msgspec.json.encode(entries[key].value).decode()}\n")
+    out.write("\nMicro services (nats micro ls):\n")
+    for service in await ping_services(bus):
+        metadata = service.get("metadata") or {}
+        out.write(f"  {service.get('name'):<20} {service.get('version'):<8} id={service.get('id')} {metadata}\n")
+
+
+def _bar(used: int, total: int) -> str:
+    filled = round(BAR_WIDTH * used / total) if total else 0
+    return "[" + "#" * min(filled, BAR_WIDTH) + "." * max(0, BAR_WIDTH - filled) + "]"
+
+
+def render_status(nodes: dict[str, Any], gpus: dict[str, GpuRecord], replicas: list[ReplicaRecord],
+                  models: list[ModelSpec], out: TextIO) -> None:  # fmt: skip
+    out.write(f"Nodes ({len(nodes)}):\n")
+    for node_id in sorted(nodes):
+        node = nodes[node_id]
+        kind = "virtual" if node.virtual else "nvml"
+        out.write(f"  {node_id:<20} {len(node.gpus)} {kind} GPU(s), RAM {_gib(node.cpu_ram_bytes)}, "
+                  f"{node.num_workers} worker(s)\n")  # fmt: skip
+    out.write(f"\nGPUs ({len(gpus)}):\n")
+    for key in sorted(gpus):
+        gpu = gpus[key]
+        used = gpu.reserved_bytes
+        pct = 100 * used / gpu.total_bytes if gpu.total_bytes else 0.0
+        out.write(f"  {key:<22} {_bar(used, gpu.total_bytes)} {_gib(used)} / {_gib(gpu.total_bytes)} ({pct:.0f}%)\n")
+        for occupant in gpu.occupants:
+            out.write(f"      {occupant.model:<28} {occupant.replica_id[:12]} {_gib(occupant.bytes):>11} "
+                      f"{occupant.state}\n")  # fmt: skip
+    out.write(f"\nReplicas ({len(replicas)}):\n")
+    for record in sorted(replicas, key=lambda r: (r.model, r.created_at)):
+        gpus_text = ",".join(f"{record.node_id}.{i}" for i in sorted(record.gpu_bytes)) or "-"
+        out.write(f"  {record.name:<60} {record.level:<4} {record.state:<9} on {gpus_text}\n")
+    out.write(f"\nModels ({len(models)}):\n")
+    for spec in sorted(models, key=lambda m: m.key):
+        figure, source = _memory_figure(spec)
+        out.write(f"  {spec.key:<28} desired={spec.desired_replicas} memory={figure} ({source})\n")
+
+
+def _memory_figure(spec: ModelSpec) -> tuple[str, str]:
+    for value, source in ((spec.measured_serving_bytes, "measured"), (spec.memory_override_bytes, "override"),
+                          (spec.estimated_bytes, "estimate")):  # fmt: skip
+        if value:
+            return _gib(value), source
+    return "unknown", "not inspected yet"
+
+
+async def status(bus: Bus, out: TextIO) -> None:
+    nodes = {k: v.value for k, v in (await bus.nodes.get_all()).items()}
+    gpus = {k: v.value for k, v in (await bus.gpus.get_all()).items()}
+    replicas = [v.value for v in (await bus.replicas.get_all()).values()]
+    models = [v.value for v in (await bus.models.get_all()).values()]
+    render_status(nodes, gpus, replicas, models, out)

@@ -1,0 +1,147 @@
+"""Running Shoal's services: each alone (`shoal gateway`, ...) or all together (`shoal up`).
+
+`shoal up` starts an embedded nats-server (unless given a NATS URL), makes the
+demo models if the models root lacks them, then runs the scheduler, one node
+agent with virtual GPUs and the gateway in one process (workers are child
+processes of the node agent). SIGINT/SIGTERM stops everything it started: no
+worker or nats-server process is left behind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+import sys
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import structlog
+
+from shoal.services.gateway.app import start_gateway
+from shoal.services.node_agent.agent import NodeAgent, NodeAgentSettings
+from shoal.services.node_agent.gpus import discover_gpus
+from shoal.services.scheduler.registry import spec_from_config
+from shoal.services.scheduler.service import Scheduler
+from shoal.shared.bus import connect
+from shoal.shared.config import ModelConfig, ShoalConfig, default_node_id, parse_bytes
+from shoal.shared.messages import ModelSpec
+from shoal.shared.metrics import Registry
+from shoal.shared.nats_server import EmbeddedNatsServer
+
+log = structlog.get_logger(__name__)
+
+NATS_URL_FILE = "nats.url"
+
+
+async def wait_for_signal() -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+
+
+def model_specs(config: ShoalConfig) -> list[ModelSpec]:
+    """The configured models, plus the demo models when `demo_models` is on."""
+    models = list(config.models)
+    if config.demo_models:
+        from shoal.services.worker.demo_models import demo_model_specs
+
+        configured = {m.key for m in models}
+        for key, path in demo_model_specs(Path(config.node.models_root)):
+            if key not in configured:
+                models.append(ModelConfig(key=key, path=path))
+    return [spec_from_config(m) for m in models]
+
+
+def ensure_demo_models(config: ShoalConfig) -> None:
+    if config.demo_models:
+        from shoal.services.worker.demo_models import make_demo_models
+
+        make_demo_models(Path(config.node.models_root))
+
+
+@contextlib.asynccontextmanager
+async def scheduler_running(config: ShoalConfig, nats_url: str, registry: Registry) -> AsyncIterator[Scheduler]:
+    bus = await connect(nats_url, "scheduler")
+    scheduler = Scheduler(bus, config.scheduler, metrics=registry)
+    try:
+        await scheduler.start(model_specs(config))
+        yield scheduler
+    finally:
+        await scheduler.stop()
+        await bus.close()
+
+
+@contextlib.asynccontextmanager
+async def node_agent_running(config: ShoalConfig, nats_url: str, registry: Registry) -> AsyncIterator[NodeAgent]:
+    node = config.node
+    node_id = node.node_id or default_node_id()
+    bus = await connect(nats_url, f"node-agent-{node_id}")
+    settings = NodeAgentSettings(
+        node_id=node_id,
+        nats_url=nats_url,
+        models_root=str(Path(node.models_root).resolve()),
+        log_dir=Path(config.state_dir).resolve() / "logs",
+        cpu_ram_bytes=parse_bytes(node.cpu_ram_bytes) if node.cpu_ram_bytes != "" else 0,
+        heartbeat_interval_s=node.heartbeat_interval_s,
+        worker_start_timeout_s=node.worker_start_timeout_s,
+        runtime_overhead_bytes=config.scheduler.placement.runtime_overhead_bytes,
+        worker_options={
+            "engine": config.worker.engine,
+            "block_size": config.worker.block_size,
+            "max_num_seqs": config.worker.max_num_seqs,
+            "torch_threads": config.worker.torch_threads,
+            "log_format": config.logging.format,
+            "log_level": config.logging.level,
+        },
+    )
+    agent = NodeAgent(bus, discover_gpus(node.gpus), settings, metrics=registry)
+    try:
+        await agent.start()
+        yield agent
+    finally:
+        await agent.stop()
+        await bus.close()
+
+
+@contextlib.asynccontextmanager
+async def gateway_running(config: ShoalConfig, nats_url: str, registry: Registry) -> AsyncIterator[None]:
+    runner = await start_gateway(config.gateway, nats_url, registry)
+    try:
+        yield
+    finally:
+        await runner.cleanup()
+
+
+@contextlib.contextmanager
+def nats_for(config: ShoalConfig) -> Iterator[str]:
+    """The configured NATS URL, or an embedded server's for as long as the block runs."""
+    if config.nats.url:
+        yield config.nats.url
+        return
+    state_dir = Path(config.state_dir).resolve()
+    store = Path(config.nats.store_dir) if config.nats.store_dir else state_dir / "jetstream"
+    server = EmbeddedNatsServer(store_dir=store)
+    server.start()
+    url_file = state_dir / NATS_URL_FILE
+    try:
+        url_file.write_text(server.url + "\n")
+        log.info("nats_started", url=server.url, store=str(store))
+        yield server.url
+    finally:
+        url_file.unlink(missing_ok=True)
+        server.stop()
+
+
+async def run_up(config: ShoalConfig, nats_url: str) -> None:
+    registry = Registry()
+    async with contextlib.AsyncExitStack() as stack:
+        await stack.enter_async_context(scheduler_running(config, nats_url, registry))
+        await stack.enter_async_context(node_agent_running(config, nats_url, registry))
+        await stack.enter_async_context(gateway_running(config, nats_url, registry))
+        url = f"http://{config.gateway.host}:{config.gateway.port}/v1"
+        print(f"Shoal is up: OpenAI API at {url}  (NATS {nats_url}; Ctrl-C stops everything)", flush=True)
+        await wait_for_signal()
+        print("Shoal is stopping...", file=sys.stderr, flush=True)

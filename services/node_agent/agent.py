@@ -1,0 +1,367 @@
+"""The node agent: one per machine.
+
+Registers the node and its GPUs, heartbeats, spawns and stops one worker
+process per replica on the scheduler's command, turns workers' lifecycle
+reports into replica state (CAS on ``shoal_replicas``), records each model's
+measured serving memory, and restarts a worker after a CUDA device-side
+assert. Exposed as the ``shoal-node-agent`` micro service on
+``shoal.node.<node id>.<verb>``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import msgspec
+import structlog
+from nats.micro import add_service
+from nats.micro.service import Service
+
+from shoal.services.node_agent.inspect import ModelInspectionError, inspect_model
+from shoal.services.node_agent.gpus import NodeGpus, host_ram_bytes, nvml_process_bytes
+from shoal.services.node_agent.processes import WorkerProcess, spawn_worker, tail_log
+from shoal.services.worker.main import worker_command
+from shoal.shared import subjects
+from shoal.shared.bus import Bus, cas_update, publish_event
+from shoal.shared.messages import (
+    CreateReplica,
+    Event,
+    GpuRecord,
+    InspectModel,
+    ModelFacts,
+    ModelSpec,
+    NodeCommand,
+    NodeRecord,
+    NodeReply,
+    ReplicaFailed,
+    ReplicaRecord,
+    StopReplica,
+    WorkerEvent,
+    node_command_decoder,
+    now,
+    scheduler_reply_decoder,
+    worker_event_decoder,
+)
+from shoal.shared.metrics import Registry
+from shoal.shared.micro import RequestError, ServiceCallError, add_json_endpoint, request_json
+
+log = structlog.get_logger(__name__)
+
+VERSION = "0.1.0"
+MAX_ASSERT_RESTARTS = 3
+DEVICE_ASSERT_MARKER = "device-side assert triggered"
+
+
+@dataclass
+class NodeAgentSettings:
+    node_id: str
+    nats_url: str
+    models_root: str
+    log_dir: Path
+    cpu_ram_bytes: int = 0
+    heartbeat_interval_s: float = 3.0
+    worker_start_timeout_s: float = 180.0
+    runtime_overhead_bytes: int = 512 * 1024 * 1024
+    """Added to estimates from a model's config (CUDA context, allocator slack)."""
+    worker_options: dict[str, object] = field(default_factory=dict)
+    """Extra `shoal worker` flags (engine, block_size, ...)."""
+
+
+@dataclass
+class _Replica:
+    record: ReplicaRecord
+    spec: ModelSpec
+    process: WorkerProcess | None = None
+    ready: asyncio.Event = field(default_factory=asyncio.Event)
+    num_assert_restarts: int = 0
+
+
+class NodeAgent:
+    """See the module doc. `start()` registers and serves; `stop()` stops every worker."""
+
+    def __init__(self, bus: Bus, gpus: NodeGpus, settings: NodeAgentSettings, metrics: Registry | None = None) -> None:
+        self._bus = bus
+        self._gpus = gpus
+        self._settings = settings
+        self._replicas: dict[str, _Replica] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._service: Service | None = None
+        self._started_at = now()
+        registry = metrics or Registry()
+        self._workers_gauge = registry.gauge("shoal_node_workers", "Worker processes running", ["node"])
+        self._failures = registry.counter("shoal_node_worker_failures_total", "Workers that died unasked", ["node"])
+
+    @property
+    def node_id(self) -> str:
+        return self._settings.node_id
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def start(self) -> None:
+        await self._register_gpus()
+        await self._heartbeat_once()
+        await self._fail_orphaned_replicas()
+        self._service = await add_service(
+            self._bus.nc,
+            name="shoal-node-agent",
+            version=VERSION,
+            description=f"Shoal node agent of {self.node_id}",
+            metadata={"node_id": self.node_id},
+        )
+        for verb in ("create", "stop"):
+            await add_json_endpoint(self._service, verb, subjects.node_subject(self.node_id, verb),
+                                    node_command_decoder.decode, self._on_command)  # fmt: skip
+        await add_json_endpoint(self._service, "worker_event", subjects.node_subject(self.node_id, "worker_event"),
+                                worker_event_decoder.decode, self._on_worker_event)  # fmt: skip
+        # Any node agent can size a model (they all see the models root): one shared, queue-grouped subject.
+        await add_json_endpoint(self._service, "inspect", subjects.NODE_INSPECT, node_command_decoder.decode,
+                                self._on_command)  # fmt: skip
+        self._spawn_task(self._heartbeat_loop())
+        log.info("node_agent_started", node=self.node_id, gpus=len(self._gpus.gpus), virtual=self._gpus.virtual)
+
+    async def stop(self) -> None:
+        """Stop every worker (they drain), then the heartbeat and the service."""
+        await asyncio.gather(
+            *(r.process.stop() for r in self._replicas.values() if r.process), return_exceptions=True
+        )
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._service is not None:
+            await self._service.stop()
+        with contextlib.suppress(Exception):
+            await self._bus.nodes.delete(self.node_id)
+        log.info("node_agent_stopped", node=self.node_id)
+
+    def _spawn_task(self, coro) -> asyncio.Task[None]:  # type: ignore[no-untyped-def]
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    # ------------------------------------------------------------------ registration
+
+    def _node_record(self) -> NodeRecord:
+        return NodeRecord(
+            node_id=self.node_id,
+            hostname=socket.gethostname(),
+            gpus=self._gpus.gpus,
+            cpu_ram_bytes=self._settings.cpu_ram_bytes or host_ram_bytes(),
+            virtual=self._gpus.virtual,
+            heartbeat_at=now(),
+            started_at=self._started_at,
+            version=VERSION,
+            num_workers=sum(1 for r in self._replicas.values() if r.process),
+        )
+
+    async def _heartbeat_once(self) -> None:
+        await self._bus.nodes.put(self.node_id, self._node_record())
+        self._workers_gauge.set(sum(1 for r in self._replicas.values() if r.process), node=self.node_id)
+
+    async def _heartbeat_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self._settings.heartbeat_interval_s)
+            try:
+                await self._heartbeat_once()
+            except Exception as exc:  # NATS may be reconnecting; the next beat retries
+                log.warning("heartbeat_failed", error=str(exc))
+
+    async def _register_gpus(self) -> None:
+        """Create this node's GPU keys, or bring their capacity up to date (keeping occupants)."""
+        for gpu in self._gpus.gpus:
+            key = subjects.gpu_kv_key(self.node_id, gpu.index)
+
+            def mutate(current: GpuRecord | None, gpu=gpu) -> GpuRecord | None:  # type: ignore[no-untyped-def]
+                if current is None:
+                    return GpuRecord(node_id=self.node_id, index=gpu.index, total_bytes=gpu.total_bytes,
+                                     name=gpu.name, virtual=gpu.virtual, updated_at=now())  # fmt: skip
+                if current.total_bytes == gpu.total_bytes and current.name == gpu.name:
+                    return None
+                return msgspec.structs.replace(current, total_bytes=gpu.total_bytes, name=gpu.name, updated_at=now())
+
+            await cas_update(self._bus.gpus, key, mutate)
+
+    async def _fail_orphaned_replicas(self) -> None:
+        """Replicas recorded on this node from before a restart have no worker any more."""
+        for key, entry in (await self._bus.replicas.get_all()).items():
+            record = entry.value
+            if record.node_id == self.node_id and record.replica_id not in self._replicas and record.state != "failed":
+                await self._mark_failed(record.model, record.replica_id, "node agent restarted; its worker is gone")
+
+    # ------------------------------------------------------------------ commands
+
+    async def _on_command(self, command: NodeCommand) -> NodeReply | ModelFacts:
+        match command:
+            case InspectModel():
+                try:
+                    return await asyncio.to_thread(
+                        inspect_model, self._settings.models_root, command, self._settings.runtime_overhead_bytes
+                    )
+                except ModelInspectionError as exc:
+                    raise RequestError(404, str(exc)) from exc
+            case CreateReplica(replica=record, model=spec):
+                return await self._create(record, spec)
+            case StopReplica(replica_id=replica_id, reason=reason):
+                return await self._stop_replica(replica_id, reason)
+            case _:
+                raise RequestError(400, f"{type(command).__name__} is not supported by this node agent")
+
+    async def _create(self, record: ReplicaRecord, spec: ModelSpec) -> NodeReply:
+        if record.node_id != self.node_id:
+            raise RequestError(400, f"replica {record.replica_id} is placed on {record.node_id}, not {self.node_id}")
+        unknown = [i for i in record.gpu_bytes if i not in {g.index for g in self._gpus.gpus}]
+        if unknown:
+            raise RequestError(400, f"replica {record.replica_id} names GPUs this node lacks: {unknown}")
+        existing = self._replicas.get(record.replica_id)
+        if existing and existing.process and existing.process.process.returncode is None:
+            return NodeReply(ok=True, message="already running", pid=existing.process.pid)
+        replica = _Replica(record=record, spec=spec)
+        self._replicas[record.replica_id] = replica
+        await self._launch(replica)
+        assert replica.process is not None, "_launch must leave a process behind"
+        return NodeReply(ok=True, message="spawned", pid=replica.process.pid)
+
+    async def _launch(self, replica: _Replica) -> None:
+        argv = worker_command(
+            self._settings.nats_url,
+            self.node_id,
+            self._settings.models_root,
+            replica.record,
+            replica.spec,
+            device=self._gpus.device,
+            **self._settings.worker_options,
+        )
+        replica.ready.clear()
+        replica.process = await spawn_worker(argv, replica.record.replica_id, replica.record.model,
+                                             self._settings.log_dir)  # fmt: skip
+        await self._set_state(replica.record, "loading", pid=replica.process.pid)
+        self._spawn_task(self._watch(replica, replica.process))
+        self._spawn_task(self._start_deadline(replica, replica.process))
+
+    async def _stop_replica(self, replica_id: str, reason: str) -> NodeReply:
+        replica = self._replicas.pop(replica_id, None)
+        if replica is None or replica.process is None:
+            return NodeReply(ok=True, message="not running")
+        log.info("worker_stopping", replica=replica_id, reason=reason)
+        code = await replica.process.stop()
+        return NodeReply(ok=True, message=f"stopped (exit {code})", pid=replica.process.pid)
+
+    # ------------------------------------------------------------------ worker lifecycle
+
+    async def _on_worker_event(self, event: WorkerEvent) -> NodeReply:
+        replica = self._replicas.get(event.replica_id)
+        if replica is None:
+            raise RequestError(404, f"replica {event.replica_id} is not managed by node {self.node_id}")
+        record = replica.record
+        structlog.contextvars.bind_contextvars(model=record.model, replica=record.replica_id)
+        if event.kind == "ready":
+            measured = self._measure(event)
+            replica.ready.set()
+            await self._set_state(record, "ready", pid=event.pid, measured_bytes=measured)
+            await self._set_occupant_state(record, "serving")
+            if measured:
+                await self._record_measured_memory(record.model, measured)
+            await publish_event(self._bus.js, Event("replica_ready", now(), model=record.model,
+                                replica_id=record.replica_id, node_id=self.node_id,
+                                data={"measured_bytes": measured}))  # fmt: skip
+        elif event.kind == "failed":
+            log.error("worker_reported_failure", error=event.message)
+            if replica.process:
+                replica.process.stopping = True
+            await self._fail(replica, event.message)
+        return NodeReply(ok=True)
+
+    def _measure(self, event: WorkerEvent) -> int | None:
+        if not self._gpus.virtual and event.pid:
+            return nvml_process_bytes(event.pid) or event.measured_bytes
+        return event.measured_bytes
+
+    async def _watch(self, replica: _Replica, process: WorkerProcess) -> None:
+        code = await process.process.wait()
+        process.exited.set()
+        if process.stopping or replica.process is not process:
+            return
+        tail = tail_log(process.log_path)
+        self._failures.inc(node=self.node_id)
+        if DEVICE_ASSERT_MARKER in tail and replica.num_assert_restarts < MAX_ASSERT_RESTARTS:
+            replica.num_assert_restarts += 1
+            log.warning("worker_device_assert_restart", replica=replica.record.replica_id, exit_code=code)
+            await self._launch(replica)
+            return
+        last_line = next((line for line in reversed(tail.strip().splitlines()) if line.strip()), "")
+        await self._fail(replica, f"worker exited with code {code}: {last_line[-300:]}")
+
+    async def _start_deadline(self, replica: _Replica, process: WorkerProcess) -> None:
+        try:
+            await asyncio.wait_for(replica.ready.wait(), self._settings.worker_start_timeout_s)
+        except TimeoutError:
+            if replica.process is process and process.process.returncode is None:
+                log.error("worker_start_timeout", replica=replica.record.replica_id)
+                await process.stop(timeout_s=5.0)
+                await self._fail(replica, f"not ready after {self._settings.worker_start_timeout_s}s")
+
+    async def _fail(self, replica: _Replica, error: str) -> None:
+        record = replica.record
+        self._replicas.pop(record.replica_id, None)
+        await self._mark_failed(record.model, record.replica_id, error)
+
+    async def _mark_failed(self, model: str, replica_id: str, error: str) -> None:
+        log.error("replica_failed", model=model, replica=replica_id, error=error)
+        key = subjects.replica_kv_key(model, replica_id)
+
+        def mutate(current: ReplicaRecord | None) -> ReplicaRecord | None:
+            if current is None:
+                return None
+            return msgspec.structs.replace(current, state="failed", error=error, updated_at=now())
+
+        await cas_update(self._bus.replicas, key, mutate)
+        await publish_event(self._bus.js, Event("replica_failed", now(), error, model, replica_id, self.node_id))
+        try:
+            await request_json(
+                self._bus.nc,
+                subjects.scheduler_subject("replica_failed"),
+                ReplicaFailed(model, replica_id, error),
+                scheduler_reply_decoder,
+            )
+        except ServiceCallError as exc:  # the scheduler's reconciler picks it up later
+            log.warning("scheduler_not_told_of_failure", error=str(exc))
+
+    async def _set_state(self, record: ReplicaRecord, state: str, **changes: object) -> None:
+        key = subjects.replica_kv_key(record.model, record.replica_id)
+
+        def mutate(current: ReplicaRecord | None) -> ReplicaRecord | None:
+            if current is None or current.state == "failed":
+                return None
+            fields = {k: v for k, v in changes.items() if v is not None}
+            return msgspec.structs.replace(current, state=state, updated_at=now(), **fields)
+
+        await cas_update(self._bus.replicas, key, mutate)
+
+    async def _set_occupant_state(self, record: ReplicaRecord, state: str) -> None:
+        """Mark this replica's share of each of its GPUs (reserved -> serving, ...)."""
+        for index in sorted(record.gpu_bytes):
+
+            def mutate(current: GpuRecord | None) -> GpuRecord | None:
+                if current is None or (occupant := current.find(record.replica_id)) is None:
+                    return None
+                stamp = now()
+                updated = msgspec.structs.replace(occupant, state=state, since=stamp, last_accessed=stamp,
+                                                  expires_at=None)  # fmt: skip
+                occupants = [updated if o.replica_id == record.replica_id else o for o in current.occupants]
+                return msgspec.structs.replace(current, occupants=occupants, updated_at=stamp)
+
+            await cas_update(self._bus.gpus, subjects.gpu_kv_key(self.node_id, index), mutate)
+
+    async def _record_measured_memory(self, model: str, measured_bytes: int) -> None:
+        """Later placements of `model` use what this replica really holds."""
+
+        def mutate(current: ModelSpec | None) -> ModelSpec | None:
+            if current is None or current.measured_serving_bytes == measured_bytes:
+                return None
+            return msgspec.structs.replace(current, measured_serving_bytes=measured_bytes, measured_at=now())
+
+        await cas_update(self._bus.models, subjects.model_token(model), mutate)

@@ -1,0 +1,45 @@
+"""Read what placement needs to know of a model from its files, without loading weights."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from transformers import AutoConfig
+
+from shoal.shared.config import resolve_model_dir
+from shoal.shared.messages import InspectModel, ModelFacts
+from shoal.shared.policy.memory import estimate_from_config
+
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt")
+
+
+class ModelInspectionError(ValueError):
+    """The path is not a readable transformers checkpoint under the models root."""
+
+
+def checkpoint_weight_bytes(model_dir: Path) -> int:
+    """Bytes of weight files on disk (safetensors preferred, as the loader does)."""
+    safetensors = sorted(model_dir.glob("*.safetensors"))
+    files = safetensors or [p for p in model_dir.iterdir() if p.suffix in WEIGHT_SUFFIXES]
+    return sum(p.stat().st_size for p in files)
+
+
+def inspect_model(models_root: str | Path, command: InspectModel, runtime_overhead_bytes: int) -> ModelFacts:
+    """Size `command.path` from its config (parameters x dtype bytes + KV budget + overhead)."""
+    try:
+        model_dir = resolve_model_dir(models_root, command.path)
+        config = AutoConfig.from_pretrained(model_dir, trust_remote_code=False)
+    except (OSError, ValueError) as exc:
+        raise ModelInspectionError(f"cannot read model {command.path!r}: {exc}") from exc
+    dtype = None if command.dtype == "auto" else command.dtype
+    estimate = estimate_from_config(
+        config, command.kv_cache_tokens, dtype=dtype, runtime_overhead_bytes=runtime_overhead_bytes
+    )
+    architectures = getattr(config, "architectures", None) or [type(config).__name__]
+    return ModelFacts(
+        weight_bytes=checkpoint_weight_bytes(model_dir),
+        num_parameters=estimate.num_parameters,
+        estimated_bytes=estimate.total_bytes,
+        max_model_len=getattr(config, "max_position_embeddings", None),
+        architecture=architectures[0],
+    )

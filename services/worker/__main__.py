@@ -1,0 +1,5 @@
+import sys
+
+from shoal.services.worker.main import main
+
+sys.exit(main())

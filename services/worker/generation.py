@@ -1,0 +1,158 @@
+"""What a worker's engine takes and gives, independent of how it generates.
+
+`GenerationRequest` goes in (token ids + sampling parameters), a stream of
+`GenerationOutput` comes out (text deltas, then one finished output with exact
+usage). `TextStream` turns generated token ids into text deltas: incremental
+detokenization that never emits half a UTF-8 character, plus OpenAI stop
+strings (the stop string itself is not returned, and text that could still
+become a stop string is held back until it cannot).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from typing import Literal, Protocol
+
+from shoal.shared.messages import SamplingParams
+
+FinishReason = Literal["stop", "length", "cancelled", "error"]
+
+
+class RequestRejected(ValueError):
+    """The engine cannot run this request at all (raised by `Engine.generate` before any output).
+
+    `status` is the HTTP status the gateway answers with (413: prompt too long
+    for the model or the KV pool; 400: invalid for this model).
+    """
+
+    def __init__(self, message: str, status: int = 400) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    eos_token_ids: frozenset[int] = frozenset()
+    max_model_len: int | None = None
+    """Prompt + completion may not exceed this; generation stops with "length" there."""
+
+
+@dataclass(frozen=True)
+class GenerationOutput:
+    request_id: str
+    text: str
+    """New text since the previous output (may be empty)."""
+    num_new_tokens: int
+    finished: bool = False
+    finish_reason: FinishReason | None = None
+    num_prompt_tokens: int = 0
+    num_completion_tokens: int = 0
+    error: str | None = None
+
+
+class Engine(Protocol):
+    """A worker's generation engine (plain HF `generate`, or Shoal's paged engine)."""
+
+    def num_free_slots(self) -> int:
+        """How many more requests the engine can admit now (the worker fetches this many)."""
+        ...
+
+    def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationOutput]:
+        """Start `request`; yields outputs until one with ``finished=True``."""
+        ...
+
+    def cancel(self, request_id: str) -> bool:
+        """Stop a running request and free its resources now; False if unknown."""
+        ...
+
+    async def close(self) -> None: ...
+
+
+class Detokenizer(Protocol):
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = ...) -> str: ...
+
+
+@dataclass
+class TextStream:
+    """Incremental detokenization with stop strings for one sequence.
+
+    Call `push(token_id)` for each generated token; it returns the text that
+    may be sent now. `stopped` turns True when a stop string appeared; then
+    `finish()` returns the rest (text before the stop string).
+    """
+
+    tokenizer: Detokenizer
+    stop: Sequence[str] = ()
+    _token_ids: list[int] = field(default_factory=list)
+    _prefix_offset: int = 0
+    _read_offset: int = 0
+    _text: str = ""
+    _num_emitted_chars: int = 0
+    stopped: bool = False
+
+    def push(self, token_id: int) -> str:
+        assert not self.stopped, "TextStream.push after a stop string ended the text"
+        self._token_ids.append(token_id)
+        self._text += self._decode_new_text()
+        if self.stop:
+            cut = self._find_stop()
+            if cut is not None:
+                self._text = self._text[:cut]
+                self.stopped = True
+                return ""
+        return self._take_sendable(hold_back=self._max_stop_prefix())
+
+    def finish(self) -> str:
+        """All text not yet returned (call once, when the sequence ends)."""
+        if not self.stopped:
+            # Flush bytes the incremental decoder held back (e.g. an unfinished character).
+            tail = self.tokenizer.decode(self._token_ids[self._prefix_offset :], skip_special_tokens=True)
+            prefix = self.tokenizer.decode(
+                self._token_ids[self._prefix_offset : self._read_offset], skip_special_tokens=True
+            )
+            if len(tail) > len(prefix):
+                self._text += tail[len(prefix) :]
+                self._read_offset = len(self._token_ids)
+                self._prefix_offset = self._read_offset
+            if self.stop and (cut := self._find_stop()) is not None:
+                self._text = self._text[:cut]
+                self.stopped = True
+        return self._take_sendable(hold_back=0)
+
+    @property
+    def text(self) -> str:
+        return self._text
+
+    def _decode_new_text(self) -> str:
+        prefix = self.tokenizer.decode(
+            self._token_ids[self._prefix_offset : self._read_offset], skip_special_tokens=True
+        )
+        full = self.tokenizer.decode(self._token_ids[self._prefix_offset :], skip_special_tokens=True)
+        if len(full) > len(prefix) and not full.endswith("\ufffd"):
+            self._prefix_offset = self._read_offset
+            self._read_offset = len(self._token_ids)
+            return full[len(prefix) :]
+        return ""
+
+    def _max_stop_prefix(self) -> int:
+        return max((len(s) for s in self.stop), default=1) - 1
+
+    def _find_stop(self) -> int | None:
+        # Only the unsent tail plus one stop length can hold a new match.
+        window_start = max(0, self._num_emitted_chars - self._max_stop_prefix())
+        best: int | None = None
+        for stop in self.stop:
+            index = self._text.find(stop, window_start)
+            if index != -1 and (best is None or index < best):
+                best = index
+        return best
+
+    def _take_sendable(self, hold_back: int) -> str:
+        end = max(self._num_emitted_chars, len(self._text) - hold_back)
+        chunk = self._text[self._num_emitted_chars : end]
+        self._num_emitted_chars = end
+        return chunk

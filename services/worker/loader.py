@@ -1,0 +1,146 @@
+"""Load a replica's model and tokenizer within its GPU allocation.
+
+On CUDA the allocation is enforced by torch and accelerate (seed 000):
+`set_device` on the first target GPU, `set_per_process_memory_fraction` for a
+single-GPU replica, and a `max_memory` map that gives non-target GPUs 0 bytes.
+On virtual GPUs (tensors on the CPU) the worker enforces it itself: the
+weights plus a minimal KV pool must fit, or loading fails with a clear error.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import structlog
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
+
+from shoal.shared.config import resolve_model_dir
+from shoal.shared.messages import ModelSpec, ReplicaRecord
+
+log = structlog.get_logger(__name__)
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+class ModelLoadError(RuntimeError):
+    """The model cannot be loaded on this replica's allocation (the message says why)."""
+
+
+@dataclass
+class LoadedModel:
+    model: Any
+    tokenizer: PreTrainedTokenizerBase
+    device: torch.device
+    dtype: torch.dtype
+    weight_bytes: int
+    max_model_len: int
+    allocation_bytes: int
+    """Sum of the replica's per-GPU reservations."""
+
+
+def model_weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes held by parameters and buffers (what the weights really occupy)."""
+    tensors = [*model.parameters(), *model.buffers()]
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _torch_dtype(name: str, config: Any) -> torch.dtype:
+    if name == "auto":
+        configured = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+        if isinstance(configured, torch.dtype):
+            return configured
+        return _DTYPES.get(str(configured).removeprefix("torch."), torch.float32)
+    if name not in _DTYPES:
+        raise ModelLoadError(f"unsupported dtype {name!r}: use one of auto, {', '.join(_DTYPES)}")
+    return _DTYPES[name]
+
+
+def build_max_memory(gpu_bytes: dict[int, int], num_visible_gpus: int) -> dict[int | str, int]:
+    """accelerate's `max_memory`: the allocation on target GPUs, 0 on every other GPU."""
+    max_memory: dict[int | str, int] = {i: 0 for i in range(num_visible_gpus)}
+    max_memory.update(gpu_bytes)
+    max_memory["cpu"] = 0
+    return max_memory
+
+
+def _cuda_placement(replica: ReplicaRecord) -> dict[str, Any]:
+    gpu_ids = sorted(replica.gpu_bytes)
+    first = gpu_ids[0]
+    torch.cuda.set_device(first)
+    if replica.gpu_memory_fraction is not None:
+        torch.cuda.set_per_process_memory_fraction(replica.gpu_memory_fraction, first)
+    if len(gpu_ids) == 1:
+        return {"device_map": {"": f"cuda:{first}"}}
+    return {"device_map": "auto", "max_memory": build_max_memory(replica.gpu_bytes, torch.cuda.device_count())}
+
+
+def _verify_placement(model: torch.nn.Module, replica: ReplicaRecord, device: torch.device) -> None:
+    devices = {p.device for p in model.parameters()}
+    if device.type == "cuda":
+        allowed = {torch.device("cuda", i) for i in replica.gpu_bytes}
+        stray = devices - allowed
+        if stray:
+            log.warning("model_on_unexpected_devices", devices=sorted(map(str, stray)))
+
+
+def load_model(
+    models_root: str | Path,
+    spec: ModelSpec,
+    replica: ReplicaRecord,
+    *,
+    device: torch.device,
+    attn_implementation: str | None = None,
+    min_kv_reserve_bytes: int = 0,
+) -> LoadedModel:
+    """Load `spec` from `models_root` for `replica`.
+
+    Raises ModelLoadError when the path is not a transformers checkpoint under
+    the models root, or the weights (plus `min_kv_reserve_bytes`) do not fit
+    the replica's allocation on a virtual GPU.
+    """
+    try:
+        model_dir = resolve_model_dir(models_root, spec.path)
+    except ValueError as exc:
+        raise ModelLoadError(str(exc)) from exc
+    if not (model_dir / "config.json").is_file():
+        raise ModelLoadError(f"{model_dir} is not a transformers checkpoint (no config.json)")
+    try:
+        config = AutoConfig.from_pretrained(model_dir, trust_remote_code=False)
+        tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=False)
+    except (OSError, ValueError, KeyError) as exc:
+        raise ModelLoadError(f"cannot read {model_dir}: {exc}") from exc
+    dtype = _torch_dtype(spec.dtype, config)
+    allocation_bytes = sum(replica.gpu_bytes.values())
+    kwargs: dict[str, Any] = {"dtype": dtype, "trust_remote_code": False, "use_safetensors": True}
+    if attn_implementation:
+        kwargs["attn_implementation"] = attn_implementation
+    if device.type == "cuda":
+        kwargs.update(_cuda_placement(replica))
+    try:
+        model = AutoModelForCausalLM.from_pretrained(model_dir, **kwargs)
+    except (OSError, ValueError, RuntimeError) as exc:
+        raise ModelLoadError(f"cannot load weights from {model_dir}: {exc}") from exc
+    if device.type != "cuda":
+        model.to(device)
+    model.eval()
+    weight_bytes = model_weight_bytes(model)
+    if device.type != "cuda" and allocation_bytes and weight_bytes + min_kv_reserve_bytes > allocation_bytes:
+        raise ModelLoadError(
+            f"{spec.key}: weights ({weight_bytes} bytes) plus the minimal KV pool ({min_kv_reserve_bytes} bytes) "
+            f"do not fit this replica's allocation of {allocation_bytes} bytes"
+        )
+    _verify_placement(model, replica, device)
+    max_len = spec.max_model_len or int(getattr(config, "max_position_embeddings", 2048) or 2048)
+    log.info("model_loaded", path=str(model_dir), dtype=str(dtype), weight_bytes=weight_bytes, device=str(device))
+    return LoadedModel(
+        model=model,
+        tokenizer=tokenizer,
+        device=device,
+        dtype=dtype,
+        weight_bytes=weight_bytes,
+        max_model_len=max_len,
+        allocation_bytes=allocation_bytes,
+    )
