@@ -64,7 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "node-agent":
             sub.add_argument("--state-dir", help="worker logs (default ./.shoal)")
 
-    from shoal.services.worker.main import add_worker_arguments
+    from shoal.services.worker.args import add_worker_arguments
 
     add_worker_arguments(commands.add_parser("worker", help="run one replica (normally spawned by a node agent)"))
 
@@ -73,7 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--force", action="store_true", help="rewrite models that exist")
 
     for name, help_text in (("inspect", "streams, KV buckets and micro services"),
-                            ("status", "nodes, GPUs, replicas and models")):  # fmt: skip
+                            ("status", "nodes, GPUs, replicas and models")):
         sub = commands.add_parser(name, help=help_text)
         _common(sub)
         sub.add_argument("--state-dir", help="where `shoal up` wrote its NATS URL (default ./.shoal)")
@@ -172,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command in ("inspect", "status"):
             action = inspect if args.command == "inspect" else status
             asyncio.run(_with_bus(_nats_url_for_tools(config), f"shoal-{args.command}",
-                                  lambda bus: action(bus, sys.stdout)))  # fmt: skip
+                                  lambda bus: action(bus, sys.stdout)))
         else:
             asyncio.run(_run_service(config, args.command))
     except (BusError, ConfigError, OSError) as exc:

@@ -51,16 +51,16 @@ async def inspect(bus: Bus, out: TextIO) -> None:
     for info in await bus.js.streams_info():
         state = info.state
         out.write(f"  {info.config.name:<26} messages={state.messages:<8} consumers={state.consumer_count:<4} "
-                  f"{info.config.description or ''}\n")  # fmt: skip
+                  f"{info.config.description or ''}\n")
         if info.config.name.startswith("KV_"):
             continue
         for consumer in await bus.js.consumers_info(info.config.name):
             out.write(f"    consumer {consumer.name:<30} pending={consumer.num_pending} "
-                      f"ack_pending={consumer.num_ack_pending} waiting={consumer.num_waiting}\n")  # fmt: skip
+                      f"ack_pending={consumer.num_ack_pending} waiting={consumer.num_waiting}\n")
     for bucket in (bus.models, bus.gpus, bus.replicas, bus.nodes):
         entries = await bucket.get_all()
         out.write(f"\nKV bucket {bucket.name} (nats kv ls {bucket.name}; nats kv get {bucket.name} <key>): "
-                  f"{len(entries)} keys\n")  # fmt: skip
+                  f"{len(entries)} keys\n")
         for key in sorted(entries):
             out.write(f"  {key} = {msgspec.json.encode(entries[key].value).decode()}\n")
     out.write("\nMicro services (nats micro ls):\n")
@@ -75,13 +75,13 @@ def _bar(used: int, total: int) -> str:
 
 
 def render_status(nodes: dict[str, Any], gpus: dict[str, GpuRecord], replicas: list[ReplicaRecord],
-                  models: list[ModelSpec], out: TextIO) -> None:  # fmt: skip
+                  models: list[ModelSpec], out: TextIO) -> None:
     out.write(f"Nodes ({len(nodes)}):\n")
     for node_id in sorted(nodes):
         node = nodes[node_id]
         kind = "virtual" if node.virtual else "nvml"
         out.write(f"  {node_id:<20} {len(node.gpus)} {kind} GPU(s), RAM {_gib(node.cpu_ram_bytes)}, "
-                  f"{node.num_workers} worker(s)\n")  # fmt: skip
+                  f"{node.num_workers} worker(s)\n")
     out.write(f"\nGPUs ({len(gpus)}):\n")
     for key in sorted(gpus):
         gpu = gpus[key]
@@ -90,7 +90,7 @@ def render_status(nodes: dict[str, Any], gpus: dict[str, GpuRecord], replicas: l
         out.write(f"  {key:<22} {_bar(used, gpu.total_bytes)} {_gib(used)} / {_gib(gpu.total_bytes)} ({pct:.0f}%)\n")
         for occupant in gpu.occupants:
             out.write(f"      {occupant.model:<28} {occupant.replica_id[:12]} {_gib(occupant.bytes):>11} "
-                      f"{occupant.state}\n")  # fmt: skip
+                      f"{occupant.state}\n")
     out.write(f"\nReplicas ({len(replicas)}):\n")
     for record in sorted(replicas, key=lambda r: (r.model, r.created_at)):
         gpus_text = ",".join(f"{record.node_id}.{i}" for i in sorted(record.gpu_bytes)) or "-"
@@ -103,7 +103,7 @@ def render_status(nodes: dict[str, Any], gpus: dict[str, GpuRecord], replicas: l
 
 def _memory_figure(spec: ModelSpec) -> tuple[str, str]:
     for value, source in ((spec.measured_serving_bytes, "measured"), (spec.memory_override_bytes, "override"),
-                          (spec.estimated_bytes, "estimate")):  # fmt: skip
+                          (spec.estimated_bytes, "estimate")):
         if value:
             return _gib(value), source
     return "unknown", "not inspected yet"

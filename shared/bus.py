@@ -32,8 +32,13 @@ from nats.js.api import (
 from nats.js.kv import KeyValue
 
 from shoal.shared import subjects
-from shoal.shared.messages import Event, GpuRecord, ModelSpec, NodeRecord, ReplicaRecord, encode_json
 from shoal.shared.messages import (
+    Event,
+    GpuRecord,
+    ModelSpec,
+    NodeRecord,
+    ReplicaRecord,
+    encode_json,
     gpu_record_decoder,
     model_spec_decoder,
     node_record_decoder,
@@ -323,7 +328,7 @@ async def connect(
             disconnected_cb=disconnected_cb,
             allow_reconnect=True,
         )
-    except (OSError, nats.errors.NoServersError, asyncio.TimeoutError) as exc:
+    except (TimeoutError, OSError, nats.errors.NoServersError) as exc:
         raise BusError(f"cannot connect to NATS at {url}: {exc}") from exc
     js = nc.jetstream(timeout=10.0)
     try:
@@ -372,5 +377,5 @@ async def publish_event(js: JetStreamContext, event: Event) -> None:
     """Record `event` in ``SHOAL_EVENTS``; a failure to record is logged, never raised."""
     try:
         await js.publish(subjects.event_subject(event.kind), encode_json(event))
-    except (nats.errors.Error, asyncio.TimeoutError) as exc:
+    except (TimeoutError, nats.errors.Error) as exc:
         log.warning("event_publish_failed", kind=event.kind, error=str(exc))

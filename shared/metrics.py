@@ -124,7 +124,7 @@ class Histogram(_Metric):
         buckets: Sequence[float] = DEFAULT_BUCKETS_S,
     ) -> None:
         super().__init__(name, documentation, labelnames)
-        self.buckets = tuple(sorted(buckets)) + (math.inf,)
+        self.buckets = (*sorted(buckets), math.inf)
         self._counts: dict[LabelValues, list[int]] = {}
         self._sums: dict[LabelValues, float] = {}
 

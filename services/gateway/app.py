@@ -39,7 +39,7 @@ def auth_middleware(config: GatewayConfig) -> Callable[..., Awaitable[web.Stream
 
     @web.middleware
     async def middleware(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
-                         ) -> web.StreamResponse:  # fmt: skip
+                         ) -> web.StreamResponse:
         structlog.contextvars.clear_contextvars()
         if request.path in OPEN_PATHS:
             return await handler(request)
@@ -55,7 +55,7 @@ def auth_middleware(config: GatewayConfig) -> Callable[..., Awaitable[web.Stream
                 raise Forbidden("admin routes are disabled: configure gateway.admin_api_keys")
         elif config.api_keys and not _key_matches(presented, config.api_keys + config.admin_api_keys):
             raise Unauthorized("missing or invalid API key: send Authorization: Bearer <key>",
-                               code="invalid_api_key")  # fmt: skip
+                               code="invalid_api_key")
         return await handler(request)
 
     return middleware
@@ -94,9 +94,9 @@ def create_app(config: GatewayConfig, nats_url: str, registry: Registry | None =
             dispatcher=Dispatcher(bus, router, cluster, config, registry),
             metrics=registry,
             requests_total=registry.counter("shoal_gateway_requests_total", "HTTP inference requests",
-                                            ["model", "kind", "outcome"]),  # fmt: skip
+                                            ["model", "kind", "outcome"]),
             latency=registry.histogram("shoal_gateway_request_duration_seconds", "Inference request latency",
-                                       ["model"]),  # fmt: skip
+                                       ["model"]),
         )
         log.info("gateway_started", gateway=gateway_id)
         yield

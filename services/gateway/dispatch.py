@@ -69,7 +69,7 @@ Event = TokenChunk | FinalReply | Restart
 
 class Dispatcher:
     def __init__(self, bus: Bus, router: ReplyRouter, cluster: ClusterView, config: GatewayConfig,
-                 metrics: Registry) -> None:  # fmt: skip
+                 metrics: Registry) -> None:
         self._bus = bus
         self._router = router
         self._cluster = cluster
@@ -86,11 +86,11 @@ class Dispatcher:
         spec = self._cluster.get_model(model)
         if spec is None:
             raise NotFound(f"model {model!r} does not exist; GET /v1/models lists the served models",
-                           code="model_not_found", param="model")  # fmt: skip
+                           code="model_not_found", param="model")
         limit = spec.max_queue or self._config.max_queue_per_model
         if self._num_queued[model] >= limit:
             raise TooManyRequests(f"too many requests for {model!r} in flight ({limit}); retry shortly",
-                                  retry_after_s=1.0)  # fmt: skip
+                                  retry_after_s=1.0)
 
     async def ensure_placed(self, model: str) -> None:
         """Ask the scheduler for a replica when the model has none on its way (one ask per model at a time)."""
@@ -106,7 +106,7 @@ class Dispatcher:
     async def _ask_scheduler(self, model: str) -> None:
         try:
             reply = await request_json(self._bus.nc, subjects.scheduler_subject("ensure"), EnsureModel(model),
-                                       scheduler_reply_decoder, timeout_s=60.0)  # fmt: skip
+                                       scheduler_reply_decoder, timeout_s=60.0)
         except ServiceUnavailable as exc:
             raise Unavailable("no scheduler is running; the model cannot be placed", retry_after_s=5.0) from exc
         except ServiceError as exc:
@@ -115,7 +115,7 @@ class Dispatcher:
             raise Unavailable(f"the scheduler did not answer: {exc}", retry_after_s=5.0) from exc
         if not reply.ok:
             raise Unavailable(f"model {model!r} cannot be placed now: {reply.message}",
-                              code=reply.status, retry_after_s=reply.retry_after_s or 5.0)  # fmt: skip
+                              code=reply.status, retry_after_s=reply.retry_after_s or 5.0)
 
     async def run(self, request: InferenceRequest, *, restartable: bool) -> AsyncIterator[Event]:
         """Publish `request` and yield its chunks and final reply (see the module doc).
@@ -183,8 +183,8 @@ class Dispatcher:
         }
         try:
             await self._bus.js.publish(subjects.infer_subject(request.model), encode_msgpack(request),
-                                       headers=headers, timeout=5.0)  # fmt: skip
-        except (nats.errors.Error, asyncio.TimeoutError) as exc:
+                                       headers=headers, timeout=5.0)
+        except (TimeoutError, nats.errors.Error) as exc:
             raise Unavailable(f"the request queue is unavailable: {exc}", retry_after_s=2.0) from exc
 
     async def _next_reply(self, queue: asyncio.Queue, request: InferenceRequest):  # type: ignore[no-untyped-def]
@@ -199,6 +199,6 @@ class Dispatcher:
     async def _cancel(self, request: InferenceRequest, reason: str) -> None:
         try:
             await self._bus.nc.publish(subjects.cancel_subject(request.model),
-                                       encode_msgpack(CancelRequest(request.request_id, reason)))  # fmt: skip
+                                       encode_msgpack(CancelRequest(request.request_id, reason)))
         except nats.errors.Error as exc:
             log.warning("cancel_publish_failed", request_id=request.request_id, error=str(exc))

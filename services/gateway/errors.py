@@ -22,7 +22,7 @@ class ApiError(Exception):
     error_type = "server_error"
 
     def __init__(self, message: str, *, code: str | None = None, param: str | None = None,
-                 retry_after_s: float | None = None) -> None:  # fmt: skip
+                 retry_after_s: float | None = None) -> None:
         super().__init__(message)
         self.message = message
         self.code = code
@@ -73,7 +73,7 @@ class DeadlineExceeded(ApiError):
 _BY_STATUS: dict[int, type[ApiError]] = {
     cls.status: cls
     for cls in (BadRequest, Unauthorized, Forbidden, NotFound, PayloadTooLarge, TooManyRequests, Unavailable,
-                DeadlineExceeded)  # fmt: skip
+                DeadlineExceeded)
 }
 
 
@@ -124,7 +124,7 @@ async def error_middleware(
         if exc.status < 400:
             raise
         message = {404: f"no route for {request.method} {request.path}", 405: f"{request.method} is not allowed on "
-                   f"{request.path}", 413: "request body too large"}.get(exc.status, exc.reason)  # fmt: skip
+                   f"{request.path}", 413: "request body too large"}.get(exc.status, exc.reason)
         log.info("request_error", status=exc.status, error=message, path=request.path)
         return error_response(error_for_status(exc.status, message))
     except Exception:

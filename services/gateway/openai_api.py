@@ -133,7 +133,7 @@ def chat_messages(req: ChatCompletionRequest, max_chars: int) -> list[ChatMessag
             kinds = {part.type for part in message.content}
             if kinds - {"text"}:
                 raise BadRequest(f"messages[{i}].content: only text parts are supported, got {sorted(kinds)}",
-                                 param="messages")  # fmt: skip
+                                 param="messages")
             content = "".join(part.text or "" for part in message.content)
         else:
             content = message.content or ""
@@ -165,12 +165,12 @@ def completion_prompt(req: CompletionRequest, max_chars: int) -> tuple[str | Non
             raise_prompt_too_large(len(prompt), max_chars)
         return None, list(prompt)
     raise BadRequest("prompt must be one string or one list of token ids (batches are not supported)",
-                     param="prompt")  # fmt: skip
+                     param="prompt")
 
 
 def raise_prompt_too_large(num_chars: int, max_chars: int) -> None:
     raise PayloadTooLarge(f"prompt has {num_chars} characters; this gateway takes at most {max_chars}",
-                          param="prompt")  # fmt: skip
+                          param="prompt")
 
 
 # --------------------------------------------------------------------------- responses
@@ -266,16 +266,16 @@ def usage(prompt_tokens: int, completion_tokens: int) -> Usage:
 
 
 def full_response(kind: Kind, response_id: str, created: int, model: str, text: str, finish_reason: str,
-                  token_usage: Usage) -> ChatCompletion | Completion:  # fmt: skip
+                  token_usage: Usage) -> ChatCompletion | Completion:
     if kind == "chat":
         choice = ChatChoice(0, AssistantMessage("assistant", text), finish_reason)
         return ChatCompletion(response_id, created, model, [choice], token_usage)
-    return Completion(response_id, created, model, [CompletionChoice(0, text, finish_reason)], token_usage)
+    return Completion(response_id, created, model, [CompletionChoice(0, text, finish_reason)], usage=token_usage)
 
 
 def stream_chunk(kind: Kind, response_id: str, created: int, model: str, *, text: str | None = None,
                  finish_reason: str | None = None, role: bool = False,
-                 token_usage: Usage | None = None, usage_only: bool = False) -> bytes:  # fmt: skip
+                 token_usage: Usage | None = None, usage_only: bool = False) -> bytes:
     """One SSE ``data:`` payload of a streamed response."""
     if kind == "chat":
         choices = [] if usage_only else [

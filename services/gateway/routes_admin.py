@@ -43,7 +43,7 @@ async def _command(request: web.Request, verb: str, command: SchedulerCommand) -
     state = request.app[GATEWAY]
     try:
         reply = await request_json(state.bus.nc, subjects.scheduler_subject(verb), command, scheduler_reply_decoder,
-                                   timeout_s=120.0)  # fmt: skip
+                                   timeout_s=120.0)
     except ServiceUnavailable as exc:
         raise Unavailable("no scheduler is running", retry_after_s=5.0) from exc
     except ServiceError as exc:
@@ -51,7 +51,7 @@ async def _command(request: web.Request, verb: str, command: SchedulerCommand) -
     except ServiceCallError as exc:
         raise Unavailable(str(exc), retry_after_s=5.0) from exc
     return web.Response(body=encoder.encode(reply), content_type="application/json",
-                        status=200 if reply.ok else 503)  # fmt: skip
+                        status=200 if reply.ok else 503)
 
 
 @routes.post("/admin/models")

@@ -76,7 +76,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     messages = chat_messages(body, state.config.max_prompt_chars)
     inference = _inference_request(state, body.model, params, stream=body.stream, messages=messages)
     return await _serve(request, state, inference, "chat", body.stream,
-                        bool(body.stream_options and body.stream_options.include_usage))  # fmt: skip
+                        bool(body.stream_options and body.stream_options.include_usage))
 
 
 @routes.post("/v1/completions")
@@ -86,13 +86,13 @@ async def completions(request: web.Request) -> web.StreamResponse:
     params = sampling_params(body, body.max_tokens, 16)
     prompt, prompt_ids = completion_prompt(body, state.config.max_prompt_chars)
     inference = _inference_request(state, body.model, params, stream=body.stream, prompt=prompt,
-                                   prompt_token_ids=prompt_ids)  # fmt: skip
+                                   prompt_token_ids=prompt_ids)
     return await _serve(request, state, inference, "completion", body.stream,
-                        bool(body.stream_options and body.stream_options.include_usage))  # fmt: skip
+                        bool(body.stream_options and body.stream_options.include_usage))
 
 
 def _inference_request(state: GatewayState, model: str, params: SamplingParams, *, stream: bool,
-                       **prompt: Any) -> InferenceRequest:  # fmt: skip
+                       **prompt: Any) -> InferenceRequest:
     request_id = uuid.uuid4().hex
     structlog.contextvars.bind_contextvars(request_id=request_id, model=model)
     created = time.time()
@@ -110,7 +110,7 @@ def _inference_request(state: GatewayState, model: str, params: SamplingParams, 
 
 
 async def _serve(request: web.Request, state: GatewayState, inference: InferenceRequest, kind: Kind,
-                 stream: bool, include_usage: bool) -> web.StreamResponse:  # fmt: skip
+                 stream: bool, include_usage: bool) -> web.StreamResponse:
     state.dispatcher.admit(inference.model)
     outcome = "error"
     started = time.monotonic()
@@ -145,12 +145,12 @@ async def _collect(state: GatewayState, inference: InferenceRequest, kind: Kind)
     assert final is not None, "dispatcher ended without a final reply or an error"
     response_id = ("chatcmpl-" if kind == "chat" else "cmpl-") + inference.request_id
     body = full_response(kind, response_id, int(inference.created), inference.model, "".join(parts),
-                         final.finish_reason, usage(final.prompt_tokens, final.completion_tokens))  # fmt: skip
+                         final.finish_reason, usage(final.prompt_tokens, final.completion_tokens))
     return _json(body)
 
 
 async def _stream(request: web.Request, state: GatewayState, inference: InferenceRequest, kind: Kind,
-                  include_usage: bool) -> web.StreamResponse:  # fmt: skip
+                  include_usage: bool) -> web.StreamResponse:
     response_id = ("chatcmpl-" if kind == "chat" else "cmpl-") + inference.request_id
     created = int(inference.created)
     model = inference.model
@@ -160,7 +160,7 @@ async def _stream(request: web.Request, state: GatewayState, inference: Inferenc
         # (unknown model in the worker, prompt too long...) keep their proper status.
         first = await anext(events)
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-                                               "X-Request-Id": inference.request_id})  # fmt: skip
+                                               "X-Request-Id": inference.request_id})
         await response.prepare(request)
         sse = _SseWriter(response)
         try:
@@ -175,10 +175,10 @@ async def _stream(request: web.Request, state: GatewayState, inference: Inferenc
                         token_usage = usage(event.prompt_tokens, event.completion_tokens)
                         await sse.send(stream_chunk(kind, response_id, created, model,
                                                     finish_reason=event.finish_reason,
-                                                    text="" if kind == "completion" else None))  # fmt: skip
+                                                    text="" if kind == "completion" else None))
                         if include_usage:
                             await sse.send(stream_chunk(kind, response_id, created, model, token_usage=token_usage,
-                                                        usage_only=True))  # fmt: skip
+                                                        usage_only=True))
                         break
                 event = await anext(events)
         except ApiError as exc:

@@ -21,10 +21,9 @@ import structlog
 from nats.micro import add_service
 from nats.micro.service import Service
 
-from shoal.services.node_agent.inspect import ModelInspectionError, inspect_model
 from shoal.services.node_agent.gpus import NodeGpus, host_ram_bytes, nvml_process_bytes
-from shoal.services.node_agent.processes import WorkerProcess, spawn_worker, tail_log
-from shoal.services.worker.main import worker_command
+from shoal.services.node_agent.inspect import ModelInspectionError, inspect_model
+from shoal.services.node_agent.processes import WorkerProcess, spawn_worker, tail_log, worker_command
 from shoal.shared import subjects
 from shoal.shared.bus import Bus, cas_update, publish_event
 from shoal.shared.messages import (
@@ -114,12 +113,12 @@ class NodeAgent:
         )
         for verb in ("create", "stop"):
             await add_json_endpoint(self._service, verb, subjects.node_subject(self.node_id, verb),
-                                    node_command_decoder.decode, self._on_command)  # fmt: skip
+                                    node_command_decoder.decode, self._on_command)
         await add_json_endpoint(self._service, "worker_event", subjects.node_subject(self.node_id, "worker_event"),
-                                worker_event_decoder.decode, self._on_worker_event)  # fmt: skip
+                                worker_event_decoder.decode, self._on_worker_event)
         # Any node agent can size a model (they all see the models root): one shared, queue-grouped subject.
         await add_json_endpoint(self._service, "inspect", subjects.NODE_INSPECT, node_command_decoder.decode,
-                                self._on_command)  # fmt: skip
+                                self._on_command)
         self._spawn_task(self._heartbeat_loop())
         log.info("node_agent_started", node=self.node_id, gpus=len(self._gpus.gpus), virtual=self._gpus.virtual)
 
@@ -178,7 +177,7 @@ class NodeAgent:
             def mutate(current: GpuRecord | None, gpu=gpu) -> GpuRecord | None:  # type: ignore[no-untyped-def]
                 if current is None:
                     return GpuRecord(node_id=self.node_id, index=gpu.index, total_bytes=gpu.total_bytes,
-                                     name=gpu.name, virtual=gpu.virtual, updated_at=now())  # fmt: skip
+                                     name=gpu.name, virtual=gpu.virtual, updated_at=now())
                 if current.total_bytes == gpu.total_bytes and current.name == gpu.name:
                     return None
                 return msgspec.structs.replace(current, total_bytes=gpu.total_bytes, name=gpu.name, updated_at=now())
@@ -187,7 +186,7 @@ class NodeAgent:
 
     async def _fail_orphaned_replicas(self) -> None:
         """Replicas recorded on this node from before a restart have no worker any more."""
-        for key, entry in (await self._bus.replicas.get_all()).items():
+        for entry in (await self._bus.replicas.get_all()).values():
             record = entry.value
             if record.node_id == self.node_id and record.replica_id not in self._replicas and record.state != "failed":
                 await self._mark_failed(record.model, record.replica_id, "node agent restarted; its worker is gone")
@@ -237,7 +236,7 @@ class NodeAgent:
         )
         replica.ready.clear()
         replica.process = await spawn_worker(argv, replica.record.replica_id, replica.record.model,
-                                             self._settings.log_dir)  # fmt: skip
+                                             self._settings.log_dir)
         await self._set_state(replica.record, "loading", pid=replica.process.pid)
         self._spawn_task(self._watch(replica, replica.process))
         self._spawn_task(self._start_deadline(replica, replica.process))
@@ -267,7 +266,7 @@ class NodeAgent:
                 await self._record_measured_memory(record.model, measured)
             await publish_event(self._bus.js, Event("replica_ready", now(), model=record.model,
                                 replica_id=record.replica_id, node_id=self.node_id,
-                                data={"measured_bytes": measured}))  # fmt: skip
+                                data={"measured_bytes": measured}))
         elif event.kind == "failed":
             log.error("worker_reported_failure", error=event.message)
             if replica.process:
@@ -350,7 +349,7 @@ class NodeAgent:
                     return None
                 stamp = now()
                 updated = msgspec.structs.replace(occupant, state=state, since=stamp, last_accessed=stamp,
-                                                  expires_at=None)  # fmt: skip
+                                                  expires_at=None)
                 occupants = [updated if o.replica_id == record.replica_id else o for o in current.occupants]
                 return msgspec.structs.replace(current, occupants=occupants, updated_at=stamp)
 

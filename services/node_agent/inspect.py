@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from transformers import AutoConfig
-
 from shoal.shared.config import resolve_model_dir
 from shoal.shared.messages import InspectModel, ModelFacts
 from shoal.shared.policy.memory import estimate_from_config
@@ -26,6 +24,8 @@ def checkpoint_weight_bytes(model_dir: Path) -> int:
 
 def inspect_model(models_root: str | Path, command: InspectModel, runtime_overhead_bytes: int) -> ModelFacts:
     """Size `command.path` from its config (parameters x dtype bytes + KV budget + overhead)."""
+    from transformers import AutoConfig  # heavy: imported only when a model is inspected
+
     try:
         model_dir = resolve_model_dir(models_root, command.path)
         config = AutoConfig.from_pretrained(model_dir, trust_remote_code=False)

@@ -14,8 +14,11 @@ import signal
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import structlog
+
+from shoal.shared.messages import ModelSpec, ReplicaRecord, encode_json
 
 log = structlog.get_logger(__name__)
 
@@ -90,3 +93,14 @@ def tail_log(path: Path, num_bytes: int = 2000) -> str:
             return handle.read().decode(errors="replace")
     except OSError:
         return ""
+
+
+def worker_command(nats_url: str, node_id: str, models_root: str, replica: ReplicaRecord, model: ModelSpec,
+                   **options: Any) -> list[str]:
+    """The argv of `shoal worker` for one replica."""
+    argv = [sys.executable, "-m", "shoal.services.worker", "--nats-url", nats_url, "--node-id", node_id,
+            "--models-root", models_root, "--replica", encode_json(replica).decode(),
+            "--model", encode_json(model).decode()]
+    for name, value in options.items():
+        argv += [f"--{name.replace('_', '-')}", str(value)]
+    return argv

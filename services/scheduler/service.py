@@ -21,7 +21,7 @@ from nats.micro.service import Service
 
 from shoal.services.scheduler.planner import PlacementDecision, Planner
 from shoal.services.scheduler.registry import merge_registration
-from shoal.services.scheduler.store import ClusterStore, Reservation
+from shoal.services.scheduler.store import ClusterStore
 from shoal.shared import subjects
 from shoal.shared.bus import Bus, ensure_model_consumer, publish_event
 from shoal.shared.config import SchedulerConfig
@@ -291,9 +291,9 @@ class Scheduler:
         self._placements.inc(scheduler=self.scheduler_id, outcome="placed")
         await publish_event(self._bus.js, Event("replica_placed", stamp, model=spec.key, replica_id=record.replica_id,
                             node_id=record.node_id, data={"gpu_bytes": {str(k): v for k, v in record.gpu_bytes.items()},
-                                                          "memory_source": decision.memory_source}))  # fmt: skip
+                                                          "memory_source": decision.memory_source}))
         log.info("replica_placed", model=spec.key, replica=record.replica_id, node=record.node_id,
-                 gpu_bytes=record.gpu_bytes, memory_source=decision.memory_source)  # fmt: skip
+                 gpu_bytes=record.gpu_bytes, memory_source=decision.memory_source)
         return record
 
     async def _with_inspection(self, spec: ModelSpec) -> ModelSpec:
@@ -338,7 +338,7 @@ class Scheduler:
             log.warning("replica_stop_unconfirmed", replica=record.replica_id, error=str(exc))
         await self._forget_replica(record)
         await publish_event(self._bus.js, Event("replica_stopped", self._clock(), reason, record.model,
-                                                record.replica_id, record.node_id))  # fmt: skip
+                                                record.replica_id, record.node_id))
 
     async def _forget_replica(self, record: ReplicaRecord) -> None:
         """Give its GPU memory back, then drop its record (in that order: see the reconciler)."""
@@ -365,7 +365,7 @@ class Scheduler:
                 await self.on_replica_failed(record.model, record.replica_id, record.error or "failed")
             elif record.node_id not in snapshot.nodes and record.state in ACTIVE_STATES:
                 await self.on_replica_failed(record.model, record.replica_id, f"node {record.node_id} is gone")
-        for model, entry in snapshot.models.items():
+        for entry in snapshot.models.values():
             spec = entry.value
             active = [r for r in snapshot.replicas_of(spec.key) if r.state in ACTIVE_STATES]
             if len(active) != spec.desired_replicas:

@@ -52,7 +52,7 @@ class Reservation:
     gpu_bytes: dict[int, int]
     dedicated: bool = False
 
-    def keys(self) -> list[tuple[str, int]]:
+    def gpu_keys(self) -> list[tuple[str, int]]:
         return sorted((subjects.gpu_kv_key(self.node_id, index), b) for index, b in self.gpu_bytes.items())
 
 
@@ -93,7 +93,7 @@ class ClusterStore:
     async def reserve(self, reservation: Reservation) -> bool:
         """Reserve every GPU share of `reservation`, all or nothing. False: some GPU filled up."""
         reserved: list[str] = []
-        for key, num_bytes in reservation.keys():
+        for key, num_bytes in reservation.gpu_keys():
             try:
                 await cas_update(
                     self._bus.gpus,

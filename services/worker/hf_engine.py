@@ -135,10 +135,7 @@ class HFGenerateEngine:
                 continue  # generate noticed the stop one token late
             num_generated += 1
             delta = text.push(item)
-            if item in request.eos_token_ids and not params.ignore_eos:
-                finish_reason = "stop"
-                flag.event.set()
-            elif text.stopped:
+            if (item in request.eos_token_ids and not params.ignore_eos) or text.stopped:
                 finish_reason = "stop"
                 flag.event.set()
             if delta:

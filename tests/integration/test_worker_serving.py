@@ -22,8 +22,8 @@ from shoal.shared.messages import (
     FinalReply,
     InferenceRequest,
     ModelSpec,
-    Reply,
     ReplicaRecord,
+    Reply,
     SamplingParams,
     TokenChunk,
     encode_msgpack,
@@ -41,14 +41,14 @@ async def worker(bus: Bus, demo_models_root: Path) -> AsyncIterator[WorkerServic
     engine = HFGenerateEngine(loaded.model, loaded.tokenizer, loaded.max_model_len)
     service = WorkerService(bus, engine, loaded.tokenizer, WorkerIdentity(MODEL, "r1", "n1"),
                             eos_token_ids=eos_token_ids(loaded.tokenizer, loaded.model),
-                            max_model_len=loaded.max_model_len)  # fmt: skip
+                            max_model_len=loaded.max_model_len)
     yield service
     await service.stop(drain_timeout_s=5.0)
 
 
 async def _publish(bus: Bus, request: InferenceRequest) -> None:
     await bus.js.publish(subjects.infer_subject(request.model), encode_msgpack(request),
-                         headers={subjects.HDR_REPLY_TO: request.reply_to})  # fmt: skip
+                         headers={subjects.HDR_REPLY_TO: request.reply_to})
 
 
 def _request(request_id: str, *, max_tokens: int = 5, deadline_s: float = 60.0, **kwargs) -> InferenceRequest:  # type: ignore[no-untyped-def]

@@ -56,7 +56,7 @@ def test_bad_config_errors_name_the_problem(tmp_path: Path, text: str, needle: s
 
 
 def test_bad_env_override_is_a_clear_error() -> None:
-    with pytest.raises(ConfigError, match="gateway.port"):
+    with pytest.raises(ConfigError, match=r"gateway\.port"):
         load_config(None, environ={"SHOAL_GATEWAY_PORT": "abc"})
 
 

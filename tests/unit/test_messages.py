@@ -37,7 +37,7 @@ def test_replies_round_trip_through_the_tagged_union(reply: msgspec.Struct) -> N
 
 def test_kv_records_are_json_that_people_can_read() -> None:
     gpu = m.GpuRecord(node_id="n", index=0, total_bytes=100,
-                      occupants=[m.Occupant("r", "mdl", 40, "serving", 1.0)])  # fmt: skip
+                      occupants=[m.Occupant("r", "mdl", 40, "serving", 1.0)])
     raw = m.encode_json(gpu)
     assert b'"occupants"' in raw and b'"total_bytes":100' in raw
     decoded = m.gpu_record_decoder.decode(raw)
@@ -62,7 +62,7 @@ def test_wire_structs_skip_fields_a_newer_service_added() -> None:
     newer = b'{"replica_id":"a","model":"m","node_id":"n","state":"ready","added_in_v2":{"x":1}}'
     assert m.replica_record_decoder.decode(newer).state == "ready"
     chunk = msgspec.msgpack.encode({"type": "chunk", "request_id": "r", "attempt": 1, "seq": 0, "text": "a",
-                                    "future_field": [1, 2]})  # fmt: skip
+                                    "future_field": [1, 2]})
     assert m.reply_decoder.decode(chunk) == m.TokenChunk("r", 1, 0, "a")
 
 

@@ -1,0 +1,50 @@
+"""Starting and stopping `shoal up`: SIGTERM leaves no process behind."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from tests.e2e.conftest import start_shoal_up
+
+pytestmark = pytest.mark.e2e
+
+
+def test_sigterm_stops_workers_and_nats(demo_models_root: Path, tmp_path: Path) -> None:
+    shoal = start_shoal_up(demo_models_root, tmp_path / "state")
+    try:
+        body = json.dumps({"model": "demo/llama-5m", "prompt": "hi", "max_tokens": 2}).encode()
+        request = urllib.request.Request(shoal.v1 + "/completions", data=body,
+                                         headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=240) as response:
+            assert response.status == 200
+        running = shoal.leftovers()
+        assert any("nats-server" in cmd for _, cmd in running), "nats-server should run while shoal is up"
+        assert any("shoal.services.worker" in cmd for _, cmd in running), "a worker should serve the model"
+    finally:
+        code = shoal.stop()
+    assert code == 0
+    assert shoal.leftovers() == []
+
+
+def test_status_and_inspect_show_the_cluster(demo_models_root: Path, tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    shoal = start_shoal_up(demo_models_root, state)
+    try:
+        status = subprocess.run([sys.executable, "-m", "shoal.services.cli", "status", "--state-dir", str(state)],
+                                capture_output=True, text=True, timeout=60)
+        assert status.returncode == 0, status.stderr
+        assert "GPUs (2):" in status.stdout and "demo/llama-5m" in status.stdout
+        inspected = subprocess.run([sys.executable, "-m", "shoal.services.cli", "inspect", "--nats-url",
+                                    shoal.nats_url], capture_output=True, text=True, timeout=60)
+        assert inspected.returncode == 0, inspected.stderr
+        for name in ("SHOAL_REQUESTS", "SHOAL_EVENTS", "shoal_models", "shoal_gpus", "shoal_replicas",
+                     "shoal_nodes", "shoal-scheduler", "shoal-node-agent"):
+            assert name in inspected.stdout
+    finally:
+        shoal.stop()

@@ -1,0 +1,167 @@
+"""The `openai` client against `shoal up`: what an application developer does first."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import openai
+import pytest
+from transformers import AutoTokenizer
+
+from tests.e2e.conftest import ShoalUp
+
+pytestmark = pytest.mark.e2e
+
+SMALL = "demo/llama-5m"
+OTHER = "demo/qwen2-25m"
+
+
+@pytest.fixture(scope="module")
+def client(shoal: ShoalUp) -> openai.OpenAI:
+    return openai.OpenAI(base_url=shoal.v1, api_key="unused", max_retries=0, timeout=240)
+
+
+def _chat_prompt_tokens(models_root: Path, model: str, messages: list[dict[str, str]]) -> int:
+    tokenizer = AutoTokenizer.from_pretrained(models_root / model)
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return len(tokenizer.encode(text, add_special_tokens=False))
+
+
+def test_lists_the_demo_models(client: openai.OpenAI) -> None:
+    ids = {model.id for model in client.models.list()}
+    assert {SMALL, OTHER, "demo/llama-100m"} <= ids
+
+
+def test_non_streamed_chat_with_exact_usage(client: openai.OpenAI, demo_models_root: Path) -> None:
+    messages = [{"role": "user", "content": "Say hello."}]
+    response = client.chat.completions.create(
+        model=SMALL, messages=messages, max_tokens=8, temperature=0, extra_body={"ignore_eos": True}
+    )
+    choice = response.choices[0]
+    assert choice.finish_reason == "length"
+    assert choice.message.role == "assistant" and choice.message.content
+    assert response.usage.completion_tokens == 8
+    assert response.usage.prompt_tokens == _chat_prompt_tokens(demo_models_root, SMALL, messages)
+    assert response.usage.total_tokens == response.usage.prompt_tokens + 8
+
+
+def test_streamed_chat_from_another_model(client: openai.OpenAI, demo_models_root: Path) -> None:
+    messages = [{"role": "system", "content": "Be brief."},
+                {"role": "user", "content": [{"type": "text", "text": "Hi "}, {"type": "text", "text": "there"}]}]
+    stream = client.chat.completions.create(
+        model=OTHER, messages=messages, max_completion_tokens=6, stream=True, seed=7, temperature=0.8,
+        stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+    )
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finish == ["length"]
+    assert text
+    usage = chunks[-1].usage
+    assert chunks[-1].choices == [] and usage is not None
+    assert usage.completion_tokens == 6
+    flattened = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]
+    assert usage.prompt_tokens == _chat_prompt_tokens(demo_models_root, OTHER, flattened)
+
+
+def test_seeded_sampling_is_reproducible(client: openai.OpenAI) -> None:
+    kwargs = dict(model=SMALL, prompt="The sea", max_tokens=12, temperature=1.0, seed=1234,
+                  extra_body={"ignore_eos": True})
+    first = client.completions.create(**kwargs)
+    second = client.completions.create(**kwargs)
+    assert first.choices[0].text == second.choices[0].text
+
+
+def test_completion_streamed_and_not(client: openai.OpenAI) -> None:
+    full = client.completions.create(model=SMALL, prompt="Once upon a time", max_tokens=10, temperature=0,
+                                     extra_body={"ignore_eos": True})
+    assert full.object == "text_completion" and full.usage.completion_tokens == 10
+    streamed = client.completions.create(model=SMALL, prompt="Once upon a time", max_tokens=10, temperature=0,
+                                         stream=True, extra_body={"ignore_eos": True})
+    text = "".join(chunk.choices[0].text for chunk in streamed if chunk.choices)
+    assert text == full.choices[0].text, "greedy streamed and non-streamed completions must agree"
+
+
+def test_stop_strings_end_the_text(client: openai.OpenAI) -> None:
+    free = client.completions.create(model=SMALL, prompt="a b c", max_tokens=30, temperature=0,
+                                     extra_body={"ignore_eos": True}).choices[0].text
+    assert len(free) > 4
+    stop = free[2:4]
+    stopped = client.completions.create(model=SMALL, prompt="a b c", max_tokens=30, temperature=0, stop=[stop],
+                                        extra_body={"ignore_eos": True}).choices[0]
+    assert stopped.finish_reason == "stop"
+    assert stopped.text == free[: free.index(stop)]
+
+
+async def test_twenty_concurrent_requests_over_two_models(shoal: ShoalUp) -> None:
+    client = openai.AsyncOpenAI(base_url=shoal.v1, api_key="unused", max_retries=0, timeout=240)
+
+    async def one(i: int) -> int:
+        model = SMALL if i % 2 else OTHER
+        response = await client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": f"request {i}"}], max_tokens=4,
+            extra_body={"ignore_eos": True},
+        )
+        return response.usage.completion_tokens
+
+    results = await asyncio.gather(*(one(i) for i in range(20)))
+    assert results == [4] * 20
+    await client.close()
+
+
+def _post(url: str, body: bytes, content_type: str = "application/json") -> tuple[int, dict]:
+    request = urllib.request.Request(url, data=body, headers={"Content-Type": content_type}, method="POST")
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "status", "param"),
+    [
+        ("/v1/chat/completions", b"{not json", 400, None),
+        ("/v1/chat/completions", b"", 400, None),
+        ("/v1/chat/completions", b'{"model": "no/such-model", "messages": [{"role": "user", "content": "x"}]}',
+         404, "model"),
+        ("/v1/chat/completions", b'{"model": "demo/llama-5m", "messages": [{"role": "user", "content": "x"}], '
+                                 b'"max_tokens": "many"}', 400, "max_tokens"),
+        ("/v1/chat/completions", b'{"model": "demo/llama-5m", "messages": "hello"}', 400, "messages"),
+        ("/v1/chat/completions", b'{"model": "demo/llama-5m", "messages": [{"role": "user", "content": "x"}], '
+                                 b'"temperature": 9}', 400, "temperature"),
+        ("/v1/chat/completions", b'{"model": "demo/llama-5m", "messages": [{"role": "user", "content": "x"}], '
+                                 b'"n": 3}', 400, "n"),
+        ("/v1/completions", b'{"model": "demo/llama-5m", "prompt": 42}', 400, "prompt"),
+        ("/v1/completions", b'{"model": "demo/llama-5m"}', 400, None),
+    ],
+)
+def test_bad_requests_get_openai_style_errors(shoal: ShoalUp, path: str, body: bytes, status: int,
+                                              param: str | None) -> None:
+    code, payload = _post(shoal.base_url + path, body)
+    assert code == status
+    error = payload["error"]
+    assert set(error) >= {"message", "type", "code"}
+    assert error["message"] and "Traceback" not in error["message"]
+    if param is not None:
+        assert error.get("param") == param
+
+
+def test_prompt_too_long_for_the_model_is_413(shoal: ShoalUp) -> None:
+    body = json.dumps({"model": SMALL, "prompt": "word " * 4000, "max_tokens": 2}).encode()
+    code, payload = _post(shoal.base_url + "/v1/completions", body)
+    assert code == 413 and "prompt" in payload["error"]["message"]
+
+
+def test_health_and_metrics(shoal: ShoalUp) -> None:
+    with urllib.request.urlopen(shoal.base_url + "/healthz", timeout=10) as response:
+        assert json.loads(response.read())["status"] == "ok"
+    with urllib.request.urlopen(shoal.base_url + "/metrics", timeout=10) as response:
+        text = response.read().decode()
+    assert "shoal_gateway_requests_total" in text
+    assert all(line.startswith(("#", "shoal_")) for line in text.splitlines() if line)
