@@ -8,6 +8,8 @@
     shoal demo-models   write the demo models under a models root
     shoal inspect       streams, KV buckets and micro services (what the NATS CLI shows)
     shoal status        nodes, GPUs, replicas and models
+    shoal scale         set a model's desired replica count
+    shoal evict         evict a model's replicas
 """
 
 from __future__ import annotations
@@ -63,6 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
             add(sub)
         if name == "node-agent":
             sub.add_argument("--state-dir", help="worker logs (default ./.shoal)")
+        if name != "gateway":
+            sub.add_argument("--metrics-port", type=int, help="serve GET /metrics on this port")
+            sub.add_argument("--metrics-host", default="127.0.0.1")
 
     from shoal.services.worker.args import add_worker_arguments
 
@@ -73,10 +78,18 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--force", action="store_true", help="rewrite models that exist")
 
     for name, help_text in (("inspect", "streams, KV buckets and micro services"),
-                            ("status", "nodes, GPUs, replicas and models")):
+                            ("status", "nodes, GPUs, replicas and models"),
+                            ("scale", "set a model's desired replica count"),
+                            ("evict", "evict a model's replicas (all, or one with --replica)")):
         sub = commands.add_parser(name, help=help_text)
         _common(sub)
         sub.add_argument("--state-dir", help="where `shoal up` wrote its NATS URL (default ./.shoal)")
+        if name in ("scale", "evict"):
+            sub.add_argument("model")
+        if name == "scale":
+            sub.add_argument("replicas", type=int)
+        if name == "evict":
+            sub.add_argument("--replica", help="the replica id (default: every replica)")
     return parser
 
 
@@ -126,7 +139,7 @@ async def _with_bus(url: str, name: str, action: Callable[[Any], Awaitable[None]
         await bus.close()
 
 
-async def _run_service(config: ShoalConfig, which: str) -> None:
+async def _run_service(config: ShoalConfig, args: argparse.Namespace) -> None:
     from shoal.services import launcher
     from shoal.shared.metrics import Registry
 
@@ -137,8 +150,29 @@ async def _run_service(config: ShoalConfig, which: str) -> None:
         "scheduler": launcher.scheduler_running,
         "node-agent": launcher.node_agent_running,
     }
-    async with starters[which](config, url, registry):
+    async with (
+        starters[args.command](config, url, registry),
+        launcher.metrics_serving(registry, getattr(args, "metrics_host", "127.0.0.1"),
+                                 getattr(args, "metrics_port", None)),
+    ):
+        print(f"shoal {args.command} is up (NATS {url})", flush=True)
         await launcher.wait_for_signal()
+
+
+async def _scheduler_command(bus: Any, args: argparse.Namespace) -> None:
+    from shoal.shared import subjects
+    from shoal.shared.messages import EvictReplicas, ScaleModel, scheduler_reply_decoder
+    from shoal.shared.micro import request_json
+
+    if args.command == "scale":
+        verb, command = "scale", ScaleModel(args.model, args.replicas)
+    else:
+        verb, command = "evict", EvictReplicas(args.model, args.replica)
+    reply = await request_json(bus.nc, subjects.scheduler_subject(verb), command, scheduler_reply_decoder,
+                               timeout_s=300.0)
+    print(f"{reply.status}: {reply.message}" if reply.message else reply.status)
+    for record in reply.replicas:
+        print(f"  {record.name}  {record.level} {record.state} on {record.node_id}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -163,6 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     from shoal.services import launcher
     from shoal.services.inspection import inspect, status
     from shoal.shared.bus import BusError
+    from shoal.shared.micro import ServiceCallError
 
     try:
         if args.command == "up":
@@ -173,8 +208,14 @@ def main(argv: list[str] | None = None) -> int:
             action = inspect if args.command == "inspect" else status
             asyncio.run(_with_bus(_nats_url_for_tools(config), f"shoal-{args.command}",
                                   lambda bus: action(bus, sys.stdout)))
+        elif args.command in ("scale", "evict"):
+            asyncio.run(_with_bus(_nats_url_for_tools(config), f"shoal-{args.command}",
+                                  lambda bus: _scheduler_command(bus, args)))
         else:
-            asyncio.run(_run_service(config, args.command))
+            asyncio.run(_run_service(config, args))
+    except ServiceCallError as exc:
+        print(f"shoal {args.command}: {exc}", file=sys.stderr)
+        return 1
     except (BusError, ConfigError, OSError) as exc:
         print(f"shoal {args.command}: {exc}", file=sys.stderr)
         return 1

@@ -115,6 +115,30 @@ async def gateway_running(config: ShoalConfig, nats_url: str, registry: Registry
         await runner.cleanup()
 
 
+@contextlib.asynccontextmanager
+async def metrics_serving(registry: Registry, host: str, port: int | None) -> AsyncIterator[None]:
+    """``GET /metrics`` for a service that has no gateway of its own (None: don't serve)."""
+    if port is None:
+        yield
+        return
+    from aiohttp import web
+
+    from shoal.shared.metrics import CONTENT_TYPE
+
+    async def metrics(_: web.Request) -> web.Response:
+        return web.Response(body=registry.render().encode(), headers={"Content-Type": CONTENT_TYPE})
+
+    app = web.Application()
+    app.router.add_get("/metrics", metrics)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, host, port).start()
+    try:
+        yield
+    finally:
+        await runner.cleanup()
+
+
 @contextlib.contextmanager
 def nats_for(config: ShoalConfig) -> Iterator[str]:
     """The configured NATS URL, or an embedded server's for as long as the block runs."""
@@ -138,8 +162,9 @@ def nats_for(config: ShoalConfig) -> Iterator[str]:
 async def run_up(config: ShoalConfig, nats_url: str) -> None:
     registry = Registry()
     async with contextlib.AsyncExitStack() as stack:
-        await stack.enter_async_context(scheduler_running(config, nats_url, registry))
+        # The node agent first: the scheduler asks node agents to inspect models as it registers them.
         await stack.enter_async_context(node_agent_running(config, nats_url, registry))
+        await stack.enter_async_context(scheduler_running(config, nats_url, registry))
         await stack.enter_async_context(gateway_running(config, nats_url, registry))
         url = f"http://{config.gateway.host}:{config.gateway.port}/v1"
         print(f"Shoal is up: OpenAI API at {url}  (NATS {nats_url}; Ctrl-C stops everything)", flush=True)

@@ -153,6 +153,15 @@ class ModelSpec(Struct, kw_only=True, omit_defaults=True):
     """Dedicated replicas are never evicted under memory pressure."""
     desired_replicas: int = 0
     max_queue: int | None = None
+    lease_owner: str | None = None
+    """The scheduler committing a plan that changes this model's replicas right now."""
+    lease_until: float | None = None
+    """A lease left by a crashed scheduler lapses at this time."""
+    num_failures: int = 0
+    """Replicas that failed in a row (reset when one becomes ready)."""
+    last_error: str | None = None
+    hold_until: float | None = None
+    """After repeated failures, no new replica is placed before this time."""
     fairness: FairnessSpec = field(default_factory=FairnessSpec)
     idle_timeout_s: float | None = None
     source: str = "config"
@@ -330,13 +339,13 @@ class StopReplica(Struct, tag="stop", tag_field="type"):
 
 
 class CacheReplica(Struct, tag="to_cache", tag_field="type"):
-    """Park a replica WARM: weights to CPU RAM, GPU memory given back."""
+    """Park a replica WARM: drain, weights to CPU RAM, GPU memory given back."""
 
     replica_id: str
 
 
 class RestoreReplica(Struct, tag="from_cache", tag_field="type"):
-    """Bring a WARM replica back onto the GPUs of its (new) allocation."""
+    """Bring a WARM replica back onto the GPUs of its (new) allocation and serve again."""
 
     replica: ReplicaRecord
 
@@ -366,6 +375,12 @@ class NodeReply(Struct, omit_defaults=True):
     ok: bool
     message: str = ""
     pid: int | None = None
+
+
+class WorkerReply(Struct, omit_defaults=True):
+    ok: bool
+    message: str = ""
+    measured_bytes: int | None = None
 
 
 class WorkerEvent(Struct, tag="worker_event", tag_field="type", omit_defaults=True):
@@ -405,6 +420,7 @@ scheduler_command_decoder: msgspec.json.Decoder[SchedulerCommand] = msgspec.json
 scheduler_reply_decoder = msgspec.json.Decoder(SchedulerReply)
 node_command_decoder: msgspec.json.Decoder[NodeCommand] = msgspec.json.Decoder(NodeCommand)  # type: ignore[arg-type]
 node_reply_decoder = msgspec.json.Decoder(NodeReply)
+worker_reply_decoder = msgspec.json.Decoder(WorkerReply)
 model_facts_decoder = msgspec.json.Decoder(ModelFacts)
 worker_event_decoder = msgspec.json.Decoder(WorkerEvent)
 event_decoder = msgspec.json.Decoder(Event)

@@ -25,6 +25,7 @@ REPLY_PREFIX = "shoal.reply"
 CANCEL_PREFIX = "shoal.cancel"
 SCHEDULER_PREFIX = "shoal.scheduler"
 NODE_PREFIX = "shoal.node"
+WORKER_PREFIX = "shoal.worker"
 NODE_INSPECT = f"{NODE_PREFIX}.inspect"
 """Queue-grouped: any node agent sizes a model from the files it can see."""
 
@@ -134,6 +135,11 @@ def gpu_kv_key(node_id: str, gpu_index: int) -> str:
 
 def node_subject(node_id: str, verb: str) -> str:
     return f"{NODE_PREFIX}.{node_id}.{verb}"
+
+
+def worker_subject(replica_id: str, verb: str) -> str:
+    """A replica's control endpoint (to_cache, from_cache), called by its node agent."""
+    return f"{WORKER_PREFIX}.{replica_id}.{verb}"
 
 
 def scheduler_subject(verb: str) -> str:

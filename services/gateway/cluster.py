@@ -58,6 +58,14 @@ class ClusterView:
     def has_active_replica(self, model: str) -> bool:
         return any(r.state in ACTIVE_STATES for r in self.replicas_of(model))
 
+    def failing_reason(self, model: str, at: float) -> str | None:
+        """Why `model` cannot serve now: its replicas keep failing and placement is backing
+        off, with none on its way. None while it may still come up."""
+        spec = self.models.get(model)
+        if spec is None or spec.hold_until is None or spec.hold_until <= at or self.has_active_replica(model):
+            return None
+        return spec.last_error or "its replicas keep failing"
+
     def _on_model(self, key: str, value: ModelSpec | None) -> None:
         if value is None:
             model = self._models_by_token.pop(key, None)

@@ -42,6 +42,7 @@ from shoal.shared.messages import (
     ErrorReply,
     FinalReply,
     InferenceRequest,
+    Reply,
     TokenChunk,
     encode_msgpack,
     scheduler_reply_decoder,
@@ -50,6 +51,9 @@ from shoal.shared.metrics import Registry
 from shoal.shared.micro import ServiceCallError, ServiceError, ServiceUnavailable, request_json
 
 log = structlog.get_logger(__name__)
+
+FAILURE_CHECK_S = 1.0
+"""While waiting, how often a request checks whether its model's replicas keep failing."""
 
 
 class StreamBroken(ApiError):
@@ -187,14 +191,21 @@ class Dispatcher:
         except (TimeoutError, nats.errors.Error) as exc:
             raise Unavailable(f"the request queue is unavailable: {exc}", retry_after_s=2.0) from exc
 
-    async def _next_reply(self, queue: asyncio.Queue, request: InferenceRequest):  # type: ignore[no-untyped-def]
-        remaining = request.deadline - time.time()
-        try:
-            return await asyncio.wait_for(queue.get(), timeout=max(0.0, remaining))
-        except TimeoutError as exc:
-            raise DeadlineExceeded(
-                f"the request did not finish within its deadline ({self._config.request_timeout_s:.0f}s)"
-            ) from exc
+    async def _next_reply(self, queue: asyncio.Queue[Reply], request: InferenceRequest) -> Reply:
+        """The next reply; 504 at the deadline, 503 if the model's replicas keep failing meanwhile."""
+        while True:
+            remaining = request.deadline - time.time()
+            if remaining <= 0:
+                raise DeadlineExceeded(
+                    f"the request did not finish within its deadline ({self._config.request_timeout_s:.0f}s)"
+                )
+            try:
+                return await asyncio.wait_for(queue.get(), timeout=min(remaining, FAILURE_CHECK_S))
+            except TimeoutError:
+                reason = self._cluster.failing_reason(request.model, time.time())
+                if reason is not None:
+                    raise Unavailable(f"model {request.model!r} cannot start: {reason}",
+                                      code="model_failing", retry_after_s=10.0) from None
 
     async def _cancel(self, request: InferenceRequest, reason: str) -> None:
         try:

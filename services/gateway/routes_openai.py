@@ -40,10 +40,14 @@ from shoal.shared.messages import FinalReply, InferenceRequest, SamplingParams, 
 log = structlog.get_logger(__name__)
 
 routes = web.RouteTableDef()
+REQUEST_ID_HEADER = "X-Request-Id"
+REPLICA_HEADER = "X-Shoal-Replica"
+"""Which replica answered a non-streamed request (debugging, and the replica-spread tests)."""
 
 
-def _json(payload: object, status: int = 200) -> web.Response:
-    return web.Response(body=encoder.encode(payload), status=status, content_type="application/json")
+def _json(payload: object, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
+    return web.Response(body=encoder.encode(payload), status=status, content_type="application/json",
+                        headers=headers)
 
 
 @routes.get("/v1/models")
@@ -146,7 +150,7 @@ async def _collect(state: GatewayState, inference: InferenceRequest, kind: Kind)
     response_id = ("chatcmpl-" if kind == "chat" else "cmpl-") + inference.request_id
     body = full_response(kind, response_id, int(inference.created), inference.model, "".join(parts),
                          final.finish_reason, usage(final.prompt_tokens, final.completion_tokens))
-    return _json(body)
+    return _json(body, headers={REQUEST_ID_HEADER: inference.request_id, REPLICA_HEADER: final.replica_id})
 
 
 async def _stream(request: web.Request, state: GatewayState, inference: InferenceRequest, kind: Kind,
@@ -160,7 +164,7 @@ async def _stream(request: web.Request, state: GatewayState, inference: Inferenc
         # (unknown model in the worker, prompt too long...) keep their proper status.
         first = await anext(events)
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-                                               "X-Request-Id": inference.request_id})
+                                               REQUEST_ID_HEADER: inference.request_id})
         await response.prepare(request)
         sse = _SseWriter(response)
         try:

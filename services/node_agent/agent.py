@@ -27,6 +27,7 @@ from shoal.services.node_agent.processes import WorkerProcess, spawn_worker, tai
 from shoal.shared import subjects
 from shoal.shared.bus import Bus, cas_update, publish_event
 from shoal.shared.messages import (
+    CacheReplica,
     CreateReplica,
     Event,
     GpuRecord,
@@ -38,12 +39,14 @@ from shoal.shared.messages import (
     NodeReply,
     ReplicaFailed,
     ReplicaRecord,
+    RestoreReplica,
     StopReplica,
     WorkerEvent,
     node_command_decoder,
     now,
     scheduler_reply_decoder,
     worker_event_decoder,
+    worker_reply_decoder,
 )
 from shoal.shared.metrics import Registry
 from shoal.shared.micro import RequestError, ServiceCallError, add_json_endpoint, request_json
@@ -53,6 +56,7 @@ log = structlog.get_logger(__name__)
 VERSION = "0.1.0"
 MAX_ASSERT_RESTARTS = 3
 DEVICE_ASSERT_MARKER = "device-side assert triggered"
+WORKER_CONTROL_TIMEOUT_S = 120.0
 
 
 @dataclass
@@ -111,7 +115,7 @@ class NodeAgent:
             description=f"Shoal node agent of {self.node_id}",
             metadata={"node_id": self.node_id},
         )
-        for verb in ("create", "stop"):
+        for verb in ("create", "stop", "to_cache", "from_cache"):
             await add_json_endpoint(self._service, verb, subjects.node_subject(self.node_id, verb),
                                     node_command_decoder.decode, self._on_command)
         await add_json_endpoint(self._service, "worker_event", subjects.node_subject(self.node_id, "worker_event"),
@@ -206,6 +210,10 @@ class NodeAgent:
                 return await self._create(record, spec)
             case StopReplica(replica_id=replica_id, reason=reason):
                 return await self._stop_replica(replica_id, reason)
+            case CacheReplica(replica_id=replica_id):
+                return await self._to_cache(replica_id)
+            case RestoreReplica(replica=record):
+                return await self._from_cache(record)
             case _:
                 raise RequestError(400, f"{type(command).__name__} is not supported by this node agent")
 
@@ -249,6 +257,39 @@ class NodeAgent:
         code = await replica.process.stop()
         return NodeReply(ok=True, message=f"stopped (exit {code})", pid=replica.process.pid)
 
+    def _running(self, replica_id: str) -> _Replica:
+        replica = self._replicas.get(replica_id)
+        if replica is None or replica.process is None or replica.process.process.returncode is not None:
+            raise RequestError(404, f"replica {replica_id} has no running worker on {self.node_id}")
+        return replica
+
+    async def _to_cache(self, replica_id: str) -> NodeReply:
+        """Park a replica WARM: its worker drains, drops its KV pool, moves its weights to CPU RAM."""
+        replica = self._running(replica_id)
+        try:
+            reply = await request_json(self._bus.nc, subjects.worker_subject(replica_id, "to_cache"),
+                                       CacheReplica(replica_id), worker_reply_decoder, timeout_s=WORKER_CONTROL_TIMEOUT_S)
+        except ServiceCallError as exc:
+            raise RequestError(502, f"worker of {replica_id} did not park: {exc}") from exc
+        replica.record = msgspec.structs.replace(replica.record, level="WARM", gpu_bytes={}, gpu_memory_fraction=None)
+        await publish_event(self._bus.js, Event("replica_cached", now(), model=replica.record.model,
+                                                replica_id=replica_id, node_id=self.node_id))
+        return NodeReply(ok=True, message=reply.message, pid=replica.process.pid if replica.process else None)
+
+    async def _from_cache(self, record: ReplicaRecord) -> NodeReply:
+        """Bring a WARM replica back on its new allocation; it serves again once restored."""
+        replica = self._running(record.replica_id)
+        replica.record = record
+        await self._set_state(record, "loading")
+        try:
+            reply = await request_json(self._bus.nc, subjects.worker_subject(record.replica_id, "from_cache"),
+                                       RestoreReplica(record), worker_reply_decoder, timeout_s=WORKER_CONTROL_TIMEOUT_S)
+        except ServiceCallError as exc:
+            await self._fail(replica, f"restore failed: {exc}")
+            raise RequestError(502, f"worker of {record.replica_id} did not restore: {exc}") from exc
+        await self._became_ready(replica, reply.measured_bytes, None)
+        return NodeReply(ok=True, message=reply.message, pid=replica.process.pid if replica.process else None)
+
     # ------------------------------------------------------------------ worker lifecycle
 
     async def _on_worker_event(self, event: WorkerEvent) -> NodeReply:
@@ -258,21 +299,23 @@ class NodeAgent:
         record = replica.record
         structlog.contextvars.bind_contextvars(model=record.model, replica=record.replica_id)
         if event.kind == "ready":
-            measured = self._measure(event)
             replica.ready.set()
-            await self._set_state(record, "ready", pid=event.pid, measured_bytes=measured)
-            await self._set_occupant_state(record, "serving")
-            if measured:
-                await self._record_measured_memory(record.model, measured)
-            await publish_event(self._bus.js, Event("replica_ready", now(), model=record.model,
-                                replica_id=record.replica_id, node_id=self.node_id,
-                                data={"measured_bytes": measured}))
+            await self._became_ready(replica, self._measure(event), event.pid)
         elif event.kind == "failed":
             log.error("worker_reported_failure", error=event.message)
             if replica.process:
                 replica.process.stopping = True
             await self._fail(replica, event.message)
         return NodeReply(ok=True)
+
+    async def _became_ready(self, replica: _Replica, measured: int | None, pid: int | None) -> None:
+        record = replica.record
+        await self._set_state(record, "ready", pid=pid, measured_bytes=measured)
+        await self._set_occupant_state(record, "serving")
+        await self._record_ready_model(record.model, measured)
+        await publish_event(self._bus.js, Event("replica_ready", now(), model=record.model,
+                                                replica_id=record.replica_id, node_id=self.node_id,
+                                                data={"measured_bytes": measured}))
 
     def _measure(self, event: WorkerEvent) -> int | None:
         if not self._gpus.virtual and event.pid:
@@ -355,12 +398,18 @@ class NodeAgent:
 
             await cas_update(self._bus.gpus, subjects.gpu_kv_key(self.node_id, index), mutate)
 
-    async def _record_measured_memory(self, model: str, measured_bytes: int) -> None:
-        """Later placements of `model` use what this replica really holds."""
+    async def _record_ready_model(self, model: str, measured_bytes: int | None) -> None:
+        """A replica serves: later placements of `model` use what it really holds, and its
+        run of failures (which backs placement off) is over."""
 
         def mutate(current: ModelSpec | None) -> ModelSpec | None:
-            if current is None or current.measured_serving_bytes == measured_bytes:
+            if current is None:
                 return None
-            return msgspec.structs.replace(current, measured_serving_bytes=measured_bytes, measured_at=now())
+            measured = measured_bytes or current.measured_serving_bytes
+            if current.measured_serving_bytes == measured and not current.num_failures and not current.hold_until:
+                return None
+            return msgspec.structs.replace(current, measured_serving_bytes=measured,
+                                           measured_at=now() if measured_bytes else current.measured_at,
+                                           num_failures=0, last_error=None, hold_until=None)
 
         await cas_update(self._bus.models, subjects.model_token(model), mutate)

@@ -39,6 +39,8 @@ def merge_registration(current: ModelSpec | None, incoming: ModelSpec) -> ModelS
         return incoming
     learned = {
         "registered_at": current.registered_at,
+        "lease_owner": current.lease_owner,
+        "lease_until": current.lease_until,
         "desired_replicas": max(current.desired_replicas, incoming.desired_replicas),
     }
     same_footprint = (incoming.path, incoming.dtype, incoming.kv_cache_tokens) == (

@@ -1,9 +1,16 @@
-"""The scheduler: model registry, desired replica counts, placement, reconciliation.
+"""The scheduler: model registry, desired replica counts, placement passes, reconciliation.
 
 Exposed as the ``shoal-scheduler`` micro service on ``shoal.scheduler.<verb>``
-(queue-grouped: run several schedulers and each request goes to one). All
-cluster state lives in the KV buckets and every GPU change is a CAS, so
-schedulers share nothing but NATS.
+(queue-grouped: run several and each request goes to one of them). Every
+change is a placement pass:
+
+    snapshot of the four buckets -> pure policy (ClusterPlanner) -> plan
+    -> CAS the specs of the models it touches (serializes schedulers per model)
+    -> CAS every GPU key it changes, in key order, rolled back if one no longer fits
+    -> replica records -> node agents: to_cache, delete, from_cache, create
+
+A lost race anywhere re-reads and re-plans (bounded). Schedulers share nothing
+but NATS.
 """
 
 from __future__ import annotations
@@ -11,22 +18,23 @@ from __future__ import annotations
 import asyncio
 import random
 import uuid
-from collections import defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Coroutine, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import msgspec
 import structlog
 from nats.micro import add_service
 from nats.micro.service import Service
 
-from shoal.services.scheduler.planner import PlacementDecision, Planner
+from shoal.services.scheduler import cluster_view as view
+from shoal.services.scheduler.executor import run_delta
 from shoal.services.scheduler.registry import merge_registration
-from shoal.services.scheduler.store import ClusterStore
+from shoal.services.scheduler.store import ClusterSnapshot, ClusterStore
 from shoal.shared import subjects
 from shoal.shared.bus import Bus, ensure_model_consumer, publish_event
 from shoal.shared.config import SchedulerConfig
 from shoal.shared.messages import (
-    CreateReplica,
     EnsureModel,
     Event,
     EvictReplicas,
@@ -35,24 +43,36 @@ from shoal.shared.messages import (
     RegisterModel,
     RemoveModel,
     ReplicaFailed,
-    ReplicaRecord,
     ScaleModel,
     SchedulerCommand,
     SchedulerReply,
-    StopReplica,
     model_facts_decoder,
-    node_reply_decoder,
     now,
     scheduler_command_decoder,
 )
 from shoal.shared.metrics import Registry
 from shoal.shared.micro import RequestError, ServiceCallError, add_json_endpoint, request_json
+from shoal.shared.policy.cluster_state import ClusterSnapshot as PolicySnapshot
+from shoal.shared.policy.memory_figure import UnknownModelMemory
+from shoal.shared.policy.placement import ClusterPlanner
+from shoal.shared.policy.placement_plan import PlacementPlan
+from shoal.shared.policy.replica_plan import build_delta, get_planned_locations
 
 log = structlog.get_logger(__name__)
 
 VERSION = "0.1.0"
 ACTIVE_STATES = ("pending", "loading", "ready", "draining")
-MAX_REPLANS = 8
+MAX_REPLANS = 12
+MAX_HOLD_S = 120.0
+
+Operation = Callable[[ClusterPlanner, dict[str, ModelSpec]], None]
+
+
+@dataclass(frozen=True)
+class PassOutcome:
+    plan: PlacementPlan
+    committed: bool
+    message: str = ""
 
 
 class Scheduler:
@@ -72,23 +92,32 @@ class Scheduler:
         self.scheduler_id = config.scheduler_id or f"sched-{uuid.uuid4().hex[:8]}"
         self._clock = clock
         self._rng = rng or random.Random()
+        self._policy_config = view.build_policy_config(config.placement)
         registry = metrics or Registry()
+        self.metrics = registry
         self.cas_conflicts = registry.counter(
             "shoal_scheduler_gpu_cas_conflicts_total", "GPU key updates that lost a CAS race", ["scheduler"]
         )
-        self._placements = registry.counter(
-            "shoal_scheduler_placements_total", "Replica placement outcomes", ["scheduler", "outcome"]
+        spec_conflicts = registry.counter(
+            "shoal_scheduler_model_cas_conflicts_total",
+            "Placement passes that lost a race for a model spec to another scheduler",
+            ["scheduler"],
         )
+        self._passes = registry.counter(
+            "shoal_scheduler_passes_total", "Placement passes by outcome", ["scheduler", "outcome"]
+        )
+        self._placed = registry.counter("shoal_scheduler_replicas_placed_total", "Replicas placed", ["scheduler"])
         self.store = ClusterStore(
             bus,
             self.scheduler_id,
             conflicts=self.cas_conflicts,
+            spec_conflicts=spec_conflicts,
             reservation_ttl_s=config.reservation_ttl_s,
             clock=clock,
             rng=self._rng,
         )
-        self._planner = Planner(config.placement, rng=self._rng)
-        self._model_locks: defaultdict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
+        self._lock = asyncio.Lock()
+        self._background: set[asyncio.Task[None]] = set()
         self._service: Service | None = None
         self._reconciler: asyncio.Task[None] | None = None
 
@@ -146,10 +175,18 @@ class Scheduler:
         stored = await self.store.update_model(spec.key, lambda current: merge_registration(current, spec))
         assert stored is not None, "registering a model must leave a spec behind"
         await ensure_model_consumer(self._bus.js, spec.key)
+        stored = await self._inspected(stored)
         await publish_event(self._bus.js, Event("model_registered", self._clock(), model=spec.key))
         if stored.desired_replicas:
-            await self.converge(spec.key)
+            await self.ensure(spec.key, stored.desired_replicas)
         return stored
+
+    async def remove(self, model: str) -> SchedulerReply:
+        await self._require_model(model)
+        outcome = await self._run_pass(lambda planner, _: planner.scale_down(model, 0))
+        await self._bus.models.delete(subjects.model_token(model))
+        await publish_event(self._bus.js, Event("model_removed", self._clock(), model=model))
+        return SchedulerReply(ok=outcome.committed, status="ok", message=f"model {model} removed")
 
     async def _require_model(self, model: str) -> ModelSpec:
         spec = await self.store.get_model(model)
@@ -157,157 +194,14 @@ class Scheduler:
             raise RequestError(404, f"model {model!r} is not registered")
         return spec
 
-    async def remove(self, model: str) -> SchedulerReply:
-        await self._require_model(model)
-        await self._set_desired(model, lambda _: 0)
-        await self.converge(model)
-        await self._bus.models.delete(subjects.model_token(model))
-        await publish_event(self._bus.js, Event("model_removed", self._clock(), model=model))
-        return SchedulerReply(ok=True, status="ok", message=f"model {model} removed")
-
-    async def _set_desired(self, model: str, change: Callable[[int], int]) -> ModelSpec:
-        def mutate(current: ModelSpec | None) -> ModelSpec | None:
-            if current is None:
-                return None
-            desired = max(0, change(current.desired_replicas))
-            return None if desired == current.desired_replicas else msgspec.structs.replace(
-                current, desired_replicas=desired
-            )
-
-        spec = await self.store.update_model(model, mutate)
-        if spec is None:
-            raise RequestError(404, f"model {model!r} is not registered")
-        return spec
-
-    # ------------------------------------------------------------------ replicas
-
-    async def ensure(self, model: str, min_replicas: int = 1) -> SchedulerReply:
-        """At least `min_replicas` replicas placed (the gateway's call for a model with none)."""
-        await self._require_model(model)
-        await self._set_desired(model, lambda desired: max(desired, min_replicas))
-        return await self.converge(model)
-
-    async def scale(self, model: str, replicas: int) -> SchedulerReply:
-        if replicas < 0:
-            raise RequestError(400, "replicas must be >= 0")
-        await self._require_model(model)
-        await self._set_desired(model, lambda _: replicas)
-        return await self.converge(model)
-
-    async def evict(self, model: str, replica_id: str | None) -> SchedulerReply:
-        """Evict one replica (desired count decremented) or every replica of `model` (desired 0)."""
-        await self._require_model(model)
-        async with self._model_locks[model]:
-            snapshot = await self.store.snapshot()
-            targets = [r for r in snapshot.replicas_of(model) if replica_id in (None, r.replica_id)]
-            if replica_id is not None and not targets:
-                raise RequestError(404, f"replica {replica_id} of {model!r} not found")
-            await self._set_desired(model, (lambda _: 0) if replica_id is None else (lambda d: d - 1))
-            for record in targets:
-                await self._stop_replica(record, reason="evicted by request")
-        return await self._reply(model, "ok")
-
-    async def on_replica_failed(self, model: str, replica_id: str, error: str) -> None:
-        """Free a failed replica and place a replacement (the desired count is unchanged)."""
-        async with self._model_locks[model]:
-            entry = await self._bus.replicas.get(subjects.replica_kv_key(model, replica_id))
-            if entry is not None:
-                await self._forget_replica(entry.value)
-        log.warning("replica_replaced", model=model, replica=replica_id, error=error)
-        await self.converge(model)
-
-    async def converge(self, model: str) -> SchedulerReply:
-        """Place or stop replicas until the model's active count equals its desired count."""
-        async with self._model_locks[model]:
-            spec = await self.store.get_model(model)
-            if spec is None:
-                return SchedulerReply(ok=False, status="not_found", message=f"model {model!r} is not registered")
-            snapshot = await self.store.snapshot()
-            active = [r for r in snapshot.replicas_of(model) if r.state in ACTIVE_STATES]
-            for record in _pick_surplus(active, spec.desired_replicas):
-                await self._stop_replica(record, reason="scaled down")
-            missing = spec.desired_replicas - len(active)
-            failures: list[str] = []
-            for _ in range(max(0, missing)):
-                outcome = await self._place_one(spec)
-                if isinstance(outcome, str):
-                    failures.append(outcome)
-                    break
-            if failures:
-                return await self._reply(model, "cant_accommodate", failures[0], retry_after_s=5.0)
-        return await self._reply(model, "placed" if missing > 0 else "ok")
-
-    async def _reply(self, model: str, status: str, message: str = "", **extra: float) -> SchedulerReply:
-        snapshot_replicas = [v.value for v in (await self._bus.replicas.get_all()).values() if v.value.model == model]
-        spec = await self.store.get_model(model)
-        if status in ("ok", "placed") and any(r.serving for r in snapshot_replicas):
-            status = "serving"
-        ok = status != "cant_accommodate"
-        return SchedulerReply(ok=ok, status=status, message=message, model=spec, replicas=snapshot_replicas, **extra)
-
-    async def _place_one(self, spec: ModelSpec) -> ReplicaRecord | str:
-        """Reserve GPU memory for one new replica and start it; a string says why it could not."""
-        spec = await self._with_inspection(spec)
-        for _ in range(MAX_REPLANS):
-            snapshot = await self.store.snapshot()
-            decision = self._planner.plan(snapshot, spec)
-            if isinstance(decision, str):
-                self._placements.inc(scheduler=self.scheduler_id, outcome="cant_accommodate")
-                return decision
-            if await self.store.reserve(decision.reservation):
-                return await self._start_replica(spec, decision)
-        self._placements.inc(scheduler=self.scheduler_id, outcome="contended")
-        return "placement kept losing races with other schedulers; try again"
-
-    async def _start_replica(self, spec: ModelSpec, decision: PlacementDecision) -> ReplicaRecord | str:
-        reservation = decision.reservation
-        stamp = self._clock()
-        record = ReplicaRecord(
-            replica_id=reservation.replica_id,
-            model=spec.key,
-            node_id=reservation.node_id,
-            gpu_bytes=dict(reservation.gpu_bytes),
-            gpu_memory_fraction=decision.gpu_memory_fraction,
-            dedicated=spec.dedicated,
-            cpu_bytes=spec.weight_bytes or 0,
-            created_at=stamp,
-            updated_at=stamp,
-            scheduler_id=self.scheduler_id,
-        )
-        await self.store.create_replica(record)
-        try:
-            await request_json(
-                self._bus.nc,
-                subjects.node_subject(record.node_id, "create"),
-                CreateReplica(record, spec),
-                node_reply_decoder,
-                timeout_s=30.0,
-            )
-        except ServiceCallError as exc:
-            log.error("replica_create_failed", model=spec.key, replica=record.replica_id, error=str(exc))
-            await self._forget_replica(record)
-            self._placements.inc(scheduler=self.scheduler_id, outcome="create_failed")
-            return f"node {record.node_id} could not start the replica: {exc}"
-        self._placements.inc(scheduler=self.scheduler_id, outcome="placed")
-        await publish_event(self._bus.js, Event("replica_placed", stamp, model=spec.key, replica_id=record.replica_id,
-                            node_id=record.node_id, data={"gpu_bytes": {str(k): v for k, v in record.gpu_bytes.items()},
-                                                          "memory_source": decision.memory_source}))
-        log.info("replica_placed", model=spec.key, replica=record.replica_id, node=record.node_id,
-                 gpu_bytes=record.gpu_bytes, memory_source=decision.memory_source)
-        return record
-
-    async def _with_inspection(self, spec: ModelSpec) -> ModelSpec:
-        """Fill in weight size and config estimate from a node agent, once per model."""
+    async def _inspected(self, spec: ModelSpec) -> ModelSpec:
+        """Fill in weight size and config estimate from a node agent (they see the models root)."""
         if spec.weight_bytes is not None:
             return spec
         try:
-            facts = await request_json(
-                self._bus.nc,
-                subjects.NODE_INSPECT,
-                InspectModel(spec.path, spec.dtype, spec.kv_cache_tokens),
-                model_facts_decoder,
-                timeout_s=30.0,
-            )
+            facts = await request_json(self._bus.nc, subjects.NODE_INSPECT,
+                                       InspectModel(spec.path, spec.dtype, spec.kv_cache_tokens),
+                                       model_facts_decoder, timeout_s=30.0)
         except ServiceCallError as exc:
             log.warning("model_inspection_failed", model=spec.key, error=str(exc))
             return spec
@@ -315,35 +209,221 @@ class Scheduler:
         def mutate(current: ModelSpec | None) -> ModelSpec | None:
             if current is None:
                 return None
-            return msgspec.structs.replace(
-                current,
-                weight_bytes=facts.weight_bytes,
-                num_parameters=facts.num_parameters,
-                estimated_bytes=facts.estimated_bytes,
-                max_model_len=current.max_model_len or facts.max_model_len,
-            )
+            return msgspec.structs.replace(current, weight_bytes=facts.weight_bytes,
+                                           num_parameters=facts.num_parameters,
+                                           estimated_bytes=facts.estimated_bytes,
+                                           max_model_len=current.max_model_len or facts.max_model_len)
 
         return await self.store.update_model(spec.key, mutate) or spec
 
-    async def _stop_replica(self, record: ReplicaRecord, reason: str) -> None:
-        try:
-            await request_json(
-                self._bus.nc,
-                subjects.node_subject(record.node_id, "stop"),
-                StopReplica(record.replica_id, reason),
-                node_reply_decoder,
-                timeout_s=60.0,
-            )
-        except ServiceCallError as exc:
-            log.warning("replica_stop_unconfirmed", replica=record.replica_id, error=str(exc))
-        await self._forget_replica(record)
-        await publish_event(self._bus.js, Event("replica_stopped", self._clock(), reason, record.model,
-                                                record.replica_id, record.node_id))
+    # ------------------------------------------------------------------ commands
 
-    async def _forget_replica(self, record: ReplicaRecord) -> None:
-        """Give its GPU memory back, then drop its record (in that order: see the reconciler)."""
-        await self.store.release_replica(record)
-        await self.store.delete_replica(record)
+    async def ensure(self, model: str, min_replicas: int = 1) -> SchedulerReply:
+        """At least `min_replicas` HOT replicas (the gateway's call for a model with none)."""
+        spec = await self._inspected(await self._require_model(model))
+        if (held := self._held(spec)) is not None:
+            return held
+        try:
+            view.build_demand(spec, config=self._policy_config)
+        except UnknownModelMemory as exc:
+            return await self._reply(model, "cant_accommodate", f"{model}: {exc}; no node agent could inspect it")
+
+        def operate(planner: ClusterPlanner, specs: dict[str, ModelSpec]) -> None:
+            current = specs[model]
+            desired = max(current.desired_replicas, min_replicas)
+            planner.ensure(view.build_demand(current, config=self._policy_config, desired_replicas=desired))
+
+        return await self._placement_reply(model, await self._run_pass(operate))
+
+    async def scale(self, model: str, replicas: int) -> SchedulerReply:
+        if replicas < 0:
+            raise RequestError(400, "replicas must be >= 0")
+        await self._inspected(await self._require_model(model))
+
+        def operate(planner: ClusterPlanner, specs: dict[str, ModelSpec]) -> None:
+            planner.scale_down(model, replicas)
+            if replicas:
+                planner.ensure(view.build_demand(specs[model], config=self._policy_config, desired_replicas=replicas))
+
+        return await self._placement_reply(model, await self._run_pass(operate))
+
+    async def evict(self, model: str, replica_id: str | None) -> SchedulerReply:
+        """Evict one replica (desired count - 1) or every replica of `model` (desired 0)."""
+        await self._require_model(model)
+        found = True
+
+        def operate(planner: ClusterPlanner, _: dict[str, ModelSpec]) -> None:
+            nonlocal found
+            if replica_id is None:
+                planner.evict_model(model)
+            else:
+                found = planner.evict_replica(model, replica_id)
+
+        outcome = await self._run_pass(operate)
+        if not found:
+            raise RequestError(404, f"replica {replica_id} of {model!r} not found")
+        return await self._reply(model, "ok" if outcome.committed else "contended", outcome.message)
+
+    async def on_replica_failed(self, model: str, replica_id: str, error: str) -> None:
+        """Free a failed replica, back off after repeated failures, and place a replacement."""
+        entry = await self._bus.replicas.get(subjects.replica_kv_key(model, replica_id))
+        if entry is not None:
+            await self.store.release_replica(entry.value)
+            await self.store.delete_replica(entry.value)
+
+        def mutate(current: ModelSpec | None) -> ModelSpec | None:
+            if current is None:
+                return None
+            failures = current.num_failures + 1
+            hold = min(MAX_HOLD_S, 2.0 ** (failures - 1)) if failures > 1 else 0.0
+            return msgspec.structs.replace(current, num_failures=failures, last_error=error,
+                                           hold_until=self._clock() + hold if hold else None)
+
+        spec = await self.store.update_model(model, mutate)
+        log.warning("replica_failed", model=model, replica=replica_id, error=error,
+                    failures=spec.num_failures if spec else None)
+        if spec is not None and spec.desired_replicas and self._held(spec) is None:
+            await self.ensure(model, spec.desired_replicas)
+
+    def _held(self, spec: ModelSpec) -> SchedulerReply | None:
+        """A reply refusing placement while the model is backing off after failures."""
+        if spec.hold_until is None or spec.hold_until <= self._clock():
+            return None
+        retry = spec.hold_until - self._clock()
+        return SchedulerReply(ok=False, status="failing", model=spec, retry_after_s=max(1.0, retry),
+                              message=f"replicas of {spec.key} keep failing ({spec.num_failures} in a row); "
+                                      f"last error: {spec.last_error}")
+
+    # ------------------------------------------------------------------ placement passes
+
+    async def _run_pass(self, operate: Operation) -> PassOutcome:
+        """Plan on a fresh snapshot and commit it; re-plan on any lost race (see module doc)."""
+        async with self._lock:
+            for _ in range(MAX_REPLANS):
+                snapshot = await self.store.snapshot()
+                specs = {v.value.key: v.value for v in snapshot.models.values()}
+                planner = ClusterPlanner(self._policy_snapshot(snapshot), config=self._policy_config,
+                                         rng=self._rng, clock=self._clock)
+                operate(planner, specs)
+                plan = planner.finish()
+                if plan.is_empty:
+                    self._passes.inc(scheduler=self.scheduler_id, outcome="no_change")
+                    return PassOutcome(plan, committed=True)
+                if await self._commit(snapshot, plan):
+                    self._passes.inc(scheduler=self.scheduler_id, outcome="committed")
+                    return PassOutcome(plan, committed=True)
+                await asyncio.sleep(self._rng.uniform(0.0, 0.02))
+        self._passes.inc(scheduler=self.scheduler_id, outcome="contended")
+        return PassOutcome(PlacementPlan(), committed=False, message="placement kept losing races; try again")
+
+    def _policy_snapshot(self, snapshot: ClusterSnapshot) -> PolicySnapshot:
+        return view.build_snapshot(
+            snapshot.nodes.values(),
+            [v.value for v in snapshot.gpus.values()],
+            [v.value for v in snapshot.replicas.values()],
+            [v.value for v in snapshot.models.values()],
+            config=self._policy_config,
+            now=self._clock(),
+        )
+
+    async def _commit(self, snapshot: ClusterSnapshot, plan: PlacementPlan) -> bool:
+        """Write `plan` (see the module doc); False when a race was lost and nothing stays written.
+
+        The models the plan touches are leased on their specs first, by CAS from the
+        revisions the plan read: a later pass of any scheduler sees the lease (and backs
+        off) or a newer revision (and fails its CAS), so no two plans for one model
+        interleave. Leases are released, with the plan's desired counts, once the GPU
+        keys and replica records are written; the node agents act after that.
+        """
+        versioned = {v.value.key: v for v in snapshot.models.values()}
+        touched = set(plan.desired_replicas) | {p.model for p in plan.placements} | {e.model for e in plan.evictions}
+        touched &= versioned.keys()
+        stamp = self._clock()
+        if any(self._leased_by_other(versioned[m].value, stamp) for m in touched):
+            return False
+        lease_until = stamp + self._config.reservation_ttl_s
+        leases = {m: (versioned[m].revision, msgspec.structs.replace(
+            versioned[m].value, lease_owner=self.scheduler_id, lease_until=lease_until)) for m in touched}
+        if not await self.store.commit_specs(leases):
+            await self._release_leases(touched, {})
+            return False
+        replicas = {v.value.replica_id: v.value for v in snapshot.replicas.values()}
+        changes = view.plan_to_records(plan, gpus=[v.value for v in snapshot.gpus.values()], replicas=replicas,
+                                       scheduler_id=self.scheduler_id,
+                                       reservation_ttl_s=self._config.reservation_ttl_s)
+        if not await self.store.apply_gpu_changes(dict(changes.gpu_changes)):
+            await self._release_leases(touched, {})
+            return False
+        await self.store.write_replicas(changes.replica_puts, changes.replica_delete_keys)
+        specs = await self._release_leases(touched, plan.desired_replicas)
+        self._placed.inc(len(plan.placements), scheduler=self.scheduler_id)
+        await self._record_events(plan)
+        recorded = view.get_recorded_locations(replicas.values())
+        delta = build_delta(recorded, get_planned_locations(recorded, plan))
+        new_records = {**replicas, **{r.replica_id: r for r in changes.replica_puts}}
+        all_specs = {**{k: v.value for k, v in versioned.items()}, **specs}
+        failures = await run_delta(self._bus, delta, records=new_records, specs=all_specs)
+        for failure in failures:
+            self._spawn(self.on_replica_failed(failure.record.model, failure.record.replica_id, failure.error))
+        return True
+
+    def _leased_by_other(self, spec: ModelSpec, stamp: float) -> bool:
+        return (spec.lease_owner not in (None, self.scheduler_id)
+                and spec.lease_until is not None and spec.lease_until > stamp)
+
+    async def _release_leases(self, models: set[str], desired: Mapping[str, int]) -> dict[str, ModelSpec]:
+        released: dict[str, ModelSpec] = {}
+        for model in sorted(models):
+
+            def mutate(current: ModelSpec | None, model: str = model) -> ModelSpec | None:
+                if current is None or current.lease_owner != self.scheduler_id:
+                    return None
+                return msgspec.structs.replace(current, lease_owner=None, lease_until=None,
+                                               desired_replicas=desired.get(model, current.desired_replicas))
+
+            spec = await self.store.update_model(model, mutate)
+            if spec is not None:
+                released[model] = spec
+        return released
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _record_events(self, plan: PlacementPlan) -> None:
+        at = self._clock()
+        for placement in plan.placements:
+            log.info("replica_placed", model=placement.model, replica=placement.replica_id, node=placement.node_id,
+                     gpu_bytes=dict(placement.gpu_bytes), memory_source=placement.memory_source,
+                     kind=placement.kind, from_level=placement.from_level)
+            await publish_event(self._bus.js, Event(
+                "replica_placed", at, model=placement.model, replica_id=placement.replica_id,
+                node_id=placement.node_id, data={"gpu_bytes": {str(k): v for k, v in placement.gpu_bytes.items()},
+                                                 "memory_source": placement.memory_source,
+                                                 "from_level": placement.from_level}))
+        for eviction in plan.evictions:
+            log.info("replica_evicted", model=eviction.model, replica=eviction.replica_id, node=eviction.node_id,
+                     to_level=eviction.to_level, reason=eviction.reason)
+            await publish_event(self._bus.js, Event(
+                "replica_evicted", at, eviction.reason, eviction.model, eviction.replica_id, eviction.node_id,
+                data={"to_level": eviction.to_level}))
+
+    async def _placement_reply(self, model: str, outcome: PassOutcome) -> SchedulerReply:
+        unplaced = [u for u in outcome.plan.unplaced if u.model == model]
+        if not outcome.committed:
+            return await self._reply(model, "contended", outcome.message, retry_after_s=1.0)
+        if unplaced:
+            return await self._reply(model, "cant_accommodate", unplaced[0].reason, retry_after_s=5.0)
+        return await self._reply(model, "placed" if outcome.plan.placements else "ok")
+
+    async def _reply(self, model: str, status: str, message: str = "", **extra: float) -> SchedulerReply:
+        replicas = [v.value for v in (await self._bus.replicas.get_all(subjects.model_token(model) + ".*")).values()]
+        spec = await self.store.get_model(model)
+        if status in ("ok", "placed") and any(r.serving for r in replicas):
+            status = "serving"
+        ok = status not in ("cant_accommodate", "contended", "failing")
+        return SchedulerReply(ok=ok, status=status, message=message, model=spec, replicas=replicas, **extra)
 
     # ------------------------------------------------------------------ reconciliation
 
@@ -356,7 +436,7 @@ class Scheduler:
                 log.exception("reconcile_failed")
 
     async def reconcile(self) -> None:
-        """Repair what crashes leave behind and retry models short of replicas."""
+        """Repair what crashes leave behind and retry models short of HOT replicas."""
         snapshot = await self.store.snapshot()
         await self.store.remove_lapsed_reservations(snapshot)
         for entry in snapshot.replicas.values():
@@ -367,15 +447,7 @@ class Scheduler:
                 await self.on_replica_failed(record.model, record.replica_id, f"node {record.node_id} is gone")
         for entry in snapshot.models.values():
             spec = entry.value
-            active = [r for r in snapshot.replicas_of(spec.key) if r.state in ACTIVE_STATES]
-            if len(active) != spec.desired_replicas:
-                await self.converge(spec.key)
+            hot = [r for r in snapshot.replicas_of(spec.key) if r.level == "HOT" and r.state in ACTIVE_STATES]
+            if len(hot) < spec.desired_replicas and self._held(spec) is None:
+                await self.ensure(spec.key, spec.desired_replicas)
 
-
-def _pick_surplus(active: list[ReplicaRecord], desired: int) -> list[ReplicaRecord]:
-    """Replicas to stop when there are more than desired: not-yet-ready ones, then the newest."""
-    surplus = len(active) - desired
-    if surplus <= 0:
-        return []
-    ranked = sorted(active, key=lambda r: (r.state == "ready", -r.created_at))
-    return ranked[:surplus]

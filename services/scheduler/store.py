@@ -1,22 +1,23 @@
 """Cluster state in the KV buckets: snapshots, GPU reservations by CAS, replica records.
 
-A placement touches one key per GPU. CAS is per key, so a multi-GPU replica
-is reserved key by key in a fixed (sorted) order; when one key no longer has
-room the keys already reserved are rolled back and the caller re-plans.
-Reservations carry their owner and an expiry: a scheduler that crashes
-between reserving and writing the replica record leaves nothing behind for
-longer than the reservation TTL (the reconciler removes lapsed ones).
+A plan touches one key per GPU. CAS is per key, so a plan's GPU changes are
+applied key by key in a fixed (sorted) order; when one key no longer has room
+the keys already changed are rolled back and the caller re-plans. New
+occupants are reservations carrying their owner and an expiry: a scheduler
+that crashes between reserving and writing the replica record leaves nothing
+behind for longer than the reservation TTL (the reconciler removes lapsed ones).
 """
 
 from __future__ import annotations
 
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import msgspec
 import structlog
 
+from shoal.services.scheduler.cluster_view import GpuChange, apply_gpu_change
 from shoal.shared import subjects
 from shoal.shared.bus import Bus, CasConflict, Versioned, cas_update
 from shoal.shared.messages import GpuRecord, ModelSpec, NodeRecord, Occupant, ReplicaRecord, now
@@ -42,20 +43,6 @@ class _NoRoom(Exception):
     """Raised inside a CAS mutation when the GPU no longer has the room the plan assumed."""
 
 
-@dataclass(frozen=True)
-class Reservation:
-    """Bytes to reserve for one replica on each GPU key (sorted keys are reserved in order)."""
-
-    replica_id: str
-    model: str
-    node_id: str
-    gpu_bytes: dict[int, int]
-    dedicated: bool = False
-
-    def gpu_keys(self) -> list[tuple[str, int]]:
-        return sorted((subjects.gpu_kv_key(self.node_id, index), b) for index, b in self.gpu_bytes.items())
-
-
 class ClusterStore:
     """Reads and CAS-writes cluster state for one scheduler (`owner`)."""
 
@@ -65,6 +52,7 @@ class ClusterStore:
         owner: str,
         *,
         conflicts: Counter,
+        spec_conflicts: Counter,
         reservation_ttl_s: float = 60.0,
         clock: Callable[[], float] = now,
         rng: random.Random | None = None,
@@ -72,6 +60,7 @@ class ClusterStore:
         self._bus = bus
         self._owner = owner
         self._conflicts = conflicts
+        self._spec_conflicts = spec_conflicts
         self._ttl_s = reservation_ttl_s
         self._clock = clock
         self._rng = rng or random.Random()
@@ -88,48 +77,7 @@ class ClusterStore:
             models=await self._bus.models.get_all(),
         )
 
-    # ------------------------------------------------------------------ GPU reservations
-
-    async def reserve(self, reservation: Reservation) -> bool:
-        """Reserve every GPU share of `reservation`, all or nothing. False: some GPU filled up."""
-        reserved: list[str] = []
-        for key, num_bytes in reservation.gpu_keys():
-            try:
-                await cas_update(
-                    self._bus.gpus,
-                    key,
-                    self._add_occupant(reservation, num_bytes),
-                    on_conflict=self._count_conflict,
-                    rng=self._rng,
-                )
-            except (_NoRoom, CasConflict) as exc:
-                log.info("reservation_lost_race", key=key, replica=reservation.replica_id, reason=type(exc).__name__)
-                await self.release(reservation.replica_id, reserved)
-                return False
-            reserved.append(key)
-        return True
-
-    def _add_occupant(self, reservation: Reservation, num_bytes: int) -> Callable[[GpuRecord | None], GpuRecord]:
-        def mutate(current: GpuRecord | None) -> GpuRecord:
-            if current is None or current.find(reservation.replica_id) is not None:
-                raise _NoRoom()
-            if current.available_bytes < num_bytes:
-                raise _NoRoom()
-            stamp = self._clock()
-            occupant = Occupant(
-                replica_id=reservation.replica_id,
-                model=reservation.model,
-                bytes=num_bytes,
-                state="reserved",
-                since=stamp,
-                last_accessed=stamp,
-                dedicated=reservation.dedicated,
-                owner=self._owner,
-                expires_at=stamp + self._ttl_s,
-            )
-            return msgspec.structs.replace(current, occupants=[*current.occupants, occupant], updated_at=stamp)
-
-        return mutate
+    # ------------------------------------------------------------------ GPU records
 
     async def release(self, replica_id: str, keys: list[str]) -> None:
         """Remove `replica_id` from each GPU key (memory given back)."""
@@ -142,6 +90,68 @@ class ClusterStore:
                 return msgspec.structs.replace(current, occupants=occupants, updated_at=self._clock())
 
             await cas_update(self._bus.gpus, key, mutate, on_conflict=self._count_conflict, rng=self._rng)
+
+    async def apply_gpu_changes(self, changes: dict[str, GpuChange]) -> bool:
+        """Carry out a plan's GPU changes key by key, in sorted key order, each a CAS.
+
+        A key whose record moved on so far that the change would over-commit it stops the
+        whole commit: the keys already changed are rolled back and False is returned
+        (re-read and re-plan). A plain CAS conflict re-reads the key and retries the
+        same change (`apply_gpu_change` re-checks the room).
+        """
+        applied: list[tuple[str, GpuChange, list[Occupant]]] = []
+        for key in sorted(changes):
+            change = changes[key]
+            removed: list[Occupant] = []
+
+            def mutate(current: GpuRecord | None, change: GpuChange = change, removed: list[Occupant] = removed
+                       ) -> GpuRecord:
+                if current is None:
+                    raise _NoRoom()
+                updated = apply_gpu_change(current, change, now=self._clock())
+                if updated is None:
+                    raise _NoRoom()
+                removed[:] = [o for o in current.occupants if o.replica_id in change.remove_replica_ids]
+                return updated
+
+            try:
+                await cas_update(self._bus.gpus, key, mutate, on_conflict=self._count_conflict, rng=self._rng)
+            except (_NoRoom, CasConflict) as exc:
+                log.info("gpu_commit_lost_race", key=key, reason=type(exc).__name__)
+                for done_key, done_change, done_removed in reversed(applied):
+                    await self._undo(done_key, done_change, done_removed)
+                return False
+            applied.append((key, change, removed))
+        return True
+
+    async def _undo(self, key: str, change: GpuChange, removed: list[Occupant]) -> None:
+        added_ids = {o.replica_id for o in change.add}
+
+        def mutate(current: GpuRecord | None) -> GpuRecord | None:
+            if current is None:
+                return None
+            kept = [o for o in current.occupants if o.replica_id not in added_ids]
+            present = {o.replica_id for o in kept}
+            restored = kept + [o for o in removed if o.replica_id not in present]
+            return msgspec.structs.replace(current, occupants=restored, updated_at=self._clock())
+
+        await cas_update(self._bus.gpus, key, mutate, on_conflict=self._count_conflict, rng=self._rng)
+
+    async def commit_specs(self, updates: dict[str, tuple[int, ModelSpec]]) -> bool:
+        """CAS each model spec from the revision the plan read: False when another
+        scheduler changed one since (that plan and this one raced for the same model)."""
+        for model in sorted(updates):
+            revision, spec = updates[model]
+            if await self._bus.models.update(subjects.model_token(model), spec, revision) is None:
+                self._spec_conflicts.inc(scheduler=self._owner)
+                return False
+        return True
+
+    async def write_replicas(self, puts: Sequence[ReplicaRecord], delete_keys: Sequence[str]) -> None:
+        for record in puts:
+            await self._bus.replicas.put(subjects.replica_kv_key(record.model, record.replica_id), record)
+        for key in delete_keys:
+            await self._bus.replicas.delete(key)
 
     async def release_replica(self, record: ReplicaRecord) -> None:
         await self.release(record.replica_id, [subjects.gpu_kv_key(record.node_id, i) for i in record.gpu_bytes])

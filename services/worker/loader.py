@@ -144,3 +144,35 @@ def load_model(
         max_model_len=max_len,
         allocation_bytes=allocation_bytes,
     )
+
+
+def park_weights(loaded: LoadedModel, replica: ReplicaRecord) -> None:
+    """to_cache: weights to CPU RAM, the GPU memory and the memory cap given back."""
+    if loaded.device.type != "cuda":
+        return  # virtual GPUs: the weights already live in host RAM
+    loaded.model.to("cpu")
+    for index in replica.gpu_bytes:
+        torch.cuda.set_per_process_memory_fraction(1.0, index)
+    torch.cuda.empty_cache()
+
+
+def restore_weights(loaded: LoadedModel, replica: ReplicaRecord, *, min_kv_reserve_bytes: int = 0) -> None:
+    """from_cache: the weights back onto the GPUs of the replica's (new) allocation.
+
+    Raises ModelLoadError when the weights do not fit the allocation of a virtual GPU.
+    """
+    allocation_bytes = sum(replica.gpu_bytes.values())
+    if loaded.device.type == "cuda":
+        from accelerate import dispatch_model, infer_auto_device_map
+
+        placement = _cuda_placement(replica)
+        if placement["device_map"] == "auto":
+            device_map = infer_auto_device_map(loaded.model, max_memory=placement["max_memory"])
+            loaded.model = dispatch_model(loaded.model, device_map=device_map)
+        else:
+            loaded.model.to(placement["device_map"][""])
+        _verify_placement(loaded.model, replica, loaded.device)
+    elif allocation_bytes and loaded.weight_bytes + min_kv_reserve_bytes > allocation_bytes:
+        raise ModelLoadError(f"weights ({loaded.weight_bytes} bytes) do not fit the new allocation "
+                             f"of {allocation_bytes} bytes")
+    loaded.allocation_bytes = allocation_bytes

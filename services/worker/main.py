@@ -16,6 +16,7 @@ import structlog
 import torch
 
 from shoal.services.worker.args import WorkerArgs, add_worker_arguments, parse_worker_args
+from shoal.services.worker.control import ReplicaRuntime, serve_control
 from shoal.services.worker.generation import Engine
 from shoal.services.worker.loader import LoadedModel, ModelLoadError, load_model
 from shoal.services.worker.prompts import eos_token_ids
@@ -94,6 +95,9 @@ async def serve(args: WorkerArgs) -> int:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
+        runtime = ReplicaRuntime(replica, loaded, engine, service, lambda model: build_engine(args, model),
+                                 measure_replica_bytes, args.drain_timeout_s)
+        control = await serve_control(bus, runtime)
         run_task = asyncio.create_task(service.run())
         await report(
             bus,
@@ -103,10 +107,12 @@ async def serve(args: WorkerArgs) -> int:
         log.info("worker_ready", measured_bytes=measured, weight_bytes=loaded.weight_bytes)
         stop_task = asyncio.create_task(stop.wait())
         await asyncio.wait([run_task, stop_task], return_when=asyncio.FIRST_COMPLETED)
+        await control.stop()
         await service.stop(args.drain_timeout_s)
         run_task.cancel()
         await asyncio.gather(run_task, return_exceptions=True)
-        await engine.close()
+        if runtime.engine is not None:
+            await runtime.engine.close()
         await report(bus, args.node_id, WorkerEvent(replica.replica_id, "stopped", pid=pid))
         return 0
     finally:

@@ -96,8 +96,8 @@ class WorkerService:
         self._tasks: set[asyncio.Task[None]] = set()
         self._slot_freed = asyncio.Event()
         self._stopping = asyncio.Event()
-        self._paused = asyncio.Event()
-        self._paused.set()
+        self._serving = asyncio.Event()
+        self._serving.set()
         registry = metrics or Registry()
         self._requests_total = registry.counter(
             "shoal_worker_requests_total", "Requests finished by this replica", ["model", "outcome"]
@@ -128,16 +128,35 @@ class WorkerService:
         """Stop taking requests; wait up to `drain_timeout_s` for in-flight ones, cancel the rest."""
         self._stopping.set()
         self._slot_freed.set()
-        if self._tasks:
-            _, pending = await asyncio.wait(list(self._tasks), timeout=drain_timeout_s)
-            for task in pending:
-                task.cancel()
-            if pending:
-                await asyncio.wait(pending, timeout=5.0)
+        self._serving.set()
+        await self._drain(drain_timeout_s)
+
+    async def pause(self, drain_timeout_s: float = 30.0) -> None:
+        """The barrier before sleep: take no new requests (they wait in the stream for
+        another replica or for this one's return), let in-flight ones finish for up to
+        `drain_timeout_s`, then cancel what is left."""
+        self._serving.clear()
+        await self._drain(drain_timeout_s)
+
+    def resume(self, engine: Engine) -> None:
+        """Serve again, with `engine` (rebuilt for the replica's new allocation)."""
+        self._engine = engine
+        self._serving.set()
+
+    async def _drain(self, timeout_s: float) -> None:
+        if not self._tasks:
+            return
+        _, pending = await asyncio.wait(list(self._tasks), timeout=timeout_s)
+        for task in pending:
+            task.cancel()
+        if pending:
+            await asyncio.wait(pending, timeout=5.0)
 
     async def _fetch_loop(self, pull: JetStreamContext.PullSubscription) -> None:
         while not self._stopping.is_set():
-            await self._paused.wait()
+            await self._serving.wait()
+            if self._stopping.is_set():
+                return
             num_free = min(self._engine.num_free_slots(), self._max_fetch)
             if num_free <= 0:
                 self._slot_freed.clear()
@@ -153,8 +172,8 @@ class WorkerService:
             except nats.errors.ConnectionClosedError:
                 return
             for msg in msgs:
-                if self._stopping.is_set():
-                    await msg.nak()
+                if self._stopping.is_set() or not self._serving.is_set():
+                    await msg.nak()  # fetched while the barrier went up: another replica takes it
                     continue
                 task = asyncio.create_task(self._handle(msg))
                 self._tasks.add(task)

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import os
-import select
+import queue
 import signal
 import socket
 import subprocess
 import sys
-import time
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -71,24 +71,24 @@ def start_shoal_up(models_root: Path, state_dir: Path, *extra: str, timeout_s: f
     argv = [sys.executable, "-m", "shoal.services.cli", "up", "--port", str(port), "--models-root", str(models_root),
             "--state-dir", str(state_dir), "--gpus", "virtual:2x16GiB", "--log-format", "json", *extra]
     process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
-    assert process.stdout is not None
     lines: list[str] = []
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        ready, _, _ = select.select([process.stdout], [], [], 1.0)
-        if not ready:
-            if process.poll() is not None:
-                break
-            continue
-        line = process.stdout.readline()
-        if not line and process.poll() is not None:
-            break
-        lines.append(line)
-        if READY_LINE in line:
-            nats_url = line.split("NATS ", 1)[1].split(";", 1)[0]
-            return ShoalUp(process, f"http://127.0.0.1:{port}", nats_url, state_dir, lines)
-    process.kill()
-    raise AssertionError("shoal up did not come up:\n" + "".join(lines[-40:]))
+    ready_lines: queue.Queue[str] = queue.Queue()
+
+    def read_output() -> None:  # keeps the pipe drained for the life of the process
+        assert process.stdout is not None
+        for line in process.stdout:
+            lines.append(line)
+            if READY_LINE in line:
+                ready_lines.put(line)
+
+    threading.Thread(target=read_output, daemon=True).start()
+    try:
+        line = ready_lines.get(timeout=timeout_s)
+    except queue.Empty:
+        process.kill()
+        raise AssertionError("shoal up did not come up:\n" + "".join(lines[-40:])) from None
+    nats_url = line.split("NATS ", 1)[1].split(";", 1)[0]
+    return ShoalUp(process, f"http://127.0.0.1:{port}", nats_url, state_dir, lines)
 
 
 @pytest.fixture(scope="module")

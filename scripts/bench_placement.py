@@ -1,0 +1,291 @@
+#!/usr/bin/env python
+"""Placement benchmark: decision speed at 10 / 100 / 1,000 nodes, and packing by memory figure.
+
+    python scripts/bench_placement.py            # full run (about 30 s on 2 cores)
+    python scripts/bench_placement.py --quick    # 10 and 100 nodes, smaller samples (a few seconds)
+
+Part 1, speed. Nodes of 8 x 80 GiB GPUs, 300 models (six architectures x KV budgets). The
+cluster is first filled to about 70 % of its GPU memory by the policy itself; then a fresh
+planner on that snapshot places replicas one at a time (each decision includes applying it
+and updating the indexes). Reported: building the planner from a snapshot, the mean and
+p99 of one decision with room somewhere (the FREE level, answered from the indexes), one
+decision on a full cluster (evictions: every node evaluated), and for contrast the
+naive scan of every node's decision tree.
+
+Part 2, packing. The same GPUs, the same model mix, placed round robin (no evictions:
+every replica dedicated) until no model fits anywhere, once with seed 000's guess (3 x
+weight bytes, whole GPU when weights fit but 3x does not) and once with the measured figure
+(weights + KV budget + runtime overhead). See MODEL_MIX for the numbers assumed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import random
+import statistics
+import time
+from collections import Counter
+from dataclasses import dataclass
+
+from shoal.shared.policy.cluster_state import (
+    CandidateLevel,
+    ClusterSnapshot,
+    ModelDemand,
+    NodeSnapshot,
+    ReplicaSnapshot,
+)
+from shoal.shared.policy.memory_figure import MemoryFigure, get_memory_figure
+from shoal.shared.policy.placement import ClusterPlanner
+from shoal.shared.policy.placement_config import PlacementConfig
+from shoal.shared.policy.placement_plan import PlacementPlan
+
+GiB = 1 << 30
+GPU_BYTES = 80 * GiB
+GPUS_PER_NODE = 8
+CONFIG = PlacementConfig()
+RUNTIME_OVERHEAD_BYTES = 1 * GiB
+"""CUDA context (~0.5 GiB), cuBLAS workspaces and allocator slack, per replica."""
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """Public config numbers of one model; KV bytes/token = 2 (K and V) x layers x KV heads
+    x head dim x 2 bytes (bf16)."""
+
+    name: str
+    num_parameters: int
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+
+    @property
+    def weight_bytes(self) -> int:
+        return self.num_parameters * 2  # bf16
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * 2
+
+    def measured_bytes(self, kv_tokens: int) -> int:
+        return self.weight_bytes + self.kv_bytes_per_token * kv_tokens + RUNTIME_OVERHEAD_BYTES
+
+
+MODEL_MIX = (
+    Architecture("qwen2.5-0.5b", 494_000_000, 24, 2, 64),
+    Architecture("qwen2.5-1.5b", 1_540_000_000, 28, 2, 128),
+    Architecture("qwen2.5-3b", 3_090_000_000, 36, 2, 128),
+    Architecture("qwen2.5-7b", 7_620_000_000, 28, 4, 128),
+    Architecture("llama-3.1-8b", 8_030_000_000, 32, 8, 128),
+    Architecture("qwen2.5-14b", 14_700_000_000, 48, 8, 128),
+)
+KV_TOKEN_BUDGETS = (4_096, 8_192, 16_384, 32_768)
+"""KV budget per replica: a few concurrent sequences of 4k-8k context."""
+
+
+def make_demands(num_models: int, *, guessed: bool) -> list[ModelDemand]:
+    """`num_models` models cycling through architectures and KV budgets."""
+    demands = []
+    for index in range(num_models):
+        arch = MODEL_MIX[index % len(MODEL_MIX)]
+        kv_tokens = KV_TOKEN_BUDGETS[(index // len(MODEL_MIX)) % len(KV_TOKEN_BUDGETS)]
+        if guessed:
+            figure = get_memory_figure(weight_bytes=arch.weight_bytes, config=CONFIG)
+        else:
+            figure = MemoryFigure(arch.measured_bytes(kv_tokens), arch.weight_bytes, "measured")
+        demands.append(ModelDemand(f"{arch.name}-{index:03d}", figure, desired_replicas=1, dedicated=guessed))
+    return demands
+
+
+def empty_cluster(num_nodes: int) -> ClusterSnapshot:
+    gpus = dict.fromkeys(range(GPUS_PER_NODE), GPU_BYTES)
+    return ClusterSnapshot(tuple(NodeSnapshot(f"node{i:04d}", gpus, 512 * GiB) for i in range(num_nodes)))
+
+
+def apply_plan(cluster: ClusterSnapshot, plan: PlacementPlan) -> ClusterSnapshot:
+    """The snapshot after `plan` (placements only: the fill never evicts)."""
+    added: dict[str, list[ReplicaSnapshot]] = {}
+    for p in plan.placements:
+        added.setdefault(p.node_id, []).append(
+            ReplicaSnapshot(p.replica_id, p.model, "HOT", dict(p.gpu_bytes), p.cpu_bytes, last_accessed=0.0)
+        )
+    nodes = tuple(
+        NodeSnapshot(
+            n.node_id, n.gpu_total_bytes, n.cpu_cache_bytes, n.replicas + tuple(added.get(n.node_id, ()))
+        )
+        for n in cluster.nodes
+    )
+    return ClusterSnapshot(nodes)
+
+
+def fill(
+    cluster: ClusterSnapshot, demands: list[ModelDemand], fraction: float, rng: random.Random
+) -> ClusterSnapshot:
+    """Place random replicas of `demands` without evictions until `fraction` of the GPU
+    memory is reserved, or until 100 draws in a row find no room."""
+    planner = ClusterPlanner(cluster, config=CONFIG, rng=rng, clock=lambda: 0.0)
+    target_bytes = fraction * GPU_BYTES * GPUS_PER_NODE * len(cluster.nodes)
+    reserved_bytes = sum(b for n in cluster.nodes for r in n.replicas for b in r.gpu_bytes.values())
+    number = num_misses = 0
+    while reserved_bytes < target_bytes and num_misses < 100:
+        demand = rng.choice(demands)
+        replica_id = f"fill-{fraction}-{number}"
+        number += 1
+        if planner.get_candidate(demand, replica_id).level != CandidateLevel.FREE:
+            num_misses += 1
+            continue
+        num_misses = 0
+        reserved_bytes += sum(planner.place_replica(demand, replica_id).gpu_bytes.values())
+    return apply_plan(cluster, planner.finish())
+
+
+def time_decisions(
+    cluster: ClusterSnapshot, demands: list[ModelDemand], num_decisions: int, *, warm: bool = False
+) -> list[tuple[float, CandidateLevel]]:
+    """(seconds, level) of each decision (choose + apply), placing `num_decisions` new replicas.
+
+    Args:
+        warm: build every node's working copy first (a FULL decision evaluates every node;
+            the first one in a pass pays for building them).
+    """
+    planner = ClusterPlanner(cluster, config=CONFIG, rng=random.Random(1), clock=lambda: 0.0)
+    if warm:
+        planner.get_node_candidates(demands[0], "warm-up")
+    rng = random.Random(2)
+    timings = []
+    for number in range(num_decisions):
+        demand = rng.choice(demands)
+        start = time.perf_counter()
+        offer = planner.place_replica(demand, f"bench-{number}")
+        timings.append((time.perf_counter() - start, offer.level))
+    return timings
+
+
+def time_naive(
+    cluster: ClusterSnapshot, demands: list[ModelDemand], num_decisions: int
+) -> list[tuple[float, None]]:
+    """Seconds to evaluate every node's decision tree for one replica (no index, warm copies)."""
+    planner = ClusterPlanner(cluster, config=CONFIG, rng=random.Random(1), clock=lambda: 0.0)
+    planner.get_node_candidates(demands[0], "warm-up")
+    rng = random.Random(2)
+    timings = []
+    for number in range(num_decisions):
+        start = time.perf_counter()
+        offers = planner.get_node_candidates(rng.choice(demands), f"naive-{number}")
+        min(offers, key=lambda o: o.sort_key)
+        timings.append((time.perf_counter() - start, None))
+    return timings
+
+
+def p99(values: list[float]) -> float:
+    return sorted(values)[max(0, math.ceil(0.99 * len(values)) - 1)]
+
+
+def bench_speed(quick: bool) -> None:
+    demands = make_demands(300, guessed=False)
+    big = [d for d in demands if d.figure.required_bytes > 30 * GiB]
+    print("## Placement decisions (8 x 80 GiB GPUs per node, 300 models, cluster ~70 % full)\n")
+    print(
+        "| nodes | GPUs | replicas | build planner | FREE decision, first N of a pass: mean | p99 "
+        "| next N: mean | p99 | decisions/s | FULL decision (evictions) | first FULL of a pass "
+        "| naive scan of every node |"
+    )
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for num_nodes in (10, 100) if quick else (10, 100, 1000):
+        rng = random.Random(num_nodes)
+        cluster = fill(empty_cluster(num_nodes), demands, 0.7, rng)
+        num_replicas = sum(len(n.replicas) for n in cluster.nodes)
+        start = time.perf_counter()
+        ClusterPlanner(cluster, config=CONFIG, rng=random.Random(0), clock=lambda: 0.0)
+        build_s = time.perf_counter() - start
+        # 2 x N decisions, N at most an eighth of the GPUs: all of them find room. The first N
+        # also build the working copies of the nodes they touch; the next N mostly do not.
+        num_free = min(300 if quick else 1000, num_nodes * GPUS_PER_NODE // 8)
+        timings = time_decisions(cluster, demands, 2 * num_free)
+        first_s = [t for t, level in timings[:num_free] if level <= CandidateLevel.FREE]
+        next_s = [t for t, level in timings[num_free:] if level <= CandidateLevel.FREE]
+        full_cluster = fill(cluster, demands, 1.0, rng)
+        first_full_s, _ = time_decisions(full_cluster, big, 1)[0]
+        full_timings = time_decisions(full_cluster, big, 5 if quick else 20, warm=True)
+        full_s = [t for t, level in full_timings if level >= CandidateLevel.CACHED_AND_FULL]
+        naive_s = [t for t, _ in time_naive(cluster, demands, 5 if quick else 20)]
+        print(
+            f"| {num_nodes:,} | {num_nodes * GPUS_PER_NODE:,} | {num_replicas:,} | {build_s * 1e3:.1f} ms "
+            f"| {statistics.mean(first_s) * 1e6:.0f} µs | {p99(first_s) * 1e6:.0f} µs "
+            f"| {statistics.mean(next_s) * 1e6:.0f} µs | {p99(next_s) * 1e6:.0f} µs "
+            f"| {1 / statistics.mean(first_s + next_s):,.0f} | {statistics.mean(full_s) * 1e3:.2f} ms "
+            f"| {first_full_s * 1e3:.1f} ms | {statistics.mean(naive_s) * 1e3:.1f} ms |"
+        )
+
+
+def pack(num_nodes: int, demands: list[ModelDemand]) -> tuple[Counter[str], int]:
+    """Round robin over `demands`, one replica each per round, until none fits without
+    evictions. Returns replicas per architecture and GPU bytes reserved."""
+    planner = ClusterPlanner(empty_cluster(num_nodes), config=CONFIG, rng=random.Random(0), clock=lambda: 0.0)
+    placed: Counter[str] = Counter()
+    reserved_bytes = 0
+    open_demands = list(demands)
+    number = 0
+    while open_demands:
+        still_open = []
+        for demand in open_demands:
+            replica_id = f"pack-{number}"
+            number += 1
+            if planner.get_candidate(demand, replica_id).level != CandidateLevel.FREE:
+                continue
+            offer = planner.place_replica(demand, replica_id)
+            placed[demand.model.rsplit("-", 1)[0]] += 1
+            reserved_bytes += sum(offer.gpu_bytes.values())
+            still_open.append(demand)
+        open_demands = still_open
+    return placed, reserved_bytes
+
+
+def bench_packing(quick: bool) -> None:
+    num_nodes = 2 if quick else 8
+    num_gpus = num_nodes * GPUS_PER_NODE
+    num_models = 12 if quick else 48
+    print(
+        f"\n## Packing: {num_nodes} nodes x 8 x 80 GiB = {num_gpus} GPUs, {num_models} models, round robin\n"
+    )
+    print("Per replica, GiB (KV budget cycles over 4k / 8k / 16k / 32k tokens; the table shows 16k):\n")
+    print("| model | weights (bf16) | KV bytes/token | guess (3x) | guess reserves | measured (16k KV) |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for arch in MODEL_MIX:
+        guess = get_memory_figure(weight_bytes=arch.weight_bytes, config=CONFIG).required_bytes
+        fractional = guess < CONFIG.fraction_threshold * GPU_BYTES
+        reserves = f"{guess / GiB:.1f}" if fractional else f"{GPU_BYTES / GiB:.1f} (whole GPU)"
+        print(
+            f"| {arch.name} | {arch.weight_bytes / GiB:.1f} | {arch.kv_bytes_per_token:,} "
+            f"| {guess / GiB:.1f} | {reserves} | {arch.measured_bytes(16_384) / GiB:.1f} |"
+        )
+    results = {}
+    for label, guessed in (
+        ("seed 000 guess (3x weights)", True),
+        ("measured (weights + KV + overhead)", False),
+    ):
+        demands = make_demands(num_models, guessed=guessed)
+        demands = [ModelDemand(d.model, d.figure, 1, dedicated=True) for d in demands]
+        results[label] = pack(num_nodes, demands)
+    print()
+    header = " | ".join(a.name for a in MODEL_MIX)
+    print(f"| memory figure | {header} | replicas | GPU memory reserved |")
+    print("|---|" + "---:|" * (len(MODEL_MIX) + 2))
+    for label, (placed, reserved_bytes) in results.items():
+        counts = " | ".join(str(placed[a.name]) for a in MODEL_MIX)
+        share = reserved_bytes / (num_gpus * GPU_BYTES)
+        print(f"| {label} | {counts} | {sum(placed.values())} | {share:.0%} |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument(
+        "--quick", action="store_true", help="10 and 100 nodes, smaller samples: a few seconds"
+    )
+    args = parser.parse_args()
+    bench_speed(args.quick)
+    bench_packing(args.quick)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,329 @@
+"""Pure conversion between the KV records and the placement policy's types, both ways.
+
+    shoal_nodes, shoal_gpus, shoal_replicas, shoal_models
+        │ build_snapshot / build_demand
+        ▼
+    ClusterSnapshot, ModelDemand ──policy──▶ PlacementPlan
+        │ plan_to_records
+        ▼
+    RecordChanges: per GPU key, occupants to remove and to add (applied with
+    `apply_gpu_change` on the revision read for each CAS); replica records to put / delete
+
+No I/O: the scheduler reads the buckets, calls these, and writes the results.
+
+How records read (the GPU records are the truth for memory, since every change to them
+is a CAS; replica records say what the memory is for):
+
+* an occupant whose replica record is HOT on the same node, and not failed or stopping,
+  is that replica's reservation on that GPU;
+* a ``sleeping`` occupant holds no memory; its replica is WARM;
+* any other occupant (a reservation whose replica record is not written yet, a failed or
+  stopping replica, a record that disagrees) is pinned: it counts, nothing evicts it;
+  except a reservation without a replica record whose ``expires_at`` has passed (a
+  scheduler died between the two writes), which counts for nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+import msgspec
+
+from shoal.shared.config import PlacementConfig as PlacementSettings
+from shoal.shared.messages import GpuRecord, ModelSpec, NodeRecord, Occupant, ReplicaRecord
+from shoal.shared.policy.cluster_state import ClusterSnapshot, ModelDemand, NodeSnapshot, ReplicaSnapshot
+from shoal.shared.policy.memory_figure import get_memory_figure
+from shoal.shared.policy.placement_config import PlacementConfig
+from shoal.shared.policy.placement_plan import PlacementPlan
+from shoal.shared.policy.replica_plan import ReplicaLocation
+from shoal.shared.subjects import gpu_kv_key, replica_kv_key
+
+_NOT_HOLDING = ("failed", "stopping")
+"""Replica states whose GPU memory is still held but no longer serves (pinned, not evictable)."""
+
+
+# --------------------------------------------------------------------------- records -> policy
+
+
+def build_snapshot(
+    nodes: Iterable[NodeRecord],
+    gpus: Iterable[GpuRecord],
+    replicas: Iterable[ReplicaRecord],
+    models: Iterable[ModelSpec],
+    *,
+    config: PlacementConfig,
+    now: float,
+) -> ClusterSnapshot:
+    """The policy's view of the cluster, from the four buckets' current values.
+
+    Args:
+        nodes: live node agents (the TTL bucket drops dead ones; their GPUs are ignored).
+        gpus: every GPU record.
+        replicas: every replica record.
+        models: every model spec (desired replica counts; its weight bytes stand in for
+            a replica record's CPU bytes when the record has none).
+        config: supplies the share of CPU RAM WARM replicas may hold.
+        now: clock time, to let lapsed reservations go.
+
+    Returns:
+        Nodes in node id order (so a seeded plan does not depend on read order).
+    """
+    gpu_by_key = {gpu_kv_key(g.node_id, g.index): g for g in gpus}
+    replica_by_id = {r.replica_id: r for r in replicas}
+    specs = list(models)
+    weight_bytes_by_model = {spec.key: spec.weight_bytes or 0 for spec in specs}
+    snapshots = [
+        _build_node(node, gpu_by_key, replica_by_id, weight_bytes_by_model, config, now)
+        for node in sorted(nodes, key=lambda n: n.node_id)
+    ]
+    desired = {spec.key: spec.desired_replicas for spec in specs}
+    return ClusterSnapshot(tuple(snapshots), desired)
+
+
+def _build_node(
+    node: NodeRecord,
+    gpu_by_key: Mapping[str, GpuRecord],
+    replica_by_id: Mapping[str, ReplicaRecord],
+    weight_bytes_by_model: Mapping[str, int],
+    config: PlacementConfig,
+    now: float,
+) -> NodeSnapshot:
+    total_bytes_by_gpu: dict[int, int] = {}
+    pinned_bytes_by_gpu: dict[int, int] = {}
+    hot_bytes_by_id: dict[str, dict[int, int]] = {}
+    last_accessed_by_id: dict[str, float] = {}
+    sleeping_ids: set[str] = set()
+    for info in node.gpus:
+        record = gpu_by_key.get(gpu_kv_key(node.node_id, info.index))
+        total_bytes_by_gpu[info.index] = record.total_bytes if record is not None else info.total_bytes
+        for occupant in record.occupants if record is not None else ():
+            replica = replica_by_id.get(occupant.replica_id)
+            last_accessed_by_id[occupant.replica_id] = max(
+                occupant.last_accessed, last_accessed_by_id.get(occupant.replica_id, 0.0)
+            )
+            if occupant.state == "sleeping":
+                sleeping_ids.add(occupant.replica_id)
+            elif _is_reservation_of(replica, node.node_id):
+                by_gpu = hot_bytes_by_id.setdefault(occupant.replica_id, {})
+                by_gpu[info.index] = by_gpu.get(info.index, 0) + occupant.bytes
+            elif replica is not None or occupant.expires_at is None or occupant.expires_at > now:
+                pinned_bytes_by_gpu[info.index] = pinned_bytes_by_gpu.get(info.index, 0) + occupant.bytes
+    replica_snapshots = []
+    for replica in sorted(replica_by_id.values(), key=lambda r: r.replica_id):
+        if replica.node_id != node.node_id or replica.level == "COLD" or replica.state in _NOT_HOLDING:
+            continue
+        gpu_bytes = hot_bytes_by_id.get(replica.replica_id, {})
+        is_hot = replica.level == "HOT" and (gpu_bytes or replica.replica_id not in sleeping_ids)
+        replica_snapshots.append(
+            ReplicaSnapshot(
+                replica_id=replica.replica_id,
+                model=replica.model,
+                level="HOT" if is_hot else "WARM",
+                gpu_bytes=gpu_bytes if is_hot else {},
+                cpu_bytes=replica.cpu_bytes or weight_bytes_by_model.get(replica.model, 0),
+                dedicated=replica.dedicated,
+                last_accessed=last_accessed_by_id.get(replica.replica_id, 0.0),
+            )
+        )
+    return NodeSnapshot(
+        node_id=node.node_id,
+        gpu_total_bytes=total_bytes_by_gpu,
+        cpu_cache_bytes=int(node.cpu_ram_bytes * config.warm_cache_fraction),
+        replicas=tuple(replica_snapshots),
+        pinned_gpu_bytes=pinned_bytes_by_gpu,
+    )
+
+
+def _is_reservation_of(replica: ReplicaRecord | None, node_id: str) -> bool:
+    return (
+        replica is not None
+        and replica.node_id == node_id
+        and replica.level == "HOT"
+        and replica.state not in _NOT_HOLDING
+    )
+
+
+def build_demand(
+    spec: ModelSpec, *, config: PlacementConfig, desired_replicas: int | None = None
+) -> ModelDemand:
+    """A model to place, with its memory figure ranked measured > override > estimate > factor.
+
+    Args:
+        spec: the model's record (its ``weight_bytes`` sizes WARM copies and the factor).
+        config: supplies the factor.
+        desired_replicas: HOT replicas wanted; default the spec's count.
+
+    Raises:
+        UnknownModelMemory: the spec has no memory figure and no weight size yet.
+    """
+    figure = get_memory_figure(
+        weight_bytes=spec.weight_bytes,
+        config=config,
+        measured_bytes=spec.measured_serving_bytes,
+        override_bytes=spec.memory_override_bytes,
+        estimated_bytes=spec.estimated_bytes,
+    )
+    return ModelDemand(
+        model=spec.key,
+        figure=figure,
+        desired_replicas=spec.desired_replicas if desired_replicas is None else desired_replicas,
+        dedicated=spec.dedicated,
+        min_num_gpus=spec.num_gpus,
+    )
+
+
+def build_policy_config(settings: PlacementSettings) -> PlacementConfig:
+    """The policy's knobs from the ``[scheduler.placement]`` section of ``shoal.toml``."""
+    return PlacementConfig(
+        gpu_fraction_factor=settings.gpu_fraction_factor,
+        fraction_threshold=settings.fraction_threshold,
+        min_available_gpu_fraction=settings.min_available_gpu_fraction,
+    )
+
+
+def get_recorded_locations(replicas: Iterable[ReplicaRecord]) -> dict[str, ReplicaLocation]:
+    """Replica records as `build_delta` reads them (COLD ones are absent)."""
+    locations = {}
+    for replica in replicas:
+        if replica.level != "COLD":
+            gpu_bytes = dict(replica.gpu_bytes) if replica.level == "HOT" else {}
+            locations[replica.replica_id] = ReplicaLocation(
+                replica.replica_id, replica.model, replica.node_id, replica.level, gpu_bytes
+            )
+    return locations
+
+
+# --------------------------------------------------------------------------- policy -> records
+
+
+@dataclass(frozen=True, slots=True)
+class GpuChange:
+    """What one plan changes on one GPU key: drop these replicas' occupants, then add these."""
+
+    remove_replica_ids: tuple[str, ...] = ()
+    add: tuple[Occupant, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class RecordChanges:
+    """The writes that carry out a plan."""
+
+    gpu_changes: Mapping[str, GpuChange] = field(default_factory=dict)
+    """By GPU key, in key order (reserve in a fixed order to avoid lock-step conflicts)."""
+    replica_puts: tuple[ReplicaRecord, ...] = ()
+    """New or changed replica records."""
+    replica_delete_keys: tuple[str, ...] = ()
+    """Keys of replica records to delete (replicas gone COLD)."""
+
+
+def plan_to_records(
+    plan: PlacementPlan,
+    *,
+    gpus: Iterable[GpuRecord],
+    replicas: Mapping[str, ReplicaRecord],
+    scheduler_id: str,
+    reservation_ttl_s: float,
+) -> RecordChanges:
+    """The GPU-key and replica-record writes of a plan.
+
+    Placements become ``reserved`` occupants owned by `scheduler_id` that lapse after
+    `reservation_ttl_s` unless their replica record is written; replicas parked WARM stay
+    on their GPUs as ``sleeping`` occupants (holding nothing); deleted ones leave.
+
+    Args:
+        plan: the policy's decision.
+        gpus: the GPU records the plan's snapshot was built from.
+        replicas: the replica records by id, likewise.
+        scheduler_id: owner written on reservations.
+        reservation_ttl_s: how long a reservation lives without its replica record.
+    """
+    at = plan.planned_at
+    touched_ids = {p.replica_id for p in plan.placements} | {e.replica_id for e in plan.evictions}
+    removals: dict[str, set[str]] = {}
+    last_accessed_by_id: dict[str, float] = {}
+    for gpu in gpus:
+        for occupant in gpu.occupants:
+            if occupant.replica_id in touched_ids:
+                removals.setdefault(gpu_kv_key(gpu.node_id, gpu.index), set()).add(occupant.replica_id)
+                last_accessed_by_id[occupant.replica_id] = max(
+                    occupant.last_accessed, last_accessed_by_id.get(occupant.replica_id, 0.0)
+                )
+    placed_ids = {p.replica_id for p in plan.placements}
+    additions: dict[str, list[Occupant]] = {}
+    puts: dict[str, ReplicaRecord] = {}
+    delete_keys: list[str] = []
+    for eviction in plan.evictions:
+        if eviction.replica_id in placed_ids:
+            continue  # left its old place and was placed again: the placement says where it is
+        key = replica_kv_key(eviction.model, eviction.replica_id)
+        if eviction.to_level == "COLD":
+            delete_keys.append(key)
+            continue
+        old = replicas.get(eviction.replica_id)
+        assert old is not None, f"replica {eviction.replica_id} parked WARM but has no record"
+        for gpu_id, num_bytes in eviction.freed_gpu_bytes.items():
+            additions.setdefault(gpu_kv_key(eviction.node_id, gpu_id), []).append(
+                Occupant(
+                    replica_id=eviction.replica_id,
+                    model=eviction.model,
+                    bytes=num_bytes,
+                    state="sleeping",
+                    since=at,
+                    last_accessed=last_accessed_by_id.get(eviction.replica_id, 0.0),
+                    dedicated=old.dedicated,
+                )
+            )
+        puts[key] = msgspec.structs.replace(
+            old, level="WARM", state="sleeping", gpu_bytes={}, gpu_memory_fraction=None, updated_at=at
+        )
+    for placement in plan.placements:
+        for gpu_id, num_bytes in placement.gpu_bytes.items():
+            additions.setdefault(gpu_kv_key(placement.node_id, gpu_id), []).append(
+                Occupant(
+                    replica_id=placement.replica_id,
+                    model=placement.model,
+                    bytes=num_bytes,
+                    state="reserved",
+                    since=at,
+                    last_accessed=at,
+                    dedicated=placement.dedicated,
+                    owner=scheduler_id,
+                    expires_at=at + reservation_ttl_s,
+                )
+            )
+        key = replica_kv_key(placement.model, placement.replica_id)
+        old = replicas.get(placement.replica_id)
+        created_at = old.created_at if old is not None and placement.from_level == "WARM" else at
+        puts[key] = ReplicaRecord(
+            replica_id=placement.replica_id,
+            model=placement.model,
+            node_id=placement.node_id,
+            gpu_bytes=dict(placement.gpu_bytes),
+            gpu_memory_fraction=placement.gpu_memory_fraction,
+            level="HOT",
+            state="pending",
+            dedicated=placement.dedicated,
+            cpu_bytes=placement.cpu_bytes,
+            created_at=created_at,
+            updated_at=at,
+            scheduler_id=scheduler_id,
+            measured_bytes=old.measured_bytes if old is not None else None,
+        )
+    gpu_changes = {
+        key: GpuChange(tuple(sorted(removals.get(key, ()))), tuple(additions.get(key, ())))
+        for key in sorted(removals.keys() | additions.keys())
+    }
+    return RecordChanges(gpu_changes, tuple(puts.values()), tuple(delete_keys))
+
+
+def apply_gpu_change(record: GpuRecord, change: GpuChange, *, now: float) -> GpuRecord | None:
+    """The GPU record after `change`, or None when it would over-commit the GPU (the record
+    moved on since the plan was made: re-read and re-plan)."""
+    removed = set(change.remove_replica_ids)
+    occupants = [o for o in record.occupants if o.replica_id not in removed]
+    occupants.extend(change.add)
+    updated = msgspec.structs.replace(record, occupants=occupants, updated_at=now)
+    if updated.reserved_bytes > updated.total_bytes:
+        return None
+    return updated

@@ -1,0 +1,94 @@
+"""The worker's control endpoints: park WARM (to_cache) and come back (from_cache).
+
+Served as the ``shoal-worker`` micro service on ``shoal.worker.<replica id>.<verb>``,
+called by the replica's node agent. Parking raises the barrier first (no new
+requests; in-flight ones drain up to the drain timeout), drops the engine and
+its KV pool, and moves the weights to CPU RAM; restoring moves them onto the
+new allocation, builds a fresh engine sized for it, and serves again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import structlog
+from nats.micro import add_service
+from nats.micro.service import Service
+
+from shoal.services.worker.generation import Engine
+from shoal.services.worker.loader import LoadedModel, ModelLoadError, park_weights, restore_weights
+from shoal.services.worker.service import WorkerService
+from shoal.shared.bus import Bus
+from shoal.shared.messages import (
+    CacheReplica,
+    NodeCommand,
+    ReplicaRecord,
+    RestoreReplica,
+    WorkerReply,
+    node_command_decoder,
+)
+from shoal.shared.micro import RequestError, add_json_endpoint
+from shoal.shared.subjects import worker_subject
+
+log = structlog.get_logger(__name__)
+
+EngineFactory = Callable[[LoadedModel], tuple[Engine, int]]
+"""Builds an engine for the loaded model's current allocation; returns it and its KV pool bytes."""
+
+
+@dataclass
+class ReplicaRuntime:
+    """What a serving replica holds, and how it parks and comes back."""
+
+    replica: ReplicaRecord
+    loaded: LoadedModel
+    engine: Engine | None
+    service: WorkerService
+    build_engine: EngineFactory
+    measure: Callable[[LoadedModel, int], int]
+    drain_timeout_s: float = 30.0
+
+    async def to_cache(self) -> WorkerReply:
+        if self.engine is None:
+            return WorkerReply(ok=True, message="already parked")
+        await self.service.pause(self.drain_timeout_s)
+        engine, self.engine = self.engine, None
+        await engine.close()
+        await asyncio.to_thread(park_weights, self.loaded, self.replica)
+        log.info("replica_parked")
+        return WorkerReply(ok=True, message="parked")
+
+    async def from_cache(self, replica: ReplicaRecord) -> WorkerReply:
+        if self.engine is not None:
+            return WorkerReply(ok=True, message="already serving")
+        try:
+            await asyncio.to_thread(restore_weights, self.loaded, replica)
+            engine, kv_cache_bytes = await asyncio.to_thread(self.build_engine, self.loaded)
+        except (ModelLoadError, ValueError, MemoryError) as exc:
+            raise RequestError(507, f"cannot restore on the new allocation: {exc}") from exc
+        self.replica, self.engine = replica, engine
+        self.service.resume(engine)
+        measured = self.measure(self.loaded, kv_cache_bytes)
+        log.info("replica_restored", measured_bytes=measured)
+        return WorkerReply(ok=True, message="serving", measured_bytes=measured)
+
+    async def handle(self, command: NodeCommand) -> WorkerReply:
+        match command:
+            case CacheReplica():
+                return await self.to_cache()
+            case RestoreReplica(replica=replica):
+                return await self.from_cache(replica)
+        raise RequestError(400, f"a worker does not take {type(command).__name__}")
+
+
+async def serve_control(bus: Bus, runtime: ReplicaRuntime) -> Service:
+    replica_id = runtime.replica.replica_id
+    service = await add_service(bus.nc, name="shoal-worker", version="0.1.0",
+                                description=f"Shoal replica {runtime.replica.name}",
+                                metadata={"replica_id": replica_id, "model": runtime.replica.model})
+    for verb in ("to_cache", "from_cache"):
+        await add_json_endpoint(service, verb, worker_subject(replica_id, verb), node_command_decoder.decode,
+                                runtime.handle)
+    return service

@@ -1,0 +1,275 @@
+"""KV records <-> placement policy types: how records read, what a plan writes, and a round trip."""
+
+from __future__ import annotations
+
+import random
+
+import msgspec
+import pytest
+
+from shoal.services.scheduler.cluster_view import (
+    GpuChange,
+    apply_gpu_change,
+    build_demand,
+    build_policy_config,
+    build_snapshot,
+    get_recorded_locations,
+    plan_to_records,
+)
+from shoal.shared.config import PlacementConfig as PlacementSettings
+from shoal.shared.messages import GpuInfo, GpuRecord, ModelSpec, NodeRecord, Occupant, ReplicaRecord
+from shoal.shared.policy.cluster_state import ReplicaSnapshot
+from shoal.shared.policy.memory_figure import UnknownModelMemory
+from shoal.shared.policy.placement import ClusterPlanner, plan_placements
+from shoal.shared.policy.placement_config import PlacementConfig
+from shoal.shared.policy.replica_plan import get_planned_locations
+from shoal.shared.subjects import gpu_kv_key, replica_kv_key
+
+GiB = 1 << 30
+CONFIG = PlacementConfig()
+NOW = 1_000.0
+
+
+def node_record(node_id: str, num_gpus: int = 2, gpu_gib: int = 80, ram_gib: int = 64) -> NodeRecord:
+    gpus = [GpuInfo(index=i, total_bytes=gpu_gib * GiB) for i in range(num_gpus)]
+    return NodeRecord(node_id=node_id, hostname=node_id, gpus=gpus, cpu_ram_bytes=ram_gib * GiB)
+
+
+def occupant(replica_id: str, model: str, gib: int, state: str = "serving", **kwargs: object) -> Occupant:
+    return Occupant(replica_id=replica_id, model=model, bytes=gib * GiB, state=state, since=0.0, **kwargs)  # type: ignore[arg-type]
+
+
+def gpu_record(node_id: str, index: int, *occupants: Occupant, gpu_gib: int = 80) -> GpuRecord:
+    return GpuRecord(node_id=node_id, index=index, total_bytes=gpu_gib * GiB, occupants=list(occupants))
+
+
+def replica_record(
+    replica_id: str, model: str, node_id: str, gpu_gib: dict[int, int], **kwargs: object
+) -> ReplicaRecord:
+    gpu_bytes = {g: b * GiB for g, b in gpu_gib.items()}
+    return ReplicaRecord(replica_id=replica_id, model=model, node_id=node_id, gpu_bytes=gpu_bytes, **kwargs)  # type: ignore[arg-type]
+
+
+# --------------------------------------------------------------------------- records -> snapshot
+
+
+def test_occupants_read_as_reservations_warm_copies_or_pinned_bytes() -> None:
+    gpus = [
+        gpu_record(
+            "n0",
+            0,
+            occupant("hot", "m", 10, last_accessed=7.0),
+            occupant("inflight", "m", 4, state="reserved", owner="s2", expires_at=NOW + 30),
+            occupant("lapsed", "m", 3, state="reserved", owner="s3", expires_at=NOW - 1),
+            occupant("sleepy", "m", 20, state="sleeping", last_accessed=3.0),
+            occupant("broken", "x", 5),
+        ),
+        gpu_record("gone", 0, occupant("ghost", "m", 10)),  # no node record: a dead node
+    ]
+    replicas = [
+        replica_record("hot", "m", "n0", {0: 10}, state="ready", cpu_bytes=2 * GiB),
+        replica_record("sleepy", "m", "n0", {}, level="WARM", state="sleeping", cpu_bytes=5 * GiB),
+        replica_record("broken", "x", "n0", {0: 5}, state="failed"),
+        replica_record("ghost", "m", "gone", {0: 10}),
+    ]
+    models = [ModelSpec(key="m", path="m", desired_replicas=2)]
+    snapshot = build_snapshot(
+        [node_record("n1"), node_record("n0")], gpus, replicas, models, config=CONFIG, now=NOW
+    )
+    assert [n.node_id for n in snapshot.nodes] == ["n0", "n1"]
+    n0 = snapshot.nodes[0]
+    assert n0.gpu_total_bytes == {0: 80 * GiB, 1: 80 * GiB}
+    assert n0.pinned_gpu_bytes == {0: 9 * GiB}  # in-flight reservation + failed replica
+    assert n0.cpu_cache_bytes == 32 * GiB
+    assert n0.replicas == (
+        ReplicaSnapshot("hot", "m", "HOT", {0: 10 * GiB}, 2 * GiB, last_accessed=7.0),
+        ReplicaSnapshot("sleepy", "m", "WARM", {}, 5 * GiB, last_accessed=3.0),
+    )
+    assert snapshot.desired_replicas == {"m": 2}
+
+
+def test_a_hot_record_whose_occupants_all_sleep_reads_as_warm() -> None:
+    gpus = [gpu_record("n0", 0, occupant("r", "m", 10, state="sleeping"))]
+    replicas = [replica_record("r", "m", "n0", {0: 10}, state="ready", cpu_bytes=GiB)]
+    snapshot = build_snapshot([node_record("n0")], gpus, replicas, [], config=CONFIG, now=NOW)
+    assert snapshot.nodes[0].replicas[0].level == "WARM"
+
+
+def test_demand_ranks_the_memory_figure_and_carries_the_spec_flags() -> None:
+    spec = ModelSpec(key="m", path="m", weight_bytes=2 * GiB, estimated_bytes=5 * GiB, desired_replicas=2)
+    demand = build_demand(spec, config=CONFIG)
+    assert (demand.figure.required_bytes, demand.figure.source, demand.desired_replicas) == (
+        5 * GiB,
+        "estimate",
+        2,
+    )
+    spec = msgspec.structs.replace(spec, measured_serving_bytes=4 * GiB, dedicated=True, num_gpus=2)
+    demand = build_demand(spec, config=CONFIG, desired_replicas=3)
+    assert (demand.figure.source, demand.dedicated, demand.min_num_gpus, demand.desired_replicas) == (
+        "measured",
+        True,
+        2,
+        3,
+    )
+    guessed = build_demand(ModelSpec(key="g", path="g", weight_bytes=2 * GiB), config=CONFIG)
+    assert (guessed.figure.required_bytes, guessed.figure.source) == (6 * GiB, "factor")
+    with pytest.raises(UnknownModelMemory):
+        build_demand(ModelSpec(key="u", path="u"), config=CONFIG)
+
+
+def test_policy_config_from_the_toml_section() -> None:
+    settings = PlacementSettings(
+        gpu_fraction_factor=2.5, fraction_threshold=0.7, min_available_gpu_fraction=0.2
+    )
+    config = build_policy_config(settings)
+    assert (config.gpu_fraction_factor, config.fraction_threshold, config.min_available_gpu_fraction) == (
+        2.5,
+        0.7,
+        0.2,
+    )
+
+
+# --------------------------------------------------------------------------- plan -> records
+
+
+def test_plan_writes_reservations_sleeping_occupants_and_records() -> None:
+    gpus = [
+        gpu_record("n0", 0, occupant("x1", "x", 70, last_accessed=5.0)),
+        gpu_record("n0", 1, occupant("w1", "m", 20, state="sleeping"), occupant("y1", "y", 79)),
+    ]
+    replicas = {
+        "x1": replica_record("x1", "x", "n0", {0: 70}, state="ready", cpu_bytes=4 * GiB, created_at=1.0),
+        "w1": replica_record(
+            "w1", "m", "n0", {}, level="WARM", state="sleeping", cpu_bytes=2 * GiB, created_at=2.0
+        ),
+        "y1": replica_record("y1", "y", "n0", {1: 79}, state="ready", cpu_bytes=4 * GiB, dedicated=True),
+    }
+    models = [
+        ModelSpec(
+            key="m", path="m", measured_serving_bytes=20 * GiB, weight_bytes=2 * GiB, desired_replicas=1
+        )
+    ]
+    snapshot = build_snapshot([node_record("n0")], gpus, replicas.values(), models, config=CONFIG, now=NOW)
+    plan = plan_placements(
+        snapshot,
+        [build_demand(models[0], config=CONFIG)],
+        config=CONFIG,
+        rng=random.Random(0),
+        clock=lambda: NOW,
+    )
+    changes = plan_to_records(plan, gpus=gpus, replicas=replicas, scheduler_id="s1", reservation_ttl_s=60.0)
+
+    assert list(changes.gpu_changes) == ["n0.0", "n0.1"]
+    gpu0 = changes.gpu_changes["n0.0"]
+    assert gpu0.remove_replica_ids == ("x1",)
+    assert [(o.replica_id, o.state, o.bytes) for o in gpu0.add] == [
+        ("x1", "sleeping", 70 * GiB),
+        ("w1", "reserved", 20 * GiB),
+    ]
+    reservation = gpu0.add[1]
+    assert (reservation.owner, reservation.expires_at, reservation.since) == ("s1", NOW + 60.0, NOW)
+    assert gpu0.add[0].last_accessed == 5.0
+    assert changes.gpu_changes["n0.1"] == GpuChange(("w1",), ())
+
+    puts = {r.replica_id: r for r in changes.replica_puts}
+    assert (puts["x1"].level, puts["x1"].state, puts["x1"].gpu_bytes, puts["x1"].created_at) == (
+        "WARM",
+        "sleeping",
+        {},
+        1.0,
+    )
+    restored = puts["w1"]
+    assert (restored.level, restored.state, restored.node_id, restored.gpu_bytes) == (
+        "HOT",
+        "pending",
+        "n0",
+        {0: 20 * GiB},
+    )
+    assert (restored.gpu_memory_fraction, restored.created_at, restored.scheduler_id) == (0.25, 2.0, "s1")
+    assert changes.replica_delete_keys == ()
+
+
+def test_a_deleted_replica_leaves_its_gpus_and_its_record() -> None:
+    gpus = [gpu_record("n0", 0, occupant("h", "m", 10))]
+    replicas = {"h": replica_record("h", "m", "n0", {0: 10}, state="ready", cpu_bytes=GiB)}
+    snapshot = build_snapshot(
+        [node_record("n0", ram_gib=0)], gpus, replicas.values(), [], config=CONFIG, now=NOW
+    )
+    planner = ClusterPlanner(snapshot, config=CONFIG, rng=random.Random(0), clock=lambda: NOW)
+    planner.evict_model("m")  # no CPU RAM to park it: deleted
+    changes = plan_to_records(
+        planner.finish(), gpus=gpus, replicas=replicas, scheduler_id="s1", reservation_ttl_s=60
+    )
+    assert changes.gpu_changes == {"n0.0": GpuChange(("h",), ())}
+    assert changes.replica_delete_keys == (replica_kv_key("m", "h"),)
+    assert changes.replica_puts == ()
+
+
+def test_apply_gpu_change_refuses_to_over_commit() -> None:
+    record = gpu_record("n0", 0, occupant("a", "m", 50), occupant("s", "m", 70, state="sleeping"))
+    fits = apply_gpu_change(record, GpuChange(("a",), (occupant("b", "m", 80, state="reserved"),)), now=NOW)
+    assert fits is not None
+    assert [o.replica_id for o in fits.occupants] == ["s", "b"] and fits.updated_at == NOW
+    assert (
+        apply_gpu_change(record, GpuChange((), (occupant("b", "m", 31, state="reserved"),)), now=NOW) is None
+    )
+
+
+# --------------------------------------------------------------------------- round trip
+
+
+def test_round_trip_records_plan_records() -> None:
+    nodes = [node_record("n0"), node_record("n1")]
+    gpus = [
+        gpu_record("n0", 0, occupant("x1", "x", 60)),
+        gpu_record("n0", 1, occupant("d1", "d", 80)),
+        gpu_record("n1", 0, occupant("x2", "x", 30), occupant("w1", "m", 10, state="sleeping")),
+        gpu_record("n1", 1),
+    ]
+    replica_list = [
+        replica_record("x1", "x", "n0", {0: 60}, state="ready", cpu_bytes=8 * GiB),
+        replica_record("d1", "d", "n0", {1: 80}, state="ready", cpu_bytes=8 * GiB, dedicated=True),
+        replica_record("x2", "x", "n1", {0: 30}, state="ready", cpu_bytes=8 * GiB),
+        replica_record("w1", "m", "n1", {}, level="WARM", state="sleeping", cpu_bytes=2 * GiB),
+    ]
+    replicas = {r.replica_id: r for r in replica_list}
+    models = [
+        ModelSpec(
+            key="m", path="m", measured_serving_bytes=30 * GiB, weight_bytes=2 * GiB, desired_replicas=3
+        ),
+        ModelSpec(key="big", path="big", weight_bytes=40 * GiB, desired_replicas=1),
+        ModelSpec(key="x", path="x", desired_replicas=2),
+        ModelSpec(key="d", path="d", desired_replicas=1),
+    ]
+    snapshot = build_snapshot(nodes, gpus, replica_list, models, config=CONFIG, now=NOW)
+    demands = [build_demand(spec, config=CONFIG) for spec in models[:2]]
+    plan = plan_placements(snapshot, demands, config=CONFIG, rng=random.Random(1), clock=lambda: NOW)
+    assert plan.placements, "the scenario places something"
+    changes = plan_to_records(plan, gpus=gpus, replicas=replicas, scheduler_id="s1", reservation_ttl_s=60)
+
+    new_gpus = []
+    for record in gpus:
+        change = changes.gpu_changes.get(gpu_kv_key(record.node_id, record.index))
+        updated = record if change is None else apply_gpu_change(record, change, now=NOW)
+        assert updated is not None and updated.reserved_bytes <= updated.total_bytes
+        new_gpus.append(updated)
+    new_replicas = dict(replicas)
+    for key in changes.replica_delete_keys:
+        del new_replicas[next(r for r, rec in new_replicas.items() if replica_kv_key(rec.model, r) == key)]
+    new_replicas.update({r.replica_id: r for r in changes.replica_puts})
+
+    expected = get_planned_locations(get_recorded_locations(replicas.values()), plan)
+    assert get_recorded_locations(new_replicas.values()) == expected
+    rebuilt = build_snapshot(nodes, new_gpus, new_replicas.values(), models, config=CONFIG, now=NOW)
+    rebuilt_hot = {
+        r.replica_id: dict(r.gpu_bytes) for n in rebuilt.nodes for r in n.replicas if r.level == "HOT"
+    }
+    assert rebuilt_hot == {rid: dict(loc.gpu_bytes) for rid, loc in expected.items() if loc.level == "HOT"}
+    assert all(not n.pinned_gpu_bytes for n in rebuilt.nodes)
+
+    demands_again = [
+        build_demand(spec, config=CONFIG, desired_replicas=plan.desired_replicas.get(spec.key))
+        for spec in models[:2]
+    ]
+    again = plan_placements(rebuilt, demands_again, config=CONFIG, rng=random.Random(1), clock=lambda: NOW)
+    assert again.placements == () and again.evictions == (), "a committed plan is stable"
