@@ -50,6 +50,11 @@ class NotFound(ApiError):
     error_type = "not_found_error"
 
 
+class MethodNotAllowed(ApiError):
+    status = 405
+    error_type = "invalid_request_error"
+
+
 class PayloadTooLarge(ApiError):
     status = 413
     error_type = "invalid_request_error"
@@ -72,15 +77,19 @@ class DeadlineExceeded(ApiError):
 
 _BY_STATUS: dict[int, type[ApiError]] = {
     cls.status: cls
-    for cls in (BadRequest, Unauthorized, Forbidden, NotFound, PayloadTooLarge, TooManyRequests, Unavailable,
-                DeadlineExceeded)
+    for cls in (BadRequest, Unauthorized, Forbidden, NotFound, MethodNotAllowed, PayloadTooLarge, TooManyRequests,
+                Unavailable, DeadlineExceeded)
 }
 
 
 def error_for_status(status: int, message: str, *, code: str | None = None) -> ApiError:
-    """The ApiError a worker's or scheduler's status maps to (unknown statuses are 500s)."""
-    cls = _BY_STATUS.get(status, ApiError)
-    return cls(message, code=code)
+    """The ApiError a worker's or scheduler's status maps to (other 4xx: invalid request; 5xx: server)."""
+    cls = _BY_STATUS.get(status)
+    if cls is not None:
+        return cls(message, code=code)
+    error = (BadRequest if 400 <= status < 500 else ApiError)(message, code=code)
+    error.status = status if 400 <= status < 600 else 500
+    return error
 
 
 class _ErrorBody(msgspec.Struct):

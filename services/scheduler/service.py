@@ -117,7 +117,7 @@ class Scheduler:
             rng=self._rng,
         )
         self._lock = asyncio.Lock()
-        self._background: set[asyncio.Task[None]] = set()
+        self._background: set[asyncio.Task[object]] = set()
         self._service: Service | None = None
         self._reconciler: asyncio.Task[None] | None = None
 
@@ -175,10 +175,11 @@ class Scheduler:
         stored = await self.store.update_model(spec.key, lambda current: merge_registration(current, spec))
         assert stored is not None, "registering a model must leave a spec behind"
         await ensure_model_consumer(self._bus.js, spec.key)
-        stored = await self._inspected(stored)
         await publish_event(self._bus.js, Event("model_registered", self._clock(), model=spec.key))
         if stored.desired_replicas:
             await self.ensure(spec.key, stored.desired_replicas)
+        elif stored.weight_bytes is None:
+            self._spawn(self._inspected(stored))  # sized ahead of its first request
         return stored
 
     async def remove(self, model: str) -> SchedulerReply:
@@ -386,7 +387,7 @@ class Scheduler:
                 released[model] = spec
         return released
 
-    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+    def _spawn(self, coro: Coroutine[Any, Any, object]) -> None:
         task = asyncio.create_task(coro)
         self._background.add(task)
         task.add_done_callback(self._background.discard)

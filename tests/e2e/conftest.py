@@ -99,3 +99,5 @@ def shoal(demo_models_root: Path, tmp_path_factory: pytest.TempPathFactory) -> I
         yield instance
     finally:
         instance.stop()
+        problems = [line for line in instance.log_lines if '"level": "error"' in line or "Traceback" in line]
+        print("".join(problems[-20:]))  # shown by pytest when a test of the module failed

@@ -1,0 +1,231 @@
+// Torch bindings of Shoal's KV-cache kernels: validate tensors, fill the
+// launcher structs of kv_ops.h, launch on the current stream of the tensors'
+// device.
+//
+// Only generic c10 APIs are used for the device and its stream (no c10/cuda
+// headers), so this file compiles against any torch build; scripts/check_kernels.sh
+// compiles it against the CPU wheel on machines without a GPU.
+#include <torch/extension.h>
+
+#include <c10/core/DeviceGuard.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
+
+#include "kv_ops.h"
+
+namespace {
+
+cudaStream_t current_stream(const c10::Device& device) {
+  const c10::Stream stream = c10::impl::getDeviceGuardImpl(device.type())->getStream(device);
+  return static_cast<cudaStream_t>(stream.native_handle());
+}
+
+void check_launch(cudaError_t error, const char* op) {
+  TORCH_CHECK(error == cudaSuccess, "shoal ", op, " kernel launch failed: ", cudaGetErrorString(error));
+}
+
+shoal::ScalarType scalar_type(const torch::Tensor& tensor) {
+  switch (tensor.scalar_type()) {
+    case torch::kFloat32:
+      return shoal::ScalarType::kFloat32;
+    case torch::kFloat16:
+      return shoal::ScalarType::kFloat16;
+    case torch::kBFloat16:
+      return shoal::ScalarType::kBFloat16;
+    default:
+      TORCH_CHECK(false, "shoal KV ops support float32, float16 and bfloat16, got ", tensor.scalar_type());
+  }
+}
+
+void check_on(const torch::Tensor& tensor, const c10::Device& device, const char* name) {
+  TORCH_CHECK(tensor.device() == device, name, " must be on ", device, ", got ", tensor.device());
+}
+
+void check_index(const torch::Tensor& tensor, torch::ScalarType dtype, int64_t dims, const char* name) {
+  TORCH_CHECK(tensor.scalar_type() == dtype, name, " must be ", dtype, ", got ", tensor.scalar_type());
+  TORCH_CHECK(tensor.dim() == dims, name, " must have ", dims, " dims, got ", tensor.sizes());
+  TORCH_CHECK(tensor.is_contiguous(), name, " must be contiguous");
+}
+
+void check_layer_cache(const torch::Tensor& cache, const torch::Tensor& like, const char* name) {
+  TORCH_CHECK(cache.dim() == 4, name, " must be [num_blocks, block_size, num_kv_heads, head_dim], got ",
+              cache.sizes());
+  TORCH_CHECK(cache.is_contiguous(), name, " must be contiguous");
+  TORCH_CHECK(cache.sizes() == like.sizes() && cache.scalar_type() == like.scalar_type(), name,
+              " must match key_cache's shape and dtype");
+  scalar_type(cache);
+}
+
+void write_kv(const torch::Tensor& key, const torch::Tensor& value, torch::Tensor& key_cache,
+              torch::Tensor& value_cache, const torch::Tensor& slot_mapping) {
+  TORCH_CHECK(key_cache.is_cuda(), "write_kv: key_cache must be a CUDA tensor");
+  const c10::Device device = key_cache.device();
+  check_layer_cache(key_cache, key_cache, "key_cache");
+  check_layer_cache(value_cache, key_cache, "value_cache");
+  check_index(slot_mapping, torch::kInt64, 1, "slot_mapping");
+  const int64_t num_tokens = slot_mapping.size(0);
+  for (const auto& [tensor, name] : {std::pair{&key, "key"}, std::pair{&value, "value"}}) {
+    TORCH_CHECK(tensor->dim() == 3 && tensor->size(0) == num_tokens && tensor->size(1) == key_cache.size(2) &&
+                    tensor->size(2) == key_cache.size(3),
+                name, " must be [num_tokens, num_kv_heads, head_dim], got ", tensor->sizes());
+    TORCH_CHECK(tensor->scalar_type() == key_cache.scalar_type(), name, " dtype must match the cache's");
+    TORCH_CHECK(num_tokens == 0 || tensor->stride(2) == 1, name, "'s last dim must be contiguous");
+    check_on(*tensor, device, name);
+  }
+  check_on(value_cache, device, "value_cache");
+  check_on(slot_mapping, device, "slot_mapping");
+
+  const c10::DeviceGuard guard(device);
+  shoal::WriteKvArgs args{};
+  args.key = key.data_ptr();
+  args.value = value.data_ptr();
+  args.key_cache = key_cache.data_ptr();
+  args.value_cache = value_cache.data_ptr();
+  args.slot_mapping = slot_mapping.data_ptr<int64_t>();
+  args.num_tokens = num_tokens;
+  args.num_kv_heads = key_cache.size(2);
+  args.head_dim = key_cache.size(3);
+  args.key_token_stride = key.stride(0);
+  args.key_head_stride = key.stride(1);
+  args.value_token_stride = value.stride(0);
+  args.value_head_stride = value.stride(1);
+  args.num_slots = key_cache.size(0) * key_cache.size(1);
+  args.element_bytes = key_cache.element_size();
+  check_launch(shoal::write_kv(args, current_stream(device)), "write_kv");
+}
+
+void paged_attention(torch::Tensor& out, const torch::Tensor& query, const torch::Tensor& key_cache,
+                     const torch::Tensor& value_cache, const torch::Tensor& block_tables,
+                     const torch::Tensor& seq_lens, const torch::Tensor& query_start_loc, double scale) {
+  TORCH_CHECK(query.is_cuda(), "paged_attention: query must be a CUDA tensor");
+  const c10::Device device = query.device();
+  check_layer_cache(key_cache, key_cache, "key_cache");
+  check_layer_cache(value_cache, key_cache, "value_cache");
+  TORCH_CHECK(query.dim() == 3, "query must be [num_tokens, num_heads, head_dim], got ", query.sizes());
+  TORCH_CHECK(out.sizes() == query.sizes() && out.scalar_type() == query.scalar_type(),
+              "out must match query's shape and dtype");
+  TORCH_CHECK(query.scalar_type() == key_cache.scalar_type(), "query dtype must match the cache's");
+  TORCH_CHECK(query.size(2) == key_cache.size(3), "query head_dim ", query.size(2), " != cache head_dim ",
+              key_cache.size(3));
+  TORCH_CHECK(query.size(2) <= shoal::kMaxHeadDim, "head_dim ", query.size(2), " > ", shoal::kMaxHeadDim,
+              " is not supported");
+  TORCH_CHECK(query.size(1) % key_cache.size(2) == 0, "num_heads ", query.size(1),
+              " must be a multiple of num_kv_heads ", key_cache.size(2));
+  TORCH_CHECK(query.numel() == 0 || (query.stride(2) == 1 && out.stride(2) == 1),
+              "query's and out's last dims must be contiguous");
+  check_index(block_tables, torch::kInt32, 2, "block_tables");
+  check_index(seq_lens, torch::kInt32, 1, "seq_lens");
+  check_index(query_start_loc, torch::kInt32, 1, "query_start_loc");
+  const int64_t num_seqs = seq_lens.size(0);
+  TORCH_CHECK(block_tables.size(0) == num_seqs, "block_tables must have num_seqs rows");
+  TORCH_CHECK(query_start_loc.size(0) == num_seqs + 1, "query_start_loc must have num_seqs + 1 entries");
+  check_on(out, device, "out");
+  check_on(key_cache, device, "key_cache");
+  check_on(value_cache, device, "value_cache");
+  check_on(block_tables, device, "block_tables");
+  check_on(seq_lens, device, "seq_lens");
+  check_on(query_start_loc, device, "query_start_loc");
+
+  const c10::DeviceGuard guard(device);
+  shoal::PagedAttentionArgs args{};
+  args.out = out.data_ptr();
+  args.query = query.data_ptr();
+  args.key_cache = key_cache.data_ptr();
+  args.value_cache = value_cache.data_ptr();
+  args.block_tables = block_tables.data_ptr<int32_t>();
+  args.seq_lens = seq_lens.data_ptr<int32_t>();
+  args.query_start_loc = query_start_loc.data_ptr<int32_t>();
+  args.num_tokens = query.size(0);
+  args.num_seqs = num_seqs;
+  args.num_heads = query.size(1);
+  args.num_kv_heads = key_cache.size(2);
+  args.head_dim = key_cache.size(3);
+  args.block_size = key_cache.size(1);
+  args.num_blocks = key_cache.size(0);
+  args.max_blocks_per_seq = block_tables.size(1);
+  args.query_token_stride = query.stride(0);
+  args.query_head_stride = query.stride(1);
+  args.out_token_stride = out.stride(0);
+  args.out_head_stride = out.stride(1);
+  args.scale = static_cast<float>(scale);
+  args.dtype = scalar_type(query);
+  shoal::PagedAttentionPlan plan{};
+  check_launch(shoal::paged_attention_plan(args, &plan), "paged_attention (plan)");
+  args.num_partitions = plan.num_partitions;
+  torch::Tensor workspace;  // freed to torch's caching allocator after the call, stream-ordered
+  if (plan.workspace_bytes > 0) {
+    workspace = torch::empty({plan.workspace_bytes / static_cast<int64_t>(sizeof(float))},
+                             query.options().dtype(torch::kFloat32));
+    args.workspace = workspace.data_ptr<float>();
+  }
+  check_launch(shoal::paged_attention(args, current_stream(device)), "paged_attention");
+}
+
+void check_pool(const torch::Tensor& pool, const char* name) {
+  TORCH_CHECK(pool.dim() == 6 && pool.size(1) == 2, name,
+              " must be [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim], got ", pool.sizes());
+  TORCH_CHECK(pool.is_contiguous(), name, " must be contiguous");
+  scalar_type(pool);
+}
+
+// The address a kernel on `device` uses for `pool`: its own for device memory,
+// the mapped address of pinned host memory.
+void* kernel_address(const torch::Tensor& pool, const c10::Device& device, const char* name) {
+  if (pool.is_cuda()) {
+    check_on(pool, device, name);
+    return pool.data_ptr();
+  }
+  TORCH_CHECK(pool.device().is_cpu() && pool.is_pinned(), name,
+              " must be on the CUDA device or in pinned CPU memory (tensor.pin_memory())");
+  void* mapped = nullptr;
+  const cudaError_t error = shoal::mapped_device_pointer(pool.data_ptr(), &mapped);
+  TORCH_CHECK(error == cudaSuccess, name, " is pinned but has no device mapping: ", cudaGetErrorString(error));
+  return mapped;
+}
+
+void launch_copy(const torch::Tensor& src, torch::Tensor& dst, const torch::Tensor& block_mapping,
+                 const char* op) {
+  const c10::Device device = src.is_cuda() ? src.device() : dst.device();
+  TORCH_CHECK(device.is_cuda(), op, ": one of the pools must be a CUDA tensor");
+  check_index(block_mapping, torch::kInt64, 2, "block_mapping");
+  TORCH_CHECK(block_mapping.size(1) == 2, "block_mapping must be [num_pairs, 2], got ", block_mapping.sizes());
+  check_on(block_mapping, device, "block_mapping");
+
+  const c10::DeviceGuard guard(device);
+  shoal::CopyBlocksArgs args{};
+  args.src = kernel_address(src, device, "src_cache");
+  args.dst = kernel_address(dst, device, "dst_cache");
+  args.block_mapping = block_mapping.data_ptr<int64_t>();
+  args.num_pairs = block_mapping.size(0);
+  args.num_planes = src.size(0) * 2;
+  args.src_num_blocks = src.size(2);
+  args.dst_num_blocks = dst.size(2);
+  args.block_bytes = src.size(3) * src.size(4) * src.size(5) * src.element_size();
+  check_launch(shoal::copy_blocks(args, current_stream(device)), op);
+}
+
+void copy_blocks(torch::Tensor& kv_cache, const torch::Tensor& block_mapping) {
+  check_pool(kv_cache, "kv_cache");
+  TORCH_CHECK(kv_cache.is_cuda(), "copy_blocks: kv_cache must be a CUDA tensor");
+  launch_copy(kv_cache, kv_cache, block_mapping, "copy_blocks");
+}
+
+void swap_blocks(const torch::Tensor& src_cache, torch::Tensor& dst_cache, const torch::Tensor& block_mapping) {
+  check_pool(src_cache, "src_cache");
+  check_pool(dst_cache, "dst_cache");
+  TORCH_CHECK(src_cache.scalar_type() == dst_cache.scalar_type(), "swap_blocks: pools differ in dtype");
+  TORCH_CHECK(src_cache.size(0) == dst_cache.size(0) && src_cache.size(3) == dst_cache.size(3) &&
+                  src_cache.size(4) == dst_cache.size(4) && src_cache.size(5) == dst_cache.size(5),
+              "swap_blocks: pools differ in more than their block count: ", src_cache.sizes(), " vs ",
+              dst_cache.sizes());
+  launch_copy(src_cache, dst_cache, block_mapping, "swap_blocks");
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "Shoal's KV-cache CUDA kernels; call them through shoal.kernels.ops";
+  m.def("write_kv", &write_kv, "Write new tokens' K/V into their slots");
+  m.def("paged_attention", &paged_attention, "Varlen causal paged attention with GQA");
+  m.def("copy_blocks", &copy_blocks, "Copy blocks inside one pool, all layers");
+  m.def("swap_blocks", &swap_blocks, "Copy blocks between pools (GPU <-> pinned CPU), all layers");
+}

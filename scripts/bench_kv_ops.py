@@ -1,0 +1,235 @@
+"""Bandwidth of Shoal's CPU KV-cache ops against a contiguous copy, and paged decode attention.
+
+    python scripts/bench_kv_ops.py [--quick] [--repeats N] [--threads N | --cpu-time]
+
+For each dtype and head_dim (16-token blocks, 8 kv heads):
+
+* ``write_kv`` of thousands of tokens (K and V), with the slots of a prefill
+  (each block filled in order, blocks in random pool order) and of a decode
+  batch (one token per sequence, scattered over the pool);
+* ``gather_kv``, the block gather inside ``paged_attention``, for the same
+  number of tokens as 512-token sequences with random block tables;
+
+each reported in GB/s and as a fraction of ``dst.copy_(src)`` moving the same
+number of bytes between contiguous tensors, measured in the same loop. Then
+``paged_attention`` decode for 1, 8 and 32 sequences against
+``scaled_dot_product_attention`` over contiguous K/V of the same shapes.
+Repetitions of every contender are interleaved and medians reported, because
+shared machines are noisy. Prints markdown tables.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from shoal.kernels import cpu
+
+BLOCK_SIZE = 16
+NUM_KV_HEADS = 8
+NUM_HEADS = 32
+GATHER_SEQ_LEN = 512
+
+
+@dataclass(frozen=True)
+class Timing:
+    """Median seconds of each contender, measured interleaved."""
+
+    seconds: dict[str, float]
+
+
+# time.perf_counter (wall) or time.thread_time (--cpu-time: this thread's CPU
+# time, which leaves out the time other jobs hold the core).
+clock: Callable[[], float] = time.perf_counter
+
+
+def interleaved_medians(contenders: dict[str, Callable[[], object]], repeats: int) -> Timing:
+    """Runs every contender once per round, `repeats` rounds after one warm-up round.
+
+    Returns:
+        The median time of each contender.
+    """
+    samples: dict[str, list[float]] = {name: [] for name in contenders}
+    for round_index in range(repeats + 1):
+        for name, run in contenders.items():
+            start = clock()
+            run()
+            elapsed = clock() - start
+            if round_index:
+                samples[name].append(elapsed)
+    return Timing({name: statistics.median(times) for name, times in samples.items()})
+
+
+def random_values(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    return torch.randn(shape).to(dtype)
+
+
+def write_slots(num_tokens: int, num_blocks: int, pattern: str) -> torch.Tensor:
+    """Slots of `num_tokens` new tokens in a pool of `num_blocks` blocks."""
+    if pattern == "prefill":
+        blocks = torch.randperm(num_blocks)[: num_tokens // BLOCK_SIZE]
+        return (blocks[:, None] * BLOCK_SIZE + torch.arange(BLOCK_SIZE)).reshape(-1)
+    return torch.randperm(num_blocks * BLOCK_SIZE)[:num_tokens]
+
+
+def bench_write_kv(dtype: torch.dtype, head_dim: int, num_tokens: int, pattern: str, repeats: int) -> dict:
+    num_blocks = 2 * num_tokens // BLOCK_SIZE
+    cache_shape = (num_blocks, BLOCK_SIZE, NUM_KV_HEADS, head_dim)
+    key_cache, value_cache = torch.zeros(cache_shape, dtype=dtype), torch.zeros(cache_shape, dtype=dtype)
+    key = random_values((num_tokens, NUM_KV_HEADS, head_dim), dtype)
+    value = random_values((num_tokens, NUM_KV_HEADS, head_dim), dtype)
+    slots = write_slots(num_tokens, num_blocks, pattern)
+    num_bytes = 2 * key.numel() * key.element_size()
+    src = random_values((2 * key.numel(),), dtype)
+    dst = torch.zeros_like(src)
+    timing = interleaved_medians(
+        {
+            "op": lambda: cpu.write_kv(key, value, key_cache, value_cache, slots),
+            "copy": lambda: dst.copy_(src),
+        },
+        repeats,
+    )
+    return row(f"write_kv ({pattern})", dtype, head_dim, num_tokens, num_bytes, timing)
+
+
+def bench_gather(dtype: torch.dtype, head_dim: int, num_tokens: int, repeats: int) -> dict:
+    seq_len = GATHER_SEQ_LEN
+    num_seqs = num_tokens // seq_len
+    blocks_per_seq = seq_len // BLOCK_SIZE
+    num_blocks = 2 * num_seqs * blocks_per_seq
+    cache_shape = (num_blocks, BLOCK_SIZE, NUM_KV_HEADS, head_dim)
+    key_cache, value_cache = random_values(cache_shape, dtype), random_values(cache_shape, dtype)
+    block_tables = torch.randperm(num_blocks)[: num_seqs * blocks_per_seq].view(num_seqs, -1).int()
+    seq_lens = torch.full((num_seqs,), seq_len, dtype=torch.int32)
+    num_bytes = 2 * num_seqs * seq_len * NUM_KV_HEADS * head_dim * key_cache.element_size()
+    src = random_values((num_bytes // key_cache.element_size(),), dtype)
+    dst = torch.zeros_like(src)
+    buffers = cpu.GatherBuffers()  # reused across calls, as inside paged_attention
+    timing = interleaved_medians(
+        {
+            "op": lambda: cpu.gather_kv(key_cache, value_cache, block_tables, seq_lens, buffers),
+            "copy": lambda: dst.copy_(src),
+        },
+        repeats,
+    )
+    return row("gather_kv", dtype, head_dim, num_seqs * seq_len, num_bytes, timing)
+
+
+def row(op: str, dtype: torch.dtype, head_dim: int, num_tokens: int, num_bytes: int, timing: Timing) -> dict:
+    op_seconds, copy_seconds = timing.seconds["op"], timing.seconds["copy"]
+    return {
+        "op": op,
+        "dtype": str(dtype).removeprefix("torch."),
+        "head_dim": head_dim,
+        "tokens": num_tokens,
+        "MB": f"{num_bytes / 1e6:.0f}",
+        "op GB/s": f"{num_bytes / op_seconds / 1e9:.1f}",
+        "copy GB/s": f"{num_bytes / copy_seconds / 1e9:.1f}",
+        "op / copy": f"{copy_seconds / op_seconds:.2f}",
+    }
+
+
+def bench_decode(dtype: torch.dtype, num_seqs: int, seq_len: int, repeats: int) -> dict:
+    head_dim = 128
+    group = NUM_HEADS // NUM_KV_HEADS
+    blocks_per_seq = seq_len // BLOCK_SIZE
+    num_blocks = 2 * num_seqs * blocks_per_seq
+    cache_shape = (num_blocks, BLOCK_SIZE, NUM_KV_HEADS, head_dim)
+    key_cache, value_cache = random_values(cache_shape, dtype), random_values(cache_shape, dtype)
+    block_tables = torch.randperm(num_blocks)[: num_seqs * blocks_per_seq].view(num_seqs, -1).int()
+    seq_lens = torch.full((num_seqs,), seq_len, dtype=torch.int32)
+    query_start_loc = torch.arange(num_seqs + 1, dtype=torch.int32)
+    query = random_values((num_seqs, NUM_HEADS, head_dim), dtype)
+    out = torch.empty_like(query)
+    # The contiguous baseline: K/V already [seqs, kv_heads, seq_len, head_dim], the
+    # query heads of a kv group folded into the query-length dim as paged_attention does.
+    keys = random_values((num_seqs, NUM_KV_HEADS, seq_len, head_dim), dtype)
+    values = random_values((num_seqs, NUM_KV_HEADS, seq_len, head_dim), dtype)
+    grouped_query = query.view(num_seqs, NUM_KV_HEADS, group, head_dim)
+    scale = head_dim**-0.5
+    timing = interleaved_medians(
+        {
+            "paged": lambda: cpu.paged_attention(
+                out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale
+            ),
+            "sdpa": lambda: F.scaled_dot_product_attention(grouped_query, keys, values, scale=scale),
+        },
+        repeats,
+    )
+    paged, sdpa = timing.seconds["paged"], timing.seconds["sdpa"]
+    return {
+        "dtype": str(dtype).removeprefix("torch."),
+        "seqs": num_seqs,
+        "context": seq_len,
+        "heads / kv heads": f"{NUM_HEADS}/{NUM_KV_HEADS}",
+        "paged_attention ms": f"{paged * 1e3:.2f}",
+        "SDPA contiguous ms": f"{sdpa * 1e3:.2f}",
+        "paged / SDPA": f"{paged / sdpa:.2f}",
+    }
+
+
+def markdown(rows: list[dict]) -> str:
+    header = list(rows[0])
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(str(r[column]) for column in header) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--quick", action="store_true", help="smaller sizes and fewer repetitions")
+    parser.add_argument("--repeats", type=int, default=None, help="timed rounds per measurement")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch intra-op threads (default: torch's); 1 is steadier on a machine other jobs share",
+    )
+    parser.add_argument(
+        "--cpu-time",
+        action="store_true",
+        help="time the calling thread's CPU time with one torch thread: steadier on a shared machine",
+    )
+    args = parser.parse_args()
+    global clock
+    if args.cpu_time:
+        clock = time.thread_time
+        torch.set_num_threads(1)
+    elif args.threads:
+        torch.set_num_threads(args.threads)
+    repeats = args.repeats or (5 if args.quick else 21)
+    token_counts = (16384,) if args.quick else (16384, 65536)  # well past a 32 MB L3
+    seq_len = 512 if args.quick else 1024
+
+    clock_name = "thread CPU time" if args.cpu_time else "wall time"
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads, {clock_name}, "
+        f"medians of {repeats} interleaved rounds\n"
+    )
+    bandwidth = []
+    for dtype in (torch.bfloat16, torch.float32):
+        for head_dim in (64, 128):
+            for num_tokens in token_counts:
+                for pattern in ("prefill", "decode"):
+                    bandwidth.append(bench_write_kv(dtype, head_dim, num_tokens, pattern, repeats))
+                bandwidth.append(bench_gather(dtype, head_dim, num_tokens, repeats))
+    print(markdown(bandwidth), end="\n\n")
+
+    decode = [
+        bench_decode(dtype, num_seqs, seq_len, repeats)
+        for dtype in (torch.bfloat16, torch.float32)
+        for num_seqs in (1, 8, 32)
+    ]
+    print(markdown(decode))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,81 @@
+"""The gateway's HTTP edge on a real socket and a real nats-server: keys, errors, health."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import aiohttp
+import pytest
+
+from shoal.services.gateway.app import start_gateway
+from shoal.shared import subjects
+from shoal.shared.bus import Bus
+from shoal.shared.config import GatewayConfig
+from shoal.shared.messages import ModelSpec
+from shoal.shared.nats_server import EmbeddedNatsServer
+from tests.e2e.conftest import free_port
+
+CHAT = {"model": "org/m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+
+
+@pytest.fixture
+async def gateway(bus: Bus, nats_server: EmbeddedNatsServer) -> AsyncIterator[str]:
+    await bus.models.put(subjects.model_token("org/m"), ModelSpec(key="org/m", path="m", registered_at=1.0))
+    config = GatewayConfig(port=free_port(), api_keys=["user-key"], admin_api_keys=["admin-key"],
+                           request_timeout_s=5.0)
+    runner = await start_gateway(config, nats_server.url)
+    try:
+        yield f"http://127.0.0.1:{config.port}"
+    finally:
+        await runner.cleanup()
+
+
+async def _call(method: str, url: str, key: str | None = None, **kwargs) -> tuple[int, dict]:  # type: ignore[no-untyped-def]
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    async with aiohttp.ClientSession() as session, session.request(method, url, headers=headers, **kwargs) as resp:
+        return resp.status, await resp.json(content_type=None)
+
+
+async def test_api_keys_guard_v1_and_admin_keys_guard_admin(gateway: str) -> None:
+    status, body = await _call("GET", gateway + "/v1/models")
+    assert status == 401 and body["error"]["type"] == "authentication_error"
+    assert (await _call("GET", gateway + "/v1/models", "wrong"))[0] == 401
+    status, body = await _call("GET", gateway + "/v1/models", "user-key")
+    assert status == 200 and [m["id"] for m in body["data"]] == ["org/m"]
+    assert (await _call("GET", gateway + "/v1/models", "admin-key"))[0] == 200
+    assert (await _call("GET", gateway + "/admin/cluster"))[0] == 401
+    assert (await _call("GET", gateway + "/admin/cluster", "user-key"))[0] == 403
+    status, body = await _call("GET", gateway + "/admin/cluster", "admin-key")
+    assert status == 200 and body["models"][0]["key"] == "org/m"
+    # Health and metrics stay open for probes and scrapers.
+    assert (await _call("GET", gateway + "/healthz"))[0] == 200
+
+
+async def test_no_scheduler_means_503_with_retry_after(gateway: str) -> None:
+    async with aiohttp.ClientSession() as session:
+        async with session.post(gateway + "/v1/chat/completions", json=CHAT,
+                                headers={"Authorization": "Bearer user-key"}) as resp:
+            assert resp.status == 503
+            assert resp.headers["Retry-After"]
+            body = await resp.json()
+    assert "scheduler" in body["error"]["message"]
+
+
+async def test_unknown_route_and_method_are_openai_errors(gateway: str) -> None:
+    status, body = await _call("GET", gateway + "/v1/nothing", "user-key")
+    assert status == 404 and "no route" in body["error"]["message"]
+    status, body = await _call("GET", gateway + "/v1/chat/completions", "user-key")
+    assert status == 405 and body["error"]["message"]
+
+
+async def test_oversized_body_is_413(gateway: str) -> None:
+    huge = {"model": "org/m", "prompt": "x" * (5 * 1024 * 1024)}
+    status, body = await _call("POST", gateway + "/v1/completions", "user-key", json=huge)
+    assert status == 413 and body["error"]["message"]
+
+
+async def test_admin_rejects_bad_bodies(gateway: str) -> None:
+    status, body = await _call("POST", gateway + "/admin/models", "admin-key", json={"key": "x", "path": "../up"})
+    assert status == 400 and "models root" in body["error"]["message"]
+    status, body = await _call("POST", gateway + "/admin/models/org/m/scale", "admin-key", json={"replicas": -1})
+    assert status == 400 and body["error"]["param"] == "replicas"
