@@ -127,7 +127,7 @@ class NodeConfig(Struct, forbid_unknown_fields=True, kw_only=True):
 
 
 class WorkerConfig(Struct, forbid_unknown_fields=True, kw_only=True):
-    engine: str = "hf"
+    engine: str = "paged"
     """``paged`` (Shoal's continuous-batching engine) or ``hf`` (plain transformers generate)."""
     block_size: int = 16
     max_num_seqs: int = 64

@@ -21,6 +21,10 @@ is a CAS; replica records say what the memory is for):
   stopping replica, a record that disagrees) is pinned: it counts, nothing evicts it;
   except a reservation without a replica record whose ``expires_at`` has passed (a
   scheduler died between the two writes), which counts for nothing.
+
+A GPU whose occupants exceed its total (a node re-registered with smaller GPUs) is read
+as it is, not clamped: the policy treats it as having no room until evictions cover the
+excess, and `find_over_committed` reports it.
 """
 
 from __future__ import annotations
@@ -133,6 +137,23 @@ def _build_node(
         replicas=tuple(replica_snapshots),
         pinned_gpu_bytes=pinned_bytes_by_gpu,
     )
+
+
+def find_over_committed(gpus: Iterable[GpuRecord]) -> dict[str, int]:
+    """GPU keys whose occupants hold more than the GPU's total, with the excess bytes.
+
+    Happens when a node re-registers with smaller GPUs (its agent updates the total and
+    keeps the occupants). Nothing here is an error: `build_snapshot` reads such a GPU
+    as it is, and the policy gives it no room (a placement there must first evict enough
+    to cover the excess; dedicated replicas are never evicted). The scheduler reports
+    these (log, ``shoal status``) so an operator can move what no longer fits.
+    """
+    excess_by_key = {}
+    for gpu in gpus:
+        excess_bytes = gpu.reserved_bytes - gpu.total_bytes
+        if excess_bytes > 0:
+            excess_by_key[gpu_kv_key(gpu.node_id, gpu.index)] = excess_bytes
+    return dict(sorted(excess_by_key.items()))
 
 
 def _is_reservation_of(replica: ReplicaRecord | None, node_id: str) -> bool:

@@ -35,7 +35,7 @@ from shoal.shared.subjects import worker_subject
 log = structlog.get_logger(__name__)
 
 EngineFactory = Callable[[LoadedModel], tuple[Engine, int]]
-"""Builds an engine for the loaded model's current allocation; returns it and its KV pool bytes."""
+"""Builds an engine for the loaded model's current allocation; returns it and the bytes it holds."""
 
 
 @dataclass
@@ -65,12 +65,12 @@ class ReplicaRuntime:
             return WorkerReply(ok=True, message="already serving")
         try:
             await asyncio.to_thread(restore_weights, self.loaded, replica)
-            engine, kv_cache_bytes = await asyncio.to_thread(self.build_engine, self.loaded)
+            engine, engine_bytes = await asyncio.to_thread(self.build_engine, self.loaded)
         except (ModelLoadError, ValueError, MemoryError) as exc:
             raise RequestError(507, f"cannot restore on the new allocation: {exc}") from exc
         self.replica, self.engine = replica, engine
         self.service.resume(engine)
-        measured = self.measure(self.loaded, kv_cache_bytes)
+        measured = self.measure(self.loaded, engine_bytes)
         log.info("replica_restored", measured_bytes=measured)
         return WorkerReply(ok=True, message="serving", measured_bytes=measured)
 

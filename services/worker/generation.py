@@ -94,6 +94,10 @@ class TextStream:
     _num_emitted_chars: int = 0
     stopped: bool = False
 
+    def __post_init__(self) -> None:
+        # An empty stop string would match at once and end every completion with no text.
+        self.stop = tuple(stop for stop in self.stop if stop)
+
     def push(self, token_id: int) -> str:
         assert not self.stopped, "TextStream.push after a stop string ended the text"
         self._token_ids.append(token_id)

@@ -33,23 +33,24 @@ log = structlog.get_logger(__name__)
 
 
 def build_engine(args: WorkerArgs, loaded: LoadedModel) -> tuple[Engine, int]:
-    """The engine and the KV pool bytes it holds."""
+    """The engine and the bytes it holds beyond the weights (KV pool and activation reserve)."""
     if args.engine == "hf":
         from shoal.services.worker.hf_engine import HFGenerateEngine
 
         return HFGenerateEngine(loaded.model, loaded.tokenizer, loaded.max_model_len), 0
     from shoal.services.worker.engine.factory import build_paged_engine
 
-    engine = build_paged_engine(loaded, block_size=args.block_size, max_num_seqs=args.max_num_seqs)
-    return engine, engine.kv_cache_bytes
+    engine = build_paged_engine(loaded, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
+                                kv_cache_tokens=args.model.kv_cache_tokens)
+    return engine, engine.kv_cache_bytes + engine.reserve_bytes
 
 
-def measure_replica_bytes(loaded: LoadedModel, kv_cache_bytes: int) -> int:
-    """What this replica really holds on its GPU(s): torch's reservation on CUDA;
-    on virtual GPUs its weights plus its KV pool."""
+def measure_replica_bytes(loaded: LoadedModel, engine_bytes: int) -> int:
+    """What this replica really holds on its GPU(s): torch's reservation on CUDA; on
+    virtual GPUs its weights plus what its engine holds (KV pool, activation reserve)."""
     if loaded.device.type == "cuda":
         return int(torch.cuda.memory_reserved(loaded.device))
-    return loaded.weight_bytes + kv_cache_bytes
+    return loaded.weight_bytes + engine_bytes
 
 
 async def report(bus: Bus, node_id: str, event: WorkerEvent) -> None:
@@ -77,12 +78,12 @@ async def serve(args: WorkerArgs) -> int:
             loaded = await asyncio.to_thread(
                 load_model, args.models_root, args.model, replica, device=device, attn_implementation=attn
             )
-            engine, kv_cache_bytes = await asyncio.to_thread(build_engine, args, loaded)
+            engine, engine_bytes = await asyncio.to_thread(build_engine, args, loaded)
         except (ModelLoadError, ValueError, MemoryError) as exc:
             log.error("model_load_failed", error=str(exc))
             await report(bus, args.node_id, WorkerEvent(replica.replica_id, "failed", str(exc), pid=pid))
             return 3
-        measured = measure_replica_bytes(loaded, kv_cache_bytes)
+        measured = measure_replica_bytes(loaded, engine_bytes)
         service = WorkerService(
             bus,
             engine,

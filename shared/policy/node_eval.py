@@ -29,7 +29,8 @@ is never given a placement that evicts.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import bisect
+from collections.abc import Collection, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -98,6 +99,96 @@ def get_multi_gpu_need(demand: ModelDemand, config: PlacementConfig) -> tuple[in
     return figure.required_bytes, 0
 
 
+def pick_victims(
+    sizes: Sequence[int], deficit_bytes: int, max_victims: int | None = None
+) -> list[int] | None:
+    """Positions in `sizes` (ascending) of the fewest entries whose sum covers `deficit_bytes`.
+
+    With the count fixed at its minimum k, each slot takes the smallest size that still
+    lets the remaining slots cover what is left: since k is minimal, that is the first
+    size >= (still needed - the largest k-1-slot sizes left), found by bisect. The index
+    of reclaimable bytes (`gpu_index.ReclaimIndex`) uses the same function, so its room
+    figures equal the node's.
+
+    Returns:
+        Positions into `sizes`, or None when all of them would not cover the deficit, or
+        when it would take more than `max_victims`.
+    """
+    assert deficit_bytes > 0, f"nothing to evict for a deficit of {deficit_bytes} bytes"
+    num_sizes = len(sizes)
+    covered_bytes, num_victims = 0, 0
+    while covered_bytes < deficit_bytes and num_victims < num_sizes:
+        num_victims += 1
+        covered_bytes += sizes[num_sizes - num_victims]
+    if covered_bytes < deficit_bytes or (max_victims is not None and num_victims > max_victims):
+        return None
+    if num_victims == 1:  # the common case: the smallest size that covers it alone
+        return [bisect.bisect_left(sizes, deficit_bytes)]
+    left = list(sizes)
+    positions = list(range(num_sizes))
+    picked: list[int] = []
+    still_needed = deficit_bytes
+    for num_after in range(num_victims - 1, -1, -1):
+        top_after = sum(left[len(left) - num_after :]) if num_after else 0
+        position = bisect.bisect_left(left, still_needed - top_after)
+        still_needed -= left.pop(position)
+        picked.append(positions.pop(position))
+    return picked
+
+
+def get_victim_totals(sizes: Sequence[int], num_victims: int) -> list[int]:
+    """Every total `pick_victims` evicts with exactly `num_victims` victims, ascending.
+
+    For the deficits that need exactly k victims (above the top k-1 sizes' sum, up to the
+    top k sizes' sum), `pick_victims` takes the lexicographically smallest k sizes that
+    cover the deficit. So its total is a non-decreasing step function of the deficit that
+    returns each of its values unchanged: the total for deficit d is the smallest of these
+    totals that is >= d. An index of ``free bytes + total`` per GPU and per k answers
+    "least room left after k evictions" by bisect (`gpu_index.ReclaimIndex`).
+
+    Args:
+        sizes: evictable bytes on one GPU, ascending, all > 0.
+        num_victims: k.
+    """
+    num_sizes = len(sizes)
+    if num_victims > num_sizes:
+        return []
+    if num_victims == 1:
+        return sorted(set(sizes))
+    if num_victims == 2:
+        return _get_two_victim_totals(sizes)
+    top_bytes = sum(sizes[num_sizes - num_victims + 1 :])
+    last_deficit_bytes = top_bytes + sizes[num_sizes - num_victims]
+    totals = []
+    deficit_bytes = top_bytes + 1
+    while deficit_bytes <= last_deficit_bytes:
+        picked = pick_victims(sizes, deficit_bytes)
+        assert picked is not None and len(picked) == num_victims, "k victims cover these deficits"
+        total_bytes = sum(sizes[p] for p in picked)
+        totals.append(total_bytes)
+        deficit_bytes = total_bytes + 1
+    return totals
+
+
+def _get_two_victim_totals(sizes: Sequence[int]) -> list[int]:
+    """`get_victim_totals(sizes, 2)` without stepping: for deficits d in (max, max + v]
+    above the previous first pick p, the first victim is v (the smallest size with
+    v + max >= d) and the second any other size w >= d - v, so the totals are v + w for
+    every other distinct size w > max + p - v."""
+    largest = sizes[-1]
+    values = sorted(set(sizes))
+    totals = set()
+    previous = 0
+    for first in sorted(set(sizes[:-1])):
+        alone = bisect.bisect_right(sizes, first) - bisect.bisect_left(sizes, first) == 1
+        for position in range(bisect.bisect_right(values, largest + previous - first), len(values)):
+            second = values[position]
+            if not (second == first and alone):
+                totals.add(first + second)
+        previous = first
+    return sorted(totals)
+
+
 def choose_victims(
     evictable: Sequence[WorkReplica], gpu_id: int, deficit_bytes: int, max_victims: int | None = None
 ) -> list[WorkReplica] | None:
@@ -105,43 +196,15 @@ def choose_victims(
 
     With the count fixed at its minimum, each slot takes the smallest replica that still
     lets the remaining slots cover the deficit (least memory evicted), least recently
-    used first among equal sizes.
+    used first among equal sizes (`pick_victims`).
 
     Returns:
         The victims, or None when evicting all of `evictable` would not be enough, or when
         it would take more than `max_victims`.
     """
-    single = [r for r in evictable if r.gpu_bytes[gpu_id] >= deficit_bytes]
-    if single:  # one victim is enough: the smallest that is, least recently used first
-        return [min(single, key=lambda r: (r.gpu_bytes[gpu_id], r.last_accessed, r.replica_id))]
-    if max_victims is not None and max_victims < 2:
-        return None
     ascending = sorted(evictable, key=lambda r: (r.gpu_bytes[gpu_id], r.last_accessed, r.replica_id))
-    covered_bytes, num_victims = 0, 0
-    for replica in reversed(ascending):
-        if covered_bytes >= deficit_bytes:
-            break
-        covered_bytes += replica.gpu_bytes[gpu_id]
-        num_victims += 1
-    if covered_bytes < deficit_bytes or (max_victims is not None and num_victims > max_victims):
-        return None
-    victims: list[WorkReplica] = []
-    still_needed = deficit_bytes
-    for slot in range(num_victims):
-        num_after = num_victims - slot - 1
-        sizes = [r.gpu_bytes[gpu_id] for r in ascending]
-        top_after = sum(sizes[len(sizes) - num_after :]) if num_after else 0
-        top_after_plus_one = sum(sizes[len(sizes) - num_after - 1 :])
-        for position, num_bytes in enumerate(sizes):
-            # The largest `num_after` of the others: the top ones, unless this is among them.
-            is_top = position >= len(sizes) - num_after
-            best_after = top_after_plus_one - num_bytes if is_top else top_after
-            if num_bytes + best_after >= still_needed:
-                victims.append(ascending.pop(position))
-                still_needed -= num_bytes
-                break
-    assert len(victims) == num_victims, f"GPU {gpu_id}: chose {len(victims)} victims, needed {num_victims}"
-    return victims
+    positions = pick_victims([r.gpu_bytes[gpu_id] for r in ascending], deficit_bytes, max_victims)
+    return None if positions is None else [ascending[p] for p in positions]
 
 
 def search_single_gpu(node: NodeWork, demand: ModelDemand, config: PlacementConfig) -> NodeCandidate | None:
@@ -257,27 +320,67 @@ def search_multi_gpu(
         )
     if free_only:
         return None
-    cost_by_gpu: dict[int, set[str]] = {g: set() for g in free_ids}
+    clearable: list[ClearableGpu] = [(g, totals[g], node.gpu_tie_keys[g], ()) for g in free_ids]
     for gpu_id in totals:
-        if gpu_id not in cost_by_gpu and node.is_gpu_clearable(gpu_id, demand.model):
-            cost_by_gpu[gpu_id] = set(node.hot_ids_by_gpu[gpu_id])
-    ordered = sorted(cost_by_gpu, key=lambda g: (len(cost_by_gpu[g]), -totals[g], node.gpu_tie_keys[g]))
-    num_gpus = count_whole_gpus([totals[g] for g in ordered], need_bytes, num_extra, demand.min_num_gpus)
+        if not gpus.is_whole_gpu_free(gpu_id) and node.is_gpu_clearable(gpu_id, demand.model):
+            clearable.append((gpu_id, totals[gpu_id], node.gpu_tie_keys[gpu_id], node.hot_ids_by_gpu[gpu_id]))
+    ordered = order_clearable(clearable)
+    num_gpus = count_whole_gpus([c[1] for c in ordered], need_bytes, num_extra, demand.min_num_gpus)
     if num_gpus is None:
         return None
-    chosen = ordered[:num_gpus]
-    eviction_ids = sorted(set().union(*(cost_by_gpu[g] for g in chosen)))
+    cleared = ordered[:num_gpus]
+    eviction_ids = sorted({rid for c in cleared for rid in node.hot_ids_by_gpu[c[0]]})
     freed_bytes = sum(b for rid in eviction_ids for b in node.hot[rid].gpu_bytes.values())
-    taken_bytes = sum(totals[g] for g in chosen)
+    taken_bytes = sum(c[1] for c in cleared)
     return NodeCandidate(
         CandidateLevel.FULL,
         node.node_id,
         "multi_gpu",
-        {g: totals[g] for g in chosen},
+        {c[0]: c[1] for c in cleared},
         tuple(eviction_ids),
         gpus.total_available_bytes + freed_bytes - taken_bytes,
         node.node_tie_key,
     )
+
+
+ClearableGpu = tuple[int, int, float, Collection[Hashable]]
+"""(GPU index, total bytes, tie key, ids of the HOT replicas on it): a GPU that is entirely
+free or that evicting all of its replicas would clear."""
+
+
+def order_clearable(clearable: Iterable[ClearableGpu]) -> list[ClearableGpu]:
+    """The order a multi-GPU replica takes clearable GPUs in: fewest replicas to evict,
+    then the largest, then the seeded tie key."""
+    return sorted(clearable, key=lambda c: (len(c[3]), -c[1], c[2]))
+
+
+def get_clearing_offers(
+    ordered: Sequence[ClearableGpu], replica_bytes: Mapping[Hashable, int], node_free_bytes: int
+) -> list[tuple[int, int, int]]:
+    """What taking the first m clearable GPUs of a node costs, for every m >= 2.
+
+    Args:
+        ordered: the node's clearable GPUs, as `order_clearable` returns them.
+        replica_bytes: every GPU byte each replica on those GPUs holds on the node (a
+            multi-GPU victim frees its other GPUs too).
+        node_free_bytes: free bytes of the node's GPUs now.
+
+    Returns:
+        (m, number of evictions, bytes left free on the node after placing) per m, as
+        `search_multi_gpu` computes them for a model with no replica on the node.
+    """
+    offers = []
+    evicted: set[Hashable] = set()
+    freed_bytes = taken_bytes = 0
+    for num_gpus, (_, total_bytes, _, replica_ids) in enumerate(ordered, start=1):
+        for replica_id in replica_ids:
+            if replica_id not in evicted:
+                evicted.add(replica_id)
+                freed_bytes += replica_bytes[replica_id]
+        taken_bytes += total_bytes
+        if num_gpus >= 2:
+            offers.append((num_gpus, len(evicted), node_free_bytes + freed_bytes - taken_bytes))
+    return offers
 
 
 def evaluate_node(

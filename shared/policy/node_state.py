@@ -124,6 +124,17 @@ class NodeWork:
                 evictable.append(replica)
         return evictable
 
+    def get_evictable_sizes(self, gpu_id: int) -> list[int]:
+        """Bytes on `gpu_id` of each HOT replica pressure may evict for a model with no
+        replica there (not dedicated, not placed by this plan), ascending."""
+        sizes = []
+        for replica_id in self.hot_ids_by_gpu[gpu_id]:
+            replica = self.hot[replica_id]
+            if not (replica.dedicated or replica.locked):
+                sizes.append(replica.gpu_bytes[gpu_id])
+        sizes.sort()
+        return sizes
+
     def serves_model_on_gpu(self, gpu_id: int, model: str) -> bool:
         """A HOT replica of `model` holds memory on `gpu_id`."""
         return any(self.hot[replica_id].model == model for replica_id in self.hot_ids_by_gpu[gpu_id])

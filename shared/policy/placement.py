@@ -13,23 +13,20 @@ The snapshot is never mutated. The planner is not thread-safe and holds no I/O: 
 scheduler reads the KV buckets into a snapshot, plans, and commits the plan with CAS
 (re-reading and re-planning on a conflict).
 
-Speed. Looking at every GPU of every node per replica is too slow at 1,000 nodes, so the
-FREE level is answered from two indexes that give exactly the answer of the full scan:
-
-* single GPU: `FreeGpuIndex`, every GPU sorted by free bytes per GPU size (bisect);
-* multi-GPU: `WholeGpuIndex`, nodes grouped by the sizes of their entirely free GPUs,
-  each group sorted by the node's free bytes (the best fit of a group is its first node).
-
-Only when no node has room without evictions (the FULL level) are all nodes evaluated.
-Node working copies are built lazily, the first time a node is looked at in detail.
+Speed. Asking every node's decision tree for every replica is too slow at 1,000 nodes:
+`ClusterIndex` answers both levels from indexes that give exactly the same answer, and
+builds a node's working copy only when a decision looks at that node in detail. Building
+the planner is one pass over the snapshot's replicas with no object per replica; each
+model's replica ids and GPUs are gathered on first use.
 """
 
 from __future__ import annotations
 
 import random
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import replace
 
+from shoal.shared.policy.cluster_index import ClusterIndex
 from shoal.shared.policy.cluster_state import (
     CandidateLevel,
     ClusterSnapshot,
@@ -37,23 +34,9 @@ from shoal.shared.policy.cluster_state import (
     PlacedLevel,
     ReplicaSnapshot,
 )
-from shoal.shared.policy.gpu_index import FreeGpuIndex, WholeGpuIndex
-from shoal.shared.policy.node_eval import (
-    NodeCandidate,
-    count_whole_gpus,
-    evaluate_node,
-    get_free_gpu_order,
-    get_multi_gpu_need,
-    get_single_gpu_allocation,
-    search_multi_gpu,
-)
-from shoal.shared.policy.node_state import (
-    EvictionReason,
-    LevelChange,
-    NodeWork,
-    WorkReplica,
-    get_reserved_bytes,
-)
+from shoal.shared.policy.gpu_index import GpuRoom
+from shoal.shared.policy.node_eval import NodeCandidate, evaluate_node
+from shoal.shared.policy.node_state import EvictionReason, LevelChange, WorkReplica
 from shoal.shared.policy.placement_config import PlacementConfig
 from shoal.shared.policy.placement_plan import Eviction, Placement, PlacementPlan, Unplaced
 from shoal.shared.policy.replica_plan import choose_replicas_to_remove, target_replica_ids
@@ -82,49 +65,40 @@ class ClusterPlanner:
         self._config = config
         self._rng = rng
         self._clock = clock
-        self._snapshots = cluster.nodes
-        self._pos_by_node_id = {node.node_id: pos for pos, node in enumerate(cluster.nodes)}
-        self._nodes: list[NodeWork | None] = [None] * len(cluster.nodes)
-        self._gpu_tie_keys = [{g: rng.random() for g in sorted(n.gpu_total_bytes)} for n in cluster.nodes]
-        self._node_tie_keys = [rng.random() for _ in cluster.nodes]
+        nodes = cluster.nodes
+        self._snapshots = nodes
+        self._pos_by_node_id = {node.node_id: pos for pos, node in enumerate(nodes)}
+        self._index = ClusterIndex(nodes, config, rng)
+        self._node = self._index.node
 
-        self._initial: dict[str, Origin] = {}
-        """Replica id -> (node position, the replica) in the snapshot."""
         self._where: dict[str, tuple[int, PlacedLevel]] = {}
         """Replica id -> (node position, level) now; COLD replicas are absent."""
+        self._snapshot_replicas_by_model: dict[str, list[ReplicaSnapshot]] = {}
         self._ids_by_model: dict[str, set[str]] = {}
-        self._crowded_by_model: dict[str, dict[tuple[int, int], int]] = {}
-        """Model -> (node position, GPU index) -> number of its HOT replicas there."""
+        """Model -> ids of its HOT and WARM replicas (per model, on first use)."""
+        self._crowded_by_model: dict[str, dict[int, int]] = {}
+        """Model -> GPU slot -> number of its HOT replicas there (per model, on first use)."""
         self._touched: dict[str, WorkReplica] = {}
+        """Replicas this pass changed (snapshot replicas that stayed put are absent)."""
+        self._origin_pos: dict[str, int] = {}
+        """Touched snapshot replicas -> their node position in the snapshot."""
+        self._snapshot_replicas: list[dict[str, ReplicaSnapshot] | None] = [None] * len(nodes)
         self._reasons: dict[str, EvictionReason] = {}
         self._placed: dict[str, tuple[NodeCandidate, ModelDemand]] = {}
         self._unplaced: list[Unplaced] = []
         self._initial_desired = dict(cluster.desired_replicas)
         self._desired = dict(cluster.desired_replicas)
-
-        self._free_gpus = FreeGpuIndex()
-        self._whole_gpus = WholeGpuIndex()
-        for pos, node in enumerate(cluster.nodes):
+        # One pass over the snapshot's replicas, with no object per replica (the location
+        # tuples are shared per node): where each is and each model's replicas.
+        where, by_model = self._where, self._snapshot_replicas_by_model
+        for pos, node in enumerate(nodes):
+            hot, warm = (pos, "HOT"), (pos, "WARM")
             for replica in node.replicas:
-                self._initial[replica.replica_id] = (pos, replica)
-                self._where[replica.replica_id] = (pos, replica.level)
-                self._ids_by_model.setdefault(replica.model, set()).add(replica.replica_id)
-                crowded = self._crowded_by_model.setdefault(replica.model, {})
-                for gpu_id, num_bytes in replica.gpu_bytes.items():
-                    if num_bytes > 0:
-                        crowded[(pos, gpu_id)] = crowded.get((pos, gpu_id), 0) + 1
-            reserved = get_reserved_bytes(node)
-            available = {g: total - reserved[g] for g, total in node.gpu_total_bytes.items()}
-            self._free_gpus.add_node(pos, node.gpu_total_bytes, available, self._gpu_tie_keys[pos])
-            ties = self._gpu_tie_keys[pos]
-            free_ids = sorted(
-                (g for g, total in node.gpu_total_bytes.items() if available[g] == total),
-                key=lambda g: (-node.gpu_total_bytes[g], ties[g]),
-            )
-            free_totals = tuple(node.gpu_total_bytes[g] for g in free_ids)
-            self._whole_gpus.set_node(pos, free_totals, sum(available.values()), self._node_tie_keys[pos])
-        self._free_gpus.freeze()
-        self._taken_ids = set(self._initial)
+                replicas = by_model.get(replica.model)
+                if replicas is None:
+                    replicas = by_model[replica.model] = []
+                replicas.append(replica)
+                where[replica.replica_id] = hot if replica.level == "HOT" else warm
 
     # ------------------------------------------------------------------ evaluation
 
@@ -143,75 +117,71 @@ class ClusterPlanner:
                 return replace(offer, level=CandidateLevel.CACHED_AND_FREE)
             if offer.level == CandidateLevel.FULL:
                 cached = replace(offer, level=CandidateLevel.CACHED_AND_FULL)
-        free = self._find_free(demand)
+        crowded = self._get_crowded(demand.model)
+        free = self._index.find_free(demand, crowded)
         if free is not None:
             return free
         if cached is not None:
             return cached
-        return self._find_full(demand, replica_id)
+        return self._index.find_full(demand, replica_id, crowded)
 
     def get_node_candidates(self, demand: ModelDemand, replica_id: str) -> list[NodeCandidate]:
         """Every node's own offer, by the decision tree alone (slow: for explanations and tests)."""
         return [
             evaluate_node(self._node(pos), demand, replica_id, self._config)
-            for pos in range(len(self._nodes))
+            for pos in range(len(self._snapshots))
         ]
 
-    def _find_free(self, demand: ModelDemand) -> NodeCandidate | None:
-        """The best offer needing no evictions, from the indexes."""
-        config = self._config
+    def get_gpu_room(self, node_id: str, gpu_id: int) -> GpuRoom:
+        """What one GPU offers now to a model with no replica on it: its free bytes and the
+        bytes of each replica pressure may evict there (no side effects on the plan)."""
+        return self._index.get_gpu_room(self._pos_by_node_id[node_id], gpu_id)
 
-        def get_alloc_bytes(total_bytes: int) -> int | None:
-            shape = get_single_gpu_allocation(demand, total_bytes, config)
-            return None if shape is None else shape[1]
+    def _get_ids(self, model: str) -> set[str]:
+        """Ids of `model`'s HOT and WARM replicas now, built on first use from the snapshot
+        (a new replica is placed only after this exists, and adds itself)."""
+        ids = self._ids_by_model.get(model)
+        if ids is None:
+            where = self._where
+            snapshot_replicas = self._snapshot_replicas_by_model.get(model, ())
+            ids = self._ids_by_model[model] = {
+                r.replica_id for r in snapshot_replicas if r.replica_id in where
+            }
+        return ids
 
-        hit = self._free_gpus.find_best_fit(get_alloc_bytes, self._crowded_by_model.get(demand.model, {}))
-        if hit is not None:
-            shape = get_single_gpu_allocation(
-                demand, self._snapshots[hit.node_pos].gpu_total_bytes[hit.gpu_id], config
-            )
-            assert shape is not None, "the index only returns GPUs the replica can use"
-            return NodeCandidate(
-                CandidateLevel.FREE,
-                self._snapshots[hit.node_pos].node_id,
-                shape[0],
-                {hit.gpu_id: hit.alloc_bytes},
-                (),
-                hit.room_left_bytes,
-                hit.tie_key,
-                hit.crowded,
-            )
-        need_bytes, num_extra = get_multi_gpu_need(demand, config)
-        best = self._whole_gpus.find_best_fit(
-            lambda free_totals: count_whole_gpus(free_totals, need_bytes, num_extra, demand.min_num_gpus)
-        )
-        if best is None:
-            return None
-        offer = search_multi_gpu(self._node(best[2]), demand, config, free_only=True)
-        assert offer is not None and offer.room_left_bytes == best[0], (
-            "multi-GPU index disagrees with the node"
-        )
-        return offer
+    def _get_crowded(self, model: str) -> dict[int, int]:
+        """GPU slot -> number of `model`'s HOT replicas there, built on first use like
+        `_get_ids`: a snapshot replica that changed lives on a built node, one that did
+        not still holds its snapshot GPUs."""
+        crowded = self._crowded_by_model.get(model)
+        if crowded is None:
+            crowded = self._crowded_by_model[model] = {}
+            for replica in self._snapshot_replicas_by_model.get(model, ()):
+                where = self._where.get(replica.replica_id)
+                if where is None or where[1] != "HOT":
+                    continue
+                node = self._index.get_built_node(where[0])
+                gpu_bytes = replica.gpu_bytes if node is None else node.hot[replica.replica_id].gpu_bytes
+                slot_by_gpu = self._index.slots.slot_by_gpu[where[0]]
+                for gpu_id in gpu_bytes:
+                    if gpu_bytes[gpu_id] > 0:
+                        slot = slot_by_gpu[gpu_id]
+                        crowded[slot] = crowded.get(slot, 0) + 1
+        return crowded
 
     def _update_crowded(self, model: str, pos: int, gpu_bytes: Mapping[int, int], delta: int) -> None:
-        crowded = self._crowded_by_model.setdefault(model, {})
+        crowded = self._crowded_by_model.get(model)
+        if crowded is None:
+            return  # built from the current state on first use
+        slot_by_gpu = self._index.slots.slot_by_gpu[pos]
         for gpu_id, num_bytes in gpu_bytes.items():
             if num_bytes > 0:
-                count = crowded.get((pos, gpu_id), 0) + delta
+                slot = slot_by_gpu[gpu_id]
+                count = crowded.get(slot, 0) + delta
                 if count:
-                    crowded[(pos, gpu_id)] = count
+                    crowded[slot] = count
                 else:
-                    del crowded[(pos, gpu_id)]
-
-    def _find_full(self, demand: ModelDemand, replica_id: str) -> NodeCandidate:
-        """The best offer over every node when none has room without evictions."""
-        best = NodeCandidate(CandidateLevel.CANT_ACCOMMODATE, "")
-        for pos in range(len(self._nodes)):
-            offer = evaluate_node(self._node(pos), demand, replica_id, self._config)
-            assert offer.level != CandidateLevel.FREE, f"the free indexes missed node {offer.node_id}"
-            if offer.sort_key < best.sort_key:
-                best = offer
-        return best
+                    del crowded[slot]
 
     # ------------------------------------------------------------------ changes
 
@@ -236,10 +206,14 @@ class ClusterPlanner:
                 Unplaced(demand.model, replica_id, "no node has room, even after evictions")
             )
             return offer
+        self._get_crowded(demand.model)  # built before the change it then counts (see there)
         pos = self._pos_by_node_id[offer.node_id]
         node = self._node(pos)
+        changed_gpu_ids = set(offer.gpu_bytes)
         for victim_id in offer.eviction_ids:
-            self._record(pos, node.evict_hot(victim_id, "pressure", keep_warm_ids=keep_warm_ids))
+            changed_gpu_ids.update(
+                self._record(pos, node.evict_hot(victim_id, "pressure", keep_warm_ids=keep_warm_ids))
+            )
         where = self._where.get(replica_id)
         if where is None:
             replica = WorkReplica(
@@ -251,17 +225,16 @@ class ClusterPlanner:
                 last_accessed=self._clock(),
             )
         else:
-            replica = self._node(where[0]).take_warm(replica_id)
-            self._refresh(where[0])
+            replica = self._node(where[0]).take_warm(replica_id)  # CPU RAM only: no index moves
+        self._touch(replica)
         replica.dedicated = demand.dedicated
         node.place(replica, offer.gpu_bytes, whole_gpus=offer.kind != "fractional")
         self._where[replica_id] = (pos, "HOT")
-        self._ids_by_model.setdefault(demand.model, set()).add(replica_id)
-        self._taken_ids.add(replica_id)
+        self._get_ids(demand.model).add(replica_id)
         self._touched[replica_id] = replica
         self._placed[replica_id] = (offer, demand)
         self._update_crowded(demand.model, pos, replica.gpu_bytes, +1)
-        self._refresh(pos)
+        self._index.refresh(pos, changed_gpu_ids)
         return offer
 
     def ensure(self, demand: ModelDemand) -> list[NodeCandidate]:
@@ -275,7 +248,7 @@ class ClusterPlanner:
         hot_ids, warm_ids = self._split_ids(demand.model)
         cached_ids = sorted(warm_ids, key=lambda rid: (-self._replica(rid).last_accessed, rid))
         targets = target_replica_ids(
-            demand.desired_replicas, len(hot_ids), cached_ids, self._taken_ids, self._rng
+            demand.desired_replicas, len(hot_ids), cached_ids, self._get_taken_ids(), self._rng
         )
         keep_warm_ids = frozenset(targets)
         offers = [self.place_replica(demand, rid, keep_warm_ids=keep_warm_ids) for rid in targets]
@@ -292,7 +265,7 @@ class ClusterPlanner:
         """
         num_replicas = max(0, num_replicas)
         self._desired[model] = num_replicas
-        replicas = [self._replica(rid) for rid in sorted(self._ids_by_model.get(model, ()))]
+        replicas = [self._replica(rid) for rid in sorted(self._get_ids(model))]
         removed_ids = choose_replicas_to_remove(replicas, len(replicas) - num_replicas)
         for replica_id in removed_ids:
             self._remove(replica_id, "scale_down", park=False)
@@ -318,7 +291,7 @@ class ClusterPlanner:
         Returns:
             False when `model` has no such replica.
         """
-        if replica_id not in self._ids_by_model.get(model, ()):
+        if replica_id not in self._get_ids(model):
             return False
         was_hot = self._where[replica_id][1] == "HOT"
         self._remove(replica_id, "explicit", park=True)
@@ -333,7 +306,7 @@ class ClusterPlanner:
         placements: list[Placement] = []
         evictions: list[Eviction] = []
         for replica_id, replica in self._touched.items():
-            before = self._initial.get(replica_id)
+            before = self._get_origin(replica_id)
             after = self._where.get(replica_id)
             if after is not None and after[1] == "HOT":
                 if before is not None and before[0] == after[0] and before[1].gpu_bytes == replica.gpu_bytes:
@@ -393,18 +366,36 @@ class ClusterPlanner:
 
     # ------------------------------------------------------------------ bookkeeping
 
-    def _node(self, pos: int) -> NodeWork:
-        node = self._nodes[pos]
-        if node is None:
-            snapshot = self._snapshots[pos]
-            node = NodeWork(
-                snapshot,
-                self._config.min_available_gpu_fraction,
-                self._gpu_tie_keys[pos],
-                self._node_tie_keys[pos],
-            )
-            self._nodes[pos] = node
-        return node
+    def _touch(self, replica: WorkReplica) -> None:
+        """Note a replica about to change. The first time, a snapshot replica is still where
+        the snapshot had it (untouched replicas never move): remember that node."""
+        replica_id = replica.replica_id
+        if replica_id not in self._touched:
+            self._touched[replica_id] = replica
+            where = self._where.get(replica_id)
+            if where is not None:
+                self._origin_pos[replica_id] = where[0]
+
+    def _is_from_snapshot(self, replica_id: str) -> bool:
+        """The snapshot had the replica (a known one this pass did not touch came from it)."""
+        return replica_id in self._origin_pos or (
+            replica_id in self._where and replica_id not in self._touched
+        )
+
+    def _get_origin(self, replica_id: str) -> Origin | None:
+        pos = self._origin_pos.get(replica_id)
+        return None if pos is None else (pos, self._get_snapshot_replica(pos, replica_id))
+
+    def _get_snapshot_replica(self, pos: int, replica_id: str) -> ReplicaSnapshot:
+        by_id = self._snapshot_replicas[pos]
+        if by_id is None:
+            by_id = self._snapshot_replicas[pos] = {r.replica_id: r for r in self._snapshots[pos].replicas}
+        return by_id[replica_id]
+
+    def _get_taken_ids(self) -> Collection[str]:
+        """Every replica id of the snapshot or of this pass: each is either still placed
+        (in `_where`) or touched."""
+        return _TakenIds(self._where, self._touched)
 
     def _replica(self, replica_id: str) -> WorkReplica:
         pos, level = self._where[replica_id]
@@ -413,7 +404,7 @@ class ClusterPlanner:
 
     def _split_ids(self, model: str) -> tuple[list[str], list[str]]:
         """(HOT ids, WARM ids) of `model`, sorted."""
-        ids = sorted(self._ids_by_model.get(model, ()))
+        ids = sorted(self._get_ids(model))
         return [r for r in ids if self._where[r][1] == "HOT"], [r for r in ids if self._where[r][1] == "WARM"]
 
     def _remove(self, replica_id: str, reason: EvictionReason, *, park: bool) -> None:
@@ -421,41 +412,55 @@ class ClusterPlanner:
         it would leave a WARM copy of a replica that was never started."""
         pos, level = self._where[replica_id]
         node = self._node(pos)
-        park = park and replica_id in self._initial
+        park = park and self._is_from_snapshot(replica_id)
         changes = (
             node.evict_hot(replica_id, reason, park=park)
             if level == "HOT"
             else [node.drop_warm(replica_id, reason)]
         )
-        self._record(pos, changes)
-        self._refresh(pos)
+        self._index.refresh(pos, self._record(pos, changes))
 
-    def _record(self, pos: int, changes: Sequence[LevelChange]) -> None:
+    def _record(self, pos: int, changes: Sequence[LevelChange]) -> set[int]:
+        """Book level changes on node `pos`; returns the GPUs whose memory they changed."""
+        changed_gpu_ids: set[int] = set()
         for change in changes:
             replica = change.replica
-            self._touched.setdefault(replica.replica_id, replica)
+            self._touch(replica)
             self._reasons[replica.replica_id] = change.reason
             if change.from_level == "HOT":
                 self._update_crowded(replica.model, pos, change.freed_gpu_bytes, -1)
+                changed_gpu_ids.update(change.freed_gpu_bytes)
             if change.to_level == "WARM":
                 self._where[replica.replica_id] = (pos, "WARM")
             else:
                 del self._where[replica.replica_id]
-                self._ids_by_model[replica.model].discard(replica.replica_id)
+                ids = self._ids_by_model.get(replica.model)
+                if ids is not None:
+                    ids.discard(replica.replica_id)
             if change.reason == "pressure" and change.from_level == "HOT" and replica.model in self._desired:
                 # A preempted model is not re-placed by the next pass (that would evict back
                 # and thrash); its next request asks for it again.
                 self._desired[replica.model] = max(0, self._desired[replica.model] - 1)
+        return changed_gpu_ids
 
-    def _refresh(self, pos: int) -> None:
-        """Bring the indexes in line with node `pos`'s working copy."""
-        node = self._node(pos)
-        available = node.gpus.available_bytes_by_gpu
-        for gpu_id, available_bytes in available.items():
-            self._free_gpus.update(pos, gpu_id, available_bytes)
-        totals = node.gpus.total_bytes_by_gpu
-        free_totals = tuple(totals[g] for g in get_free_gpu_order(node))
-        self._whole_gpus.set_node(pos, free_totals, node.gpus.total_available_bytes, node.node_tie_key)
+
+class _TakenIds(Collection[str]):
+    """A read-only view of the ids in two collections, without copying them."""
+
+    __slots__ = ("_first", "_second")
+
+    def __init__(self, first: Collection[str], second: Collection[str]) -> None:
+        self._first, self._second = first, second
+
+    def __contains__(self, item: object) -> bool:
+        return item in self._first or item in self._second
+
+    def __iter__(self) -> Iterator[str]:
+        yield from self._first
+        yield from (item for item in self._second if item not in self._first)
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
 
 
 def order_demands(demands: Sequence[ModelDemand]) -> list[ModelDemand]:

@@ -25,7 +25,6 @@ from shoal.shared.bus import Bus
 from shoal.shared.messages import (
     GpuInfo,
     GpuRecord,
-    ModelFacts,
     ModelSpec,
     NodeRecord,
     NodeReply,

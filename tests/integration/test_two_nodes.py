@@ -28,7 +28,7 @@ async def cluster(nats_server: EmbeddedNatsServer, demo_models_root: Path, tmp_p
     agents = []
     for bus, node_id, gpus in ((buses[1], "node-a", "virtual:1x1GiB"), (buses[2], "node-b", "virtual:1x2GiB")):
         settings = NodeAgentSettings(node_id=node_id, nats_url=nats_server.url, models_root=str(demo_models_root),
-                                     log_dir=tmp_path / node_id, worker_options={"engine": "hf"})
+                                     log_dir=tmp_path / node_id)
         agent = NodeAgent(bus, discover_gpus(gpus), settings)
         await agent.start()
         agents.append(agent)

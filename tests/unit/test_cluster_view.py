@@ -13,6 +13,7 @@ from shoal.services.scheduler.cluster_view import (
     build_demand,
     build_policy_config,
     build_snapshot,
+    find_over_committed,
     get_recorded_locations,
     plan_to_records,
 )
@@ -213,6 +214,35 @@ def test_apply_gpu_change_refuses_to_over_commit() -> None:
     assert (
         apply_gpu_change(record, GpuChange((), (occupant("b", "m", 31, state="reserved"),)), now=NOW) is None
     )
+
+
+def test_a_gpu_re_registered_smaller_is_reported_and_gets_no_room_until_evictions_cover_it() -> None:
+    # The node came back with a 40 GiB GPU 0; its agent kept the 60 GiB of occupants.
+    nodes = [node_record("n0", num_gpus=1, gpu_gib=40)]
+    gpus = [gpu_record("n0", 0, occupant("d", "x", 30), occupant("a", "y", 30), gpu_gib=40)]
+    replica_list = [
+        replica_record("d", "x", "n0", {0: 30}, state="ready", cpu_bytes=GiB, dedicated=True),
+        replica_record("a", "y", "n0", {0: 30}, state="ready", cpu_bytes=GiB),
+    ]
+    replicas = {r.replica_id: r for r in replica_list}
+    assert find_over_committed(gpus) == {"n0.0": 20 * GiB}
+    models = [
+        ModelSpec(key="m", path="m", measured_serving_bytes=5 * GiB, weight_bytes=GiB, desired_replicas=1),
+        ModelSpec(key="big", path="big", measured_serving_bytes=15 * GiB, weight_bytes=GiB, desired_replicas=1),
+    ]
+    snapshot = build_snapshot(nodes, gpus, replica_list, models, config=CONFIG, now=NOW)
+    assert snapshot.nodes[0].gpu_total_bytes == {0: 40 * GiB}
+    demands = [build_demand(spec, config=CONFIG) for spec in models]
+    plan = plan_placements(snapshot, demands, config=CONFIG, rng=random.Random(0), clock=lambda: NOW)
+    # "big" needs 35 GiB of evictions and only "a" (30 GiB) may go: unplaced. "m" needs
+    # 25 GiB: evicting "a" brings the GPU from 20 GiB over to 10 GiB free.
+    assert [(u.model, u.reason) for u in plan.unplaced] == [("big", "no node has room, even after evictions")]
+    assert [(p.model, p.gpu_bytes, p.eviction_ids) for p in plan.placements] == [("m", {0: 5 * GiB}, ("a",))]
+    assert [(e.replica_id, e.to_level, e.reason) for e in plan.evictions] == [("a", "WARM", "pressure")]
+    changes = plan_to_records(plan, gpus=gpus, replicas=replicas, scheduler_id="s1", reservation_ttl_s=60)
+    updated = apply_gpu_change(gpus[0], changes.gpu_changes["n0.0"], now=NOW)
+    assert updated is not None and updated.reserved_bytes == 35 * GiB
+    assert find_over_committed([updated]) == {}
 
 
 # --------------------------------------------------------------------------- round trip

@@ -226,6 +226,42 @@ def test_no_eviction_beats_eviction_across_shapes() -> None:
     assert offer.gpu_bytes == {1: 24 * GiB, 2: 24 * GiB, 3: 24 * GiB}
 
 
+def test_an_over_committed_gpu_has_no_room_until_evictions_cover_the_excess() -> None:
+    # GPU 0 records 60 GiB of occupants on 40 GiB (its node re-registered with smaller
+    # GPUs): 20 GiB below empty. Evicting "a" (30 GiB) leaves exactly 10 GiB.
+    node = work(make_node([40, 80], hot("a", "x", {0: 30}), hot("b", "y", {0: 30}), hot("c", "z", {1: 75})))
+    assert node.gpus.available_bytes_by_gpu == {0: -20 * GiB, 1: 5 * GiB}
+    offer = evaluate_node(node, measured("m", 10), "r1", CONFIG)
+    assert (offer.level, offer.gpu_bytes, offer.eviction_ids, offer.room_left_bytes) == (
+        CandidateLevel.FULL,
+        {0: 10 * GiB},
+        ("a",),
+        0,
+    )
+    assert evaluate_node(node, measured("m", 5), "r1", CONFIG).gpu_bytes == {1: 5 * GiB}  # room on GPU 1
+
+
+def test_an_over_committed_gpu_never_gives_up_a_dedicated_replica() -> None:
+    # 40 GiB dedicated + 30 GiB on 40 GiB: evicting "a" still leaves the GPU 30 GiB over.
+    node = work(make_node([40], hot("d", "x", {0: 40}, dedicated=True), hot("a", "y", {0: 30})))
+    assert evaluate_node(node, measured("m", 1), "r1", CONFIG).level == CandidateLevel.CANT_ACCOMMODATE
+    plan = planner(make_node([40], hot("d", "x", {0: 40}, dedicated=True), hot("a", "y", {0: 30})))
+    assert plan.get_candidate(measured("m", 1), "r1").level == CandidateLevel.CANT_ACCOMMODATE
+
+
+def test_the_planner_counts_the_excess_of_an_over_committed_gpu_in_its_evictions() -> None:
+    over = make_node([40], hot("d", "x", {0: 30}, dedicated=True), hot("a", "y", {0: 30}), node_id="a")
+    full = make_node([40], hot("b", "z", {0: 39}), node_id="b")
+    cluster_planner = planner(over, full)
+    assert cluster_planner.get_gpu_room("a", 0) == (-20 * GiB, (30 * GiB,))
+    # 2 GiB fits nowhere. Evicting "a" leaves 8 GiB on node a, evicting "b" 38 GiB: best fit.
+    offer = cluster_planner.place_replica(measured("m", 2), "r1")
+    assert (offer.node_id, offer.eviction_ids, offer.room_left_bytes) == ("a", ("a",), 8 * GiB)
+    assert cluster_planner.get_gpu_room("a", 0) == (8 * GiB, ())  # r1 is locked, d is dedicated
+    offer = cluster_planner.place_replica(measured("m", 10), "r2")
+    assert (offer.node_id, offer.eviction_ids, offer.room_left_bytes) == ("b", ("b",), 30 * GiB)
+
+
 # --------------------------------------------------------------------------- cluster levels
 
 

@@ -1,0 +1,453 @@
+"""Engine benchmark: Shoal's paged engine vs three Hugging Face paths, on the demo models, in one run.
+
+For each model and each concurrency C (1, 8, 32), the first C requests of one fixed sample
+arrive together at t0 and each path serves them all:
+
+    shoal       PagedEngine.generate() (async API, text streamed through TextStream)
+    hf-serial   model.generate() one request after another
+    hf-padded   one model.generate() over all C requests, left-padded; it runs until the
+                longest request's length, and only each request's own tokens are counted
+    hf-cb       transformers' continuous batching (the manager behind generate_batch(),
+                driven directly so each request keeps its own max_new_tokens; warmed up
+                once, outside the timings)
+    floor       NOT an engine: Shoal's exact batches with write_kv and paged_attention
+                replaced by no-ops (wrong tokens, same lengths and schedule). It times the
+                Hugging Face forward passes alone, a floor no engine that runs them can beat.
+
+Reported per run: output tokens/s (all requests' generated tokens / time from t0 to the
+last completion) and time to first token (from t0; mean, p50, p95). All paths decode
+greedily with EOS ignored, so every request generates exactly its length; Shoal's and
+hf-serial's texts are compared as a sanity check.
+
+Request shapes come from the Azure LLM conversation trace (/work/shared/data): prompt
+tokens = ContextTokens / prompt-divisor and output tokens = GeneratedTokens /
+output-divisor, each clipped to a range tiny CPU models serve in seconds (see --help);
+prompt token ids are random (seeded) from the model's vocabulary.
+
+    python scripts/bench_engine.py --quick            # ~2 small models, shorter requests
+    python scripts/bench_engine.py                     # all demo models
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import csv
+import json
+import random
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    ContinuousBatchingConfig,
+    GenerationConfig,
+)
+from transformers.generation.streamers import BaseStreamer
+
+from shoal.kernels import ops
+from shoal.services.worker.demo_models import make_demo_models
+from shoal.services.worker.engine.paged_engine import EngineConfig, PagedEngine
+from shoal.services.worker.generation import GenerationRequest
+from shoal.shared.messages import SamplingParams
+
+TRACE = Path("/work/shared/data/azure_llm_2023_conv.csv")
+GiB = 1 << 30
+
+
+@dataclass(frozen=True)
+class Shape:
+    num_prompt_tokens: int
+    num_output_tokens: int
+
+
+@dataclass
+class RunResult:
+    model: str
+    path: str
+    concurrency: int
+    num_output_tokens: int
+    seconds: float
+    ttft_s: list[float]
+    texts: list[str] | None = None
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.num_output_tokens / self.seconds
+
+    def summary(self) -> dict[str, Any]:
+        ttft = sorted(self.ttft_s)
+        return {
+            "model": self.model,
+            "path": self.path,
+            "concurrency": self.concurrency,
+            "output_tokens": self.num_output_tokens,
+            "seconds": round(self.seconds, 3),
+            "tokens_per_s": round(self.tokens_per_s, 1),
+            "ttft_mean_ms": round(1000 * statistics.mean(ttft), 1),
+            "ttft_p50_ms": round(1000 * ttft[len(ttft) // 2], 1),
+            "ttft_p95_ms": round(1000 * ttft[min(len(ttft) - 1, int(0.95 * len(ttft)))], 1),
+        }
+
+
+def sample_shapes(
+    num: int,
+    seed: int,
+    prompt_divisor: int,
+    prompt_range: tuple[int, int],
+    output_divisor: int,
+    output_range: tuple[int, int],
+) -> list[Shape]:
+    with TRACE.open() as trace:
+        rows = [(int(r["ContextTokens"]), int(r["GeneratedTokens"])) for r in csv.DictReader(trace)]
+    picked = random.Random(seed).sample(rows, num)
+    return [
+        Shape(
+            min(max(context // prompt_divisor, prompt_range[0]), prompt_range[1]),
+            min(max(generated // output_divisor, output_range[0]), output_range[1]),
+        )
+        for context, generated in picked
+    ]
+
+
+def make_prompts(shapes: list[Shape], vocab_size: int, seed: int) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(seed % (1 << 63))
+    return [
+        torch.randint(5, vocab_size, (shape.num_prompt_tokens,), generator=generator).tolist()
+        for shape in shapes
+    ]
+
+
+# ---------------------------------------------------------------------- the four paths
+
+
+def run_shoal(
+    engine: PagedEngine, prompts: list[list[int]], shapes: list[Shape]
+) -> tuple[float, list[float], list[str]]:
+    async def serve() -> tuple[float, list[float], list[str]]:
+        t0 = time.perf_counter()
+        ttft = [0.0] * len(prompts)
+        texts = [""] * len(prompts)
+
+        async def one(index: int) -> None:
+            params = SamplingParams(
+                max_tokens=shapes[index].num_output_tokens, temperature=0.0, ignore_eos=True
+            )
+            async for output in engine.generate(GenerationRequest(f"r{index}", prompts[index], params)):
+                if output.num_new_tokens and not ttft[index]:
+                    ttft[index] = time.perf_counter() - t0
+                texts[index] += output.text
+            assert output.num_completion_tokens == shapes[index].num_output_tokens
+
+        await asyncio.gather(*(one(index) for index in range(len(prompts))))
+        return time.perf_counter() - t0, ttft, texts
+
+    return asyncio.run(serve())
+
+
+def run_without_attention(
+    engine: PagedEngine, prompts: list[list[int]], shapes: list[Shape]
+) -> tuple[float, list[float], list[str]]:
+    """`run_shoal` with the attention ops as no-ops (the `floor` row; its texts are garbage)."""
+    write_kv, paged_attention = ops.write_kv, ops.paged_attention
+    ops.write_kv = ops.paged_attention = lambda *args, **kwargs: None  # type: ignore[assignment]
+    try:
+        seconds, ttft, _ = run_shoal(engine, prompts, shapes)
+    finally:
+        ops.write_kv, ops.paged_attention = write_kv, paged_attention
+    return seconds, ttft, []
+
+
+class _FirstTokenClock(BaseStreamer):
+    """Records when generate() produces its first new token (its first put() is the prompt)."""
+
+    def __init__(self) -> None:
+        self.num_puts = 0
+        self.first_token_at = 0.0
+
+    def put(self, value: torch.Tensor) -> None:
+        self.num_puts += 1
+        if self.num_puts == 2:
+            self.first_token_at = time.perf_counter()
+
+    def end(self) -> None:
+        pass
+
+
+def _greedy_config(max_new_tokens: int, pad_token_id: int) -> GenerationConfig:
+    return GenerationConfig(
+        max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None, pad_token_id=pad_token_id
+    )
+
+
+def run_hf_serial(
+    model: Any, tokenizer: Any, prompts: list[list[int]], shapes: list[Shape]
+) -> tuple[float, list[float], list[str]]:
+    t0 = time.perf_counter()
+    ttft, texts = [], []
+    for prompt, shape in zip(prompts, shapes, strict=True):
+        clock = _FirstTokenClock()
+        input_ids = torch.tensor([prompt])
+        with torch.inference_mode():
+            output = model.generate(
+                input_ids,
+                attention_mask=torch.ones_like(input_ids),
+                streamer=clock,
+                generation_config=_greedy_config(shape.num_output_tokens, tokenizer.pad_token_id),
+            )
+        ttft.append(clock.first_token_at - t0)
+        texts.append(tokenizer.decode(output[0, len(prompt) :], skip_special_tokens=True))
+    return time.perf_counter() - t0, ttft, texts
+
+
+def run_hf_padded(
+    model: Any, tokenizer: Any, prompts: list[list[int]], shapes: list[Shape]
+) -> tuple[float, list[float], list[str]]:
+    t0 = time.perf_counter()
+    width = max(len(prompt) for prompt in prompts)
+    pad = tokenizer.pad_token_id
+    input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
+    attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    clock = _FirstTokenClock()
+    with torch.inference_mode():
+        model.generate(
+            input_ids,
+            attention_mask=attention_mask,
+            streamer=clock,
+            generation_config=_greedy_config(max(s.num_output_tokens for s in shapes), pad),
+        )
+    seconds = time.perf_counter() - t0
+    return seconds, [clock.first_token_at - t0] * len(prompts), []
+
+
+def run_hf_cb(
+    manager: Any, prompts: list[list[int]], shapes: list[Shape]
+) -> tuple[float, list[float], list[str]]:
+    t0 = time.perf_counter()
+    request_ids = [
+        manager.add_request(prompt, max_new_tokens=shape.num_output_tokens, record_timestamps=True)
+        for prompt, shape in zip(prompts, shapes, strict=True)
+    ]
+    finished: dict[str, Any] = {}
+    while len(finished) < len(request_ids):
+        result = manager.get_result(timeout=60)
+        if result is None:
+            raise RuntimeError("transformers' continuous batching stopped answering")
+        if result.is_finished():
+            finished[result.request_id] = result
+    seconds = time.perf_counter() - t0
+    for request_id, shape in zip(request_ids, shapes, strict=True):
+        assert len(finished[request_id].generated_tokens) == shape.num_output_tokens
+    return seconds, [finished[r].timestamps[0] - t0 for r in request_ids], []
+
+
+# ---------------------------------------------------------------------- driver
+
+
+def bench_model(
+    key: str,
+    models_root: Path,
+    shapes: list[Shape],
+    levels: list[int],
+    seed: int,
+    paths: list[str],
+    max_num_batched_tokens: int,
+    repeats: int,
+) -> list[RunResult]:
+    """Every path on one model. Paths run interleaved (each repeat runs every path at every
+    level), so load that drifts over time on a shared machine hits all paths alike; the
+    median repeat is reported. hf-serial, far from the others, runs once per level."""
+    path = models_root / key
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    vocab_size = AutoConfig.from_pretrained(path).vocab_size
+    runners: dict[str, Callable[..., Any]] = {}
+    cleanups: list[Callable[[], None]] = []
+    try:
+        warmup_prompts = make_prompts(shapes[:2], vocab_size, seed=-1)
+        for name in paths:
+            model = AutoModelForCausalLM.from_pretrained(path).eval()
+            runners[name], cleanup = _make_runner(name, model, tokenizer, max_num_batched_tokens)
+            cleanups.append(cleanup)
+            runners[name](warmup_prompts, [Shape(s.num_prompt_tokens, 4) for s in shapes[:2]])
+        runs: dict[tuple[str, int], list[RunResult]] = {}
+        for repeat in range(repeats):
+            for concurrency in levels:
+                # Fresh prompts for every run (the same for every path): no path may reuse a
+                # prompt it has seen (Shoal's prefix cache would skip its prefill).
+                prompts = make_prompts(
+                    shapes, vocab_size, seed=seed * 1_000_003 + repeat * 1009 + concurrency
+                )
+                for name in paths:
+                    if name == "hf-serial" and repeat > 0:
+                        continue
+                    seconds, ttft, texts = runners[name](prompts[:concurrency], shapes[:concurrency])
+                    num_tokens = sum(shape.num_output_tokens for shape in shapes[:concurrency])
+                    result = RunResult(key, name, concurrency, num_tokens, seconds, ttft, texts or None)
+                    runs.setdefault((name, concurrency), []).append(result)
+                    print(json.dumps({"repeat": repeat, **result.summary()}), flush=True)
+    finally:
+        for cleanup in cleanups:
+            cleanup()
+    _check_texts([rs[0] for rs in runs.values()])  # repeat 0: the same prompts on every path
+    return [sorted(rs, key=lambda r: r.seconds)[len(rs) // 2] for rs in runs.values()]
+
+
+def _make_runner(
+    name: str, model: Any, tokenizer: Any, max_num_batched_tokens: int
+) -> tuple[Callable[..., Any], Callable[[], None]]:
+    if name == "shoal":
+        engine = PagedEngine(
+            model,
+            tokenizer,
+            allocation_bytes=GiB,
+            config=EngineConfig(
+                max_num_seqs=64, max_num_batched_tokens=max_num_batched_tokens, runtime_overhead_bytes=0
+            ),
+        )
+        return (lambda p, s: run_shoal(engine, p, s)), (lambda: asyncio.run(engine.close()))
+    if name == "floor":
+        engine = PagedEngine(
+            model,
+            tokenizer,
+            allocation_bytes=GiB,
+            config=EngineConfig(
+                max_num_seqs=64, max_num_batched_tokens=max_num_batched_tokens, runtime_overhead_bytes=0
+            ),
+        )
+        return (lambda p, s: run_without_attention(engine, p, s)), (lambda: asyncio.run(engine.close()))
+    if name == "hf-serial":
+        return (lambda p, s: run_hf_serial(model, tokenizer, p, s)), (lambda: None)
+    if name == "hf-padded":
+        return (lambda p, s: run_hf_padded(model, tokenizer, p, s)), (lambda: None)
+    assert name == "hf-cb", name
+    config = _greedy_config(16, tokenizer.pad_token_id)
+    config.eos_token_id = -1  # transformers' continuous batching spells "no EOS" as -1
+    manager = model.init_continuous_batching(
+        generation_config=config,
+        continuous_batching_config=ContinuousBatchingConfig(max_batch_tokens=max_num_batched_tokens),
+    )
+    started = time.perf_counter()
+    manager.warmup()
+    print(json.dumps({"path": "hf-cb", "warmup_s": round(time.perf_counter() - started, 1)}), flush=True)
+    manager.start()
+    return (lambda p, s: run_hf_cb(manager, p, s)), (lambda: manager.stop(block=True))
+
+
+def _check_texts(results: list[RunResult]) -> None:
+    by_level = {(r.path, r.concurrency): r.texts for r in results if r.texts}
+    for (path, concurrency), texts in by_level.items():
+        if path != "shoal" or ("hf-serial", concurrency) not in by_level:
+            continue
+        reference = by_level[("hf-serial", concurrency)]
+        num_same = sum(a == b for a, b in zip(texts, reference, strict=True))
+        print(
+            json.dumps(
+                {
+                    "check": "shoal text == hf-serial text",
+                    "concurrency": concurrency,
+                    "same": num_same,
+                    "of": len(texts),
+                }
+            ),
+            flush=True,
+        )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--quick", action="store_true", help="the two small models, shorter requests")
+    parser.add_argument("--models-root", type=Path, help="demo models directory (default: a temp dir)")
+    parser.add_argument("--models", help="comma-separated model keys")
+    parser.add_argument("--paths", default="shoal,hf-serial,hf-padded,hf-cb,floor")
+    parser.add_argument("--concurrency", default="1,8,32")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=2048,
+        help="per-step token budget of shoal and hf-cb (default 2048)",
+    )
+    parser.add_argument("--repeats", type=int, help="runs per path and level (default 3, --quick 2)")
+    parser.add_argument("--json", type=Path, help="write all results here")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch intra-op threads for every path (default 1: on a shared 2-core machine "
+        "more threads oversubscribe the cores and make every path slower and noisier)",
+    )
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    levels = [int(c) for c in args.concurrency.split(",")]
+    if args.quick:
+        models = args.models or "demo/llama-5m,demo/qwen2-25m"
+        shape_args = (16, (4, 128), 8, (4, 32))
+    else:
+        models = args.models or "demo/llama-5m,demo/qwen2-25m,demo/llama-100m"
+        shape_args = (8, (4, 256), 4, (4, 64))
+    shapes = sample_shapes(max(levels), args.seed, *shape_args)
+    print(
+        json.dumps(
+            {
+                "trace": str(TRACE),
+                "prompt_tokens": f"ContextTokens // {shape_args[0]}, clipped to {shape_args[1]}",
+                "output_tokens": f"GeneratedTokens // {shape_args[2]}, clipped to {shape_args[3]}",
+                "mean_prompt_tokens": statistics.mean(s.num_prompt_tokens for s in shapes),
+                "mean_output_tokens": statistics.mean(s.num_output_tokens for s in shapes),
+                "torch_threads": torch.get_num_threads(),
+                "torch": torch.__version__,
+            }
+        ),
+        flush=True,
+    )
+    with tempfile.TemporaryDirectory() as temp_dir:
+        models_root = args.models_root or Path(temp_dir)
+        keys = models.split(",")
+        make_demo_models(models_root, names=keys)
+        results = []
+        for key in keys:
+            results += bench_model(
+                key,
+                models_root,
+                shapes,
+                levels,
+                args.seed,
+                args.paths.split(","),
+                args.max_num_batched_tokens,
+                args.repeats or (2 if args.quick else 3),
+            )
+    print(json.dumps({"medians": [r.summary() for r in results]}), flush=True)
+    top = max(levels)
+    for key in keys:
+        at_top = {r.path: r.tokens_per_s for r in results if r.model == key and r.concurrency == top}
+        best_hf = max((v for k, v in at_top.items() if k.startswith("hf-")), default=0.0)
+        if "shoal" in at_top and best_hf:
+            print(
+                json.dumps(
+                    {
+                        "model": key,
+                        "concurrency": top,
+                        "shoal_tokens_per_s": round(at_top["shoal"], 1),
+                        "best_hf_tokens_per_s": round(best_hf, 1),
+                        "speedup": round(at_top["shoal"] / best_hf, 2),
+                        "floor_tokens_per_s": round(at_top.get("floor", 0.0), 1),
+                    }
+                ),
+                flush=True,
+            )
+    if args.json:
+        args.json.write_text(json.dumps([{**r.summary(), "ttft_s": r.ttft_s} for r in results], indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,120 @@
+"""Runs one step plan through the Hugging Face model over the paged KV cache.
+
+The model sees one flattened row of every scheduled token (`input_ids` [1, num_tokens]
+with explicit `position_ids`), no HF cache (`use_cache=False`), and Shoal's attention
+(`attention.py`), which reads and writes the KV tensor this module allocates. Only the
+logits of each sampling sequence's last token are computed (`logits_to_keep`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from shoal.kernels import ops
+from shoal.services.worker.engine.attention import BATCH_KWARG, PagedBatch
+from shoal.services.worker.engine.scheduler import StepPlan
+from shoal.shared.policy.kv_cache_manager import KVCacheManager
+
+
+@dataclass(frozen=True)
+class PreparedStep:
+    """A step's model inputs, built under the engine lock from the live block tables."""
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    logit_indices: torch.Tensor
+    batch: PagedBatch
+    copy_pairs: torch.Tensor | None
+
+
+class ModelRunner:
+    """Owns the KV tensor and turns step plans into forward passes.
+
+    Args:
+        model: a transformers causal LM set to Shoal's attention implementation.
+        num_blocks: blocks in the pool.
+        block_size: tokens per block.
+    """
+
+    def __init__(self, model: Any, num_blocks: int, block_size: int) -> None:
+        config = model.config
+        self.model = model
+        self.block_size = block_size
+        self.device = next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype
+        num_kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        # One tensor for the whole pool; the layout is drawn in `shoal.kernels.ops`.
+        self.kv_cache = torch.zeros(
+            (config.num_hidden_layers, 2, num_blocks, block_size, num_kv_heads, head_dim),
+            dtype=self.dtype,
+            device=self.device,
+        )
+        self.layer_caches = [(layer[0], layer[1]) for layer in self.kv_cache]
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return self.kv_cache.numel() * self.kv_cache.element_size()
+
+    def prepare(self, plan: StepPlan, kv_cache_manager: KVCacheManager) -> PreparedStep:
+        """Flatten `plan` into tensors (call while no one changes the block tables)."""
+        block_size = self.block_size
+        input_ids: list[int] = []
+        position_ids: list[int] = []
+        slot_mapping: list[int] = []
+        seq_lens: list[int] = []
+        query_start_loc = [0]
+        logit_indices: list[int] = []
+        block_tables: list[list[int]] = []
+        for chunk in plan.chunks:
+            start = chunk.num_computed_tokens
+            end = start + chunk.num_new_tokens
+            input_ids += chunk.seq.token_ids[start:end]
+            position_ids += range(start, end)
+            block_ids = kv_cache_manager.get_block_ids(chunk.seq.seq_id)
+            position = start
+            while position < end:  # one range per block touched, not one item per token
+                block_end = min(end, (position // block_size + 1) * block_size)
+                base = block_ids[position // block_size] * block_size - (position // block_size) * block_size
+                slot_mapping += range(base + position, base + block_end)
+                position = block_end
+            seq_lens.append(end)
+            query_start_loc.append(len(input_ids))
+            block_tables.append(block_ids)
+            if chunk.samples:
+                logit_indices.append(len(input_ids) - 1)
+        num_table_blocks = max(len(block_ids) for block_ids in block_tables)
+        padded = [block_ids + [0] * (num_table_blocks - len(block_ids)) for block_ids in block_tables]
+        device = self.device
+        batch = PagedBatch(
+            layer_caches=self.layer_caches,
+            slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64, device=device),
+            block_tables=torch.tensor(padded, dtype=torch.int32, device=device),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+            query_start_loc=torch.tensor(query_start_loc, dtype=torch.int32, device=device),
+        )
+        copy_pairs = torch.tensor(plan.copy_pairs, dtype=torch.int64) if plan.copy_pairs else None
+        return PreparedStep(
+            input_ids=torch.tensor([input_ids], dtype=torch.int64, device=device),
+            position_ids=torch.tensor([position_ids], dtype=torch.int64, device=device),
+            logit_indices=torch.tensor(logit_indices, dtype=torch.int64, device=device),
+            batch=batch,
+            copy_pairs=copy_pairs,
+        )
+
+    @torch.inference_mode()
+    def execute(self, step: PreparedStep) -> torch.Tensor:
+        """Run the forward pass; returns logits [num_sampling_seqs, vocab_size] in chunk order."""
+        if step.copy_pairs is not None:
+            ops.copy_blocks(self.kv_cache, step.copy_pairs)
+        output = self.model(
+            input_ids=step.input_ids,
+            position_ids=step.position_ids,
+            use_cache=False,
+            logits_to_keep=step.logit_indices,
+            **{BATCH_KWARG: step.batch},
+        )
+        return output.logits[0]

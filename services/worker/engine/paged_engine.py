@@ -1,0 +1,432 @@
+"""Shoal's paged engine: continuous batching over the KV block pool, behind the `Engine` protocol.
+
+Threads: the step loop runs in ONE dedicated thread (torch releases the GIL in its ops, so
+the worker's event loop stays responsive); `generate()` is an async generator fed from that
+thread with `loop.call_soon_threadsafe`. A lock guards the scheduler and block tables; the
+step loop holds it only to plan a step and to apply its results, never during the forward
+pass, so `cancel()` frees a sequence's blocks at once. That is safe mid-pass: the pass
+writes only into blocks its sequences own exclusively, and freed blocks are handed out
+again only by the next plan, after the pass.
+
+    generate() ──add──▶ Scheduler ◀──schedule/update── step thread ──▶ ModelRunner ──▶ model
+        ▲                                                   │
+        └──── GenerationOutput (call_soon_threadsafe) ◀─────┘  TextStream: text + stop strings
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import threading
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import structlog
+import torch
+
+from shoal.services.worker.engine.attention import ATTN_IMPLEMENTATION, register_attention
+from shoal.services.worker.engine.model_runner import ModelRunner
+from shoal.services.worker.engine.sampler import SamplingState, sample
+from shoal.services.worker.engine.scheduler import Scheduler, SchedulerConfig, SequenceUpdate
+from shoal.services.worker.engine.sequence import Sequence
+from shoal.services.worker.generation import (
+    FinishReason,
+    GenerationOutput,
+    GenerationRequest,
+    RequestRejected,
+    TextStream,
+)
+from shoal.shared.policy.block_pool import BlockPool, BlockPoolStats
+from shoal.shared.policy.kv_cache_manager import KVCacheManager
+from shoal.shared.policy.memory import (
+    DEFAULT_RUNTIME_OVERHEAD_BYTES,
+    get_activation_bytes,
+    get_model_shape,
+    size_kv_pool,
+)
+
+log = structlog.get_logger(__name__)
+
+
+class KVPoolTooSmall(ValueError):
+    """The allocation leaves no room for a KV block pool after weights and reserve."""
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    block_size: int = 16
+    """Tokens per KV block."""
+    max_num_seqs: int = 64
+    """Most requests in the engine (running and waiting); also bounds `num_free_slots`."""
+    max_num_batched_tokens: int = 2048
+    """Token budget of one forward pass (chunked prefill splits longer prompts); at least
+    `max_num_seqs`, so every running sequence decodes in every step."""
+    enable_prefix_caching: bool = True
+    num_blocks: int | None = None
+    """Pool size in blocks; None sizes it from the allocation (`size_kv_pool`)."""
+    max_kv_cache_tokens: int | None = None
+    """The model's KV budget: a pool sized from a generous allocation stops here, so the
+    memory a replica is measured to hold is what it needs, not all it was given."""
+    runtime_overhead_bytes: int = DEFAULT_RUNTIME_OVERHEAD_BYTES
+    """Kept out of the pool besides weights and activations (CUDA context, allocator slack)."""
+
+    def __post_init__(self) -> None:
+        assert self.block_size > 0, f"block_size must be positive, got {self.block_size}"
+        assert self.num_blocks is None or self.num_blocks > 0, (
+            f"num_blocks must be positive, got {self.num_blocks}"
+        )
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    pool: BlockPoolStats
+    num_running: int
+    num_waiting: int
+    num_preemptions: int
+    """Sequences preempted (K/V dropped, recomputed later) since the engine started."""
+
+
+@dataclass(eq=False)
+class _RequestState:
+    """What the step thread needs to answer one request."""
+
+    request: GenerationRequest
+    seq: Sequence
+    sampling: SamplingState
+    text: TextStream
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue[GenerationOutput]
+    num_unsent_tokens: int = 0
+    """Tokens whose text is held back (half a character, a possible stop string)."""
+    finished: bool = False
+
+
+@dataclass
+class _Outbox:
+    """Outputs of one step, grouped by event loop: one thread-safe call per loop per step."""
+
+    by_loop: dict[
+        asyncio.AbstractEventLoop, list[tuple[asyncio.Queue[GenerationOutput], GenerationOutput]]
+    ] = field(default_factory=dict)
+
+    def put(self, state: _RequestState, output: GenerationOutput) -> None:
+        self.by_loop.setdefault(state.loop, []).append((state.queue, output))
+
+    def send(self) -> None:
+        for loop, items in self.by_loop.items():
+            if not loop.is_closed():
+                loop.call_soon_threadsafe(_deliver, items)
+
+
+def _deliver(items: list[tuple[asyncio.Queue[GenerationOutput], GenerationOutput]]) -> None:
+    for queue, output in items:
+        queue.put_nowait(output)
+
+
+class PagedEngine:
+    """Continuous batching over a paged KV cache for one loaded Hugging Face model.
+
+    Args:
+        model: a loaded transformers causal LM (Llama, Qwen2, Mistral style); its
+            attention implementation is switched to Shoal's paged attention.
+        tokenizer: its tokenizer (for text deltas and stop strings).
+        allocation_bytes: the replica's GPU (or virtual GPU) bytes; the pool gets what
+            weights, activations and runtime overhead leave. Ignored when
+            `config.num_blocks` is set.
+        config: engine limits.
+        max_model_len: the serving limit on prompt + completion; None uses the model's.
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Any,
+        *,
+        allocation_bytes: int | None = None,
+        config: EngineConfig = EngineConfig(),
+        max_model_len: int | None = None,
+    ) -> None:
+        self.config = config
+        self._tokenizer = tokenizer
+        register_attention()
+        model.set_attn_implementation(ATTN_IMPLEMENTATION)
+        model.eval()
+        self.reserve_bytes = self._get_reserve_bytes(model)
+        """Activations of one full step plus runtime overhead: kept out of the KV pool."""
+        num_blocks = config.num_blocks or self._size_pool(model, allocation_bytes)
+        if config.max_kv_cache_tokens:
+            num_blocks = min(num_blocks, max(1, -(-config.max_kv_cache_tokens // config.block_size)))
+        self._runner = ModelRunner(model, num_blocks, config.block_size)
+        self._pool = BlockPool(num_blocks, config.block_size, self._runner.kv_cache_bytes // num_blocks)
+        self._kv_cache = KVCacheManager(self._pool, enable_prefix_caching=config.enable_prefix_caching)
+        self._scheduler = Scheduler(
+            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens),
+            self._kv_cache,
+        )
+        self.max_model_len = self._get_max_model_len(
+            model.config, max_model_len, num_blocks * config.block_size
+        )
+        self._requests: dict[str, _RequestState] = {}
+        self._arrivals = itertools.count()
+        self._mean_request_blocks = 1.0
+        self._lock = threading.Lock()
+        self._wakeup = threading.Condition(self._lock)
+        self._closed = False
+        self._thread = threading.Thread(target=self._run_steps, name="shoal-engine", daemon=True)
+        self._thread.start()
+        log.info(
+            "engine.started",
+            num_blocks=num_blocks,
+            block_size=config.block_size,
+            kv_cache_bytes=self._runner.kv_cache_bytes,
+            max_model_len=self.max_model_len,
+            prefix_caching=config.enable_prefix_caching,
+        )
+
+    # ------------------------------------------------------------------ Engine protocol
+
+    def num_free_slots(self) -> int:
+        """Requests the engine can admit now: bounded by `max_num_seqs` and by free KV blocks
+        (after the waiting requests' prompts) over the mean blocks of recent requests."""
+        with self._lock:
+            free_seqs = self.config.max_num_seqs - self._scheduler.get_num_unfinished()
+            free_blocks = self._pool.get_num_free_blocks() - self._scheduler.get_num_waiting_blocks()
+            return max(0, min(free_seqs, int(free_blocks // self._mean_request_blocks)))
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationOutput]:
+        """Run `request`; yields text deltas, then one output with ``finished=True``.
+
+        Raises:
+            RequestRejected: before any output, when the prompt is empty, longer than the
+                model or the KV pool takes (413), or the request id is in use.
+        """
+        state = self._admit(request)
+        try:
+            while True:
+                output = await state.queue.get()
+                yield output
+                if output.finished:
+                    return
+        finally:
+            if not state.finished:  # the consumer went away: stop generating for it
+                self.cancel(request.request_id)
+
+    def cancel(self, request_id: str) -> bool:
+        """Stop `request_id` now and free its KV blocks; False if it is not running here."""
+        outbox = _Outbox()
+        with self._lock:
+            state = self._requests.get(request_id)
+            if state is None or state.finished:
+                return False
+            self._scheduler.finish(request_id, "cancelled")
+            self._finish(state, "cancelled", outbox)
+        outbox.send()
+        return True
+
+    async def close(self) -> None:
+        """Stop the step thread; unfinished requests end with "cancelled"."""
+        with self._lock:
+            self._closed = True
+            self._wakeup.notify()
+        await asyncio.to_thread(self._thread.join)
+        outbox = _Outbox()
+        with self._lock:
+            for state in list(self._requests.values()):
+                self._scheduler.finish(state.request.request_id, "cancelled")
+                self._finish(state, "cancelled", outbox)
+        outbox.send()
+
+    # ------------------------------------------------------------------ introspection
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        """Bytes of the KV block pool's tensor."""
+        return self._runner.kv_cache_bytes
+
+    def get_stats(self) -> EngineStats:
+        with self._lock:
+            return EngineStats(
+                pool=self._pool.get_stats(),
+                num_running=self._scheduler.get_num_running(),
+                num_waiting=self._scheduler.get_num_waiting(),
+                num_preemptions=self._scheduler.get_num_preemptions(),
+            )
+
+    # ------------------------------------------------------------------ admission
+
+    def _admit(self, request: GenerationRequest) -> _RequestState:
+        num_prompt_tokens = len(request.prompt_token_ids)
+        max_model_len = min(self.max_model_len, request.max_model_len or self.max_model_len)
+        if num_prompt_tokens == 0:
+            raise RequestRejected("the prompt is empty", 400)
+        if num_prompt_tokens >= max_model_len:
+            raise RequestRejected(
+                f"prompt has {num_prompt_tokens} tokens; this model and KV pool take at most "
+                f"{max_model_len - 1}",
+                413,
+            )
+        params = request.params
+        eos_token_ids = frozenset() if params.ignore_eos else request.eos_token_ids
+        max_num_tokens = min(max_model_len, num_prompt_tokens + max(1, params.max_tokens))
+        loop = asyncio.get_running_loop()
+        with self._lock:
+            if self._closed:
+                raise RequestRejected("the engine is shutting down", 503)
+            if request.request_id in self._requests:
+                raise RequestRejected(f"request id {request.request_id!r} is already running", 400)
+            seq = Sequence(
+                request.request_id,
+                list(request.prompt_token_ids),
+                num_prompt_tokens,
+                max_num_tokens,
+                next(self._arrivals),
+                eos_token_ids,
+            )
+            state = _RequestState(
+                request,
+                seq,
+                SamplingState.from_params(params),
+                TextStream(self._tokenizer, params.stop),
+                loop,
+                asyncio.Queue(),
+            )
+            self._requests[request.request_id] = state
+            self._scheduler.add(seq)
+            request_blocks = self._kv_cache.get_num_blocks_for(max_num_tokens)
+            self._mean_request_blocks += 0.1 * (request_blocks - self._mean_request_blocks)
+            self._wakeup.notify()
+        return state
+
+    # ------------------------------------------------------------------ the step thread
+
+    def _run_steps(self) -> None:
+        while True:
+            try:
+                if not self._step():
+                    return
+            except Exception as exc:  # a bug: end every request with an error rather than hang them
+                log.exception("engine.step_failed")
+                self._fail(list(self._requests), exc)
+
+    def _step(self) -> bool:
+        """Plan, run and apply one forward pass; False once the engine is closed."""
+        with self._lock:
+            while not self._closed and not self._scheduler.get_num_unfinished():
+                self._wakeup.wait()
+            if self._closed:
+                return False
+            plan = self._scheduler.schedule()
+            if plan.is_empty:
+                # Only when every unfinished request waits for blocks no one will free:
+                # admission rejects such prompts, so this is a bug; don't spin on it.
+                log.error("engine.empty_plan", num_waiting=self._scheduler.get_num_waiting())
+                self._wakeup.wait(timeout=0.1)
+                return True
+            step = self._runner.prepare(plan, self._kv_cache)
+            sampling_states = [self._requests[c.seq.seq_id].sampling for c in plan.chunks if c.samples]
+        try:
+            logits = self._runner.execute(step)
+            token_ids = sample(logits, sampling_states)
+        except Exception as exc:  # a failed pass fails its requests, never the engine
+            log.exception("engine.forward_failed", num_seqs=len(plan.chunks))
+            self._fail([chunk.seq.seq_id for chunk in plan.chunks], exc)
+            return True
+        outbox = _Outbox()
+        with self._lock:
+            for update in self._scheduler.update(plan, token_ids):
+                self._emit(update, outbox)
+        outbox.send()
+        return True
+
+    def _emit(self, update: SequenceUpdate, outbox: _Outbox) -> None:
+        """Turn a new token into text; end the request on a stop string or a finish reason."""
+        state = self._requests[update.seq.seq_id]
+        state.num_unsent_tokens += 1
+        delta = state.text.push(update.token_id)
+        if state.text.stopped:
+            self._scheduler.finish(update.seq.seq_id, "stop")
+            self._finish(state, "stop", outbox)
+        elif update.finish_reason is not None:
+            self._finish(state, update.finish_reason, outbox, delta=delta)
+        elif delta:
+            outbox.put(state, GenerationOutput(state.request.request_id, delta, state.num_unsent_tokens))
+            state.num_unsent_tokens = 0
+
+    def _finish(
+        self,
+        state: _RequestState,
+        finish_reason: FinishReason,
+        outbox: _Outbox,
+        *,
+        delta: str = "",
+        error: str | None = None,
+    ) -> None:
+        state.finished = True
+        del self._requests[state.request.request_id]
+        text = delta + (state.text.finish() if finish_reason != "cancelled" else "")
+        outbox.put(
+            state,
+            GenerationOutput(
+                state.request.request_id,
+                text,
+                state.num_unsent_tokens,
+                finished=True,
+                finish_reason=finish_reason,
+                num_prompt_tokens=state.seq.num_prompt_tokens,
+                num_completion_tokens=state.seq.num_output_tokens,
+                error=error,
+            ),
+        )
+
+    def _fail(self, seq_ids: list[str], exc: Exception) -> None:
+        outbox = _Outbox()
+        with self._lock:
+            for seq_id in seq_ids:
+                state = self._requests.get(seq_id)
+                if state is not None and not state.finished:
+                    self._scheduler.finish(seq_id, "error")
+                    self._finish(state, "error", outbox, error=f"{type(exc).__name__}: {exc}")
+        outbox.send()
+
+    # ------------------------------------------------------------------ sizing
+
+    def _get_reserve_bytes(self, model: Any) -> int:
+        shape = get_model_shape(model.config, next(model.parameters()).dtype)
+        activation_bytes = get_activation_bytes(shape, self.config.max_num_batched_tokens, self.config.max_num_seqs)
+        return activation_bytes + self.config.runtime_overhead_bytes
+
+    def _size_pool(self, model: Any, allocation_bytes: int | None) -> int:
+        if allocation_bytes is None:
+            raise ValueError("PagedEngine needs allocation_bytes or config.num_blocks")
+        shape = get_model_shape(model.config, next(model.parameters()).dtype)
+        weight_bytes = measure_weight_bytes(model)
+        reserve_bytes = self.reserve_bytes
+        num_blocks = size_kv_pool(
+            allocation_bytes,
+            weight_bytes,
+            reserve_bytes,
+            shape.get_kv_bytes_per_block(self.config.block_size),
+        )
+        if num_blocks == 0:
+            raise KVPoolTooSmall(
+                f"allocation of {allocation_bytes} bytes leaves no KV block: weights take {weight_bytes}, "
+                f"activations and runtime overhead {reserve_bytes}"
+            )
+        return num_blocks
+
+    @staticmethod
+    def _get_max_model_len(config: Any, requested: int | None, pool_tokens: int) -> int:
+        limits = [config.max_position_embeddings, pool_tokens]
+        if requested is not None:
+            limits.append(requested)
+        # Paged attention attends to the whole context: serve sliding-window models only
+        # within their window, where full attention is exact.
+        if getattr(config, "use_sliding_window", True) and getattr(config, "sliding_window", None):
+            limits.append(config.sliding_window)
+        return min(limits)
+
+
+def measure_weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of a model's parameters and buffers."""
+    return sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))

@@ -1,0 +1,62 @@
+"""One request's sequence inside the engine: its tokens, progress and limits."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from shoal.services.worker.generation import FinishReason
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    """Not admitted yet, or preempted (its K/V dropped, to be recomputed)."""
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    """Tokens of one request (prompt, then generated) and how far their K/V is computed.
+
+    `num_computed_tokens` counts leading tokens whose K/V is in the sequence's blocks; the
+    tokens after it are fed to the model next. Once all known tokens are computed the
+    model's output at the last one is sampled into a new token.
+    """
+
+    seq_id: str
+    token_ids: list[int]
+    num_prompt_tokens: int
+    max_num_tokens: int
+    """Prompt plus completion never exceed this (max_tokens and max_model_len, combined)."""
+    arrival_index: int
+    """Order of arrival: the highest is the newest, preempted first."""
+    eos_token_ids: frozenset[int] = frozenset()
+    """Tokens that end generation with "stop" (empty when the request ignores EOS)."""
+    num_computed_tokens: int = 0
+    status: SequenceStatus = SequenceStatus.WAITING
+    finish_reason: FinishReason | None = None
+    num_preemptions: int = 0
+    extra: dict[str, object] = field(default_factory=dict)
+    """Per-sequence state of the layers above the scheduler (sampler, text stream)."""
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def append_token(self, token_id: int) -> FinishReason | None:
+        """Add a generated token; returns why the sequence ends now, if it does."""
+        self.token_ids.append(token_id)
+        if token_id in self.eos_token_ids:
+            return "stop"
+        if len(self.token_ids) >= self.max_num_tokens:
+            return "length"
+        return None

@@ -1,0 +1,412 @@
+"""Shoal's paged engine on real models: greedy output equals Hugging Face `generate`, token for token.
+
+The demo models (random seeded weights, made locally) are Llama and Qwen2; a tiny random
+Mistral-style model checks that a third architecture runs unchanged. Exactness tests read
+tokens through `TokenEcho`, a detokenizer that writes every token id as ``<id>``, so the
+engine's text output is its exact token sequence.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, MistralConfig
+
+from shoal.services.worker.demo_models import make_demo_models
+from shoal.services.worker.engine.factory import build_paged_engine
+from shoal.services.worker.engine.paged_engine import (
+    EngineConfig,
+    KVPoolTooSmall,
+    PagedEngine,
+    measure_weight_bytes,
+)
+from shoal.services.worker.generation import GenerationOutput, GenerationRequest, RequestRejected
+from shoal.services.worker.loader import LoadedModel
+from shoal.shared.messages import SamplingParams
+from shoal.shared.policy.memory import DEFAULT_RUNTIME_OVERHEAD_BYTES, get_activation_bytes, get_model_shape
+
+DEMO_MODELS = ("demo/llama-5m", "demo/qwen2-25m")
+NUM_NEW_TOKENS = 12
+BLOCK_SIZE = 4
+
+
+class TokenEcho:
+    """A detokenizer whose text is the token ids themselves: ``<17><4093>...``."""
+
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return "".join(f"<{token_id}>" for token_id in token_ids)
+
+
+def _echo(token_ids: Sequence[int]) -> str:
+    return TokenEcho().decode(token_ids)
+
+
+def _tiny_mistral() -> torch.nn.Module:
+    config = MistralConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=24,
+        vocab_size=300,
+        max_position_embeddings=256,
+        sliding_window=128,
+    )
+    torch.manual_seed(3)
+    return AutoModelForCausalLM.from_config(config).eval()
+
+
+class Models:
+    """Fresh model instances for engines, and memoized Hugging Face `generate` references
+    computed on instances of their own (an engine switches its model's attention)."""
+
+    def __init__(self, models_root: Path) -> None:
+        self.root = models_root
+        self._references: dict[str, Any] = {}
+        self._completions: dict[tuple[str, tuple[int, ...], int], list[int]] = {}
+
+    def load(self, key: str) -> Any:
+        if key == "mistral-tiny":
+            return _tiny_mistral()
+        return AutoModelForCausalLM.from_pretrained(self.root / key).eval()
+
+    def greedy(self, key: str, prompt: list[int], num_new_tokens: int = NUM_NEW_TOKENS) -> list[int]:
+        """Hugging Face `generate`, greedy, EOS ignored (no EOS id at all, so nothing is masked)."""
+        memo_key = (key, tuple(prompt), num_new_tokens)
+        if memo_key not in self._completions:
+            if key not in self._references:
+                self._references[key] = self.load(key)
+            input_ids = torch.tensor([prompt])
+            config = GenerationConfig(
+                max_new_tokens=num_new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0
+            )
+            with torch.inference_mode():
+                output = self._references[key].generate(
+                    input_ids, attention_mask=torch.ones_like(input_ids), generation_config=config
+                )
+            completion = output[0, len(prompt) :].tolist()
+            assert len(completion) == num_new_tokens
+            self._completions[memo_key] = completion
+        return self._completions[memo_key]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> Models:
+    root = tmp_path_factory.mktemp("models")
+    make_demo_models(root, names=DEMO_MODELS)
+    return Models(root)
+
+
+def _prompts(vocab_size: int, lengths: Sequence[int], seed: int = 0) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(5, vocab_size, (length,), generator=generator).tolist() for length in lengths]
+
+
+def _request(request_id: str, prompt: list[int], **params: object) -> GenerationRequest:
+    defaults: dict[str, object] = {"max_tokens": NUM_NEW_TOKENS, "temperature": 0.0, "ignore_eos": True}
+    return GenerationRequest(request_id, prompt, SamplingParams(**{**defaults, **params}))  # type: ignore[arg-type]
+
+
+async def _collect(
+    outputs: AsyncIterator[GenerationOutput], first: GenerationOutput | None = None
+) -> tuple[str, GenerationOutput]:
+    """All text of a stream (after `first`, if already read), and its final output."""
+    text, num_tokens = "", 0
+    if first is not None:
+        text, num_tokens = first.text, first.num_new_tokens
+        if first.finished:
+            return text, first
+    async for output in outputs:
+        text += output.text
+        num_tokens += output.num_new_tokens
+        if output.finished:
+            assert num_tokens == output.num_completion_tokens, "num_new_tokens must add up to the completion"
+            return text, output
+    raise AssertionError("the stream ended without a finished output")
+
+
+def _engine(model: torch.nn.Module, tokenizer: object = None, **config: object) -> PagedEngine:
+    defaults: dict[str, object] = {"num_blocks": 128, "block_size": BLOCK_SIZE, "max_num_batched_tokens": 64}
+    return PagedEngine(model, tokenizer or TokenEcho(), config=EngineConfig(**{**defaults, **config}))  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------------- exactness
+
+
+@pytest.mark.parametrize("key", [*DEMO_MODELS, "mistral-tiny"])
+@pytest.mark.parametrize("prefix_caching", [True, False], ids=["prefix", "no-prefix"])
+async def test_greedy_alone_equals_hf_generate(models: Models, key: str, prefix_caching: bool) -> None:
+    model = models.load(key)
+    prompts = _prompts(model.config.vocab_size, [1, 5, 16, 37])
+    expected = [models.greedy(key, prompt) for prompt in prompts]
+    engine = _engine(model, enable_prefix_caching=prefix_caching)
+    try:
+        for index, prompt in enumerate(prompts):
+            text, final = await _collect(engine.generate(_request(f"r{index}", prompt)))
+            assert text == _echo(expected[index]), f"prompt {index} ({len(prompt)} tokens)"
+            assert (final.finish_reason, final.num_completion_tokens) == ("length", NUM_NEW_TOKENS)
+            assert final.num_prompt_tokens == len(prompt)
+    finally:
+        await engine.close()
+
+
+@pytest.mark.parametrize("key", DEMO_MODELS)
+@pytest.mark.parametrize("prefix_caching", [True, False], ids=["prefix", "no-prefix"])
+async def test_greedy_batched_with_staggered_arrivals_equals_hf(
+    models: Models, key: str, prefix_caching: bool
+) -> None:
+    """Requests of different lengths arrive while others decode, some sharing a long prefix."""
+    model = models.load(key)
+    vocab_size = model.config.vocab_size
+    shared = _prompts(vocab_size, [13], seed=1)[0]
+    prompts = [*_prompts(vocab_size, [3, 29, 8, 1, 50, 17]), [*shared, 7, 8], [*shared, 9], shared]
+    expected = [models.greedy(key, prompt) for prompt in prompts]
+    # A chunk budget below the longest prompt makes prefills chunked too.
+    engine = _engine(model, enable_prefix_caching=prefix_caching, max_num_batched_tokens=24, max_num_seqs=16)
+    try:
+        tasks: list[asyncio.Task[tuple[str, GenerationOutput]]] = []
+        for index, prompt in enumerate(prompts):
+            stream = engine.generate(_request(f"r{index}", prompt))
+            first = await anext(stream)  # wait for this one's first token before the next arrives
+            tasks.append(asyncio.create_task(_collect(stream, first)))
+            await asyncio.sleep(0.002 * (index % 3))
+        results = await asyncio.gather(*tasks)
+        for index, (text, final) in enumerate(results):
+            assert text == _echo(expected[index]), f"prompt {index} ({len(prompts[index])} tokens)"
+            assert final.finish_reason == "length"
+        if prefix_caching:
+            # The first of the three computes the 3 shared blocks; the other two reuse them.
+            assert engine.get_stats().pool.num_cache_hits == 2 * 3
+        else:
+            assert engine.get_stats().pool.num_cache_hits == 0
+    finally:
+        await engine.close()
+
+
+async def test_a_shared_prefix_hits_the_cache_and_saves_blocks(models: Models) -> None:
+    model = models.load("demo/llama-5m")
+    prefix = _prompts(model.config.vocab_size, [24], seed=5)[0]  # 6 full blocks
+    prompts = [[*prefix, 11, 12, 13], [*prefix, 21]]
+    expected = [models.greedy("demo/llama-5m", prompt) for prompt in prompts]
+    allocations = {}
+    for prefix_caching in (True, False):
+        engine = _engine(model, enable_prefix_caching=prefix_caching)
+        try:
+            for index, prompt in enumerate(prompts):
+                text, _ = await _collect(engine.generate(_request(f"r{index}", prompt)))
+                assert text == _echo(expected[index])
+            stats = engine.get_stats().pool
+            allocations[prefix_caching] = stats.num_allocations
+            if prefix_caching:
+                assert (stats.num_cache_hits, stats.num_cache_misses) == (6, 6)
+        finally:
+            await engine.close()
+    assert allocations[False] - allocations[True] == 6
+
+
+async def test_more_requests_than_the_pool_holds_all_complete_exactly(models: Models) -> None:
+    model = models.load("demo/llama-5m")
+    prompts = _prompts(model.config.vocab_size, [9, 14, 6, 11, 17, 8, 12, 10], seed=7)
+    expected = [models.greedy("demo/llama-5m", prompt) for prompt in prompts]
+    # 16 blocks of 4 tokens = 64 tokens; the 8 requests need 8 x ~23 = 184 at their end.
+    engine = _engine(model, num_blocks=16, max_num_seqs=8)
+    try:
+        results = await asyncio.gather(
+            *(_collect(engine.generate(_request(f"r{i}", prompt))) for i, prompt in enumerate(prompts))
+        )
+        for index, (text, final) in enumerate(results):
+            assert final.finish_reason == "length", final
+            assert text == _echo(expected[index]), f"prompt {index}"
+        assert engine.get_stats().num_preemptions > 0
+        stats = engine.get_stats().pool
+        assert stats.num_used_blocks == 0
+        assert stats.num_peak_used_blocks == 16
+    finally:
+        await engine.close()
+
+
+# ---------------------------------------------------------------------- request lifecycle
+
+
+async def test_cancel_frees_blocks_at_once(models: Models) -> None:
+    model = models.load("demo/llama-5m")
+    engine = _engine(model)
+    try:
+        prompt = _prompts(model.config.vocab_size, [30])[0]
+        stream = engine.generate(_request("long", prompt, max_tokens=10_000))
+        num_tokens = 0
+        for _ in range(3):
+            output = await anext(stream)
+            assert not output.finished
+            num_tokens += output.num_new_tokens
+        assert engine.get_stats().pool.num_used_blocks >= 8
+        assert engine.cancel("long")
+        assert engine.get_stats().pool.num_used_blocks == 0
+        assert not engine.cancel("long")
+        final = await anext(stream)
+        assert num_tokens + final.num_new_tokens == final.num_completion_tokens
+        assert (final.finish_reason, final.finished) == ("cancelled", True)
+        assert engine.num_free_slots() > 0
+    finally:
+        await engine.close()
+
+
+async def test_a_consumer_that_stops_reading_cancels_its_request(models: Models) -> None:
+    model = models.load("demo/llama-5m")
+    engine = _engine(model)
+    try:
+        stream = engine.generate(_request("gone", [5, 6, 7], max_tokens=10_000))
+        await anext(stream)
+        await stream.aclose()
+        assert engine.get_stats().pool.num_used_blocks == 0
+        assert not engine.cancel("gone")
+    finally:
+        await engine.close()
+
+
+async def test_stop_strings_and_max_tokens(models: Models) -> None:
+    model = models.load("demo/llama-5m")
+    tokenizer = AutoTokenizer.from_pretrained(models.root / "demo/llama-5m")
+    prompt = tokenizer("Once upon a time").input_ids
+    full_text = str(tokenizer.decode(models.greedy("demo/llama-5m", prompt, 20), skip_special_tokens=True))
+    stop = full_text[len(full_text) // 2 : len(full_text) // 2 + 3]
+    engine = _engine(model, tokenizer)
+    try:
+        text, final = await _collect(engine.generate(_request("stop", prompt, max_tokens=20, stop=[stop])))
+        assert (final.finish_reason, text) == ("stop", full_text[: full_text.index(stop)])
+        assert final.num_completion_tokens < 20
+        assert engine.get_stats().pool.num_used_blocks == 0
+        text, final = await _collect(engine.generate(_request("length", prompt, max_tokens=5)))
+        assert (final.finish_reason, final.num_completion_tokens) == ("length", 5)
+        assert full_text.startswith(text)
+    finally:
+        await engine.close()
+
+
+async def test_eos_ends_generation_unless_ignored(models: Models) -> None:
+    model = models.load("demo/llama-5m")
+    prompt = [5, 6, 7, 8]
+    expected = models.greedy("demo/llama-5m", prompt)
+    eos = expected[4]  # pretend the fifth greedy token is EOS
+    engine = _engine(model)
+    try:
+        request = GenerationRequest(
+            "eos", prompt, SamplingParams(max_tokens=12, temperature=0.0), eos_token_ids=frozenset({eos})
+        )
+        text, final = await _collect(engine.generate(request))
+        end = expected.index(eos) + 1
+        assert (final.finish_reason, final.num_completion_tokens, text) == (
+            "stop",
+            end,
+            _echo(expected[:end]),
+        )
+    finally:
+        await engine.close()
+
+
+async def test_seeded_sampling_is_reproducible_in_any_batch(models: Models) -> None:
+    model = models.load("demo/qwen2-25m")
+    engine = _engine(model)
+    prompt = [10, 20, 30, 40, 50]
+    sampled = {"temperature": 0.9, "top_p": 0.9, "max_tokens": 16}
+    try:
+        alone, _ = await _collect(engine.generate(_request("a", prompt, seed=1234, **sampled)))
+        batch = await asyncio.gather(
+            _collect(engine.generate(_request("b", prompt, seed=1234, **sampled))),
+            _collect(engine.generate(_request("c", prompt[:3], seed=99, **sampled))),
+            _collect(engine.generate(_request("d", prompt, seed=5678, **sampled))),
+        )
+        assert batch[0][0] == alone
+        assert batch[2][0] != alone
+        greedy, _ = await _collect(engine.generate(_request("g", prompt, max_tokens=16)))
+        assert alone != greedy
+    finally:
+        await engine.close()
+
+
+async def test_requests_that_cannot_run_are_rejected(models: Models) -> None:
+    model = models.load("demo/llama-5m")
+    engine = _engine(model, num_blocks=8)  # 32 tokens of KV
+    try:
+        assert engine.max_model_len == 32
+        with pytest.raises(RequestRejected) as rejected:
+            await anext(engine.generate(_request("long", list(range(5, 37)))))
+        assert rejected.value.status == 413
+        with pytest.raises(RequestRejected) as rejected:
+            await anext(engine.generate(_request("empty", [])))
+        assert rejected.value.status == 400
+        # Prompt + completion stop at the pool's capacity with "length".
+        _text, final = await _collect(engine.generate(_request("fits", list(range(5, 35)), max_tokens=50)))
+        assert (final.finish_reason, final.num_completion_tokens) == ("length", 2)
+    finally:
+        await engine.close()
+
+
+async def test_free_slots_follow_max_num_seqs_and_free_blocks(models: Models) -> None:
+    model = models.load("demo/llama-5m")
+    engine = _engine(model, num_blocks=64, max_num_seqs=4)
+    try:
+        assert engine.num_free_slots() == 4
+        streams = [engine.generate(_request(f"r{i}", [5, 6, 7], max_tokens=40)) for i in range(4)]
+        for stream in streams:
+            await anext(stream)
+        assert engine.num_free_slots() == 0
+        for index in range(4):
+            engine.cancel(f"r{index}")
+        assert engine.num_free_slots() == 4
+    finally:
+        await engine.close()
+
+
+async def test_a_failed_forward_pass_fails_its_requests_not_the_engine(models: Models) -> None:
+    model = models.load("demo/llama-5m")
+    engine = _engine(model)
+    execute = engine._runner.execute
+
+    def fail_once(step: object) -> object:
+        engine._runner.execute = execute  # type: ignore[method-assign]
+        raise RuntimeError("device lost")
+
+    engine._runner.execute = fail_once  # type: ignore[method-assign]
+    try:
+        _, final = await _collect(engine.generate(_request("doomed", [5, 6, 7])))
+        assert (final.finish_reason, final.error) == ("error", "RuntimeError: device lost")
+        assert engine.get_stats().pool.num_used_blocks == 0
+        text, final = await _collect(engine.generate(_request("next", [5, 6, 7])))
+        assert (final.finish_reason, text) == ("length", _echo(models.greedy("demo/llama-5m", [5, 6, 7])))
+    finally:
+        await engine.close()
+
+
+async def test_the_factory_sizes_the_pool_from_the_allocation(models: Models) -> None:
+    model = models.load("demo/llama-5m")
+    tokenizer = AutoTokenizer.from_pretrained(models.root / "demo/llama-5m")
+    weight_bytes = measure_weight_bytes(model)
+    shape = get_model_shape(model.config, torch.float32)
+    reserve_bytes = get_activation_bytes(shape, 2048, 64) + DEFAULT_RUNTIME_OVERHEAD_BYTES
+    block_bytes = shape.get_kv_bytes_per_block(16)
+    loaded = LoadedModel(
+        model,
+        tokenizer,
+        torch.device("cpu"),
+        torch.float32,
+        weight_bytes,
+        2048,
+        allocation_bytes=weight_bytes + reserve_bytes + 100 * block_bytes + 5,
+    )
+    engine = build_paged_engine(loaded)
+    try:
+        assert engine.get_stats().pool.num_blocks == 100
+        assert engine.kv_cache_bytes == 100 * block_bytes
+        assert engine.max_model_len == 100 * 16
+    finally:
+        await engine.close()
+    with pytest.raises(KVPoolTooSmall, match="leaves no KV block"):
+        build_paged_engine(replace(loaded, allocation_bytes=weight_bytes + reserve_bytes + block_bytes - 1))
