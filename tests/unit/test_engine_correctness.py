@@ -29,7 +29,7 @@ from shoal.services.worker.engine.paged_engine import (
 from shoal.services.worker.generation import GenerationOutput, GenerationRequest, RequestRejected
 from shoal.services.worker.loader import LoadedModel
 from shoal.shared.messages import SamplingParams
-from shoal.shared.policy.memory import DEFAULT_RUNTIME_OVERHEAD_BYTES, get_activation_bytes, get_model_shape
+from shoal.shared.policy.memory import get_activation_bytes, get_model_shape
 
 DEMO_MODELS = ("demo/llama-5m", "demo/qwen2-25m")
 NUM_NEW_TOKENS = 12
@@ -390,7 +390,7 @@ async def test_the_factory_sizes_the_pool_from_the_allocation(models: Models) ->
     tokenizer = AutoTokenizer.from_pretrained(models.root / "demo/llama-5m")
     weight_bytes = measure_weight_bytes(model)
     shape = get_model_shape(model.config, torch.float32)
-    reserve_bytes = get_activation_bytes(shape, 2048, 64) + DEFAULT_RUNTIME_OVERHEAD_BYTES
+    reserve_bytes = get_activation_bytes(shape, 2048, 64)  # no CUDA context on a virtual GPU
     block_bytes = shape.get_kv_bytes_per_block(16)
     loaded = LoadedModel(
         model,
@@ -405,8 +405,14 @@ async def test_the_factory_sizes_the_pool_from_the_allocation(models: Models) ->
     try:
         assert engine.get_stats().pool.num_blocks == 100
         assert engine.kv_cache_bytes == 100 * block_bytes
+        assert engine.reserve_bytes == reserve_bytes
         assert engine.max_model_len == 100 * 16
     finally:
         await engine.close()
+    capped = build_paged_engine(loaded, kv_cache_tokens=40 * 16 - 3)
+    try:
+        assert capped.get_stats().pool.num_blocks == 40, "the model's KV budget caps a generous allocation"
+    finally:
+        await capped.close()
     with pytest.raises(KVPoolTooSmall, match="leaves no KV block"):
         build_paged_engine(replace(loaded, allocation_bytes=weight_bytes + reserve_bytes + block_bytes - 1))
