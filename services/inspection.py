@@ -18,6 +18,8 @@ import nats.errors
 
 from shoal.shared.bus import Bus
 from shoal.shared.messages import GpuRecord, ModelSpec, ReplicaRecord
+from shoal.shared.policy.memory_figure import UnknownModelMemory, get_memory_figure
+from shoal.shared.policy.placement_config import PlacementConfig
 
 BAR_WIDTH = 30
 
@@ -26,8 +28,9 @@ def _gib(num_bytes: int) -> str:
     return f"{num_bytes / 2**30:.2f} GiB"
 
 
-async def ping_services(bus: Bus, wait_s: float = 0.5) -> list[dict[str, Any]]:
-    """Every micro service instance that answers ``$SRV.PING`` within `wait_s`."""
+async def ping_services(bus: Bus, wait_s: float = 3.0, quiet_s: float = 0.3) -> list[dict[str, Any]]:
+    """Every micro service instance that answers ``$SRV.PING``: waits up to `wait_s` for
+    the first answer, then until `quiet_s` pass without a new one."""
     inbox = bus.nc.new_inbox()
     found: list[dict[str, Any]] = []
     subscription = await bus.nc.subscribe(inbox)
@@ -37,7 +40,7 @@ async def ping_services(bus: Bus, wait_s: float = 0.5) -> list[dict[str, Any]]:
         deadline = loop.time() + wait_s
         while (remaining := deadline - loop.time()) > 0:
             try:
-                msg = await subscription.next_msg(timeout=remaining)
+                msg = await subscription.next_msg(timeout=min(remaining, quiet_s) if found else remaining)
             except (nats.errors.TimeoutError, TimeoutError):
                 break
             found.append(json.loads(msg.data))
@@ -102,11 +105,14 @@ def render_status(nodes: dict[str, Any], gpus: dict[str, GpuRecord], replicas: l
 
 
 def _memory_figure(spec: ModelSpec) -> tuple[str, str]:
-    for value, source in ((spec.measured_serving_bytes, "measured"), (spec.memory_override_bytes, "override"),
-                          (spec.estimated_bytes, "estimate")):
-        if value:
-            return _gib(value), source
-    return "unknown", "not inspected yet"
+    """The figure placement uses for a replica of `spec`, and where it came from."""
+    try:
+        figure = get_memory_figure(weight_bytes=spec.weight_bytes or 0, config=PlacementConfig(),
+                                   measured_bytes=spec.measured_serving_bytes,
+                                   override_bytes=spec.memory_override_bytes, estimated_bytes=spec.estimated_bytes)
+    except UnknownModelMemory:
+        return "unknown", "not inspected yet"
+    return _gib(figure.required_bytes), figure.source
 
 
 async def status(bus: Bus, out: TextIO) -> None:

@@ -166,6 +166,7 @@ async def cas_update(
     max_attempts: int = 12,
     on_conflict: Callable[[], None] | None = None,
     rng: random.Random | None = None,
+    read: Versioned[T] | None = None,
 ) -> Versioned[T] | None:
     """Read-modify-write one key with compare-and-swap.
 
@@ -173,12 +174,17 @@ async def cas_update(
     or None to leave the key as it is. It must be pure: it is re-run on the
     fresh value after every conflict.
 
+    Args:
+        read: the value as the caller already read it (e.g. in a snapshot a plan was
+            made on); the first attempt writes against its revision, so any change
+            since counts as a conflict.
+
     Returns the written (or unchanged current) value, or None when `mutate`
     declined and the key is absent. Raises CasConflict after `max_attempts`.
     """
     rand = rng or random
     for attempt in range(max_attempts):
-        current = await bucket.get(key)
+        current = read if attempt == 0 and read is not None else await bucket.get(key)
         new_value = mutate(current.value if current else None)
         if new_value is None:
             return current

@@ -244,6 +244,8 @@ class ReplicaRecord(Struct, kw_only=True, omit_defaults=True):
     pid: int | None = None
     error: str | None = None
     measured_bytes: int | None = None
+    ready_at: float | None = None
+    """When it first served; a replica that fails before that never came up."""
 
     @property
     def name(self) -> str:

@@ -206,6 +206,8 @@ class Dispatcher:
                 if reason is not None:
                     raise Unavailable(f"model {request.model!r} cannot start: {reason}",
                                       code="model_failing", retry_after_s=10.0) from None
+                # The replica this request waits for may have failed before serving: ask again.
+                await self.ensure_placed(request.model)
 
     async def _cancel(self, request: InferenceRequest, reason: str) -> None:
         try:

@@ -310,7 +310,7 @@ class NodeAgent:
 
     async def _became_ready(self, replica: _Replica, measured: int | None, pid: int | None) -> None:
         record = replica.record
-        await self._set_state(record, "ready", pid=pid, measured_bytes=measured)
+        await self._set_state(record, "ready", pid=pid, measured_bytes=measured, ready_at=now())
         await self._set_occupant_state(record, "serving")
         await self._record_ready_model(record.model, measured)
         await publish_event(self._bus.js, Event("replica_ready", now(), model=record.model,

@@ -266,8 +266,11 @@ class Scheduler:
         return await self._reply(model, "ok" if outcome.committed else "contended", outcome.message)
 
     async def on_replica_failed(self, model: str, replica_id: str, error: str) -> None:
-        """Free a failed replica, back off after repeated failures, and place a replacement."""
+        """Free a failed replica. One that served before is replaced (desired count kept);
+        one that never came up is removed and the desired count lowered (seed 002), the
+        next request asking again. Failures in a row back placement off."""
         entry = await self._bus.replicas.get(subjects.replica_kv_key(model, replica_id))
+        never_served = entry is None or entry.value.ready_at is None
         if entry is not None:
             await self.store.release_replica(entry.value)
             await self.store.delete_replica(entry.value)
@@ -276,12 +279,14 @@ class Scheduler:
             if current is None:
                 return None
             failures = current.num_failures + 1
-            hold = min(MAX_HOLD_S, 2.0 ** (failures - 1)) if failures > 1 else 0.0
+            hold = min(MAX_HOLD_S, 2.0 ** (failures - 2)) if failures > 1 else 0.0
+            desired = max(0, current.desired_replicas - 1) if never_served else current.desired_replicas
             return msgspec.structs.replace(current, num_failures=failures, last_error=error,
+                                           desired_replicas=desired,
                                            hold_until=self._clock() + hold if hold else None)
 
         spec = await self.store.update_model(model, mutate)
-        log.warning("replica_failed", model=model, replica=replica_id, error=error,
+        log.warning("replica_failed", model=model, replica=replica_id, error=error, never_served=never_served,
                     failures=spec.num_failures if spec else None)
         if spec is not None and spec.desired_replicas and self._held(spec) is None:
             await self.ensure(model, spec.desired_replicas)
@@ -352,7 +357,7 @@ class Scheduler:
         changes = view.plan_to_records(plan, gpus=[v.value for v in snapshot.gpus.values()], replicas=replicas,
                                        scheduler_id=self.scheduler_id,
                                        reservation_ttl_s=self._config.reservation_ttl_s)
-        if not await self.store.apply_gpu_changes(dict(changes.gpu_changes)):
+        if not await self.store.apply_gpu_changes(dict(changes.gpu_changes), snapshot.gpus):
             await self._release_leases(touched, {})
             return False
         await self.store.write_replicas(changes.replica_puts, changes.replica_delete_keys)

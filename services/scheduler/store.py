@@ -11,7 +11,7 @@ behind for longer than the reservation TTL (the reconciler removes lapsed ones).
 from __future__ import annotations
 
 import random
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import msgspec
@@ -91,8 +91,10 @@ class ClusterStore:
 
             await cas_update(self._bus.gpus, key, mutate, on_conflict=self._count_conflict, rng=self._rng)
 
-    async def apply_gpu_changes(self, changes: dict[str, GpuChange]) -> bool:
-        """Carry out a plan's GPU changes key by key, in sorted key order, each a CAS.
+    async def apply_gpu_changes(self, changes: dict[str, GpuChange],
+                                read: Mapping[str, Versioned[GpuRecord]]) -> bool:
+        """Carry out a plan's GPU changes key by key, in sorted key order, each a CAS
+        against the revision the plan read (`read`).
 
         A key whose record moved on so far that the change would over-commit it stops the
         whole commit: the keys already changed are rolled back and False is returned
@@ -115,7 +117,8 @@ class ClusterStore:
                 return updated
 
             try:
-                await cas_update(self._bus.gpus, key, mutate, on_conflict=self._count_conflict, rng=self._rng)
+                await cas_update(self._bus.gpus, key, mutate, on_conflict=self._count_conflict, rng=self._rng,
+                                 read=read.get(key))
             except (_NoRoom, CasConflict) as exc:
                 log.info("gpu_commit_lost_race", key=key, reason=type(exc).__name__)
                 for done_key, done_change, done_removed in reversed(applied):
