@@ -9,9 +9,10 @@ the block layout are documented in `shoal.kernels.ops`.
 
 from __future__ import annotations
 
-import itertools
 import math
 import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -179,6 +180,151 @@ def _gather_blocks(
     return gathered[0], gathered[1]
 
 
+# --- paged_attention ----------------------------------------------------------
+#
+# Everything paged_attention needs besides the tensors it reads is host-side
+# metadata: which rows decode, which blocks each sequence reads, masks. A model
+# runs the same batch through every layer, so that metadata is an
+# `AttentionPlan`, built once per batch from Python ints (`plan_attention`) and
+# used by every layer (`run_attention`); `paged_attention` builds one per call.
+
+# A prefill of q_len rows over seq_len positions is computed with explicit
+# scores ([heads, q_len, seq_len] float32) up to this many score entries per
+# head, which on CPU is ~1.5x faster than the fused SDPA kernel for the short
+# sequences of a batch; longer ones use SDPA, which never holds all scores.
+MAX_MATH_PREFILL_SCORES = 512 * 512
+
+
+@dataclass(frozen=True)
+class DecodePlan:
+    """Sequences with one query row each, attended in one call over padded K/V.
+
+    Each sequence's blocks are gathered into rows of `num_blocks` blocks; rows
+    past a sequence's length are masked out.
+    """
+
+    rows: torch.Tensor | None
+    """int64 query rows of the sequences in order; None when they are exactly rows 0..num_seqs-1."""
+    block_ids: torch.Tensor
+    """int64 [num_seqs * num_blocks]: each sequence's blocks, then block 0 as padding."""
+    num_seqs: int
+    num_blocks: int
+    lone_seq_len: int
+    """For a single sequence, its length (K/V are sliced to it, no mask); 0 otherwise."""
+    mask: torch.Tensor | None
+    """Additive [num_seqs, 1, 1, num_blocks * block_size] in the cache's dtype: -inf past
+    each sequence's length; None when no position is masked."""
+
+
+@dataclass(frozen=True)
+class PrefillPlan:
+    """One sequence with several query rows: the last `num_queries` of its `seq_len` positions."""
+
+    start: int
+    """Its first query row."""
+    num_queries: int
+    seq_len: int
+    block_ids: torch.Tensor
+    """int64 [blocks needed for seq_len]: the sequence's blocks."""
+    mask: torch.Tensor | None
+    """Additive float32 causal mask [num_queries, seq_len] for the explicit-scores path
+    (float32 caches up to `MAX_MATH_PREFILL_SCORES`); None for the fused SDPA path."""
+
+
+@dataclass(frozen=True)
+class AttentionPlan:
+    """Host-side metadata of one `paged_attention` batch, shared by every layer."""
+
+    num_tokens: int
+    decode: DecodePlan | None
+    prefills: tuple[PrefillPlan, ...]
+
+
+def plan_attention(
+    block_tables: Sequence[Sequence[int]],
+    seq_lens: Sequence[int],
+    query_start_loc: Sequence[int],
+    block_size: int,
+    dtype: torch.dtype,
+    device: torch.device | str = "cpu",
+) -> AttentionPlan:
+    """Builds the metadata of a batch (see `shoal.kernels.ops.paged_attention`) once.
+
+    Args:
+        block_tables: each sequence's block ids; entries past the blocks its
+            length needs are ignored.
+        seq_lens: context lengths, including the new query tokens.
+        query_start_loc: num_seqs + 1 cumulative query counts, from 0.
+        block_size: tokens per block of the cache.
+        dtype: the cache's dtype (of the decode mask).
+        device: the cache's device.
+
+    Raises:
+        KVContractError: a q_len outside [0, seq_len], or a table too short for its sequence.
+    """
+    decode_seqs: list[int] = []
+    prefills: list[PrefillPlan] = []
+    for seq, seq_len in enumerate(seq_lens):
+        start = query_start_loc[seq]
+        q_len = query_start_loc[seq + 1] - start
+        if not 0 <= q_len <= seq_len:
+            raise KVContractError(f"sequence {seq}: q_len {q_len} must be in [0, seq_len={seq_len}]")
+        num_blocks = -(-seq_len // block_size)
+        if num_blocks > len(block_tables[seq]):
+            raise KVContractError(
+                f"a sequence needs {num_blocks} blocks but block_tables has {len(block_tables[seq])} columns"
+            )
+        if q_len == 1:
+            decode_seqs.append(seq)
+        elif q_len > 1:
+            mask = None
+            if dtype == torch.float32 and q_len * seq_len <= MAX_MATH_PREFILL_SCORES:
+                # Row i is position seq_len - q_len + i and sees positions <= it.
+                mask = torch.full((q_len, seq_len), float("-inf"), device=device).triu_(seq_len - q_len + 1)
+            block_ids = torch.tensor(block_tables[seq][:num_blocks], dtype=torch.int64, device=device)
+            prefills.append(PrefillPlan(start, q_len, seq_len, block_ids, mask))
+    decode = None
+    if decode_seqs:
+        decode = _plan_decode(decode_seqs, block_tables, seq_lens, query_start_loc, block_size, dtype, device)
+    return AttentionPlan(query_start_loc[-1], decode, tuple(prefills))
+
+
+def _plan_decode(
+    seqs: list[int],
+    block_tables: Sequence[Sequence[int]],
+    seq_lens: Sequence[int],
+    query_start_loc: Sequence[int],
+    block_size: int,
+    dtype: torch.dtype,
+    device: torch.device | str,
+) -> DecodePlan:
+    lens = [seq_lens[seq] for seq in seqs]
+    max_blocks = -(-max(lens) // block_size)
+    block_ids: list[int] = []
+    for seq, seq_len in zip(seqs, lens, strict=True):
+        num_blocks = -(-seq_len // block_size)
+        block_ids += block_tables[seq][:num_blocks]
+        block_ids += [0] * (max_blocks - num_blocks)
+    rows = None
+    if len(seqs) != query_start_loc[-1]:  # other rows in the batch: pick these out
+        rows = torch.tensor([query_start_loc[seq] for seq in seqs], dtype=torch.int64, device=device)
+    mask = None
+    num_positions = max_blocks * block_size
+    if len(seqs) > 1 and min(lens) < num_positions:
+        past_end = torch.arange(num_positions) >= torch.tensor(lens)[:, None]
+        mask = torch.zeros((len(seqs), 1, 1, num_positions), dtype=dtype)
+        mask.masked_fill_(past_end[:, None, None, :], float("-inf"))
+        mask = mask.to(device)
+    return DecodePlan(
+        rows,
+        torch.tensor(block_ids, dtype=torch.int64, device=device),
+        len(seqs),
+        max_blocks,
+        lens[0] if len(seqs) == 1 else 0,
+        mask,
+    )
+
+
 def paged_attention(
     out: torch.Tensor,
     query: torch.Tensor,
@@ -191,36 +337,90 @@ def paged_attention(
 ) -> None:
     """Varlen causal attention over the paged cache; see `shoal.kernels.ops.paged_attention`."""
     starts = query_start_loc.tolist()
-    lens = seq_lens.tolist()
     if starts[0] != 0 or starts[-1] != query.shape[0]:
         raise KVContractError(f"query_start_loc must run from 0 to num_tokens={query.shape[0]}, got {starts}")
-    q_lens = [end - start for start, end in itertools.pairwise(starts)]
-    for seq, (q_len, seq_len) in enumerate(zip(q_lens, lens, strict=True)):
-        if not 0 <= q_len <= seq_len:
-            raise KVContractError(f"sequence {seq}: q_len {q_len} must be in [0, seq_len={seq_len}]")
-    decode = [seq for seq, q_len in enumerate(q_lens) if q_len == 1]
-    if decode and len(decode) == len(q_lens):  # a pure decode step: query row s is sequence s
-        _decode(out, query, key_cache, value_cache, block_tables, seq_lens, lens, scale)
-    elif decode:
-        index = torch.tensor(decode, device=query.device)
-        rows = query_start_loc[index].long()
-        attended = torch.empty((len(decode), *query.shape[1:]), dtype=query.dtype, device=query.device)
-        _decode(
-            attended,
-            query.index_select(0, rows),
-            key_cache,
-            value_cache,
-            block_tables[index],
-            seq_lens[index],
-            [lens[seq] for seq in decode],
-            scale,
-        )
-        out.index_copy_(0, rows, attended)
-    for seq, q_len in enumerate(q_lens):
-        if q_len > 1:
-            _prefill(
-                out, query, key_cache, value_cache, block_tables, seq, starts[seq], q_len, lens[seq], scale
-            )
+    plan = plan_attention(
+        block_tables.tolist(), seq_lens.tolist(), starts, key_cache.shape[1], key_cache.dtype, query.device
+    )
+    run_attention(out, query, key_cache, value_cache, plan, scale)
+
+
+def run_attention(
+    out: torch.Tensor,
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    plan: AttentionPlan,
+    scale: float,
+    new_key: torch.Tensor | None = None,
+    new_value: torch.Tensor | None = None,
+) -> None:
+    """`paged_attention` of a planned batch (the layouts of `shoal.kernels.ops`).
+
+    Args:
+        new_key: the batch's own K rows [num_tokens, num_kv_heads, head_dim],
+            already written to the cache; with `new_value`, a fresh prefill
+            (q_len == seq_len) reads them instead of gathering its blocks.
+        new_value: the batch's own V rows, like `new_key`.
+    """
+    if plan.decode is not None:
+        _decode(out, query, key_cache, value_cache, plan.decode, scale)
+    if not plan.prefills:
+        return
+    group = query.shape[1] // key_cache.shape[2]
+    query_heads, out_heads = query.transpose(0, 1), out.transpose(0, 1)  # [heads, tokens, head_dim]
+    for prefill in plan.prefills:
+        rows = slice(prefill.start, prefill.start + prefill.num_queries)
+        if new_key is not None and new_value is not None and prefill.num_queries == prefill.seq_len:
+            keys, values = new_key[rows], new_value[rows]
+        else:
+            keys, values = _gather_sequence(key_cache, value_cache, prefill)
+        keys, values = keys.transpose(0, 1), values.transpose(0, 1)  # [kv_heads, seq_len, head_dim]
+        if prefill.mask is not None:
+            out_heads[:, rows] = _prefill_scores(query_heads[:, rows], keys, values, prefill.mask, group, scale)
+        else:
+            out_heads[:, rows] = _prefill_sdpa(query_heads[:, rows], keys, values, prefill, scale)
+
+
+def _gather_sequence(
+    key_cache: torch.Tensor, value_cache: torch.Tensor, prefill: PrefillPlan
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One sequence's K and V, [seq_len, num_kv_heads, head_dim] each."""
+    shape = (-1, *key_cache.shape[2:])
+    keys = key_cache.index_select(0, prefill.block_ids).view(shape)[: prefill.seq_len]
+    values = value_cache.index_select(0, prefill.block_ids).view(shape)[: prefill.seq_len]
+    return keys, values
+
+
+def _prefill_scores(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    group: int,
+    scale: float,
+) -> torch.Tensor:
+    """Attention with explicit float32 scores: query [heads, q_len, D], K/V [kv_heads, seq_len, D]."""
+    if group > 1:  # each kv head's K/V once per query head of its group
+        keys = keys.repeat_interleave(group, dim=0)
+        values = values.repeat_interleave(group, dim=0)
+    scores = torch.baddbmm(mask, query, keys.transpose(1, 2), alpha=scale)
+    return torch.bmm(torch.softmax(scores, dim=-1), values)
+
+
+def _prefill_sdpa(
+    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, prefill: PrefillPlan, scale: float
+) -> torch.Tensor:
+    """The fused kernel, for long sequences and half dtypes: causal from the cache's positions."""
+    q_len, seq_len = prefill.num_queries, prefill.seq_len
+    mask = None
+    if q_len < seq_len:  # a cached prefix: row i sees positions [0, seq_len - q_len + i]
+        positions = torch.arange(seq_len, device=query.device)
+        last_seen = torch.arange(seq_len - q_len, seq_len, device=query.device)
+        mask = positions[None, :] <= last_seen[:, None]
+    return F.scaled_dot_product_attention(
+        query, keys, values, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True
+    )
 
 
 def _decode(
@@ -228,66 +428,31 @@ def _decode(
     query: torch.Tensor,
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    lens: list[int],
+    plan: DecodePlan,
     scale: float,
 ) -> None:
-    """Query row s is sequence s's one new token: one padded, masked attention call for all."""
-    num_blocks = _blocks_needed(lens, key_cache)
-    keys, values = _gather_blocks(key_cache, value_cache, block_tables, num_blocks, _buffers())
-    num_seqs, num_kv_heads, head_dim = len(lens), key_cache.shape[2], key_cache.shape[3]
+    """Every one-row sequence in one padded, masked attention call."""
+    buffers = _buffers()
+    num_seqs, num_kv_heads, head_dim = plan.num_seqs, key_cache.shape[2], key_cache.shape[3]
+    gathered = []
+    for name, cache in (("key", key_cache), ("value", value_cache)):
+        # index_select copies a whole block per index: memcpy speed, no wide view needed
+        rows = buffers.take(name, (plan.block_ids.shape[0], *cache.shape[1:]), cache)
+        torch.index_select(cache, 0, plan.block_ids, out=rows)
+        rows = rows.view(num_seqs, -1, num_kv_heads, head_dim)
+        if plan.lone_seq_len:
+            rows = rows[:, : plan.lone_seq_len]
+        gathered.append(rows.transpose(1, 2))  # [seqs, kv_heads, positions, head_dim]
+    queries = query if plan.rows is None else query.index_select(0, plan.rows)
     # GQA without copying K/V: the query heads that share a kv head become that
     # head's "query positions", so q is [seqs, kv_heads, group, head_dim].
-    grouped = query.reshape(num_seqs, num_kv_heads, -1, head_dim)
-    mask = None
-    if min(lens) < keys.shape[1]:
-        positions = torch.arange(keys.shape[1], device=query.device)
-        mask = (positions < seq_lens[:, None])[:, None, None, :]
-    attended = F.scaled_dot_product_attention(
-        grouped, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=mask, scale=scale
-    )
-    out.copy_(attended.view(num_seqs, -1, head_dim))
-
-
-def _prefill(
-    out: torch.Tensor,
-    query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq: int,
-    start: int,
-    q_len: int,
-    seq_len: int,
-    scale: float,
-) -> None:
-    """Several query tokens of one sequence: the last q_len of its seq_len positions."""
-    keys, values = _gather_blocks(
-        key_cache, value_cache, block_tables[seq : seq + 1], _blocks_needed([seq_len], key_cache), _buffers()
-    )
-    num_kv_heads = key_cache.shape[2]
-    keys = keys[0, :seq_len].transpose(0, 1)  # [kv_heads, seq_len, head_dim]
-    values = values[0, :seq_len].transpose(0, 1)
-    mask = None
-    if q_len < seq_len:  # a cached prefix: row i sees positions [0, seq_len - q_len + i]
-        positions = torch.arange(seq_len, device=query.device)
-        last_seen = torch.arange(seq_len - q_len, seq_len, device=query.device)
-        mask = positions[None, :] <= last_seen[:, None]
-    grouped_query = query[start : start + q_len].unflatten(1, (num_kv_heads, -1))
-    grouped_out = out[start : start + q_len].unflatten(1, (num_kv_heads, -1))
-    # One call per query head of each kv group keeps K/V un-repeated and the
-    # mask [q_len, seq_len] (folding the group into the rows would repeat it).
-    for member in range(grouped_query.shape[2]):
-        attended = F.scaled_dot_product_attention(
-            grouped_query[:, :, member].transpose(0, 1),
-            keys,
-            values,
-            attn_mask=mask,
-            is_causal=mask is None,
-            scale=scale,
-        )
-        grouped_out[:, :, member] = attended.transpose(0, 1)
+    grouped = queries.reshape(num_seqs, num_kv_heads, -1, head_dim)
+    attended = F.scaled_dot_product_attention(grouped, *gathered, attn_mask=plan.mask, scale=scale)
+    attended = attended.view(num_seqs, -1, head_dim)
+    if plan.rows is None:
+        out.copy_(attended)
+    else:
+        out.index_copy_(0, plan.rows, attended)
 
 
 def copy_blocks(kv_cache: torch.Tensor, block_mapping: torch.Tensor) -> None:

@@ -53,7 +53,7 @@ from transformers import (
 )
 from transformers.generation.streamers import BaseStreamer
 
-from shoal.kernels import ops
+from shoal.kernels import cpu, ops
 from shoal.services.worker.demo_models import make_demo_models
 from shoal.services.worker.engine.paged_engine import EngineConfig, PagedEngine
 from shoal.services.worker.generation import GenerationRequest
@@ -156,13 +156,16 @@ def run_shoal(
 def run_without_attention(
     engine: PagedEngine, prompts: list[list[int]], shapes: list[Shape]
 ) -> tuple[float, list[float], list[str]]:
-    """`run_shoal` with the attention ops as no-ops (the `floor` row; its texts are garbage)."""
-    write_kv, paged_attention = ops.write_kv, ops.paged_attention
-    ops.write_kv = ops.paged_attention = lambda *args, **kwargs: None  # type: ignore[assignment]
+    """`run_shoal` with the attention ops as no-ops (the `floor` row; its texts are garbage).
+
+    Both ways the engine attends are stubbed: the public ops, and the CPU path that runs a
+    per-pass plan (`cpu.run_attention`)."""
+    write_kv, paged_attention, run_attention = ops.write_kv, ops.paged_attention, cpu.run_attention
+    ops.write_kv = ops.paged_attention = cpu.run_attention = lambda *args, **kwargs: None  # type: ignore[assignment]
     try:
         seconds, ttft, _ = run_shoal(engine, prompts, shapes)
     finally:
-        ops.write_kv, ops.paged_attention = write_kv, paged_attention
+        ops.write_kv, ops.paged_attention, cpu.run_attention = write_kv, paged_attention, run_attention
     return seconds, ttft, []
 
 

@@ -39,7 +39,7 @@ from shoal.shared.messages import (
 )
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tests.e2e.conftest import start_shoal_up  # noqa: E402  (reuse the test harness's launcher)
+from tests.e2e.conftest import start_shoal_up
 
 
 class DirectClient:
@@ -112,7 +112,7 @@ async def run(args: argparse.Namespace, base_url: str, nats_url: str) -> None:
 
         concurrent: dict[str, tuple[float, list[float]]] = {}
         for name in ("direct", "gateway", "direct", "gateway"):
-            async def one() -> float:
+            async def one(name: str = name) -> float:
                 if name == "direct":
                     return await direct.complete(prompt, args.max_tokens)
                 return await http_complete(session, url, args.model, prompt, args.max_tokens)

@@ -1,16 +1,28 @@
 #!/usr/bin/env python
 """Placement benchmark: decision speed at 10 / 100 / 1,000 nodes, and packing by memory figure.
 
-    python scripts/bench_placement.py            # full run (about 30 s on 2 cores)
+    python scripts/bench_placement.py            # full run, medians of 3 runs (about 2 min on 2 cores)
+    python scripts/bench_placement.py --runs 1   # one run
     python scripts/bench_placement.py --quick    # 10 and 100 nodes, smaller samples (a few seconds)
+    python scripts/bench_placement.py --clock cpu  # process CPU time instead of wall time
 
 Part 1, speed. Nodes of 8 x 80 GiB GPUs, 300 models (six architectures x KV budgets). The
 cluster is first filled to about 70 % of its GPU memory by the policy itself; then a fresh
 planner on that snapshot places replicas one at a time (each decision includes applying it
 and updating the indexes). Reported: building the planner from a snapshot, the mean and
-p99 of one decision with room somewhere (the FREE level, answered from the indexes), one
-decision on a full cluster (evictions: every node evaluated), and for contrast the
-naive scan of every node's decision tree.
+p99 of one decision with room somewhere (the FREE level), and for contrast the naive scan
+of every node's decision tree. Then the cluster is filled until nothing fits, and three
+kinds of decision that must evict are timed, each on a fresh planner: the first of the
+pass (it also builds the eviction indexes it needs) and the next ones (mean, p99):
+
+* one eviction: replicas of the 14B model with 16k-32k KV budgets (31-34 GiB);
+* several evictions on one GPU: Qwen2.5-32B (63-64 GiB: most of a GPU, or all of it);
+* whole GPUs: Llama-3.1-70B over two GPUs (tensor parallel, 134-136 GiB).
+
+Each figure is the median over ``--runs`` runs on the same clusters (the decisions are the
+same in every run: every random choice is seeded). On a machine shared with other work,
+``--clock cpu`` (this process's CPU time) measures the work per decision without the
+time spent waiting for a core.
 
 Part 2, packing. The same GPUs, the same model mix, placed round robin (no evictions:
 every replica dedicated) until no model fits anywhere, once with seed 000's guess (3 x
@@ -44,6 +56,9 @@ GiB = 1 << 30
 GPU_BYTES = 80 * GiB
 GPUS_PER_NODE = 8
 CONFIG = PlacementConfig()
+CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
+clock = time.perf_counter
+"""What the timings read (``--clock``)."""
 RUNTIME_OVERHEAD_BYTES = 1 * GiB
 """CUDA context (~0.5 GiB), cuBLAS workspaces and allocator slack, per replica."""
 
@@ -81,6 +96,11 @@ MODEL_MIX = (
 )
 KV_TOKEN_BUDGETS = (4_096, 8_192, 16_384, 32_768)
 """KV budget per replica: a few concurrent sequences of 4k-8k context."""
+LARGE_MODELS = (
+    Architecture("qwen2.5-32b", 32_760_000_000, 64, 8, 128),
+    Architecture("llama-3.1-70b", 70_550_000_000, 80, 8, 128),
+)
+"""Arrivals on a full cluster (not in the fill): one needs most of a GPU, one two GPUs."""
 
 
 def make_demands(num_models: int, *, guessed: bool) -> list[ModelDemand]:
@@ -139,25 +159,35 @@ def fill(
     return apply_plan(cluster, planner.finish())
 
 
-def time_decisions(
-    cluster: ClusterSnapshot, demands: list[ModelDemand], num_decisions: int, *, warm: bool = False
-) -> list[tuple[float, CandidateLevel]]:
-    """(seconds, level) of each decision (choose + apply), placing `num_decisions` new replicas.
+def make_large_demands() -> tuple[list[ModelDemand], list[ModelDemand]]:
+    """(Qwen2.5-32B with 4k / 8k KV, Llama-3.1-70B with 4k / 8k KV), measured figures."""
+    qwen, llama = (
+        [
+            ModelDemand(
+                f"{arch.name}-{kv // 1024}k",
+                MemoryFigure(arch.measured_bytes(kv), arch.weight_bytes, "measured"),
+                1,
+            )
+            for kv in KV_TOKEN_BUDGETS[:2]
+        ]
+        for arch in LARGE_MODELS
+    )
+    return qwen, llama
 
-    Args:
-        warm: build every node's working copy first (a FULL decision evaluates every node;
-            the first one in a pass pays for building them).
-    """
+
+def time_decisions(
+    cluster: ClusterSnapshot, demands: list[ModelDemand], num_decisions: int
+) -> list[tuple[float, CandidateLevel, int]]:
+    """(seconds, level, evictions) of each decision (choose + apply) of a fresh planner,
+    placing `num_decisions` new replicas of models drawn from `demands`."""
     planner = ClusterPlanner(cluster, config=CONFIG, rng=random.Random(1), clock=lambda: 0.0)
-    if warm:
-        planner.get_node_candidates(demands[0], "warm-up")
     rng = random.Random(2)
     timings = []
     for number in range(num_decisions):
         demand = rng.choice(demands)
-        start = time.perf_counter()
+        start = clock()
         offer = planner.place_replica(demand, f"bench-{number}")
-        timings.append((time.perf_counter() - start, offer.level))
+        timings.append((clock() - start, offer.level, len(offer.eviction_ids)))
     return timings
 
 
@@ -170,10 +200,10 @@ def time_naive(
     rng = random.Random(2)
     timings = []
     for number in range(num_decisions):
-        start = time.perf_counter()
+        start = clock()
         offers = planner.get_node_candidates(rng.choice(demands), f"naive-{number}")
         min(offers, key=lambda o: o.sort_key)
-        timings.append((time.perf_counter() - start, None))
+        timings.append((clock() - start, None))
     return timings
 
 
@@ -181,40 +211,101 @@ def p99(values: list[float]) -> float:
     return sorted(values)[max(0, math.ceil(0.99 * len(values)) - 1)]
 
 
-def bench_speed(quick: bool) -> None:
-    demands = make_demands(300, guessed=False)
-    big = [d for d in demands if d.figure.required_bytes > 30 * GiB]
-    print("## Placement decisions (8 x 80 GiB GPUs per node, 300 models, cluster ~70 % full)\n")
-    print(
-        "| nodes | GPUs | replicas | build planner | FREE decision, first N of a pass: mean | p99 "
-        "| next N: mean | p99 | decisions/s | FULL decision (evictions) | first FULL of a pass "
-        "| naive scan of every node |"
+def median_of(runs: list[dict[str, float]], name: str) -> float:
+    return statistics.median(run[name] for run in runs)
+
+
+def speed_run(
+    cluster: ClusterSnapshot,
+    full_cluster: ClusterSnapshot,
+    demands: list[ModelDemand],
+    evicting: dict[str, list[ModelDemand]],
+    num_free: int,
+    num_evicting: int,
+) -> tuple[dict[str, float], dict[str, str]]:
+    """One run of every timing on the given clusters: (seconds by name, victims by kind)."""
+    figures: dict[str, float] = {}
+    start = clock()
+    ClusterPlanner(cluster, config=CONFIG, rng=random.Random(0), clock=lambda: 0.0)
+    figures["build"] = clock() - start
+    # 2 x N decisions, N at most an eighth of the GPUs: all of them find room. The first N
+    # also build the working copies of the nodes they touch; the next N mostly do not.
+    timings = time_decisions(cluster, demands, 2 * num_free)
+    first_s = [t for t, level, _ in timings[:num_free] if level <= CandidateLevel.FREE]
+    next_s = [t for t, level, _ in timings[num_free:] if level <= CandidateLevel.FREE]
+    figures |= {"first": statistics.mean(first_s), "first99": p99(first_s)}
+    figures |= {"next": statistics.mean(next_s), "next99": p99(next_s)}
+    figures["per_s"] = 1 / statistics.mean(first_s + next_s)
+    victims: dict[str, str] = {}
+    for kind, kind_demands in evicting.items():
+        timings = time_decisions(full_cluster, kind_demands, 1 + num_evicting)
+        assert all(level >= CandidateLevel.CACHED_AND_FULL for _, level, _ in timings), f"{kind}: room left"
+        rest_s = [t for t, _, _ in timings[1:]]
+        figures |= {f"{kind}_first": timings[0][0], f"{kind}_mean": statistics.mean(rest_s)}
+        figures[f"{kind}_p99"] = p99(rest_s)
+        counts = sorted(n for _, level, n in timings if level != CandidateLevel.CANT_ACCOMMODATE)
+        victims[kind] = f"{counts[0]}-{counts[-1]}" if counts and counts[0] != counts[-1] else str(counts[0])
+    figures["naive"] = statistics.mean(
+        t for t, _ in time_naive(cluster, demands, 5 if num_free < 1000 else 20)
     )
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    return figures, victims
+
+
+def bench_speed(quick: bool, num_runs: int) -> None:
+    demands = make_demands(300, guessed=False)
+    qwen, llama = make_large_demands()
+    evicting = {
+        "one": [d for d in demands if d.figure.required_bytes > 30 * GiB],
+        "several": qwen,
+        "whole": llama,
+    }
+    clock_name = "CPU time" if clock is time.process_time else "wall time"
+    runs_text = "one run" if num_runs == 1 else f"medians of {num_runs} runs"
+    print(f"## Placement decisions (8 x 80 GiB GPUs per node, 300 models; {clock_name}, {runs_text})\n")
+    print("Room somewhere (cluster ~70 % full): FREE decisions\n")
+    print(
+        "| nodes | GPUs | replicas | build planner | first N of a pass: mean | p99 "
+        "| next N: mean | p99 | decisions/s | naive scan of every node |"
+    )
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    rows = []
     for num_nodes in (10, 100) if quick else (10, 100, 1000):
         rng = random.Random(num_nodes)
         cluster = fill(empty_cluster(num_nodes), demands, 0.7, rng)
-        num_replicas = sum(len(n.replicas) for n in cluster.nodes)
-        start = time.perf_counter()
-        ClusterPlanner(cluster, config=CONFIG, rng=random.Random(0), clock=lambda: 0.0)
-        build_s = time.perf_counter() - start
-        # 2 x N decisions, N at most an eighth of the GPUs: all of them find room. The first N
-        # also build the working copies of the nodes they touch; the next N mostly do not.
-        num_free = min(300 if quick else 1000, num_nodes * GPUS_PER_NODE // 8)
-        timings = time_decisions(cluster, demands, 2 * num_free)
-        first_s = [t for t, level in timings[:num_free] if level <= CandidateLevel.FREE]
-        next_s = [t for t, level in timings[num_free:] if level <= CandidateLevel.FREE]
         full_cluster = fill(cluster, demands, 1.0, rng)
-        first_full_s, _ = time_decisions(full_cluster, big, 1)[0]
-        full_timings = time_decisions(full_cluster, big, 5 if quick else 20, warm=True)
-        full_s = [t for t, level in full_timings if level >= CandidateLevel.CACHED_AND_FULL]
-        naive_s = [t for t, _ in time_naive(cluster, demands, 5 if quick else 20)]
+        num_replicas = sum(len(n.replicas) for n in cluster.nodes)
+        num_free = min(300 if quick else 1000, num_nodes * GPUS_PER_NODE // 8)
+        num_evicting = 5 if quick else 20
+        results = [
+            speed_run(cluster, full_cluster, demands, evicting, num_free, num_evicting)
+            for _ in range(num_runs)
+        ]
+        runs = [figures for figures, _ in results]
+        rows.append((num_nodes, full_cluster, runs, results[0][1]))
         print(
-            f"| {num_nodes:,} | {num_nodes * GPUS_PER_NODE:,} | {num_replicas:,} | {build_s * 1e3:.1f} ms "
-            f"| {statistics.mean(first_s) * 1e6:.0f} µs | {p99(first_s) * 1e6:.0f} µs "
-            f"| {statistics.mean(next_s) * 1e6:.0f} µs | {p99(next_s) * 1e6:.0f} µs "
-            f"| {1 / statistics.mean(first_s + next_s):,.0f} | {statistics.mean(full_s) * 1e3:.2f} ms "
-            f"| {first_full_s * 1e3:.1f} ms | {statistics.mean(naive_s) * 1e3:.1f} ms |"
+            f"| {num_nodes:,} | {num_nodes * GPUS_PER_NODE:,} | {num_replicas:,} "
+            f"| {median_of(runs, 'build') * 1e3:.1f} ms "
+            f"| {median_of(runs, 'first') * 1e6:.0f} µs | {median_of(runs, 'first99') * 1e6:.0f} µs "
+            f"| {median_of(runs, 'next') * 1e6:.0f} µs | {median_of(runs, 'next99') * 1e6:.0f} µs "
+            f"| {median_of(runs, 'per_s'):,.0f} | {median_of(runs, 'naive') * 1e3:.1f} ms |"
+        )
+    print("\nNothing fits anywhere (cluster full): decisions that evict, on a fresh planner\n")
+    print(
+        "| nodes | replicas | one eviction: first of a pass | next: mean | p99 "
+        "| several evictions (32B): first | next: mean | p99 "
+        "| whole GPUs (70B, 2 GPUs): first | next: mean | p99 | victims per decision (1 / 32B / 70B) |"
+    )
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for num_nodes, full_cluster, runs, victims in rows:
+        cells = [
+            f"{median_of(runs, f'{kind}_first') * 1e3:.1f} ms | {median_of(runs, f'{kind}_mean') * 1e3:.2f} ms "
+            f"| {median_of(runs, f'{kind}_p99') * 1e3:.2f} ms"
+            for kind in evicting
+        ]
+        num_replicas = sum(len(n.replicas) for n in full_cluster.nodes)
+        print(
+            f"| {num_nodes:,} | {num_replicas:,} | {' | '.join(cells)} "
+            f"| {victims['one']} / {victims['several']} / {victims['whole']} |"
         )
 
 
@@ -282,8 +373,14 @@ def main() -> None:
     parser.add_argument(
         "--quick", action="store_true", help="10 and 100 nodes, smaller samples: a few seconds"
     )
+    parser.add_argument("--runs", type=int, default=3, help="timing runs per cluster size (medians)")
+    parser.add_argument(
+        "--clock", choices=sorted(CLOCKS), default="wall", help="wall time or process CPU time"
+    )
     args = parser.parse_args()
-    bench_speed(args.quick)
+    global clock
+    clock = CLOCKS[args.clock]
+    bench_speed(args.quick, 1 if args.quick else max(1, args.runs))
     bench_packing(args.quick)
 
 

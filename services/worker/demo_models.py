@@ -276,5 +276,5 @@ def _progress_bars_disabled() -> Iterator[None]:
 def _read_model(recipe: _Recipe, models_root: Path) -> DemoModel:
     """Describe a complete model on disk; its parameters are counted from the weights file's header."""
     with safe_open(models_root / recipe.key / _WEIGHTS_FILE, framework="numpy") as weights:
-        num_parameters = sum(math.prod(weights.get_slice(name).get_shape()) for name in weights.keys())
+        num_parameters = sum(math.prod(weights.get_slice(name).get_shape()) for name in weights.keys())  # noqa: SIM118
     return DemoModel(recipe.key, recipe.key, recipe.architecture, num_parameters)

@@ -179,25 +179,30 @@ class ClusterIndex:
             shape = get_single_gpu_allocation(demand, total_bytes, config)
             allocs[total_bytes] = None if shape is None else shape[1]
         best: tuple[SortKey, int] | None = None
+        gpu_id: int | None = None  # set while the best is the index's one-GPU offer: ask only that GPU
         fit = self._get_reclaim_index().find_best_fit(allocs.__getitem__, crowded)
         if fit is not None:
             key = (CandidateLevel.FULL, fit.num_victims, 0, False, fit.room_left_bytes, fit.tie_key)
-            best = (key, fit.node_pos)
+            best, gpu_id = (key, fit.node_pos), fit.gpu_id
         for pos in self._get_crowded_nodes_to_ask(crowded, allocs, best):
             offer = search_single_gpu(self.node(pos), demand, config)
             if offer is not None and (best is None or (offer.sort_key, pos) < best):
-                best = (offer.sort_key, pos)
+                best, gpu_id = (offer.sort_key, pos), None
         if best is None or best[0][1] >= 2:  # one GPU with one eviction beats any multi-GPU offer
             for key, pos in self._find_full_multi_gpu(demand, crowded):
                 if best is None or (key, pos) < best:
-                    best = (key, pos)
+                    best, gpu_id = (key, pos), None
         if best is None:
             return NodeCandidate(CandidateLevel.CANT_ACCOMMODATE, "")
-        offer = evaluate_node(self.node(best[1]), demand, replica_id, config)
-        assert offer.sort_key == best[0], (
-            f"the eviction indexes disagree with node {offer.node_id}'s decision tree"
+        node = self.node(best[1])
+        if gpu_id is None:
+            chosen: NodeCandidate | None = evaluate_node(node, demand, replica_id, config)
+        else:
+            chosen = search_single_gpu(node, demand, config, (gpu_id,))
+        assert chosen is not None and chosen.sort_key == best[0], (
+            f"the eviction indexes disagree with node {node.node_id}'s decision tree"
         )
-        return offer
+        return chosen
 
     def _get_crowded_nodes_to_ask(
         self, crowded: Mapping[int, int], allocs: Mapping[int, int | None], best: tuple[SortKey, int] | None

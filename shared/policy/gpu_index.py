@@ -9,23 +9,22 @@ entry, and is built with one C-level sort:
 
     entry = [ key (bytes, may be negative) | rank (32 bits) ]
 
-    FreeGpuIndex    no eviction,  one GPU       by_total[80 GiB] = [avail|rank, ...]
+    FreeGpuIndex    no eviction,  one GPU       by_total[T] = [avail | rank, ...]
     WholeGpuIndex   no eviction,  whole GPUs    nodes grouped by the sizes of their free GPUs
-    ReclaimIndex    evictions,    one GPU       by_total[T]: per GPU and distinct evictable size v
-                                                    [avail + v | rank, ...]        one eviction
-                                                per GPU [avail + evictable bytes | rank, ...]
-                                                    ("reclaimable": two or more evictions)
+    ReclaimIndex    evictions,    one GPU       by_reclaim[T] = [avail + all evictable | rank, ...]
+                                                per k victims: [avail + total | rank, ...] for
+                                                each total k victims can free on the GPU
     ClearingIndex   evictions,    whole GPUs    uniform nodes by (GPU size, number of GPUs):
                                                     (evictions, room left, tie, node)
 
 For a replica reserving A bytes on a GPU of size T: the best fit without eviction is the
 first entry >= A of ``by_total[T]`` (bisect), skipping the few GPUs already serving the
-model. With one eviction, a GPU whose entry ``avail + v >= A`` can evict that one replica
-and is left with ``avail + v - A`` bytes; its smallest such entry is what the node's own
-search picks, so the first entry >= A over all GPUs is the cluster's best (GPUs already
-serving the model are skipped: the planner asks their node, since the model's own
-replicas are no victims for it). Only when no GPU can do with one eviction are GPUs
-examined one by one, and then only those whose reclaimable bytes cover A.
+model. With evictions, k victims free one of the GPU's k-victim totals
+(`node_eval.get_victim_totals`): the smallest that covers the deficit. So the first entry
+>= A of list k is the GPU left with the least room after its own choice of k victims,
+and list k is asked only when list k-1 has no entry >= A (no GPU does with fewer). GPUs
+already serving the model are skipped: the model's own replicas are no victims for it,
+which these model-independent lists cannot see, so the planner asks their node.
 
 An update moves a GPU's few entries (bisect, then an O(GPUs) memmove in C).
 """

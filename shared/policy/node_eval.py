@@ -207,13 +207,22 @@ def choose_victims(
     return None if positions is None else [ascending[p] for p in positions]
 
 
-def search_single_gpu(node: NodeWork, demand: ModelDemand, config: PlacementConfig) -> NodeCandidate | None:
+def search_single_gpu(
+    node: NodeWork, demand: ModelDemand, config: PlacementConfig, gpu_ids: Iterable[int] | None = None
+) -> NodeCandidate | None:
     """The GPU of `node` taking one replica with the fewest evictions, then a GPU not yet
-    serving the model, then best fit, then the seeded tie key."""
+    serving the model, then best fit, then the seeded tie key.
+
+    Args:
+        gpu_ids: only these GPUs (the planner's indexes already know the best one);
+            default every GPU of the node.
+    """
     best_key: tuple[int, bool, int, float] | None = None
     best: tuple[AllocationKind, int, int, tuple[str, ...]] | None = None
     shapes: dict[int, tuple[AllocationKind, int] | None] = {}
-    for gpu_id, total_bytes in node.gpus.total_bytes_by_gpu.items():
+    totals = node.gpus.total_bytes_by_gpu
+    for gpu_id in totals if gpu_ids is None else gpu_ids:
+        total_bytes = totals[gpu_id]
         if total_bytes not in shapes:
             shapes[total_bytes] = get_single_gpu_allocation(demand, total_bytes, config)
         shape = shapes[total_bytes]

@@ -156,13 +156,16 @@ class ClusterPlanner:
         crowded = self._crowded_by_model.get(model)
         if crowded is None:
             crowded = self._crowded_by_model[model] = {}
+            get_where, get_built_node = self._where.get, self._index.get_built_node
+            slot_by_gpu_by_node = self._index.slots.slot_by_gpu
             for replica in self._snapshot_replicas_by_model.get(model, ()):
-                where = self._where.get(replica.replica_id)
+                where = get_where(replica.replica_id)
                 if where is None or where[1] != "HOT":
                     continue
-                node = self._index.get_built_node(where[0])
+                pos = where[0]
+                node = get_built_node(pos)
                 gpu_bytes = replica.gpu_bytes if node is None else node.hot[replica.replica_id].gpu_bytes
-                slot_by_gpu = self._index.slots.slot_by_gpu[where[0]]
+                slot_by_gpu = slot_by_gpu_by_node[pos]
                 for gpu_id in gpu_bytes:
                     if gpu_bytes[gpu_id] > 0:
                         slot = slot_by_gpu[gpu_id]

@@ -52,12 +52,12 @@ async def test_api_keys_guard_v1_and_admin_keys_guard_admin(gateway: str) -> Non
 
 
 async def test_no_scheduler_means_503_with_retry_after(gateway: str) -> None:
-    async with aiohttp.ClientSession() as session:
-        async with session.post(gateway + "/v1/chat/completions", json=CHAT,
-                                headers={"Authorization": "Bearer user-key"}) as resp:
-            assert resp.status == 503
-            assert resp.headers["Retry-After"]
-            body = await resp.json()
+    async with aiohttp.ClientSession() as session, session.post(
+        gateway + "/v1/chat/completions", json=CHAT, headers={"Authorization": "Bearer user-key"}
+    ) as resp:
+        assert resp.status == 503
+        assert resp.headers["Retry-After"]
+        body = await resp.json()
     assert "scheduler" in body["error"]["message"]
 
 

@@ -228,7 +228,9 @@ def test_a_gpu_re_registered_smaller_is_reported_and_gets_no_room_until_eviction
     assert find_over_committed(gpus) == {"n0.0": 20 * GiB}
     models = [
         ModelSpec(key="m", path="m", measured_serving_bytes=5 * GiB, weight_bytes=GiB, desired_replicas=1),
-        ModelSpec(key="big", path="big", measured_serving_bytes=15 * GiB, weight_bytes=GiB, desired_replicas=1),
+        ModelSpec(
+            key="big", path="big", measured_serving_bytes=15 * GiB, weight_bytes=GiB, desired_replicas=1
+        ),
     ]
     snapshot = build_snapshot(nodes, gpus, replica_list, models, config=CONFIG, now=NOW)
     assert snapshot.nodes[0].gpu_total_bytes == {0: 40 * GiB}

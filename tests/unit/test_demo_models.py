@@ -141,7 +141,7 @@ def test_tokenizer_round_trips_text_identically_in_every_model_dir(models_root: 
     encodings = [tokenizer(text)["input_ids"] for tokenizer in tokenizers]
     assert all(encoding == encodings[0] for encoding in encodings), "one tokenizer, whichever class loads it"
     assert len(encodings[0]) < len(text.encode()), "BPE merges something"
-    for tokenizer, encoding in zip(tokenizers, encodings):
+    for tokenizer, encoding in zip(tokenizers, encodings, strict=True):
         assert tokenizer.decode(encoding) == text
 
 

@@ -35,7 +35,7 @@ def test_paths_outside_the_models_root_or_without_a_checkpoint_are_refused(demo_
     with pytest.raises(ModelLoadError, match="models root"):
         load_model(demo_models_root, ModelSpec(key="x", path="../x"), _replica(1 << 30), device=CPU)
     (tmp_path / "empty").mkdir()
-    with pytest.raises(ModelLoadError, match="no config.json"):
+    with pytest.raises(ModelLoadError, match=r"no config\.json"):
         load_model(tmp_path, ModelSpec(key="x", path="empty"), _replica(1 << 30), device=CPU)
 
 

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from transformers import AttentionInterface
 
-from shoal.kernels import ops
+from shoal.kernels import cpu, ops
 
 ATTN_IMPLEMENTATION = "shoal_paged"
 BATCH_KWARG = "shoal_batch"
@@ -45,6 +45,9 @@ class PagedBatch:
     """int32 [num_seqs]: context length including this pass's tokens."""
     query_start_loc: torch.Tensor
     """int32 [num_seqs + 1]: each sequence's first row in the flattened batch."""
+    cpu_plan: cpu.AttentionPlan | None = None
+    """The same batch as host-side metadata, built once per pass when the cache is on the
+    CPU: every layer then runs `cpu.run_attention` without rebuilding it."""
 
 
 def paged_attention_forward(
@@ -70,20 +73,23 @@ def paged_attention_forward(
     assert query.shape[0] == 1, "the engine flattens every batch into one row"
     key_cache, value_cache = batch.layer_caches[module.layer_idx]
     # [1, H, T, D] -> [T, H, D] views; the ops accept any token stride.
-    query_rows = query[0].transpose(0, 1)
-    ops.write_kv(key[0].transpose(0, 1), value[0].transpose(0, 1), key_cache, value_cache, batch.slot_mapping)
+    query_rows, key_rows, value_rows = query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1)
+    ops.write_kv(key_rows, value_rows, key_cache, value_cache, batch.slot_mapping)
     out = torch.empty(query_rows.shape, dtype=query.dtype, device=query.device)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    ops.paged_attention(
-        out,
-        query_rows,
-        key_cache,
-        value_cache,
-        batch.block_tables,
-        batch.seq_lens,
-        batch.query_start_loc,
-        scale,
-    )
+    if batch.cpu_plan is not None:
+        cpu.run_attention(out, query_rows, key_cache, value_cache, batch.cpu_plan, scale, key_rows, value_rows)
+    else:
+        ops.paged_attention(
+            out,
+            query_rows,
+            key_cache,
+            value_cache,
+            batch.block_tables,
+            batch.seq_lens,
+            batch.query_start_loc,
+            scale,
+        )
     return out.unsqueeze(0), None
 
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from shoal.kernels import ops
+from shoal.kernels import cpu, ops
 from shoal.services.worker.engine.attention import BATCH_KWARG, PagedBatch
 from shoal.services.worker.engine.scheduler import StepPlan
 from shoal.shared.policy.kv_cache_manager import KVCacheManager
@@ -89,12 +89,16 @@ class ModelRunner:
         num_table_blocks = max(len(block_ids) for block_ids in block_tables)
         padded = [block_ids + [0] * (num_table_blocks - len(block_ids)) for block_ids in block_tables]
         device = self.device
+        cpu_plan = None
+        if device.type == "cpu":
+            cpu_plan = cpu.plan_attention(block_tables, seq_lens, query_start_loc, block_size, self.dtype)
         batch = PagedBatch(
             layer_caches=self.layer_caches,
             slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64, device=device),
             block_tables=torch.tensor(padded, dtype=torch.int32, device=device),
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
             query_start_loc=torch.tensor(query_start_loc, dtype=torch.int32, device=device),
+            cpu_plan=cpu_plan,
         )
         copy_pairs = torch.tensor(plan.copy_pairs, dtype=torch.int64) if plan.copy_pairs else None
         return PreparedStep(
