@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from shoal.shared.config import ConfigError, ShoalConfig, load_config
-from shoal.shared.logging import configure_logging
+from shoal.shared.logs import configure_logging
 
 
 def _common(parser: argparse.ArgumentParser) -> None:
@@ -164,11 +164,12 @@ async def _scheduler_command(bus: Any, args: argparse.Namespace) -> None:
     from shoal.shared.messages import EvictReplicas, ScaleModel, scheduler_reply_decoder
     from shoal.shared.micro import request_json
 
+    command: ScaleModel | EvictReplicas
     if args.command == "scale":
-        verb, command = "scale", ScaleModel(args.model, args.replicas)
+        command = ScaleModel(args.model, args.replicas)
     else:
-        verb, command = "evict", EvictReplicas(args.model, args.replica)
-    reply = await request_json(bus.nc, subjects.scheduler_subject(verb), command, scheduler_reply_decoder,
+        command = EvictReplicas(args.model, args.replica)
+    reply = await request_json(bus.nc, subjects.scheduler_subject(args.command), command, scheduler_reply_decoder,
                                timeout_s=300.0)
     print(f"{reply.status}: {reply.message}" if reply.message else reply.status)
     for record in reply.replicas:

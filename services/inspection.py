@@ -53,11 +53,12 @@ async def inspect(bus: Bus, out: TextIO) -> None:
     out.write("Streams (nats stream ls):\n")
     for info in await bus.js.streams_info():
         state = info.state
-        out.write(f"  {info.config.name:<26} messages={state.messages:<8} consumers={state.consumer_count:<4} "
+        name = info.config.name or ""
+        out.write(f"  {name:<26} messages={state.messages:<8} consumers={state.consumer_count:<4} "
                   f"{info.config.description or ''}\n")
-        if info.config.name.startswith("KV_"):
+        if name.startswith("KV_"):
             continue
-        for consumer in await bus.js.consumers_info(info.config.name):
+        for consumer in await bus.js.consumers_info(name):
             out.write(f"    consumer {consumer.name:<30} pending={consumer.num_pending} "
                       f"ack_pending={consumer.num_ack_pending} waiting={consumer.num_waiting}\n")
     for bucket in (bus.models, bus.gpus, bus.replicas, bus.nodes):

@@ -17,8 +17,9 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import defaultdict
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
+from typing import TypeAlias
 
 import nats.errors
 import structlog
@@ -68,7 +69,7 @@ class Restart:
     """A non-streamed request starts over (a new attempt, not reproducible): drop the text so far."""
 
 
-Event = TokenChunk | FinalReply | Restart
+DispatchEvent: TypeAlias = TokenChunk | FinalReply | Restart
 
 
 class Dispatcher:
@@ -121,7 +122,7 @@ class Dispatcher:
             raise Unavailable(f"model {model!r} cannot be placed now: {reply.message}",
                               code=reply.status, retry_after_s=reply.retry_after_s or 5.0)
 
-    async def run(self, request: InferenceRequest, *, restartable: bool) -> AsyncIterator[Event]:
+    async def run(self, request: InferenceRequest, *, restartable: bool) -> AsyncGenerator[DispatchEvent, None]:
         """Publish `request` and yield its chunks and final reply (see the module doc).
 
         Args:

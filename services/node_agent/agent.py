@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import Coroutine
+from typing import Any
 import socket
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -140,11 +142,10 @@ class NodeAgent:
             await self._bus.nodes.delete(self.node_id)
         log.info("node_agent_stopped", node=self.node_id)
 
-    def _spawn_task(self, coro) -> asyncio.Task[None]:  # type: ignore[no-untyped-def]
+    def _spawn_task(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
-        return task
 
     # ------------------------------------------------------------------ registration
 

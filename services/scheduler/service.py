@@ -65,7 +65,8 @@ ACTIVE_STATES = ("pending", "loading", "ready", "draining")
 MAX_REPLANS = 12
 MAX_HOLD_S = 120.0
 
-Operation = Callable[[ClusterPlanner, dict[str, ModelSpec]], None]
+Operation = Callable[[ClusterPlanner, dict[str, ModelSpec]], object]
+"""Changes a pass makes on the planner; whatever it returns is ignored."""
 
 
 @dataclass(frozen=True)
@@ -451,8 +452,8 @@ class Scheduler:
                 await self.on_replica_failed(record.model, record.replica_id, record.error or "failed")
             elif record.node_id not in snapshot.nodes and record.state in ACTIVE_STATES:
                 await self.on_replica_failed(record.model, record.replica_id, f"node {record.node_id} is gone")
-        for entry in snapshot.models.values():
-            spec = entry.value
+        for model_entry in snapshot.models.values():
+            spec = model_entry.value
             hot = [r for r in snapshot.replicas_of(spec.key) if r.level == "HOT" and r.state in ACTIVE_STATES]
             if len(hot) < spec.desired_replicas and self._held(spec) is None:
                 await self.ensure(spec.key, spec.desired_replicas)

@@ -61,7 +61,8 @@ def _torch_dtype(name: str, config: Any) -> torch.dtype:
 def build_max_memory(gpu_bytes: dict[int, int], num_visible_gpus: int) -> dict[int | str, int]:
     """accelerate's `max_memory`: the allocation on target GPUs, 0 on every other GPU."""
     max_memory: dict[int | str, int] = {i: 0 for i in range(num_visible_gpus)}
-    max_memory.update(gpu_bytes)
+    for index, num_bytes in gpu_bytes.items():
+        max_memory[index] = num_bytes
     max_memory["cpu"] = 0
     return max_memory
 
@@ -120,11 +121,11 @@ def load_model(
     if device.type == "cuda":
         kwargs.update(_cuda_placement(replica))
     try:
-        model = AutoModelForCausalLM.from_pretrained(model_dir, **kwargs)
+        model: Any = AutoModelForCausalLM.from_pretrained(model_dir, **kwargs)
     except (OSError, ValueError, RuntimeError) as exc:
         raise ModelLoadError(f"cannot load weights from {model_dir}: {exc}") from exc
     if device.type != "cuda":
-        model.to(device)
+        model = model.to(device)
     model.eval()
     weight_bytes = model_weight_bytes(model)
     if device.type != "cuda" and allocation_bytes and weight_bytes + min_kv_reserve_bytes > allocation_bytes:

@@ -23,7 +23,7 @@ from shoal.services.worker.prompts import eos_token_ids
 from shoal.services.worker.service import WorkerIdentity, WorkerService
 from shoal.shared import subjects
 from shoal.shared.bus import Bus, connect
-from shoal.shared.logging import configure_logging
+from shoal.shared.logs import configure_logging
 from shoal.shared.messages import (
     WorkerEvent,
     encode_json,
