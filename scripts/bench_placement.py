@@ -17,7 +17,7 @@ pass (it also builds the eviction indexes it needs) and the next ones (mean, p99
 
 * one eviction: replicas of the 14B model with 16k-32k KV budgets (31-34 GiB);
 * several evictions on one GPU: Qwen2.5-32B (63-64 GiB: most of a GPU, or all of it);
-* whole GPUs: Llama-3.1-70B over two GPUs (tensor parallel, 134-136 GiB).
+* whole GPUs: Llama-3.1-70B over two GPUs (tensor parallel, 134-135 GiB).
 
 Each figure is the median over ``--runs`` runs on the same clusters (the decisions are the
 same in every run: every random choice is seeded). On a machine shared with other work,

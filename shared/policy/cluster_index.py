@@ -182,7 +182,7 @@ class ClusterIndex:
         gpu_id: int | None = None  # set while the best is the index's one-GPU offer: ask only that GPU
         fit = self._get_reclaim_index().find_best_fit(allocs.__getitem__, crowded)
         if fit is not None:
-            key = (CandidateLevel.FULL, fit.num_victims, 0, False, fit.room_left_bytes, fit.tie_key)
+            key: SortKey = (CandidateLevel.FULL, fit.num_victims, 0, False, fit.room_left_bytes, fit.tie_key)
             best, gpu_id = (key, fit.node_pos), fit.gpu_id
         for pos in self._get_crowded_nodes_to_ask(crowded, allocs, best):
             offer = search_single_gpu(self.node(pos), demand, config)
@@ -333,18 +333,18 @@ class ClusterIndex:
             ordered = order_clearable((g, total_bytes, ties[g], node.hot_ids_by_gpu[g]) for g in clearable)
             replica_bytes: dict[Hashable, int] = {
                 replica_id: sum(node.hot[replica_id].gpu_bytes.values())
-                for _, _, _, replica_ids in ordered
-                for replica_id in replica_ids
+                for g in clearable
+                for replica_id in node.hot_ids_by_gpu[g]
             }
             return total_bytes, get_clearing_offers(ordered, replica_bytes, node_free_bytes)
         if node is None and pos in self._spanning_positions:
             self.node(pos)  # spans GPUs: read its replica ids from a working copy
             return self._get_clearing_offers(pos)
         # One replica per evictable size, each on this GPU only: no need for ids.
-        ordered = sorted(clearable, key=lambda g: (len(rooms[g].evictable_bytes), ties[g]))
+        taken_order = sorted(clearable, key=lambda g: (len(rooms[g].evictable_bytes), ties[g]))
         offers = []
         num_evictions = freed_bytes = 0
-        for num_gpus, gpu_id in enumerate(ordered, start=1):
+        for num_gpus, gpu_id in enumerate(taken_order, start=1):
             num_evictions += len(rooms[gpu_id].evictable_bytes)
             freed_bytes += total_bytes - rooms[gpu_id].available_bytes
             if num_gpus >= 2:

@@ -73,7 +73,8 @@ class ClusterPlanner:
 
         self._where: dict[str, tuple[int, PlacedLevel]] = {}
         """Replica id -> (node position, level) now; COLD replicas are absent."""
-        self._snapshot_replicas_by_model: dict[str, list[ReplicaSnapshot]] = {}
+        self._snapshot_replicas_by_model: dict[str, tuple[list[ReplicaSnapshot], list[int]]] = {}
+        """Model -> (its replicas in the snapshot, the node position of each)."""
         self._ids_by_model: dict[str, set[str]] = {}
         """Model -> ids of its HOT and WARM replicas (per model, on first use)."""
         self._crowded_by_model: dict[str, dict[int, int]] = {}
@@ -92,12 +93,14 @@ class ClusterPlanner:
         # tuples are shared per node): where each is and each model's replicas.
         where, by_model = self._where, self._snapshot_replicas_by_model
         for pos, node in enumerate(nodes):
-            hot, warm = (pos, "HOT"), (pos, "WARM")
+            hot: tuple[int, PlacedLevel] = (pos, "HOT")
+            warm: tuple[int, PlacedLevel] = (pos, "WARM")
             for replica in node.replicas:
-                replicas = by_model.get(replica.model)
-                if replicas is None:
-                    replicas = by_model[replica.model] = []
-                replicas.append(replica)
+                of_model = by_model.get(replica.model)
+                if of_model is None:
+                    of_model = by_model[replica.model] = ([], [])
+                of_model[0].append(replica)
+                of_model[1].append(pos)
                 where[replica.replica_id] = hot if replica.level == "HOT" else warm
 
     # ------------------------------------------------------------------ evaluation
@@ -143,7 +146,7 @@ class ClusterPlanner:
         ids = self._ids_by_model.get(model)
         if ids is None:
             where = self._where
-            snapshot_replicas = self._snapshot_replicas_by_model.get(model, ())
+            snapshot_replicas, _ = self._snapshot_replicas_by_model.get(model, ([], []))
             ids = self._ids_by_model[model] = {
                 r.replica_id for r in snapshot_replicas if r.replica_id in where
             }
@@ -156,15 +159,19 @@ class ClusterPlanner:
         crowded = self._crowded_by_model.get(model)
         if crowded is None:
             crowded = self._crowded_by_model[model] = {}
-            get_where, get_built_node = self._where.get, self._index.get_built_node
-            slot_by_gpu_by_node = self._index.slots.slot_by_gpu
-            for replica in self._snapshot_replicas_by_model.get(model, ()):
-                where = get_where(replica.replica_id)
-                if where is None or where[1] != "HOT":
-                    continue
-                pos = where[0]
-                node = get_built_node(pos)
-                gpu_bytes = replica.gpu_bytes if node is None else node.hot[replica.replica_id].gpu_bytes
+            get_built_node, slot_by_gpu_by_node = self._index.get_built_node, self._index.slots.slot_by_gpu
+            replicas, positions = self._snapshot_replicas_by_model.get(model, ([], []))
+            for replica, pos in zip(replicas, positions, strict=True):
+                if get_built_node(pos) is None:  # untouched, where the snapshot has it
+                    if replica.level != "HOT":
+                        continue
+                    gpu_bytes = replica.gpu_bytes
+                else:  # may have moved, parked or left
+                    where = self._where.get(replica.replica_id)
+                    if where is None or where[1] != "HOT":
+                        continue
+                    pos = where[0]
+                    gpu_bytes = self._node(pos).hot[replica.replica_id].gpu_bytes
                 slot_by_gpu = slot_by_gpu_by_node[pos]
                 for gpu_id in gpu_bytes:
                     if gpu_bytes[gpu_id] > 0:

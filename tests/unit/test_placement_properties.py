@@ -362,8 +362,8 @@ def test_reclaim_index_answers_like_a_scan_of_every_gpu_after_any_updates(
     ties = [{g: rng.choice((0.25, 0.5, 0.75)) for g in range(len(n))} for n in sizes_by_node]
     slots = GpuSlots(ties, [dict(enumerate(n)) for n in sizes_by_node])
     room_strategy = st.tuples(st.integers(-20, 40), st.lists(st.integers(1, 30), max_size=5))
-    rooms = [data.draw(room_strategy) for _ in range(len(slots))]
-    rooms = [(available, tuple(sorted(sizes))) for available, sizes in rooms]
+    drawn = [data.draw(room_strategy) for _ in range(len(slots))]
+    rooms = [(available, tuple(sorted(sizes))) for available, sizes in drawn]
     index = ReclaimIndex(slots, [r[0] for r in rooms], [r[1] for r in rooms])
     for _ in range(data.draw(st.integers(1, 12))):
         if len(slots) and data.draw(st.booleans()):
@@ -380,9 +380,9 @@ def test_reclaim_index_answers_like_a_scan_of_every_gpu_after_any_updates(
         }
         excluded = set(data.draw(st.lists(st.integers(0, max(0, len(slots) - 1)), max_size=2)))
         scan: list[EvictionFit] = []
-        for slot, (available, sizes) in enumerate(rooms):
+        for slot, (available, evictable) in enumerate(rooms):
             alloc = allocs[slots.total_bytes[slot]]
-            victims = reference_victims(list(sizes), alloc - available)
+            victims = reference_victims(list(evictable), alloc - available)
             if slot not in excluded and victims is not None:
                 room_left = available + sum(victims) - alloc
                 scan.append(
