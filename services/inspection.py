@@ -91,7 +91,9 @@ def render_status(nodes: dict[str, Any], gpus: dict[str, GpuRecord], replicas: l
         gpu = gpus[key]
         used = gpu.reserved_bytes
         pct = 100 * used / gpu.total_bytes if gpu.total_bytes else 0.0
-        out.write(f"  {key:<22} {_bar(used, gpu.total_bytes)} {_gib(used)} / {_gib(gpu.total_bytes)} ({pct:.0f}%)\n")
+        warning = "  OVER-COMMITTED" if used > gpu.total_bytes else ""
+        out.write(f"  {key:<22} {_bar(used, gpu.total_bytes)} {_gib(used)} / {_gib(gpu.total_bytes)} "
+                  f"({pct:.0f}%){warning}\n")
         for occupant in gpu.occupants:
             out.write(f"      {occupant.model:<28} {occupant.replica_id[:12]} {_gib(occupant.bytes):>11} "
                       f"{occupant.state}\n")

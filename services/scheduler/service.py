@@ -446,6 +446,8 @@ class Scheduler:
         """Repair what crashes leave behind and retry models short of HOT replicas."""
         snapshot = await self.store.snapshot()
         await self.store.remove_lapsed_reservations(snapshot)
+        for key, excess_bytes in view.find_over_committed(v.value for v in snapshot.gpus.values()).items():
+            log.warning("gpu_over_committed", gpu=key, excess_bytes=excess_bytes)
         for entry in snapshot.replicas.values():
             record = entry.value
             if record.state == "failed":

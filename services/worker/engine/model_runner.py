@@ -91,7 +91,7 @@ class ModelRunner:
         device = self.device
         cpu_plan = None
         if device.type == "cpu":
-            cpu_plan = cpu.plan_attention(block_tables, seq_lens, query_start_loc, block_size, self.dtype)
+            cpu_plan = cpu.plan_attention(self.kv_cache[0, 0], block_tables, seq_lens, query_start_loc)
         batch = PagedBatch(
             layer_caches=self.layer_caches,
             slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64, device=device),
