@@ -12,7 +12,7 @@ import argparse
 from pathlib import Path
 
 from shoal.services.worker.demo_models import DEMO_MODEL_KEYS, make_demo_models
-from shoal.shared.logging import configure_logging
+from shoal.shared.logs import configure_logging
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -19,6 +19,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from shoal.shared.child_process import die_with_parent
+
 _LISTEN_RE = re.compile(r"Listening for client connections on [^:]+:(\d+)")
 _READY_RE = re.compile(r"Server is ready")
 
@@ -84,6 +86,7 @@ class EmbeddedNatsServer:
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
             start_new_session=True,
+            preexec_fn=die_with_parent,
         )
         port, ready = self._wait_for_ready()
         if not ready or port is None:

@@ -8,7 +8,6 @@ with it. Output goes to one log file per replica under the state directory.
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import os
 import signal
 import sys
@@ -18,18 +17,10 @@ from typing import Any
 
 import structlog
 
+from shoal.shared.child_process import die_with_parent
 from shoal.shared.messages import ModelSpec, ReplicaRecord, encode_json
 
 log = structlog.get_logger(__name__)
-
-_PR_SET_PDEATHSIG = 1
-
-
-def _die_with_parent() -> None:  # runs in the child between fork and exec
-    if sys.platform.startswith("linux"):
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-
 
 @dataclass
 class WorkerProcess:
@@ -76,7 +67,7 @@ async def spawn_worker(argv: list[str], replica_id: str, model: str, log_dir: Pa
             stdout=log_file,
             stderr=asyncio.subprocess.STDOUT,
             start_new_session=True,
-            preexec_fn=_die_with_parent,
+            preexec_fn=die_with_parent,
             env={**os.environ, "PYTHONUNBUFFERED": "1"},
         )
     log.info("worker_spawned", replica=replica_id, model=model, pid=process.pid, log=str(log_path))

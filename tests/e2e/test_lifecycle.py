@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 import urllib.request
 from pathlib import Path
 
@@ -30,6 +31,24 @@ def test_sigterm_stops_workers_and_nats(demo_models_root: Path, tmp_path: Path) 
         code = shoal.stop()
     assert code == 0
     assert shoal.leftovers() == []
+
+
+def test_sigkill_of_shoal_up_still_takes_workers_and_nats_down(demo_models_root: Path, tmp_path: Path) -> None:
+    shoal = start_shoal_up(demo_models_root, tmp_path / "state")
+    try:
+        body = json.dumps({"model": "demo/llama-5m", "prompt": "hi", "max_tokens": 2}).encode()
+        request = urllib.request.Request(shoal.v1 + "/completions", data=body,
+                                         headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=240) as response:
+            assert response.status == 200
+        assert len(shoal.leftovers()) >= 2
+    finally:
+        shoal.process.kill()
+        shoal.process.wait()
+    deadline = time.monotonic() + 60
+    while shoal.leftovers() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert shoal.leftovers() == [], "children must die with `shoal up` (parent-death signal)"
 
 
 def test_status_and_inspect_show_the_cluster(demo_models_root: Path, tmp_path: Path) -> None:
