@@ -158,15 +158,19 @@ def run_without_attention(
 ) -> tuple[float, list[float], list[str]]:
     """`run_shoal` with the attention ops as no-ops (the `floor` row; its texts are garbage).
 
-    Both ways the engine attends are stubbed: the public ops, and the CPU path that runs a
-    per-pass plan (`cpu.run_attention`)."""
-    write_kv, paged_attention, run_attention = ops.write_kv, ops.paged_attention, cpu.run_attention
-    ops.write_kv = ops.paged_attention = cpu.run_attention = lambda *args, **kwargs: None  # type: ignore[assignment]
+    Both ways the engine attends are stubbed: the public ops, and the CPU functions its
+    CPU path calls with a per-pass plan."""
+    saved = ops.write_kv, ops.paged_attention, cpu.write_kv, cpu.run_attention
+    ops.write_kv = ops.paged_attention = cpu.write_kv = cpu.run_attention = _no_op  # type: ignore[assignment]
     try:
         seconds, ttft, _ = run_shoal(engine, prompts, shapes)
     finally:
-        ops.write_kv, ops.paged_attention, cpu.run_attention = write_kv, paged_attention, run_attention
+        ops.write_kv, ops.paged_attention, cpu.write_kv, cpu.run_attention = saved
     return seconds, ttft, []
+
+
+def _no_op(*args: Any, **kwargs: Any) -> None:
+    pass
 
 
 class _FirstTokenClock(BaseStreamer):

@@ -260,6 +260,77 @@ def test_random_batches(data, block_size, heads, head_dim, dtype, seed) -> None:
     check_attention(q_lens, seq_lens, block_size, heads, head_dim, dtype, seed)
 
 
+# --- the planned path: one AttentionPlan for every layer ----------------------
+
+
+def test_decode_sequences_are_grouped_by_length_and_chunked(monkeypatch) -> None:
+    seq_lens = [3, 70, 5, 66, 130, 4, 69, 1, 140, 7, 65, 6]
+    # 3 blocks of K and V (the limit is per torch thread)
+    monkeypatch.setattr(cpu, "MAX_GROUP_BYTES", 3 * 2 * 16 * 2 * 64 * 4 // torch.get_num_threads())
+    _, key_cache, _, block_tables, lens, starts = build_batch(
+        [1] * len(seq_lens), seq_lens, 16, 4, 2, 64, torch.float32, seed=0
+    )
+    plan = cpu.plan_attention(key_cache, block_tables.tolist(), lens.tolist(), starts.tolist())
+    groups = [(group.num_seqs, group.num_blocks) for group in plan.decode]
+    # short (1 block: 6 seqs, 3 per chunk), medium (5 blocks: 4 seqs), long (9 blocks: 2 seqs)
+    assert groups == [(3, 1), (3, 1), (1, 5), (1, 5), (1, 5), (1, 5), (1, 9), (1, 9)]
+    assert sorted(row for group in plan.decode for row in _rows(group)) == list(range(len(seq_lens)))
+    check_attention([1] * len(seq_lens), seq_lens, 16, (4, 2), 64, torch.float32, seed=0)
+    # Rows laid out shortest first (as the engine does): every group is a run of rows.
+    by_length = sorted(seq_lens)
+    _, key_cache, _, block_tables, lens, starts = build_batch(
+        [1] * len(seq_lens), by_length, 16, 4, 2, 64, torch.float32, seed=0
+    )
+    plan = cpu.plan_attention(key_cache, block_tables.tolist(), lens.tolist(), starts.tolist())
+    assert [group.rows for group in plan.decode] == [None] * len(plan.decode)
+    assert [row for group in plan.decode for row in _rows(group)] == list(range(len(seq_lens)))
+    check_attention([1] * len(seq_lens), by_length, 16, (4, 2), 64, torch.float32, seed=0)
+
+
+def _rows(group: cpu.DecodeGroup) -> list[int]:
+    if group.rows is None:
+        return list(range(group.first_row, group.first_row + group.num_seqs))
+    return group.rows.tolist()
+
+
+@pytest.mark.parametrize("heads", HEAD_LAYOUTS)
+def test_a_mixed_batch_with_many_decodes_matches_naive(heads) -> None:
+    q_lens = [1, 1, 40, 1, 1, 0, 1, 7, 1, 1, 1, 1, 1, 200, 100]
+    seq_lens = [90, 3, 40, 17, 150, 12, 1, 60, 33, 34, 35, 129, 2, 200, 150]
+    check_attention(q_lens, seq_lens, 8, heads, 64, torch.float32, seed=5)
+
+
+def test_a_long_prefill_uses_the_fused_kernel(monkeypatch) -> None:
+    monkeypatch.setattr(cpu, "MAX_MATH_PREFILL_SCORES", 100)
+    check_attention([30, 12, 1], [30, 40, 9], 8, (8, 2), 32, torch.float32, seed=9)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_run_attention_reads_a_fresh_prefill_from_the_new_rows(dtype) -> None:
+    """The engine passes the layer's new K/V (already written): fresh prefills use them as they are."""
+    q_lens, seq_lens = [9, 1, 23, 4], [9, 30, 23, 20]
+    query, key_cache, value_cache, block_tables, lens, starts = build_batch(
+        q_lens, seq_lens, 8, 8, 2, 64, dtype, seed=4
+    )
+    generator = torch.Generator().manual_seed(5)
+    new_key = random_values((sum(q_lens), 2, 64), dtype, generator)
+    new_value = random_values((sum(q_lens), 2, 64), dtype, generator)
+    slots = [
+        int(block_tables[seq, position // 8]) * 8 + position % 8
+        for seq, (q_len, seq_len) in enumerate(zip(q_lens, seq_lens, strict=True))
+        for position in range(seq_len - q_len, seq_len)
+    ]
+    ops.write_kv(new_key, new_value, key_cache, value_cache, torch.tensor(slots))
+    expected = torch.empty_like(query)
+    ops.paged_attention(expected, query, key_cache, value_cache, block_tables, lens, starts, 0.125)
+    plan = cpu.plan_attention(key_cache, block_tables.tolist(), lens.tolist(), starts.tolist())
+    out = torch.full_like(query, float("nan"))
+    cpu.run_attention(
+        out, query, key_cache, value_cache, plan, 0.125, transposed(new_key), transposed(new_value)
+    )
+    assert torch.equal(out, expected)
+
+
 def test_a_batch_without_sequences_is_a_no_op() -> None:
     key_cache = torch.zeros(2, 4, 2, 32)
     empty = torch.empty(0, 2, 32)

@@ -11,6 +11,10 @@ scheduled tokens of all sequences flattened into one row, and each layer
    (`ops.paged_attention`, by block table), which covers decode, prefill and prefill over
    a cached prefix in one call.
 
+On the CPU the batch instead carries a `cpu.AttentionPlan`, the same metadata built once
+per pass by the runner, and each layer runs `cpu.write_kv` and `cpu.run_attention` with
+it: the CPU implementation of the same two ops, without rebuilding the plan per layer.
+
 No attention mask is registered for the name on purpose: transformers then skips building
 a mask entirely (`masking_utils` returns None for implementations it has no mask function
 for), where a registered mask function would still run its packed-sequence detection,
@@ -39,15 +43,16 @@ class PagedBatch:
     """(key_cache, value_cache) of each layer, views into the engine's one KV tensor."""
     slot_mapping: torch.Tensor
     """int64 [num_tokens]: where each new token's K/V goes."""
-    block_tables: torch.Tensor
-    """int32 [num_seqs, max_blocks]."""
-    seq_lens: torch.Tensor
+    block_tables: torch.Tensor | None = None
+    """int32 [num_seqs, max_blocks] (for `ops.paged_attention`)."""
+    seq_lens: torch.Tensor | None = None
     """int32 [num_seqs]: context length including this pass's tokens."""
-    query_start_loc: torch.Tensor
+    query_start_loc: torch.Tensor | None = None
     """int32 [num_seqs + 1]: each sequence's first row in the flattened batch."""
     cpu_plan: cpu.AttentionPlan | None = None
-    """The same batch as host-side metadata, built once per pass when the cache is on the
-    CPU: every layer then runs `cpu.run_attention` without rebuilding it."""
+    """Instead of the three tensors above when the cache is on the CPU: the batch as
+    host-side metadata, built once per pass, with which every layer runs
+    `cpu.run_attention` (no per-layer `tolist`, masks or block counts)."""
 
 
 def paged_attention_forward(
@@ -73,13 +78,27 @@ def paged_attention_forward(
     assert query.shape[0] == 1, "the engine flattens every batch into one row"
     key_cache, value_cache = batch.layer_caches[module.layer_idx]
     # [1, H, T, D] -> [T, H, D] views; the ops accept any token stride.
-    query_rows, key_rows, value_rows = query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1)
-    ops.write_kv(key_rows, value_rows, key_cache, value_cache, batch.slot_mapping)
+    query_rows, key_rows, value_rows = (
+        query[0].transpose(0, 1),
+        key[0].transpose(0, 1),
+        value[0].transpose(0, 1),
+    )
     out = torch.empty(query_rows.shape, dtype=query.dtype, device=query.device)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     if batch.cpu_plan is not None:
-        cpu.run_attention(out, query_rows, key_cache, value_cache, batch.cpu_plan, scale, key_rows, value_rows)
+        # The runner's own tensors, the kernels' layouts by construction: the CPU functions
+        # directly, without the public ops' argument checks and padding scan.
+        cpu.write_kv(key_rows, value_rows, key_cache, value_cache, batch.slot_mapping, may_pad=False)
+        cpu.run_attention(
+            out, query_rows, key_cache, value_cache, batch.cpu_plan, scale, key_rows, value_rows
+        )
     else:
+        ops.write_kv(key_rows, value_rows, key_cache, value_cache, batch.slot_mapping)
+        assert (
+            batch.block_tables is not None
+            and batch.seq_lens is not None
+            and batch.query_start_loc is not None
+        ), "a batch without a CPU plan carries the kernels' index tensors"
         ops.paged_attention(
             out,
             query_rows,

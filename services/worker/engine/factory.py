@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from shoal.services.worker.engine.paged_engine import EngineConfig, PagedEngine
 from shoal.services.worker.loader import LoadedModel
+from shoal.shared.policy.memory import DEFAULT_RUNTIME_OVERHEAD_BYTES
 
 DEFAULT_KV_CACHE_TOKENS = 4096
 """Pool size, in tokens, for a replica run without an allocation (by hand)."""
@@ -34,7 +35,7 @@ def build_paged_engine(
         num_blocks=num_blocks,
         max_kv_cache_tokens=kv_cache_tokens,
         # A CUDA context and allocator slack exist only on real GPUs.
-        **({} if loaded.device.type == "cuda" else {"runtime_overhead_bytes": 0}),
+        runtime_overhead_bytes=DEFAULT_RUNTIME_OVERHEAD_BYTES if loaded.device.type == "cuda" else 0,
     )
     return PagedEngine(
         loaded.model,

@@ -25,7 +25,10 @@ class PreparedStep:
 
     input_ids: torch.Tensor
     position_ids: torch.Tensor
-    logit_indices: torch.Tensor
+    logits_to_keep: int | torch.Tensor
+    """Rows whose logits are computed: each sampling chunk's last token (0: every row)."""
+    logits_order: torch.Tensor | None
+    """The computed logits' rows in plan order, when the batch lays chunks out in another."""
     batch: PagedBatch
     copy_pairs: torch.Tensor | None
 
@@ -62,14 +65,25 @@ class ModelRunner:
     def prepare(self, plan: StepPlan, kv_cache_manager: KVCacheManager) -> PreparedStep:
         """Flatten `plan` into tensors (call while no one changes the block tables)."""
         block_size = self.block_size
+        device = self.device
         input_ids: list[int] = []
         position_ids: list[int] = []
         slot_mapping: list[int] = []
         seq_lens: list[int] = []
         query_start_loc = [0]
         logit_indices: list[int] = []
+        sampled_chunks: list[int] = []
         block_tables: list[list[int]] = []
-        for chunk in plan.chunks:
+        chunks = plan.chunks
+        order: list[int] | range = range(len(chunks))
+        if device.type == "cpu":
+            # Decoding sequences first, shortest context first: the CPU attention's length
+            # groups are then runs of rows, read and written in place (no row gathers).
+            order = sorted(
+                order, key=lambda i: (chunks[i].num_new_tokens != 1, chunks[i].num_computed_tokens)
+            )
+        for index in order:
+            chunk = chunks[index]
             start = chunk.num_computed_tokens
             end = start + chunk.num_new_tokens
             input_ids += chunk.seq.token_ids[start:end]
@@ -86,25 +100,38 @@ class ModelRunner:
             block_tables.append(block_ids)
             if chunk.samples:
                 logit_indices.append(len(input_ids) - 1)
-        num_table_blocks = max(len(block_ids) for block_ids in block_tables)
-        padded = [block_ids + [0] * (num_table_blocks - len(block_ids)) for block_ids in block_tables]
-        device = self.device
-        cpu_plan = None
-        if device.type == "cpu":
-            cpu_plan = cpu.plan_attention(self.kv_cache[0, 0], block_tables, seq_lens, query_start_loc)
-        batch = PagedBatch(
-            layer_caches=self.layer_caches,
-            slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64, device=device),
-            block_tables=torch.tensor(padded, dtype=torch.int32, device=device),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
-            query_start_loc=torch.tensor(query_start_loc, dtype=torch.int32, device=device),
-            cpu_plan=cpu_plan,
-        )
+                sampled_chunks.append(index)
+        # logits come in batch order; `sample` and the scheduler take them in plan order
+        logits_order = None
+        if sampled_chunks != sorted(sampled_chunks):
+            batch_rows = sorted(range(len(sampled_chunks)), key=sampled_chunks.__getitem__)
+            logits_order = torch.tensor(batch_rows, dtype=torch.int64, device=device)
+        if device.type == "cpu":  # the CPU path reads its per-pass plan, not the kernels' tensors
+            batch = PagedBatch(
+                layer_caches=self.layer_caches,
+                slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64),
+                cpu_plan=cpu.plan_attention(self.kv_cache[0, 0], block_tables, seq_lens, query_start_loc),
+            )
+        else:
+            num_table_blocks = max(len(block_ids) for block_ids in block_tables)
+            padded = [block_ids + [0] * (num_table_blocks - len(block_ids)) for block_ids in block_tables]
+            batch = PagedBatch(
+                layer_caches=self.layer_caches,
+                slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64, device=device),
+                block_tables=torch.tensor(padded, dtype=torch.int32, device=device),
+                seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+                query_start_loc=torch.tensor(query_start_loc, dtype=torch.int32, device=device),
+            )
         copy_pairs = torch.tensor(plan.copy_pairs, dtype=torch.int64) if plan.copy_pairs else None
+        # Every row sampled (a pure decode step): keep all logits, no index op.
+        logits_to_keep: int | torch.Tensor = 0
+        if len(logit_indices) != len(input_ids):
+            logits_to_keep = torch.tensor(logit_indices, dtype=torch.int64, device=device)
         return PreparedStep(
             input_ids=torch.tensor([input_ids], dtype=torch.int64, device=device),
             position_ids=torch.tensor([position_ids], dtype=torch.int64, device=device),
-            logit_indices=torch.tensor(logit_indices, dtype=torch.int64, device=device),
+            logits_to_keep=logits_to_keep,
+            logits_order=logits_order,
             batch=batch,
             copy_pairs=copy_pairs,
         )
@@ -118,7 +145,8 @@ class ModelRunner:
             input_ids=step.input_ids,
             position_ids=step.position_ids,
             use_cache=False,
-            logits_to_keep=step.logit_indices,
+            logits_to_keep=step.logits_to_keep,
             **{BATCH_KWARG: step.batch},
         )
-        return output.logits[0]
+        logits = output.logits[0]
+        return logits if step.logits_order is None else logits.index_select(0, step.logits_order)

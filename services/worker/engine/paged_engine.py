@@ -25,6 +25,7 @@ from typing import Any
 import structlog
 import torch
 
+from shoal.services.worker.engine import packed_linear
 from shoal.services.worker.engine.attention import ATTN_IMPLEMENTATION, register_attention
 from shoal.services.worker.engine.model_runner import ModelRunner
 from shoal.services.worker.engine.sampler import SamplingState, sample
@@ -70,6 +71,9 @@ class EngineConfig:
     memory a replica is measured to hold is what it needs, not all it was given."""
     runtime_overhead_bytes: int = DEFAULT_RUNTIME_OVERHEAD_BYTES
     """Kept out of the pool besides weights and activations (CUDA context, allocator slack)."""
+    pack_cpu_linear_weights: bool = True
+    """On the CPU, run float32 linear layers on oneDNN-packed weights (`packed_linear`),
+    1.1-2.5x faster than MKL's; the packed tensors replace the weights (same bytes)."""
 
     def __post_init__(self) -> None:
         assert self.block_size > 0, f"block_size must be positive, got {self.block_size}"
@@ -152,6 +156,12 @@ class PagedEngine:
         register_attention()
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
         model.eval()
+        self.packed_weight_bytes = (
+            packed_linear.pack_linear_weights(model) if config.pack_cpu_linear_weights else 0
+        )
+        """Weight bytes moved out of the model's parameters into oneDNN-packed tensors (CPU)."""
+        if self.packed_weight_bytes:
+            packed_linear.warm_up(model, min(config.max_num_seqs, packed_linear.EXACT_ROWS))
         self.reserve_bytes = self._get_reserve_bytes(model)
         """Activations of one full step plus runtime overhead: kept out of the KV pool."""
         num_blocks = config.num_blocks or self._size_pool(model, allocation_bytes)
@@ -393,14 +403,16 @@ class PagedEngine:
 
     def _get_reserve_bytes(self, model: Any) -> int:
         shape = get_model_shape(model.config, next(model.parameters()).dtype)
-        activation_bytes = get_activation_bytes(shape, self.config.max_num_batched_tokens, self.config.max_num_seqs)
+        activation_bytes = get_activation_bytes(
+            shape, self.config.max_num_batched_tokens, self.config.max_num_seqs
+        )
         return activation_bytes + self.config.runtime_overhead_bytes
 
     def _size_pool(self, model: Any, allocation_bytes: int | None) -> int:
         if allocation_bytes is None:
             raise ValueError("PagedEngine needs allocation_bytes or config.num_blocks")
         shape = get_model_shape(model.config, next(model.parameters()).dtype)
-        weight_bytes = measure_weight_bytes(model)
+        weight_bytes = measure_weight_bytes(model) + self.packed_weight_bytes
         reserve_bytes = self.reserve_bytes
         num_blocks = size_kv_pool(
             allocation_bytes,
