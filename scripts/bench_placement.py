@@ -26,8 +26,9 @@ time spent waiting for a core.
 
 Part 2, packing. The same GPUs, the same model mix, placed round robin (no evictions:
 every replica dedicated) until no model fits anywhere, once with seed 000's guess (3 x
-weight bytes, whole GPU when weights fit but 3x does not) and once with the measured figure
-(weights + KV budget + runtime overhead). See MODEL_MIX for the numbers assumed.
+weight bytes, whole GPU when weights fit but 3x does not) and once with a modelled figure
+(weights + KV budget + 1 GiB runtime overhead, computed from public model configs, not
+measured on a GPU). See MODEL_MIX for the numbers assumed.
 """
 
 from __future__ import annotations
@@ -82,7 +83,8 @@ class Architecture:
     def kv_bytes_per_token(self) -> int:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * 2
 
-    def measured_bytes(self, kv_tokens: int) -> int:
+    def modelled_bytes(self, kv_tokens: int) -> int:
+        """Weights + KV budget + runtime overhead: computed, not measured."""
         return self.weight_bytes + self.kv_bytes_per_token * kv_tokens + RUNTIME_OVERHEAD_BYTES
 
 
@@ -112,7 +114,7 @@ def make_demands(num_models: int, *, guessed: bool) -> list[ModelDemand]:
         if guessed:
             figure = get_memory_figure(weight_bytes=arch.weight_bytes, config=CONFIG)
         else:
-            figure = MemoryFigure(arch.measured_bytes(kv_tokens), arch.weight_bytes, "measured")
+            figure = MemoryFigure(arch.modelled_bytes(kv_tokens), arch.weight_bytes, "estimate")
         demands.append(ModelDemand(f"{arch.name}-{index:03d}", figure, desired_replicas=1, dedicated=guessed))
     return demands
 
@@ -160,12 +162,12 @@ def fill(
 
 
 def make_large_demands() -> tuple[list[ModelDemand], list[ModelDemand]]:
-    """(Qwen2.5-32B with 4k / 8k KV, Llama-3.1-70B with 4k / 8k KV), measured figures."""
+    """(Qwen2.5-32B with 4k / 8k KV, Llama-3.1-70B with 4k / 8k KV), modelled figures."""
     qwen, llama = (
         [
             ModelDemand(
                 f"{arch.name}-{kv // 1024}k",
-                MemoryFigure(arch.measured_bytes(kv), arch.weight_bytes, "measured"),
+                MemoryFigure(arch.modelled_bytes(kv), arch.weight_bytes, "estimate"),
                 1,
             )
             for kv in KV_TOKEN_BUDGETS[:2]
@@ -340,7 +342,7 @@ def bench_packing(quick: bool) -> None:
         f"\n## Packing: {num_nodes} nodes x 8 x 80 GiB = {num_gpus} GPUs, {num_models} models, round robin\n"
     )
     print("Per replica, GiB (KV budget cycles over 4k / 8k / 16k / 32k tokens; the table shows 16k):\n")
-    print("| model | weights (bf16) | KV bytes/token | guess (3x) | guess reserves | measured (16k KV) |")
+    print("| model | weights (bf16) | KV bytes/token | guess (3x) | guess reserves | modelled (16k KV) |")
     print("|---|---:|---:|---:|---:|---:|")
     for arch in MODEL_MIX:
         guess = get_memory_figure(weight_bytes=arch.weight_bytes, config=CONFIG).required_bytes
@@ -348,12 +350,12 @@ def bench_packing(quick: bool) -> None:
         reserves = f"{guess / GiB:.1f}" if fractional else f"{GPU_BYTES / GiB:.1f} (whole GPU)"
         print(
             f"| {arch.name} | {arch.weight_bytes / GiB:.1f} | {arch.kv_bytes_per_token:,} "
-            f"| {guess / GiB:.1f} | {reserves} | {arch.measured_bytes(16_384) / GiB:.1f} |"
+            f"| {guess / GiB:.1f} | {reserves} | {arch.modelled_bytes(16_384) / GiB:.1f} |"
         )
     results = {}
     for label, guessed in (
         ("seed 000 guess (3x weights)", True),
-        ("measured (weights + KV + overhead)", False),
+        ("modelled (weights + KV + overhead)", False),
     ):
         demands = make_demands(num_models, guessed=guessed)
         demands = [ModelDemand(d.model, d.figure, 1, dedicated=True) for d in demands]

@@ -205,10 +205,11 @@ def main(argv: list[str] | None = None) -> int:
             launcher.ensure_demo_models(config)
             with launcher.nats_for(config) as url:
                 asyncio.run(launcher.run_up(config, url))
-        elif args.command in ("inspect", "status"):
-            action = inspect if args.command == "inspect" else status
-            asyncio.run(_with_bus(_nats_url_for_tools(config), f"shoal-{args.command}",
-                                  lambda bus: action(bus, sys.stdout)))
+        elif args.command == "inspect":
+            asyncio.run(_with_bus(_nats_url_for_tools(config), "shoal-inspect", lambda bus: inspect(bus, sys.stdout)))
+        elif args.command == "status":
+            asyncio.run(_with_bus(_nats_url_for_tools(config), "shoal-status",
+                                  lambda bus: status(bus, sys.stdout, config.scheduler.placement)))
         elif args.command in ("scale", "evict"):
             asyncio.run(_with_bus(_nats_url_for_tools(config), f"shoal-{args.command}",
                                   lambda bus: _scheduler_command(bus, args)))

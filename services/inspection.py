@@ -15,13 +15,19 @@ from typing import Any, TextIO
 
 import msgspec
 import nats.errors
+from nats.aio.msg import Msg
 
+from shoal.services.scheduler.cluster_view import build_policy_config
 from shoal.shared.bus import Bus
+from shoal.shared.config import PlacementConfig as PlacementSettings
 from shoal.shared.messages import GpuRecord, ModelSpec, ReplicaRecord
 from shoal.shared.policy.memory_figure import UnknownModelMemory, get_memory_figure
 from shoal.shared.policy.placement_config import PlacementConfig
 
 BAR_WIDTH = 30
+STATUS_HEADER = "Status"
+"""Header nats-py gives a server status message (``NATS/1.0 503``)."""
+NO_RESPONDERS_STATUS = "503"
 
 
 def _gib(num_bytes: int) -> str:
@@ -30,7 +36,10 @@ def _gib(num_bytes: int) -> str:
 
 async def ping_services(bus: Bus, wait_s: float = 3.0, quiet_s: float = 0.3) -> list[dict[str, Any]]:
     """Every micro service instance that answers ``$SRV.PING``: waits up to `wait_s` for
-    the first answer, then until `quiet_s` pass without a new one."""
+    the first answer, then until `quiet_s` pass without a new one.
+
+    When nothing answers, nats-server sends an empty "503 no responders" status message to
+    the inbox: that (and any other reply that is not a JSON object) is skipped."""
     inbox = bus.nc.new_inbox()
     found: list[dict[str, Any]] = []
     subscription = await bus.nc.subscribe(inbox)
@@ -43,10 +52,28 @@ async def ping_services(bus: Bus, wait_s: float = 3.0, quiet_s: float = 0.3) -> 
                 msg = await subscription.next_msg(timeout=min(remaining, quiet_s) if found else remaining)
             except (nats.errors.TimeoutError, TimeoutError):
                 break
-            found.append(json.loads(msg.data))
+            if _is_status(msg):
+                if _status_of(msg) == NO_RESPONDERS_STATUS:
+                    break  # nothing serves $SRV.PING: no need to wait out the deadline
+                continue
+            try:
+                info = json.loads(msg.data)
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                continue
+            if isinstance(info, dict):
+                found.append(info)
     finally:
         await subscription.unsubscribe()
     return sorted(found, key=lambda s: (s.get("name", ""), s.get("id", "")))
+
+
+def _status_of(msg: Msg) -> str | None:
+    return (msg.headers or {}).get(STATUS_HEADER)
+
+
+def _is_status(msg: Msg) -> bool:
+    """A status message from the server (e.g. "503 no responders"), not a service's answer."""
+    return not msg.data or _status_of(msg) is not None
 
 
 async def inspect(bus: Bus, out: TextIO) -> None:
@@ -79,7 +106,10 @@ def _bar(used: int, total: int) -> str:
 
 
 def render_status(nodes: dict[str, Any], gpus: dict[str, GpuRecord], replicas: list[ReplicaRecord],
-                  models: list[ModelSpec], out: TextIO) -> None:
+                  models: list[ModelSpec], out: TextIO, *, config: PlacementConfig | None = None) -> None:
+    """Write the cluster view; memory figures are computed with `config` (the scheduler's
+    placement knobs; default the policy's defaults)."""
+    config = config or PlacementConfig()
     out.write(f"Nodes ({len(nodes)}):\n")
     for node_id in sorted(nodes):
         node = nodes[node_id]
@@ -103,14 +133,14 @@ def render_status(nodes: dict[str, Any], gpus: dict[str, GpuRecord], replicas: l
         out.write(f"  {record.name:<60} {record.level:<4} {record.state:<9} on {gpus_text}\n")
     out.write(f"\nModels ({len(models)}):\n")
     for spec in sorted(models, key=lambda m: m.key):
-        figure, source = _memory_figure(spec)
+        figure, source = _memory_figure(spec, config)
         out.write(f"  {spec.key:<28} desired={spec.desired_replicas} memory={figure} ({source})\n")
 
 
-def _memory_figure(spec: ModelSpec) -> tuple[str, str]:
+def _memory_figure(spec: ModelSpec, config: PlacementConfig) -> tuple[str, str]:
     """The figure placement uses for a replica of `spec`, and where it came from."""
     try:
-        figure = get_memory_figure(weight_bytes=spec.weight_bytes or 0, config=PlacementConfig(),
+        figure = get_memory_figure(weight_bytes=spec.weight_bytes or 0, config=config,
                                    measured_bytes=spec.measured_serving_bytes,
                                    override_bytes=spec.memory_override_bytes, estimated_bytes=spec.estimated_bytes)
     except UnknownModelMemory:
@@ -118,9 +148,12 @@ def _memory_figure(spec: ModelSpec) -> tuple[str, str]:
     return _gib(figure.required_bytes), figure.source
 
 
-async def status(bus: Bus, out: TextIO) -> None:
+async def status(bus: Bus, out: TextIO, placement: PlacementSettings | None = None) -> None:
+    """`shoal status`; `placement` is the ``[scheduler.placement]`` section of the config
+    the scheduler runs with (``shoal status --config shoal.toml``)."""
     nodes = {k: v.value for k, v in (await bus.nodes.get_all()).items()}
     gpus = {k: v.value for k, v in (await bus.gpus.get_all()).items()}
     replicas = [v.value for v in (await bus.replicas.get_all()).values()]
     models = [v.value for v in (await bus.models.get_all()).values()]
-    render_status(nodes, gpus, replicas, models, out)
+    config = build_policy_config(placement or PlacementSettings())
+    render_status(nodes, gpus, replicas, models, out, config=config)

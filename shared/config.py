@@ -8,6 +8,7 @@ errors that name the offending key.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import socket
@@ -19,6 +20,7 @@ import msgspec
 from msgspec import Struct, field
 
 from shoal.shared.messages import FairnessSpec
+from shoal.shared.policy.placement_config import PlacementConfig as PolicyPlacementConfig
 from shoal.shared.subjects import InvalidModelKey, validate_model_key, validate_node_id
 
 ENV_PREFIX = "SHOAL_"
@@ -82,22 +84,37 @@ class GatewayConfig(Struct, forbid_unknown_fields=True, kw_only=True):
 
 
 class PlacementConfig(Struct, forbid_unknown_fields=True, kw_only=True):
+    """``[scheduler.placement]``: the placement policy's knobs (see docs/placement.md).
+
+    Every field maps one to one onto ``shoal.shared.policy.placement_config.PlacementConfig``,
+    which checks them; an invalid value is an error naming ``scheduler.placement.<field>``.
+    """
+
     gpu_fraction_factor: float = 3.0
     """Seed 000's safety factor, used only for a model nothing is known of."""
     fraction_threshold: float = 0.8
     """A replica needing less than this fraction of a GPU shares it; above, it takes the GPU."""
     min_available_gpu_fraction: float = 0.3
     """A GPU counts as available for new placements while at least this fraction is free."""
+    unknown_extra_gpus: int = 1
+    """Extra whole GPUs for a multi-GPU model whose figure is the factor guess (seed 000's +1)."""
+    min_gpu_memory_fraction: float = 0.01
+    """Lower clamp of the memory fraction a single-GPU worker gets."""
+    max_gpu_memory_fraction: float = 0.99
+    """Upper clamp of the memory fraction a single-GPU worker gets."""
+    warm_cache_fraction: float = 0.5
+    """Share of a node's CPU RAM that WARM replicas (weights parked in host RAM) may hold."""
     runtime_overhead_bytes: int = 512 * 1024 * 1024
     """CUDA context + allocator slack added to estimates from a model's config."""
 
     def __post_init__(self) -> None:
-        if self.gpu_fraction_factor < 1.0:
-            raise ValueError("scheduler.placement.gpu_fraction_factor must be >= 1")
-        for name in ("fraction_threshold", "min_available_gpu_fraction"):
-            value = getattr(self, name)
-            if not 0.0 < value <= 1.0:
-                raise ValueError(f"scheduler.placement.{name} must be in (0, 1], got {value}")
+        if self.runtime_overhead_bytes < 0:
+            raise ValueError("scheduler.placement.runtime_overhead_bytes must be >= 0")
+        policy_fields = {f.name for f in dataclasses.fields(PolicyPlacementConfig)}
+        try:
+            PolicyPlacementConfig(**{name: getattr(self, name) for name in policy_fields})
+        except ValueError as exc:
+            raise ValueError(f"scheduler.placement.{exc}") from exc
 
 
 class SchedulerConfig(Struct, forbid_unknown_fields=True, kw_only=True):

@@ -52,6 +52,7 @@ from shoal.shared.messages import (
 )
 from shoal.shared.metrics import Registry
 from shoal.shared.micro import RequestError, ServiceCallError, add_json_endpoint, request_json
+from shoal.shared.policy.memory_figure import next_measured_figure
 
 log = structlog.get_logger(__name__)
 
@@ -193,7 +194,8 @@ class NodeAgent:
         """Replicas recorded on this node from before a restart have no worker any more."""
         for entry in (await self._bus.replicas.get_all()).values():
             record = entry.value
-            if record.node_id == self.node_id and record.replica_id not in self._replicas and record.state != "failed":
+            if (record.node_id == self.node_id and record.replica_id not in self._replicas
+                    and record.state not in ("failed", "stopping")):
                 await self._mark_failed(record.model, record.replica_id, "node agent restarted; its worker is gone")
 
     # ------------------------------------------------------------------ commands
@@ -278,7 +280,11 @@ class NodeAgent:
         return NodeReply(ok=True, message=reply.message, pid=replica.process.pid if replica.process else None)
 
     async def _from_cache(self, record: ReplicaRecord) -> NodeReply:
-        """Bring a WARM replica back on its new allocation; it serves again once restored."""
+        """Bring a WARM replica back on its new allocation; it serves again once restored.
+
+        A restore that fails stops the worker (its weights are in CPU RAM, its GPUs were
+        handed to it: nothing may keep running there), marks the replica failed and answers
+        with an error; the scheduler that asked reports the failure (once)."""
         replica = self._running(record.replica_id)
         replica.record = record
         await self._set_state(record, "loading")
@@ -286,10 +292,12 @@ class NodeAgent:
             reply = await request_json(self._bus.nc, subjects.worker_subject(record.replica_id, "from_cache"),
                                        RestoreReplica(record), worker_reply_decoder, timeout_s=WORKER_CONTROL_TIMEOUT_S)
         except ServiceCallError as exc:
-            await self._fail(replica, f"restore failed: {exc}")
+            await self._fail(replica, f"restore failed: {exc}", tell_scheduler=False)
             raise RequestError(502, f"worker of {record.replica_id} did not restore: {exc}") from exc
-        await self._became_ready(replica, reply.measured_bytes, None)
-        return NodeReply(ok=True, message=reply.message, pid=replica.process.pid if replica.process else None)
+        pid = replica.process.pid if replica.process else None
+        measured = self._measure(record, pid, reply.measured_bytes)
+        await self._became_ready(replica, measured, None, restored=True)
+        return NodeReply(ok=True, message=reply.message, pid=pid)
 
     # ------------------------------------------------------------------ worker lifecycle
 
@@ -301,27 +309,34 @@ class NodeAgent:
         structlog.contextvars.bind_contextvars(model=record.model, replica=record.replica_id)
         if event.kind == "ready":
             replica.ready.set()
-            await self._became_ready(replica, self._measure(event), event.pid)
+            await self._became_ready(replica, self._measure(record, event.pid, event.measured_bytes), event.pid)
         elif event.kind == "failed":
             log.error("worker_reported_failure", error=event.message)
-            if replica.process:
-                replica.process.stopping = True
-            await self._fail(replica, event.message)
+            # The worker exits by itself after reporting (and waits for this answer first).
+            await self._fail(replica, event.message, wait_stopped=False)
         return NodeReply(ok=True)
 
-    async def _became_ready(self, replica: _Replica, measured: int | None, pid: int | None) -> None:
+    async def _became_ready(self, replica: _Replica, measured: int | None, pid: int | None, *,
+                            restored: bool = False) -> None:
         record = replica.record
-        await self._set_state(record, "ready", pid=pid, measured_bytes=measured, ready_at=now())
+        changes: dict[str, object] = {"pid": pid, "measured_bytes": measured}
+        if not restored:
+            changes["ready_at"] = now()
+        await self._set_state(record, "ready", **changes)
         await self._set_occupant_state(record, "serving")
-        await self._record_ready_model(record.model, measured)
+        await self._record_ready_model(record.model, measured, restored=restored)
         await publish_event(self._bus.js, Event("replica_ready", now(), model=record.model,
                                                 replica_id=record.replica_id, node_id=self.node_id,
-                                                data={"measured_bytes": measured}))
+                                                data={"measured_bytes": measured, "restored": restored}))
 
-    def _measure(self, event: WorkerEvent) -> int | None:
-        if not self._gpus.virtual and event.pid:
-            return nvml_process_bytes(event.pid) or event.measured_bytes
-        return event.measured_bytes
+    def _measure(self, record: ReplicaRecord, pid: int | None, reported_bytes: int | None) -> int | None:
+        """What a serving replica holds, the same way after a create and after a restore:
+        on real GPUs what NVML says the worker process holds on the replica's GPUs (CUDA
+        context included); on virtual GPUs (or when NVML cannot tell) what the worker
+        reported (its weights plus its engine's KV pool and reserve)."""
+        if not self._gpus.virtual and pid:
+            return nvml_process_bytes(pid, record.gpu_bytes.keys()) or reported_bytes
+        return reported_bytes
 
     async def _watch(self, replica: _Replica, process: WorkerProcess) -> None:
         code = await process.process.wait()
@@ -347,12 +362,33 @@ class NodeAgent:
                 await process.stop(timeout_s=5.0)
                 await self._fail(replica, f"not ready after {self._settings.worker_start_timeout_s}s")
 
-    async def _fail(self, replica: _Replica, error: str) -> None:
-        record = replica.record
-        self._replicas.pop(record.replica_id, None)
-        await self._mark_failed(record.model, record.replica_id, error)
+    async def _fail(self, replica: _Replica, error: str, *, tell_scheduler: bool = True,
+                    wait_stopped: bool = True) -> None:
+        """A replica failed: its worker is stopped (no orphan keeps its GPU memory), it leaves
+        this agent's table, and its record is marked failed.
 
-    async def _mark_failed(self, model: str, replica_id: str, error: str) -> None:
+        Args:
+            tell_scheduler: False when the failure is the answer to a scheduler's command
+                (that scheduler reports it): each failure is reported once.
+            wait_stopped: False when the worker exits by itself and waits for us meanwhile.
+        """
+        record = replica.record
+        if self._replicas.get(record.replica_id) is replica:
+            del self._replicas[record.replica_id]
+        process = replica.process
+        if process is not None and process.process.returncode is None:
+            process.stopping = True  # its exit is not another failure (`_watch`)
+            if wait_stopped:
+                await process.stop()
+            else:
+                self._spawn_task(self._stop_quietly(process))
+        await self._mark_failed(record.model, record.replica_id, error, tell_scheduler=tell_scheduler)
+
+    @staticmethod
+    async def _stop_quietly(process: WorkerProcess) -> None:
+        await process.stop()
+
+    async def _mark_failed(self, model: str, replica_id: str, error: str, *, tell_scheduler: bool = True) -> None:
         log.error("replica_failed", model=model, replica=replica_id, error=error)
         key = subjects.replica_kv_key(model, replica_id)
 
@@ -363,6 +399,8 @@ class NodeAgent:
 
         await cas_update(self._bus.replicas, key, mutate)
         await publish_event(self._bus.js, Event("replica_failed", now(), error, model, replica_id, self.node_id))
+        if not tell_scheduler:
+            return
         try:
             await request_json(
                 self._bus.nc,
@@ -377,8 +415,8 @@ class NodeAgent:
         key = subjects.replica_kv_key(record.model, record.replica_id)
 
         def mutate(current: ReplicaRecord | None) -> ReplicaRecord | None:
-            if current is None or current.state == "failed":
-                return None
+            if current is None or current.state in ("failed", "stopping"):
+                return None  # the scheduler has given up on it: a late report changes nothing
             fields = {k: v for k, v in changes.items() if v is not None}
             return msgspec.structs.replace(current, state=state, updated_at=now(), **fields)
 
@@ -399,18 +437,20 @@ class NodeAgent:
 
             await cas_update(self._bus.gpus, subjects.gpu_kv_key(self.node_id, index), mutate)
 
-    async def _record_ready_model(self, model: str, measured_bytes: int | None) -> None:
-        """A replica serves: later placements of `model` use what it really holds, and its
-        run of failures (which backs placement off) is over."""
+    async def _record_ready_model(self, model: str, measured_bytes: int | None, *, restored: bool = False) -> None:
+        """A replica serves: later placements of `model` use what it really holds (see
+        `next_measured_figure` for how a reading changes the figure), and its run of
+        failures (which backs placement off) is over."""
 
         def mutate(current: ModelSpec | None) -> ModelSpec | None:
             if current is None:
                 return None
-            measured = measured_bytes or current.measured_serving_bytes
+            measured = next_measured_figure(current.measured_serving_bytes, measured_bytes, restored=restored)
             if current.measured_serving_bytes == measured and not current.num_failures and not current.hold_until:
                 return None
+            changed = measured != current.measured_serving_bytes
             return msgspec.structs.replace(current, measured_serving_bytes=measured,
-                                           measured_at=now() if measured_bytes else current.measured_at,
+                                           measured_at=now() if changed else current.measured_at,
                                            num_failures=0, last_error=None, hold_until=None)
 
         await cas_update(self._bus.models, subjects.model_token(model), mutate)

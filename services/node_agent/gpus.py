@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import structlog
@@ -59,14 +60,19 @@ def _nvml_gpus() -> list[GpuInfo]:
     return gpus
 
 
-def nvml_process_bytes(pid: int) -> int | None:
-    """GPU memory `pid` holds across all GPUs, per NVML; None when NVML cannot tell."""
+def nvml_process_bytes(pid: int, gpu_indices: Iterable[int] | None = None) -> int | None:
+    """GPU memory `pid` holds, summed over `gpu_indices` (default: every GPU), per NVML;
+    None when NVML cannot tell.
+
+    Counting only the replica's own GPUs leaves out the CUDA context a restored worker may
+    still keep on the GPU it ran on before it was parked."""
     try:
         import pynvml
 
         pynvml.nvmlInit()
         total = 0
-        for index in range(pynvml.nvmlDeviceGetCount()):
+        indices = range(pynvml.nvmlDeviceGetCount()) if gpu_indices is None else sorted(gpu_indices)
+        for index in indices:
             handle = pynvml.nvmlDeviceGetHandleByIndex(index)
             for proc in pynvml.nvmlDeviceGetComputeRunningProcesses(handle):
                 if proc.pid == pid and proc.usedGpuMemory:

@@ -30,7 +30,7 @@ excess, and `find_over_committed` reports it.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import msgspec
 
@@ -195,12 +195,9 @@ def build_demand(
 
 
 def build_policy_config(settings: PlacementSettings) -> PlacementConfig:
-    """The policy's knobs from the ``[scheduler.placement]`` section of ``shoal.toml``."""
-    return PlacementConfig(
-        gpu_fraction_factor=settings.gpu_fraction_factor,
-        fraction_threshold=settings.fraction_threshold,
-        min_available_gpu_fraction=settings.min_available_gpu_fraction,
-    )
+    """The policy's knobs from the ``[scheduler.placement]`` section of ``shoal.toml``
+    (every field of `PlacementConfig` has a setting of the same name)."""
+    return PlacementConfig(**{f.name: getattr(settings, f.name) for f in fields(PlacementConfig)})
 
 
 def get_recorded_locations(replicas: Iterable[ReplicaRecord]) -> dict[str, ReplicaLocation]:
@@ -315,7 +312,7 @@ def plan_to_records(
             )
         key = replica_kv_key(placement.model, placement.replica_id)
         old = replicas.get(placement.replica_id)
-        created_at = old.created_at if old is not None and placement.from_level == "WARM" else at
+        restored = old if old is not None and placement.from_level == "WARM" else None
         puts[key] = ReplicaRecord(
             replica_id=placement.replica_id,
             model=placement.model,
@@ -326,10 +323,12 @@ def plan_to_records(
             state="pending",
             dedicated=placement.dedicated,
             cpu_bytes=placement.cpu_bytes,
-            created_at=created_at,
+            created_at=restored.created_at if restored is not None else at,
             updated_at=at,
             scheduler_id=scheduler_id,
+            pid=restored.pid if restored is not None else None,
             measured_bytes=old.measured_bytes if old is not None else None,
+            ready_at=restored.ready_at if restored is not None else None,  # a restored replica has served
         )
     gpu_changes = {
         key: GpuChange(tuple(sorted(removals.get(key, ()))), tuple(additions.get(key, ())))
@@ -339,12 +338,22 @@ def plan_to_records(
 
 
 def apply_gpu_change(record: GpuRecord, change: GpuChange, *, now: float) -> GpuRecord | None:
-    """The GPU record after `change`, or None when it would over-commit the GPU (the record
-    moved on since the plan was made: re-read and re-plan)."""
+    """The GPU record after `change`, or None when the change would add bytes beyond the
+    GPU's total (the record moved on since the plan was made: re-read and re-plan).
+
+    A change that only gives memory back (removals, replicas parked as ``sleeping``
+    occupants) applies whenever it does not increase the bytes held, even on an
+    over-committed GPU (a node re-registered with smaller GPUs): evicting there lowers the
+    excess. A change that adds a memory-holding occupant must leave the GPU within its
+    total: a new replica never starts on memory that is already held.
+    """
     removed = set(change.remove_replica_ids)
     occupants = [o for o in record.occupants if o.replica_id not in removed]
     occupants.extend(change.add)
     updated = msgspec.structs.replace(record, occupants=occupants, updated_at=now)
-    if updated.reserved_bytes > updated.total_bytes:
+    if updated.reserved_bytes <= updated.total_bytes:
+        return updated
+    adds_bytes = any(o.bytes > 0 and o.state != "sleeping" for o in change.add)
+    if adds_bytes or updated.reserved_bytes > record.reserved_bytes:
         return None
     return updated

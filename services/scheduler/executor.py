@@ -1,18 +1,50 @@
 """Carrying out a plan's replica delta through the node agents (seed 002's apply()).
 
-Steps run in the order `ReplicaDelta.steps()` gives: to_cache, delete, then
-from_cache, create — parking and stopping finish before a restore or a new
-replica reuses their GPU memory. A create or from_cache the node cannot carry
-out is returned as a failure (the scheduler frees and replaces that replica).
+A pass commits its plan (GPU keys, replica records) under the scheduler's pass lock and
+hands the delta to `NodeSteps.submit`; the node commands run outside the lock, so one
+slow to_cache (a worker draining) does not hold up the scheduler's other passes.
+
+Order. Within one delta the steps run one after another as `ReplicaDelta.steps()` lists
+them: to_cache, delete, then from_cache, create. Across deltas (passes commit one after
+another while earlier steps may still run) each step waits for
+
+    * every earlier step of the same replica (park before restore, create before stop), and
+    * a from_cache or create: every earlier to_cache or delete on any of its GPUs
+      (memory is given back before it is reused).
+
+Dependencies are taken when a delta is submitted, which happens under the pass lock
+right after its commit, so "earlier" is commit order.
+
+Outcomes (`StepResult`):
+
+    done     the node agent carried it out
+    failed   to_cache / delete: the worker may still hold its memory. The replica is
+               *held*: its record goes back to its recorded allocation with state
+               ``stopping`` and its occupants hold their bytes again (pinned: nothing is
+               placed on that memory, nothing evicts it); the reconciler frees it once its
+               node agent confirms the worker stopped (`Scheduler.reconcile`).
+             from_cache / create: returned to the scheduler, which frees and replaces the
+               replica (`Scheduler.on_replica_failed`).
+    skipped  a step it waited on did not finish: a from_cache / create whose GPUs were not
+               freed is rolled back (reservation released; a new replica's record deleted,
+               a restored one's back to WARM) and placed again by a later pass; a step of a
+               replica whose earlier step failed is left to that failure's handling.
+
+Holding and resolving a failed step's dependency happen together under the pass lock: a
+pass either planned on a snapshot that shows the held memory, or committed before and its
+steps wait here and are skipped.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import asyncio
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Literal
 
 import structlog
 
+from shoal.services.scheduler.store import ClusterStore
 from shoal.shared import subjects
 from shoal.shared.bus import Bus
 from shoal.shared.messages import (
@@ -26,19 +58,45 @@ from shoal.shared.messages import (
     node_reply_decoder,
 )
 from shoal.shared.micro import ServiceCallError, request_json
-from shoal.shared.policy.replica_plan import ReplicaDelta
+from shoal.shared.policy.replica_plan import DeltaOp, ReplicaDelta, ReplicaLocation
 
 log = structlog.get_logger(__name__)
 
 STOP_TIMEOUT_S = 90.0
+"""A stop: the worker drains (SIGTERM), then is killed after 30 s."""
+CACHE_TIMEOUT_S = 150.0
+"""to_cache / from_cache: longer than the node agent's own wait on its worker (120 s), so the
+agent's answer, not our timeout, says what happened."""
 START_TIMEOUT_S = 30.0
+"""create: the agent answers once the process is spawned; readiness comes later."""
+
+FREEING_OPS: tuple[DeltaOp, ...] = ("to_cache", "delete")
+StepOutcome = Literal["done", "failed", "skipped"]
+GpuKey = tuple[str, int]
 
 
 @dataclass(frozen=True)
-class StepFailure:
-    op: str
+class StepResult:
+    op: DeltaOp
     record: ReplicaRecord
-    error: str
+    """The replica as the plan leaves it (to_cache / delete: as recorded before the plan)."""
+    outcome: StepOutcome
+    error: str = ""
+
+
+@dataclass
+class _Step:
+    op: DeltaOp
+    location: ReplicaLocation
+    record: ReplicaRecord
+    waits_on_replica: asyncio.Future[bool] | None
+    waits_on_gpus: list[asyncio.Future[bool]]
+    finished: asyncio.Future[bool]
+    """True once carried out; False when failed or skipped (later steps then skip too)."""
+
+    @property
+    def gpu_keys(self) -> list[GpuKey]:
+        return [(self.location.node_id, index) for index in sorted(self.location.gpu_bytes)]
 
 
 async def send_node_command(bus: Bus, node_id: str, verb: str, command: NodeCommand, timeout_s: float) -> None:
@@ -47,46 +105,144 @@ async def send_node_command(bus: Bus, node_id: str, verb: str, command: NodeComm
                        timeout_s=timeout_s)
 
 
-async def run_delta(
-    bus: Bus,
-    delta: ReplicaDelta,
-    *,
-    records: Mapping[str, ReplicaRecord],
-    specs: Mapping[str, ModelSpec],
-) -> list[StepFailure]:
-    """Send every step of `delta` to its node agent, in order.
+class NodeSteps:
+    """Runs deltas against the node agents in the order the module doc gives."""
 
-    Args:
-        records: the replica records as the plan leaves them, by replica id (restores
-            and creates carry the new allocation).
-        specs: model specs by key (a create needs its model's spec).
-    """
-    failures: list[StepFailure] = []
-    for op, location in delta.steps():
-        record = records.get(location.replica_id)
-        if record is None:  # deleted by the plan: stop what the location says
-            record = ReplicaRecord(replica_id=location.replica_id, model=location.model, node_id=location.node_id)
+    def __init__(
+        self, bus: Bus, store: ClusterStore, lock: asyncio.Lock, on_failed: Callable[[StepResult], None]
+    ) -> None:
+        """Args:
+        store: writes holds and roll-backs.
+        lock: the scheduler's pass lock (a hold is written under it).
+        on_failed: told of every from_cache / create that failed (frees and replaces it).
+        """
+        self._bus = bus
+        self._store = store
+        self._lock = lock
+        self._on_failed = on_failed
+        self._last_by_replica: dict[str, asyncio.Future[bool]] = {}
+        self._freeing_by_gpu: dict[GpuKey, list[asyncio.Future[bool]]] = {}
+        self._tasks: set[asyncio.Task[list[StepResult]]] = set()
+
+    def submit(
+        self,
+        delta: ReplicaDelta,
+        *,
+        records_before: Mapping[str, ReplicaRecord],
+        records_after: Mapping[str, ReplicaRecord],
+        specs: Mapping[str, ModelSpec],
+    ) -> asyncio.Task[list[StepResult]]:
+        """Take the delta's dependencies now (call right after its commit, under the pass
+        lock) and run it in the background; the task's result lists every step's outcome.
+
+        Args:
+            records_before: replica records the plan was made on, by id (held replicas go
+                back to these).
+            records_after: replica records as the plan leaves them, by id (restores and
+                creates carry the new allocation).
+            specs: model specs by key (a create needs its model's spec).
+        """
+        self._prune()
+        steps = [self._register(op, location, records_before, records_after) for op, location in delta.steps()]
+        task = asyncio.create_task(self._run(steps, specs))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    async def stop(self) -> None:
+        """Cancel the steps still running (shutdown)."""
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    def _register(
+        self,
+        op: DeltaOp,
+        location: ReplicaLocation,
+        records_before: Mapping[str, ReplicaRecord],
+        records_after: Mapping[str, ReplicaRecord],
+    ) -> _Step:
+        records = records_before if op in FREEING_OPS else records_after
+        record = records.get(location.replica_id) or ReplicaRecord(
+            replica_id=location.replica_id, model=location.model, node_id=location.node_id,
+            gpu_bytes=dict(location.gpu_bytes), level=location.level,
+        )
+        finished: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+        step = _Step(op, location, record, self._last_by_replica.get(location.replica_id), [], finished)
+        if op not in FREEING_OPS:
+            step.waits_on_gpus = [f for key in step.gpu_keys for f in self._freeing_by_gpu.get(key, ())]
+        self._last_by_replica[location.replica_id] = finished
+        if op in FREEING_OPS:
+            for key in step.gpu_keys:
+                self._freeing_by_gpu.setdefault(key, []).append(finished)
+        return step
+
+    def _prune(self) -> None:
+        """Forget finished steps: a later pass planned on records that already show them."""
+        self._last_by_replica = {k: f for k, f in self._last_by_replica.items() if not f.done()}
+        pending = {key: [f for f in futures if not f.done()] for key, futures in self._freeing_by_gpu.items()}
+        self._freeing_by_gpu = {key: futures for key, futures in pending.items() if futures}
+
+    async def _run(self, steps: list[_Step], specs: Mapping[str, ModelSpec]) -> list[StepResult]:
+        results = []
         try:
-            match op:
-                case "to_cache":
-                    await send_node_command(bus, location.node_id, "to_cache", CacheReplica(location.replica_id),
-                                            STOP_TIMEOUT_S)
-                case "delete":
-                    await send_node_command(bus, location.node_id, "stop",
-                                            StopReplica(location.replica_id, "evicted"), STOP_TIMEOUT_S)
-                case "from_cache":
-                    await send_node_command(bus, location.node_id, "from_cache", RestoreReplica(record),
-                                            START_TIMEOUT_S)
-                case "create":
-                    spec = specs.get(record.model)
-                    if spec is None:
-                        failures.append(StepFailure(op, record, f"model {record.model} is no longer registered"))
-                        continue
-                    await send_node_command(bus, location.node_id, "create", CreateReplica(record, spec),
-                                            START_TIMEOUT_S)
+            for step in steps:
+                try:
+                    result = await self._run_step(step, specs)
+                except Exception:  # a KV write failed mid-step: treat the step as failed
+                    log.exception("replica_step_error", op=step.op, replica=step.record.replica_id)
+                    result = StepResult(step.op, step.record, "failed", f"{step.op} did not complete")
+                results.append(result)
+                if result.outcome == "failed" and step.op not in FREEING_OPS:
+                    self._on_failed(result)
+        finally:  # cancelled or broken off: whatever waits on these steps skips
+            for step in steps:
+                if not step.finished.done():
+                    step.finished.set_result(False)
+        return results
+
+    async def _run_step(self, step: _Step, specs: Mapping[str, ModelSpec]) -> StepResult:
+        replica_ok = step.waits_on_replica is None or await step.waits_on_replica
+        gpus_ok = all([await f for f in step.waits_on_gpus])
+        if not replica_ok:
+            log.warning("replica_step_skipped", op=step.op, replica=step.record.replica_id,
+                        reason="an earlier step of this replica did not finish")
+            return self._finish(step, "skipped", "an earlier step of this replica did not finish")
+        if not gpus_ok:
+            log.warning("replica_step_skipped", op=step.op, replica=step.record.replica_id,
+                        reason="its GPUs were not freed")
+            await self._store.roll_back_placement(step.record, created=step.op == "create")
+            return self._finish(step, "skipped", "its GPUs were not freed")
+        try:
+            await self._send(step, specs)
         except ServiceCallError as exc:
-            log.error("replica_step_failed", op=op, replica=location.replica_id, node=location.node_id,
-                      error=str(exc))
-            if op in ("from_cache", "create"):
-                failures.append(StepFailure(op, record, f"node {location.node_id}: {exc}"))
-    return failures
+            error = f"{step.op} on node {step.location.node_id} failed: {exc}"
+            log.error("replica_step_failed", op=step.op, replica=step.record.replica_id,
+                      node=step.location.node_id, error=str(exc))
+            if step.op in FREEING_OPS:
+                async with self._lock:  # with the dependency's resolution: see the module doc
+                    await self._store.hold_replica(step.record, error)
+                    return self._finish(step, "failed", error)
+            return self._finish(step, "failed", error)
+        return self._finish(step, "done")
+
+    @staticmethod
+    def _finish(step: _Step, outcome: StepOutcome, error: str = "") -> StepResult:
+        step.finished.set_result(outcome == "done")
+        return StepResult(step.op, step.record, outcome, error)
+
+    async def _send(self, step: _Step, specs: Mapping[str, ModelSpec]) -> None:
+        node_id, replica_id, record = step.location.node_id, step.record.replica_id, step.record
+        match step.op:
+            case "to_cache":
+                await send_node_command(self._bus, node_id, "to_cache", CacheReplica(replica_id), CACHE_TIMEOUT_S)
+            case "delete":
+                await send_node_command(self._bus, node_id, "stop", StopReplica(replica_id, "evicted"),
+                                        STOP_TIMEOUT_S)
+            case "from_cache":
+                await send_node_command(self._bus, node_id, "from_cache", RestoreReplica(record), CACHE_TIMEOUT_S)
+            case "create":
+                spec = specs.get(record.model)
+                if spec is None:
+                    raise ServiceCallError(f"model {record.model} is no longer registered")
+                await send_node_command(self._bus, node_id, "create", CreateReplica(record, spec), START_TIMEOUT_S)

@@ -7,15 +7,17 @@ change is a placement pass:
     snapshot of the four buckets -> pure policy (ClusterPlanner) -> plan
     -> CAS the specs of the models it touches (serializes schedulers per model)
     -> CAS every GPU key it changes, in key order, rolled back if one no longer fits
-    -> replica records -> node agents: to_cache, delete, from_cache, create
+    -> replica records                                   (all of that under the pass lock)
+    -> node agents: to_cache, delete, from_cache, create  (outside it: executor.NodeSteps)
 
 A lost race anywhere re-reads and re-plans (bounded). Schedulers share nothing
-but NATS.
+but NATS. A command's reply waits for its own node steps, not for other passes'.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import random
 import uuid
 from collections.abc import Callable, Coroutine, Mapping, Sequence
@@ -28,7 +30,7 @@ from nats.micro import add_service
 from nats.micro.service import Service
 
 from shoal.services.scheduler import cluster_view as view
-from shoal.services.scheduler.executor import run_delta
+from shoal.services.scheduler.executor import STOP_TIMEOUT_S, NodeSteps, StepResult, send_node_command
 from shoal.services.scheduler.registry import merge_registration
 from shoal.services.scheduler.store import ClusterSnapshot, ClusterStore
 from shoal.shared import subjects
@@ -43,15 +45,17 @@ from shoal.shared.messages import (
     RegisterModel,
     RemoveModel,
     ReplicaFailed,
+    ReplicaRecord,
     ScaleModel,
     SchedulerCommand,
     SchedulerReply,
+    StopReplica,
     model_facts_decoder,
     now,
     scheduler_command_decoder,
 )
 from shoal.shared.metrics import Registry
-from shoal.shared.micro import RequestError, ServiceCallError, add_json_endpoint, request_json
+from shoal.shared.micro import RequestError, ServiceCallError, ServiceError, add_json_endpoint, request_json
 from shoal.shared.policy.cluster_state import ClusterSnapshot as PolicySnapshot
 from shoal.shared.policy.memory_figure import UnknownModelMemory
 from shoal.shared.policy.placement import ClusterPlanner
@@ -74,6 +78,8 @@ class PassOutcome:
     plan: PlacementPlan
     committed: bool
     message: str = ""
+    steps: tuple[StepResult, ...] = ()
+    """What the node agents did with the plan's delta."""
 
 
 class Scheduler:
@@ -118,6 +124,7 @@ class Scheduler:
             rng=self._rng,
         )
         self._lock = asyncio.Lock()
+        self._steps = NodeSteps(bus, self.store, self._lock, self._on_step_failed)
         self._background: set[asyncio.Task[object]] = set()
         self._service: Service | None = None
         self._reconciler: asyncio.Task[None] | None = None
@@ -147,13 +154,17 @@ class Scheduler:
             await asyncio.gather(self._reconciler, return_exceptions=True)
         if self._service is not None:
             await self._service.stop()
+        for task in list(self._background):
+            task.cancel()
+        await asyncio.gather(*self._background, return_exceptions=True)
+        await self._steps.stop()
 
     async def handle(self, command: SchedulerCommand) -> SchedulerReply:
         match command:
             case EnsureModel(model=model, min_replicas=min_replicas):
                 return await self.ensure(model, min_replicas)
             case RegisterModel(spec=spec):
-                stored = await self.register(spec)
+                stored = await self.register(await self._with_checked_files(spec))
                 return SchedulerReply(ok=True, status="ok", model=stored)
             case RemoveModel(model=model):
                 return await self.remove(model)
@@ -218,10 +229,32 @@ class Scheduler:
 
         return await self.store.update_model(spec.key, mutate) or spec
 
+    async def _with_checked_files(self, spec: ModelSpec) -> ModelSpec:
+        """A run-time registration: a node agent must be able to read the checkpoint (400 if
+        it cannot); its facts come along. With no node agent answering, it is registered unchecked."""
+        try:
+            facts = await request_json(self._bus.nc, subjects.NODE_INSPECT,
+                                       InspectModel(spec.path, spec.dtype, spec.kv_cache_tokens),
+                                       model_facts_decoder, timeout_s=30.0)
+        except ServiceError as exc:
+            if 400 <= exc.code < 500:
+                raise RequestError(400, f"model {spec.key!r}: {exc.description}") from exc
+            log.warning("model_inspection_failed", model=spec.key, error=str(exc))
+            return spec
+        except ServiceCallError as exc:
+            log.warning("model_inspection_failed", model=spec.key, error=str(exc))
+            return spec
+        return msgspec.structs.replace(spec, weight_bytes=facts.weight_bytes, num_parameters=facts.num_parameters,
+                                       estimated_bytes=facts.estimated_bytes,
+                                       max_model_len=spec.max_model_len or facts.max_model_len)
+
     # ------------------------------------------------------------------ commands
 
-    async def ensure(self, model: str, min_replicas: int = 1) -> SchedulerReply:
-        """At least `min_replicas` HOT replicas (the gateway's call for a model with none)."""
+    async def ensure(self, model: str, min_replicas: int = 1, *, allow_evictions: bool = True) -> SchedulerReply:
+        """At least `min_replicas` HOT replicas (the gateway's call for a model with none).
+
+        `allow_evictions=False` (the reconciler refilling a model short of replicas) places
+        only where there is room without evicting and keeps the desired count."""
         spec = await self._inspected(await self._require_model(model))
         if (held := self._held(spec)) is not None:
             return held
@@ -233,7 +266,8 @@ class Scheduler:
         def operate(planner: ClusterPlanner, specs: dict[str, ModelSpec]) -> None:
             current = specs[model]
             desired = max(current.desired_replicas, min_replicas)
-            planner.ensure(view.build_demand(current, config=self._policy_config, desired_replicas=desired))
+            planner.ensure(view.build_demand(current, config=self._policy_config, desired_replicas=desired),
+                           allow_evictions=allow_evictions)
 
         return await self._placement_reply(model, await self._run_pass(operate))
 
@@ -269,12 +303,16 @@ class Scheduler:
     async def on_replica_failed(self, model: str, replica_id: str, error: str) -> None:
         """Free a failed replica. One that served before is replaced (desired count kept);
         one that never came up is removed and the desired count lowered (seed 002), the
-        next request asking again. Failures in a row back placement off."""
-        entry = await self._bus.replicas.get(subjects.replica_kv_key(model, replica_id))
-        never_served = entry is None or entry.value.ready_at is None
-        if entry is not None:
-            await self.store.release_replica(entry.value)
-            await self.store.delete_replica(entry.value)
+        next request asking again. Failures in a row back placement off.
+
+        Idempotent: the record is claimed by a CAS delete, so one failure reported twice
+        (the node agent, a failed node step, a reconciler) is counted once."""
+        record = await self.store.claim_replica(model, replica_id)
+        if record is None:
+            log.info("replica_failure_already_handled", model=model, replica=replica_id)
+            return
+        never_served = record.ready_at is None
+        await self.store.release_replica(record)
 
         def mutate(current: ModelSpec | None) -> ModelSpec | None:
             if current is None:
@@ -290,7 +328,7 @@ class Scheduler:
         log.warning("replica_failed", model=model, replica=replica_id, error=error, never_served=never_served,
                     failures=spec.num_failures if spec else None)
         if spec is not None and spec.desired_replicas and self._held(spec) is None:
-            await self.ensure(model, spec.desired_replicas)
+            self._spawn(self.ensure(model, spec.desired_replicas))  # the reporter need not wait for it
 
     def _held(self, spec: ModelSpec) -> SchedulerReply | None:
         """A reply refusing placement while the model is backing off after failures."""
@@ -304,24 +342,33 @@ class Scheduler:
     # ------------------------------------------------------------------ placement passes
 
     async def _run_pass(self, operate: Operation) -> PassOutcome:
-        """Plan on a fresh snapshot and commit it; re-plan on any lost race (see module doc)."""
+        """Plan on a fresh snapshot and commit it, re-planning on any lost race, under the
+        pass lock; then wait, outside the lock, for the plan's own node steps."""
         async with self._lock:
-            for _ in range(MAX_REPLANS):
-                snapshot = await self.store.snapshot()
-                specs = {v.value.key: v.value for v in snapshot.models.values()}
-                planner = ClusterPlanner(self._policy_snapshot(snapshot), config=self._policy_config,
-                                         rng=self._rng, clock=self._clock)
-                operate(planner, specs)
-                plan = planner.finish()
-                if plan.is_empty:
-                    self._passes.inc(scheduler=self.scheduler_id, outcome="no_change")
-                    return PassOutcome(plan, committed=True)
-                if await self._commit(snapshot, plan):
-                    self._passes.inc(scheduler=self.scheduler_id, outcome="committed")
-                    return PassOutcome(plan, committed=True)
-                await asyncio.sleep(self._rng.uniform(0.0, 0.02))
+            outcome, steps = await self._plan_and_commit(operate)
+        if steps is None:
+            return outcome
+        results = await asyncio.shield(steps)  # a caller that gives up does not cancel the steps
+        return dataclasses.replace(outcome, steps=tuple(results))
+
+    async def _plan_and_commit(self, operate: Operation) -> tuple[PassOutcome, asyncio.Task[list[StepResult]] | None]:
+        for _ in range(MAX_REPLANS):
+            snapshot = await self.store.snapshot()
+            specs = {v.value.key: v.value for v in snapshot.models.values()}
+            planner = ClusterPlanner(self._policy_snapshot(snapshot), config=self._policy_config,
+                                     rng=self._rng, clock=self._clock)
+            operate(planner, specs)
+            plan = planner.finish()
+            if plan.is_empty:
+                self._passes.inc(scheduler=self.scheduler_id, outcome="no_change")
+                return PassOutcome(plan, committed=True), None
+            steps = await self._commit(snapshot, plan)
+            if steps is not None:
+                self._passes.inc(scheduler=self.scheduler_id, outcome="committed")
+                return PassOutcome(plan, committed=True), steps
+            await asyncio.sleep(self._rng.uniform(0.0, 0.02))
         self._passes.inc(scheduler=self.scheduler_id, outcome="contended")
-        return PassOutcome(PlacementPlan(), committed=False, message="placement kept losing races; try again")
+        return PassOutcome(PlacementPlan(), committed=False, message="placement kept losing races; try again"), None
 
     def _policy_snapshot(self, snapshot: ClusterSnapshot) -> PolicySnapshot:
         return view.build_snapshot(
@@ -333,34 +380,38 @@ class Scheduler:
             now=self._clock(),
         )
 
-    async def _commit(self, snapshot: ClusterSnapshot, plan: PlacementPlan) -> bool:
-        """Write `plan` (see the module doc); False when a race was lost and nothing stays written.
+    async def _commit(self, snapshot: ClusterSnapshot, plan: PlacementPlan) -> asyncio.Task[list[StepResult]] | None:
+        """Write `plan` (see the module doc) and submit its node steps; None when a race was
+        lost and nothing stays written.
 
         The models the plan touches are leased on their specs first, by CAS from the
         revisions the plan read: a later pass of any scheduler sees the lease (and backs
         off) or a newer revision (and fails its CAS), so no two plans for one model
         interleave. Leases are released, with the plan's desired counts, once the GPU
         keys and replica records are written; the node agents act after that.
+
+        Returns:
+            The task running the plan's node steps (`NodeSteps.submit`).
         """
         versioned = {v.value.key: v for v in snapshot.models.values()}
         touched = set(plan.desired_replicas) | {p.model for p in plan.placements} | {e.model for e in plan.evictions}
         touched &= versioned.keys()
         stamp = self._clock()
         if any(self._leased_by_other(versioned[m].value, stamp) for m in touched):
-            return False
+            return None
         lease_until = stamp + self._config.reservation_ttl_s
         leases = {m: (versioned[m].revision, msgspec.structs.replace(
             versioned[m].value, lease_owner=self.scheduler_id, lease_until=lease_until)) for m in touched}
         if not await self.store.commit_specs(leases):
             await self._release_leases(touched, {})
-            return False
+            return None
         replicas = {v.value.replica_id: v.value for v in snapshot.replicas.values()}
         changes = view.plan_to_records(plan, gpus=[v.value for v in snapshot.gpus.values()], replicas=replicas,
                                        scheduler_id=self.scheduler_id,
                                        reservation_ttl_s=self._config.reservation_ttl_s)
         if not await self.store.apply_gpu_changes(dict(changes.gpu_changes), snapshot.gpus):
             await self._release_leases(touched, {})
-            return False
+            return None
         await self.store.write_replicas(changes.replica_puts, changes.replica_delete_keys)
         specs = await self._release_leases(touched, plan.desired_replicas)
         self._placed.inc(len(plan.placements), scheduler=self.scheduler_id)
@@ -369,10 +420,11 @@ class Scheduler:
         delta = build_delta(recorded, get_planned_locations(recorded, plan))
         new_records = {**replicas, **{r.replica_id: r for r in changes.replica_puts}}
         all_specs = {**{k: v.value for k, v in versioned.items()}, **specs}
-        failures = await run_delta(self._bus, delta, records=new_records, specs=all_specs)
-        for failure in failures:
-            self._spawn(self.on_replica_failed(failure.record.model, failure.record.replica_id, failure.error))
-        return True
+        return self._steps.submit(delta, records_before=replicas, records_after=new_records, specs=all_specs)
+
+    def _on_step_failed(self, result: StepResult) -> None:
+        """A from_cache or create the node did not carry out: free and replace the replica."""
+        self._spawn(self.on_replica_failed(result.record.model, result.record.replica_id, result.error))
 
     def _leased_by_other(self, spec: ModelSpec, stamp: float) -> bool:
         return (spec.lease_owner not in (None, self.scheduler_id)
@@ -422,7 +474,9 @@ class Scheduler:
             return await self._reply(model, "contended", outcome.message, retry_after_s=1.0)
         if unplaced:
             return await self._reply(model, "cant_accommodate", unplaced[0].reason, retry_after_s=5.0)
-        return await self._reply(model, "placed" if outcome.plan.placements else "ok")
+        not_done = [f"{r.op} of {r.record.replica_id}: {r.outcome} ({r.error})" for r in outcome.steps
+                    if r.record.model == model and r.outcome != "done"]
+        return await self._reply(model, "placed" if outcome.plan.placements else "ok", "; ".join(not_done))
 
     async def _reply(self, model: str, status: str, message: str = "", **extra: float) -> SchedulerReply:
         replicas = [v.value for v in (await self._bus.replicas.get_all(subjects.model_token(model) + ".*")).values()]
@@ -443,7 +497,9 @@ class Scheduler:
                 log.exception("reconcile_failed")
 
     async def reconcile(self) -> None:
-        """Repair what crashes leave behind and retry models short of HOT replicas."""
+        """Repair what crashes and failed node steps leave behind, and refill models short of
+        HOT replicas where there is room without evicting (pressure evictions keep a
+        model's desired count; the model comes back when room returns or a request asks)."""
         snapshot = await self.store.snapshot()
         await self.store.remove_lapsed_reservations(snapshot)
         for key, excess_bytes in view.find_over_committed(v.value for v in snapshot.gpus.values()).items():
@@ -452,11 +508,33 @@ class Scheduler:
             record = entry.value
             if record.state == "failed":
                 await self.on_replica_failed(record.model, record.replica_id, record.error or "failed")
+            elif record.state == "stopping":
+                await self.reap_held_replica(record, node_alive=record.node_id in snapshot.nodes)
             elif record.node_id not in snapshot.nodes and record.state in ACTIVE_STATES:
                 await self.on_replica_failed(record.model, record.replica_id, f"node {record.node_id} is gone")
         for model_entry in snapshot.models.values():
             spec = model_entry.value
             hot = [r for r in snapshot.replicas_of(spec.key) if r.level == "HOT" and r.state in ACTIVE_STATES]
             if len(hot) < spec.desired_replicas and self._held(spec) is None:
-                await self.ensure(spec.key, spec.desired_replicas)
+                await self.ensure(spec.key, spec.desired_replicas, allow_evictions=False)
+
+    async def reap_held_replica(self, record: ReplicaRecord, *, node_alive: bool) -> bool:
+        """Free a replica held after a failed to_cache or stop (``stopping``) once its node
+        agent confirms the worker is stopped (or the node is gone); until then its memory
+        stays accounted. Returns True when it was freed."""
+        if node_alive:
+            try:
+                await send_node_command(self._bus, record.node_id, "stop",
+                                        StopReplica(record.replica_id, "held after a failed node step"),
+                                        STOP_TIMEOUT_S)
+            except ServiceCallError as exc:
+                log.warning("held_replica_not_stopped", model=record.model, replica=record.replica_id,
+                            node=record.node_id, error=str(exc))
+                return False
+        claimed = await self.store.claim_replica(record.model, record.replica_id)
+        if claimed is None:
+            return False
+        await self.store.release_replica(claimed)
+        log.info("held_replica_freed", model=record.model, replica=record.replica_id, node=record.node_id)
+        return True
 

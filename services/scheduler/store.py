@@ -159,6 +159,63 @@ class ClusterStore:
     async def release_replica(self, record: ReplicaRecord) -> None:
         await self.release(record.replica_id, [subjects.gpu_kv_key(record.node_id, i) for i in record.gpu_bytes])
 
+    async def hold_replica(self, record: ReplicaRecord, error: str) -> None:
+        """Keep the memory of a replica whose worker may still hold it (a to_cache or stop
+        that failed) accounted: its record goes back to `record` (its allocation before the
+        plan) with state ``stopping``, and its occupants hold their bytes again as
+        ``draining``. Pinned so (see cluster_view); the reconciler frees it once the node
+        agent confirms the worker stopped."""
+        stamp = self._clock()
+        held = msgspec.structs.replace(record, state="stopping", error=error, updated_at=stamp)
+        await self._bus.replicas.put(subjects.replica_kv_key(record.model, record.replica_id), held)
+        gpu_bytes = record.gpu_bytes if record.level == "HOT" else {}
+        for index, num_bytes in sorted(gpu_bytes.items()):
+
+            def mutate(current: GpuRecord | None, num_bytes: int = num_bytes) -> GpuRecord | None:
+                if current is None:
+                    return None
+                before = current.find(record.replica_id)
+                occupant = Occupant(
+                    replica_id=record.replica_id, model=record.model, bytes=num_bytes, state="draining",
+                    since=stamp, last_accessed=before.last_accessed if before else 0.0, dedicated=record.dedicated,
+                )
+                occupants = [o for o in current.occupants if o.replica_id != record.replica_id] + [occupant]
+                return msgspec.structs.replace(current, occupants=occupants, updated_at=stamp)
+
+            await cas_update(self._bus.gpus, subjects.gpu_kv_key(record.node_id, index), mutate,
+                             on_conflict=self._count_conflict, rng=self._rng)
+
+    async def roll_back_placement(self, record: ReplicaRecord, *, created: bool) -> None:
+        """Undo a placement whose node step never ran: its reservation is released, and its
+        record deleted (`created`: a new replica) or put back WARM (a restore), unless a
+        later pass has changed the record since."""
+        await self.release_replica(record)
+        key = subjects.replica_kv_key(record.model, record.replica_id)
+        entry = await self._bus.replicas.get(key)
+        if entry is None:
+            return
+        current = entry.value
+        if current.level != "HOT" or current.state != "pending" or current.gpu_bytes != record.gpu_bytes:
+            return
+        if created:
+            await self._bus.replicas.delete(key, entry.revision)
+        else:
+            await self._bus.replicas.update(key, msgspec.structs.replace(
+                current, level="WARM", state="sleeping", gpu_bytes={}, gpu_memory_fraction=None,
+                updated_at=self._clock()), entry.revision)
+
+    async def claim_replica(self, model: str, replica_id: str) -> ReplicaRecord | None:
+        """Delete a replica's record by CAS and return it; None when it is already gone
+        (another report of the same failure got there first)."""
+        key = subjects.replica_kv_key(model, replica_id)
+        for _ in range(12):
+            entry = await self._bus.replicas.get(key)
+            if entry is None:
+                return None
+            if await self._bus.replicas.delete(key, entry.revision):
+                return entry.value
+        raise CasConflict(f"{key}: the record kept changing while it was being freed")
+
     # ------------------------------------------------------------------ replica records
 
     async def create_replica(self, record: ReplicaRecord) -> bool:

@@ -85,3 +85,25 @@ def get_memory_figure(
         raise UnknownModelMemory("a model with no measured, given or estimated memory needs its weight bytes")
     guessed_bytes = math.ceil(weight_bytes * config.gpu_fraction_factor)
     return MemoryFigure(required_bytes=guessed_bytes, weight_bytes=weight_bytes, source="factor")
+
+
+def next_measured_figure(current_bytes: int | None, reading_bytes: int | None, *, restored: bool) -> int | None:
+    """The model's measured serving figure after a replica reports `reading_bytes`.
+
+    A replica that was created (loaded from disk, engine built for its allocation) sets the
+    figure, up or down: that is the reference measurement. A replica restored from WARM
+    only raises it: its engine is rebuilt for whatever allocation the restore got (which
+    may be smaller than the figure, e.g. the fraction clamp or an estimate), so a low
+    reading there says little about what a new replica needs, and letting it lower the
+    figure would shrink every later reservation (and each replica's KV pool) in turn.
+
+    Args:
+        current_bytes: the figure on the model's spec (None: nothing measured yet).
+        reading_bytes: what the replica holds now (None or 0: no reading).
+        restored: the reading comes from a from_cache, not a create.
+    """
+    if not reading_bytes:
+        return current_bytes
+    if restored and current_bytes:
+        return max(current_bytes, reading_bytes)
+    return reading_bytes

@@ -196,7 +196,12 @@ class ClusterPlanner:
     # ------------------------------------------------------------------ changes
 
     def place_replica(
-        self, demand: ModelDemand, replica_id: str, *, keep_warm_ids: frozenset[str] = frozenset()
+        self,
+        demand: ModelDemand,
+        replica_id: str,
+        *,
+        keep_warm_ids: frozenset[str] = frozenset(),
+        allow_evictions: bool = True,
     ) -> NodeCandidate:
         """Place one replica where `get_candidate` says, evicting what it names.
 
@@ -204,9 +209,11 @@ class ClusterPlanner:
             demand: the model's figure and flags.
             replica_id: a new id or one of the model's WARM ids.
             keep_warm_ids: WARM replicas not to drop for CPU room (this model's other targets).
+            allow_evictions: False places the replica only where it fits without evicting.
 
         Returns:
-            The candidate acted on; CANT_ACCOMMODATE is recorded as unplaced.
+            The candidate acted on; CANT_ACCOMMODATE, and a candidate that would evict when
+            evictions are not allowed, are recorded as unplaced.
         """
         offer = self.get_candidate(demand, replica_id)
         if offer.level == CandidateLevel.DEPLOYED:
@@ -215,6 +222,9 @@ class ClusterPlanner:
             self._unplaced.append(
                 Unplaced(demand.model, replica_id, "no node has room, even after evictions")
             )
+            return offer
+        if offer.eviction_ids and not allow_evictions:
+            self._unplaced.append(Unplaced(demand.model, replica_id, "no node has room without evictions"))
             return offer
         self._get_crowded(demand.model)  # built before the change it then counts (see there)
         pos = self._pos_by_node_id[offer.node_id]
@@ -247,10 +257,17 @@ class ClusterPlanner:
         self._index.refresh(pos, changed_gpu_ids)
         return offer
 
-    def ensure(self, demand: ModelDemand) -> list[NodeCandidate]:
+    def ensure(self, demand: ModelDemand, *, allow_evictions: bool = True) -> list[NodeCandidate]:
         """Place replicas until `demand.desired_replicas` are HOT: WARM ids first (most
-        recently used first), then new ids. Replicas that cannot be placed lower the
-        model's desired count (seed 002).
+        recently used first), then new ids.
+
+        Args:
+            demand: the model and how many HOT replicas it wants.
+            allow_evictions: True (a request or an operator asks): evict by pressure where
+                needed, and replicas that cannot be placed even so lower the model's desired
+                count (seed 002). False (refilling a model that is short of replicas, e.g.
+                after pressure evictions): place only where there is room without
+                evicting, and leave the desired count as it is (the rest waits for room).
 
         Returns:
             One candidate per replica it tried to place.
@@ -261,8 +278,11 @@ class ClusterPlanner:
             demand.desired_replicas, len(hot_ids), cached_ids, self._get_taken_ids(), self._rng
         )
         keep_warm_ids = frozenset(targets)
-        offers = [self.place_replica(demand, rid, keep_warm_ids=keep_warm_ids) for rid in targets]
-        num_unplaced = sum(o.level == CandidateLevel.CANT_ACCOMMODATE for o in offers)
+        offers = [
+            self.place_replica(demand, rid, keep_warm_ids=keep_warm_ids, allow_evictions=allow_evictions)
+            for rid in targets
+        ]
+        num_unplaced = sum(o.level == CandidateLevel.CANT_ACCOMMODATE for o in offers) if allow_evictions else 0
         self._desired[demand.model] = demand.desired_replicas - num_unplaced
         return offers
 
@@ -431,7 +451,11 @@ class ClusterPlanner:
         self._index.refresh(pos, self._record(pos, changes))
 
     def _record(self, pos: int, changes: Sequence[LevelChange]) -> set[int]:
-        """Book level changes on node `pos`; returns the GPUs whose memory they changed."""
+        """Book level changes on node `pos`; returns the GPUs whose memory they changed.
+
+        Desired counts are not touched: a replica evicted by pressure leaves its model
+        under-replicated, not scaled down (`ensure(..., allow_evictions=False)` refills it
+        when room returns)."""
         changed_gpu_ids: set[int] = set()
         for change in changes:
             replica = change.replica
@@ -447,10 +471,6 @@ class ClusterPlanner:
                 ids = self._ids_by_model.get(replica.model)
                 if ids is not None:
                     ids.discard(replica.replica_id)
-            if change.reason == "pressure" and change.from_level == "HOT" and replica.model in self._desired:
-                # A preempted model is not re-placed by the next pass (that would evict back
-                # and thrash); its next request asks for it again.
-                self._desired[replica.model] = max(0, self._desired[replica.model] - 1)
         return changed_gpu_ids
 
 

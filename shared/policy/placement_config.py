@@ -51,7 +51,7 @@ class PlacementConfig:
             raise ValueError(f"unknown_extra_gpus must be >= 0, got {self.unknown_extra_gpus}")
         if not 0.0 < self.min_gpu_memory_fraction <= self.max_gpu_memory_fraction <= 1.0:
             raise ValueError(
-                "need 0 < min_gpu_memory_fraction <= max_gpu_memory_fraction <= 1, got "
+                "min_gpu_memory_fraction and max_gpu_memory_fraction need 0 < min <= max <= 1, got "
                 f"{self.min_gpu_memory_fraction} and {self.max_gpu_memory_fraction}"
             )
         if not 0.0 <= self.warm_cache_fraction <= 1.0:

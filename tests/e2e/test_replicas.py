@@ -12,8 +12,14 @@ import urllib.request
 from typing import Any
 
 import aiohttp
+import msgspec
+import nats.errors
 import pytest
+from nats.js.api import DeliverPolicy
 
+from shoal.shared import subjects
+from shoal.shared.bus import connect
+from shoal.shared.messages import Event
 from tests.e2e.conftest import ShoalUp
 
 pytestmark = pytest.mark.e2e
@@ -45,6 +51,25 @@ def _wait_for(predicate, timeout_s: float = 180.0, what: str = "condition"):  # 
             return result
         time.sleep(0.5)
     raise AssertionError(f"timed out waiting for {what}")
+
+
+async def _events(shoal: ShoalUp, kind: str) -> list[Event]:
+    """The events of `kind` in SHOAL_EVENTS so far (the node agent records a failed replica there)."""
+    bus = await connect(shoal.nats_url, "test-events")
+    try:
+        subscription = await bus.js.subscribe(subjects.event_subject(kind), ordered_consumer=True,
+                                              deliver_policy=DeliverPolicy.ALL)
+        found = []
+        while True:
+            try:
+                msg = await subscription.next_msg(timeout=1.0)
+            except nats.errors.TimeoutError:
+                break  # every stored event delivered
+            found.append(msgspec.json.decode(msg.data, type=Event))
+        await subscription.unsubscribe()
+        return found
+    finally:
+        await bus.close()
 
 
 def _serving(shoal: ShoalUp, model: str) -> list[dict[str, Any]]:
@@ -97,6 +122,10 @@ def test_scale_spread_evict_and_replace_a_killed_worker(shoal: ShoalUp) -> None:
               and len(_serving(shoal, MODEL)) == 2, what="the killed replica to be replaced")
     _, events = _admin(shoal, "GET", "/admin/cluster")
     assert killed["replica_id"] not in {r["replica_id"] for r in events["replicas"] if r["state"] != "sleeping"}
+    failed = _wait_for(lambda: [e for e in asyncio.run(_events(shoal, "replica_failed"))
+                                if e.replica_id == killed["replica_id"]], what="the replica_failed event")
+    assert len(failed) == 1 and failed[0].model == MODEL, failed
+    assert "worker exited with code -9" in failed[0].message, failed[0].message
     assert len(asyncio.run(_complete_many(shoal, 6))) == 6
 
 

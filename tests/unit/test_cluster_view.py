@@ -118,16 +118,16 @@ def test_demand_ranks_the_memory_figure_and_carries_the_spec_flags() -> None:
         build_demand(ModelSpec(key="u", path="u"), config=CONFIG)
 
 
-def test_policy_config_from_the_toml_section() -> None:
+def test_every_placement_knob_reaches_the_policy() -> None:
     settings = PlacementSettings(
-        gpu_fraction_factor=2.5, fraction_threshold=0.7, min_available_gpu_fraction=0.2
+        gpu_fraction_factor=2.0, fraction_threshold=0.7, min_available_gpu_fraction=0.2, unknown_extra_gpus=0,
+        min_gpu_memory_fraction=0.05, max_gpu_memory_fraction=0.9, warm_cache_fraction=0.25,
     )
-    config = build_policy_config(settings)
-    assert (config.gpu_fraction_factor, config.fraction_threshold, config.min_available_gpu_fraction) == (
-        2.5,
-        0.7,
-        0.2,
+    assert build_policy_config(settings) == PlacementConfig(
+        gpu_fraction_factor=2.0, fraction_threshold=0.7, min_available_gpu_fraction=0.2, unknown_extra_gpus=0,
+        min_gpu_memory_fraction=0.05, max_gpu_memory_fraction=0.9, warm_cache_fraction=0.25,
     )
+    assert build_policy_config(PlacementSettings()) == PlacementConfig()
 
 
 # --------------------------------------------------------------------------- plan -> records
@@ -141,7 +141,8 @@ def test_plan_writes_reservations_sleeping_occupants_and_records() -> None:
     replicas = {
         "x1": replica_record("x1", "x", "n0", {0: 70}, state="ready", cpu_bytes=4 * GiB, created_at=1.0),
         "w1": replica_record(
-            "w1", "m", "n0", {}, level="WARM", state="sleeping", cpu_bytes=2 * GiB, created_at=2.0
+            "w1", "m", "n0", {}, level="WARM", state="sleeping", cpu_bytes=2 * GiB, created_at=2.0,
+            ready_at=3.0, pid=42,
         ),
         "y1": replica_record("y1", "y", "n0", {1: 79}, state="ready", cpu_bytes=4 * GiB, dedicated=True),
     }
@@ -187,6 +188,8 @@ def test_plan_writes_reservations_sleeping_occupants_and_records() -> None:
         {0: 20 * GiB},
     )
     assert (restored.gpu_memory_fraction, restored.created_at, restored.scheduler_id) == (0.25, 2.0, "s1")
+    # It has served before, in the same worker process: a failure now is not a failure to come up.
+    assert (restored.ready_at, restored.pid) == (3.0, 42)
     assert changes.replica_delete_keys == ()
 
 
@@ -214,6 +217,32 @@ def test_apply_gpu_change_refuses_to_over_commit() -> None:
     assert (
         apply_gpu_change(record, GpuChange((), (occupant("b", "m", 31, state="reserved"),)), now=NOW) is None
     )
+
+
+def test_an_eviction_on_an_over_committed_gpu_commits() -> None:
+    # A 40 GiB GPU holding 3 x 30 GiB (its node re-registered smaller): evicting one lowers
+    # the excess, so the change applies although the GPU stays over its total.
+    nodes = [node_record("n0", num_gpus=1, gpu_gib=40)]
+    gpus = [gpu_record("n0", 0, *(occupant(r, "x", 30) for r in ("a", "b", "c")), gpu_gib=40)]
+    replica_list = [replica_record(r, "x", "n0", {0: 30}, state="ready", cpu_bytes=GiB) for r in ("a", "b", "c")]
+    replicas = {r.replica_id: r for r in replica_list}
+    snapshot = build_snapshot(nodes, gpus, replica_list, [], config=CONFIG, now=NOW)
+    planner = ClusterPlanner(snapshot, config=CONFIG, rng=random.Random(0), clock=lambda: NOW)
+    assert planner.evict_replica("x", "b")
+    changes = plan_to_records(planner.finish(), gpus=gpus, replicas=replicas, scheduler_id="s1",
+                              reservation_ttl_s=60)
+    updated = apply_gpu_change(gpus[0], changes.gpu_changes["n0.0"], now=NOW)
+    assert updated is not None, "a change that gives memory back must commit"
+    assert updated.reserved_bytes == 60 * GiB and find_over_committed([updated]) == {"n0.0": 20 * GiB}
+    assert [(o.replica_id, o.state) for o in updated.occupants] == [
+        ("a", "serving"), ("c", "serving"), ("b", "sleeping")
+    ]
+    # Plain removals apply too; nothing that adds bytes beyond the total does.
+    assert apply_gpu_change(gpus[0], GpuChange(("a",), ()), now=NOW) is not None
+    grows = GpuChange((), (occupant("d", "m", 1, state="reserved"),))
+    assert apply_gpu_change(gpus[0], grows, now=NOW) is None
+    swaps = GpuChange(("a",), (occupant("d", "m", 10, state="reserved"),))
+    assert apply_gpu_change(gpus[0], swaps, now=NOW) is None, "a new replica never starts on held memory"
 
 
 def test_a_gpu_re_registered_smaller_is_reported_and_gets_no_room_until_evictions_cover_it() -> None:

@@ -163,7 +163,27 @@ def test_evicted_replica_is_parked_warm_when_cpu_ram_allows() -> None:
     plan = p.finish()
     assert [(e.replica_id, e.to_level, e.reason) for e in plan.evictions] == [("x1", "WARM", "pressure")]
     assert plan.placements[0].eviction_ids == ("x1",)
-    assert plan.desired_replicas == {"m": 1, "x": 0}
+    assert plan.desired_replicas == {"m": 1}, "a pressure eviction leaves the victim's desired count alone"
+
+
+def test_a_model_short_of_replicas_after_pressure_is_refilled_only_without_evictions() -> None:
+    # x was evicted by pressure: its desired count (1) stays, it is under-replicated.
+    node = one_node(hot("m1", "m", {0: 70}), warm("x1", "x", 4), cpu_cache_gib=10)
+    refill = planner(node, desired={"m": 1, "x": 1})
+    offers = refill.ensure(demand("x", 20), allow_evictions=False)
+    plan = refill.finish()
+    assert [o.level for o in offers] == [CandidateLevel.CACHED_AND_FULL]
+    assert plan.placements == () and plan.evictions == ()
+    assert [(u.replica_id, u.reason) for u in plan.unplaced] == [("x1", "no node has room without evictions")]
+    assert plan.desired_replicas == {}, "waiting for room does not lower the desired count"
+
+    # Room returns (a second GPU): the refill restores x1 there, evicting nothing.
+    roomy = one_node(hot("m1", "m", {0: 70}), warm("x1", "x", 4), gpu_gib=(80, 80), cpu_cache_gib=10)
+    refill = planner(roomy, desired={"m": 1, "x": 1})
+    refill.ensure(demand("x", 20), allow_evictions=False)
+    plan = refill.finish()
+    assert [(p.replica_id, p.gpu_bytes, p.from_level) for p in plan.placements] == [("x1", {1: 20 * GiB}, "WARM")]
+    assert plan.evictions == ()
 
 
 def test_warm_replicas_are_dropped_smallest_first_to_park_an_evicted_one() -> None:

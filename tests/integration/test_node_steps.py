@@ -1,0 +1,262 @@
+"""The scheduler's node steps against a real nats-server: ordering, failures, over-committed GPUs.
+
+The scheduler is the real one (in this process). The node is a stand-in for a node
+agent, as in test_concurrent_schedulers: it registers its GPUs, logs every command and
+answers it as told (carry it out, fail it, or hold it until the test lets it go), which is
+what these tests are about; real agents and workers are in test_warm_restore.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import pytest
+from nats.micro import add_service
+
+from shoal.services.scheduler.service import Scheduler
+from shoal.shared import subjects
+from shoal.shared.bus import Bus
+from shoal.shared.config import SchedulerConfig
+from shoal.shared.messages import (
+    CacheReplica,
+    CreateReplica,
+    GpuInfo,
+    GpuRecord,
+    ModelSpec,
+    NodeCommand,
+    NodeRecord,
+    NodeReply,
+    Occupant,
+    ReplicaRecord,
+    RestoreReplica,
+    StopReplica,
+    node_command_decoder,
+    now,
+)
+from shoal.shared.micro import RequestError, add_json_endpoint
+
+GIB = 1 << 30
+NODE = "n0"
+
+
+class StandInNode:
+    """One node: GPUs of the given sizes, 64 GiB of RAM; commands logged and answered as told."""
+
+    def __init__(self, bus: Bus, gpu_gib: tuple[int, ...]) -> None:
+        self._bus = bus
+        self._gpus = [GpuInfo(index=i, total_bytes=g * GIB, virtual=True) for i, g in enumerate(gpu_gib)]
+        self.log: list[tuple[str, str]] = []
+        """(verb, replica id) when a command arrives; ("to_cache_done", id) when a to_cache ends."""
+        self.failing: set[tuple[str, str]] = set()
+        """(verb, replica id) to answer with an error; replica id "*": every replica."""
+        self.gate: asyncio.Event | None = None
+        """When set, to_cache waits for it."""
+        self.arrived: dict[str, asyncio.Event] = {}
+        self._heartbeat: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        service = await add_service(self._bus.nc, name="stand-in-node", version="0.0.1")
+        for verb in ("create", "stop", "to_cache", "from_cache"):
+            await add_json_endpoint(service, verb, subjects.node_subject(NODE, verb), node_command_decoder.decode,
+                                    self._answer)
+        for gpu in self._gpus:
+            await self._bus.gpus.put(subjects.gpu_kv_key(NODE, gpu.index),
+                                     GpuRecord(node_id=NODE, index=gpu.index, total_bytes=gpu.total_bytes, virtual=True))
+        await self._beat()
+        self._heartbeat = asyncio.create_task(self._beat_forever())
+
+    async def stop(self) -> None:
+        if self._heartbeat is not None:
+            self._heartbeat.cancel()
+
+    def arrival(self, verb: str, replica_id: str) -> asyncio.Event:
+        return self.arrived.setdefault(f"{verb}:{replica_id}", asyncio.Event())
+
+    async def _answer(self, command: NodeCommand) -> NodeReply:
+        match command:
+            case CreateReplica(replica=record) | RestoreReplica(replica=record):
+                verb, replica_id = command.__struct_config__.tag, record.replica_id
+            case StopReplica(replica_id=replica_id):
+                verb = "stop"
+            case CacheReplica(replica_id=replica_id):
+                verb = "to_cache"
+            case _:
+                raise RequestError(400, "not a replica command")
+        assert isinstance(verb, str)
+        self.log.append((verb, replica_id))
+        self.arrival(verb, replica_id).set()
+        if verb == "to_cache" and self.gate is not None:
+            await self.gate.wait()
+        if (verb, replica_id) in self.failing or (verb, "*") in self.failing:
+            raise RequestError(502, f"stand-in refuses {verb} of {replica_id}")
+        if verb == "to_cache":
+            self.log.append(("to_cache_done", replica_id))
+        return NodeReply(ok=True)
+
+    async def _beat(self) -> None:
+        await self._bus.nodes.put(NODE, NodeRecord(node_id=NODE, hostname="test", gpus=self._gpus,
+                                                   cpu_ram_bytes=64 * GIB, virtual=True, heartbeat_at=now()))
+
+    async def _beat_forever(self) -> None:
+        while True:
+            await asyncio.sleep(3.0)
+            await self._beat()
+
+
+@pytest.fixture
+async def node(bus: Bus) -> AsyncIterator[StandInNode]:
+    yield StandInNode(bus, (10, 5))
+
+
+@pytest.fixture
+async def scheduler(bus: Bus) -> AsyncIterator[Scheduler]:
+    instance = Scheduler(bus, SchedulerConfig(scheduler_id="s1", reconcile_interval_s=3600))
+    await instance.start()
+    yield instance
+    await instance.stop()
+
+
+async def _serving(bus: Bus, model: str, replica_id: str, gpu_bytes: dict[int, int]) -> None:
+    """A HOT, ready replica with its occupants, as a node agent leaves it."""
+    for index, num_bytes in gpu_bytes.items():
+        key = subjects.gpu_kv_key(NODE, index)
+        entry = await bus.gpus.get(key)
+        assert entry is not None
+        occupant = Occupant(replica_id=replica_id, model=model, bytes=num_bytes, state="serving", since=now(),
+                            last_accessed=now())
+        entry.value.occupants.append(occupant)
+        await bus.gpus.put(key, entry.value)
+    await bus.replicas.put(subjects.replica_kv_key(model, replica_id), ReplicaRecord(
+        replica_id=replica_id, model=model, node_id=NODE, gpu_bytes=gpu_bytes, state="ready", cpu_bytes=GIB,
+        ready_at=now(), created_at=now()))
+
+
+async def _model(bus: Bus, key: str, gib: int, desired: int = 0) -> None:
+    await bus.models.put(subjects.model_token(key), ModelSpec(
+        key=key, path=key, weight_bytes=GIB, measured_serving_bytes=gib * GIB, desired_replicas=desired))
+
+
+async def _gpu(bus: Bus, index: int) -> GpuRecord:
+    entry = await bus.gpus.get(subjects.gpu_kv_key(NODE, index))
+    assert entry is not None
+    return entry.value
+
+
+async def _replicas(bus: Bus, model: str) -> dict[str, ReplicaRecord]:
+    entries = await bus.replicas.get_all(subjects.model_token(model) + ".*")
+    return {e.value.replica_id: e.value for e in entries.values()}
+
+
+async def _spec(bus: Bus, model: str) -> ModelSpec:
+    entry = await bus.models.get(subjects.model_token(model))
+    assert entry is not None
+    return entry.value
+
+
+async def _until(predicate, what: str) -> None:  # type: ignore[no-untyped-def]
+    """Wait for background work (no time limit of its own: the test's timeout applies)."""
+    while not await predicate():
+        await asyncio.sleep(0.05)
+
+
+async def test_an_eviction_on_an_over_committed_gpu_commits(bus: Bus, scheduler: Scheduler) -> None:
+    node = StandInNode(bus, (40,))
+    await node.start()
+    try:
+        await _model(bus, "org/x", 30, desired=3)
+        for replica_id in ("a", "b", "c"):  # 90 GiB on a 40 GiB GPU: the node re-registered smaller
+            await _serving(bus, "org/x", replica_id, {0: 30 * GIB})
+        reply = await scheduler.evict("org/x", "b")
+        assert reply.ok and reply.status != "contended", reply.message
+        gpu = await _gpu(bus, 0)
+        assert gpu.reserved_bytes == 60 * GIB
+        assert {o.replica_id: o.state for o in gpu.occupants} == {"a": "serving", "c": "serving", "b": "sleeping"}
+        assert ("to_cache", "b") in node.log
+    finally:
+        await node.stop()
+
+
+async def test_a_failed_to_cache_keeps_the_memory_until_the_worker_is_stopped(
+        bus: Bus, node: StandInNode, scheduler: Scheduler) -> None:
+    await node.start()
+    await _model(bus, "org/x", 11, desired=1)  # measured since x1 was placed: x fits no GPU now
+    await _model(bus, "org/m", 6)  # more than GPU 1 (5 GiB): m must evict x1 on GPU 0
+    await _serving(bus, "org/x", "x1", {0: 8 * GIB})
+    node.failing.add(("to_cache", "x1"))
+
+    reply = await scheduler.ensure("org/m")
+
+    # x1's worker may still hold its memory: it stays accounted (pinned), the create that
+    # would have used it is skipped and rolled back.
+    assert "skipped" in reply.message, reply.message
+    (held,) = (await _replicas(bus, "org/x")).values()
+    assert (held.replica_id, held.level, held.state, held.gpu_bytes) == ("x1", "HOT", "stopping", {0: 8 * GIB})
+    gpu = await _gpu(bus, 0)
+    assert [(o.replica_id, o.bytes, o.state) for o in gpu.occupants] == [("x1", 8 * GIB, "draining")]
+    assert await _replicas(bus, "org/m") == {}
+    assert [verb for verb, _ in node.log] == ["to_cache"]
+    assert (await _spec(bus, "org/x")).desired_replicas == 1, "a pressure eviction keeps the desired count"
+
+    # The reconciler frees x1 once the node confirms its worker stopped, then places m on
+    # the freed memory; x stays short of a replica (no room), its desired count kept.
+    await scheduler.reconcile()
+    assert ("stop", "x1") in node.log
+    assert await _replicas(bus, "org/x") == {}
+    (placed,) = (await _replicas(bus, "org/m")).values()
+    assert placed.gpu_bytes == {0: 6 * GIB}
+    assert node.log[-1] == ("create", placed.replica_id)
+    assert (await _spec(bus, "org/x")).desired_replicas == 1
+
+
+async def test_a_failed_create_is_freed_and_counted_once(bus: Bus, node: StandInNode, scheduler: Scheduler) -> None:
+    await node.start()
+    await _model(bus, "org/f", 4)
+    node.failing.add(("create", "*"))
+    reply = await scheduler.ensure("org/f")
+    assert "failed" in reply.message, reply.message
+    (replica_id,) = [rid for verb, rid in node.log if verb == "create"]
+
+    async def freed() -> bool:
+        spec = await _spec(bus, "org/f")
+        return spec.num_failures == 1 and await _replicas(bus, "org/f") == {}
+
+    await _until(freed, "the failed replica to be freed")
+    assert all(not g.occupants for g in [await _gpu(bus, 0), await _gpu(bus, 1)])
+    assert (await _spec(bus, "org/f")).desired_replicas == 0, "it never served: seed 002 lowers the count"
+    # The node agent (or a reconciler) reporting the same failure again changes nothing.
+    await scheduler.on_replica_failed("org/f", replica_id, "reported again")
+    assert (await _spec(bus, "org/f")).num_failures == 1
+
+
+async def test_node_steps_run_outside_the_pass_lock_and_in_order_per_gpu(
+        bus: Bus, node: StandInNode, scheduler: Scheduler) -> None:
+    await node.start()
+    await _model(bus, "org/x", 8)
+    await _model(bus, "org/y", 3)
+    await _model(bus, "org/z", 6)
+    await _serving(bus, "org/x", "x1", {0: 8 * GIB})
+    node.gate = asyncio.Event()
+
+    evicting = asyncio.create_task(scheduler.evict("org/x", "x1"))
+    await node.arrival("to_cache", "x1").wait()
+
+    # x1 is still parking: a pass for another GPU commits and its node steps run.
+    reply = await scheduler.ensure("org/y")
+    assert reply.ok, reply.message
+    (y,) = (await _replicas(bus, "org/y")).values()
+    assert y.gpu_bytes == {1: 3 * GIB} and ("create", y.replica_id) in node.log
+    assert not evicting.done()
+
+    # z only fits on GPU 0, whose memory x1 is still giving back: z's create waits for it.
+    placing = asyncio.create_task(scheduler.ensure("org/z"))
+
+    async def z_committed() -> bool:
+        return bool(await _replicas(bus, "org/z"))
+
+    await _until(z_committed, "z's plan to be committed")
+    (z,) = (await _replicas(bus, "org/z")).values()
+    assert z.gpu_bytes == {0: 6 * GIB}
+    node.gate.set()
+    assert (await evicting).ok and (await placing).ok
+    assert node.log.index(("to_cache_done", "x1")) < node.log.index(("create", z.replica_id))
