@@ -263,22 +263,49 @@ _TOP_LEVEL_SCALARS = {"state_dir", "demo_models"}
 
 
 def _env_overrides(environ: Mapping[str, str]) -> dict[str, Any]:
-    """``SHOAL_GATEWAY_PORT=9000`` -> {"gateway": {"port": "9000"}} (types converted later)."""
-    sections = {f.name for f in msgspec.structs.fields(ShoalConfig)}
+    """``SHOAL_GATEWAY_PORT=9000`` -> {"gateway": {"port": "9000"}} (types converted later).
+
+    Nested sections nest the same way: ``SHOAL_SCHEDULER_PLACEMENT_FRACTION_THRESHOLD=0.7``
+    -> {"scheduler": {"placement": {"fraction_threshold": "0.7"}}}. A name that matches
+    no field is passed on as one, so it fails validation naming the unknown key.
+    """
     overrides: dict[str, Any] = {}
     for name, value in environ.items():
         if not name.startswith(ENV_PREFIX) or name in ("SHOAL_CONFIG",):
             continue
         rest = name.removeprefix(ENV_PREFIX).lower()
-        section, _, key = rest.partition("_")
         if rest in _TOP_LEVEL_SCALARS:
             overrides[rest] = value
-        elif section in sections and key and section not in _TOP_LEVEL_SCALARS | {"models"}:
-            if key in ("api_keys", "admin_api_keys"):
-                overrides.setdefault(section, {})[key] = [k for k in value.split(",") if k]
-            else:
-                overrides.setdefault(section, {})[key] = value
+            continue
+        path = _env_path(ShoalConfig, rest)
+        if path is None or path[0] == "models":
+            continue
+        target = overrides
+        for section in path[:-2]:
+            target = target.setdefault(section, {})
+        section, key = path[-2], path[-1]
+        if key in ("api_keys", "admin_api_keys"):
+            target.setdefault(section, {})[key] = [k for k in value.split(",") if k]
+        else:
+            target.setdefault(section, {})[key] = value
     return overrides
+
+
+def _env_path(struct: type[Struct], name: str) -> list[str] | None:
+    """Split ``scheduler_placement_fraction_threshold`` along `struct`'s nested sections:
+    ["scheduler", "placement", "fraction_threshold"]; None if it names no section."""
+    for section in msgspec.structs.fields(struct):
+        prefix = section.name + "_"
+        if not name.startswith(prefix) or section.name in _TOP_LEVEL_SCALARS:
+            continue
+        key = name.removeprefix(prefix)
+        if not key:
+            return None
+        section_type = section.type
+        if isinstance(section_type, type) and issubclass(section_type, Struct):
+            nested = _env_path(section_type, key)
+            return [section.name, *nested] if nested else [section.name, key]
+    return None
 
 
 def _merge(base: dict[str, Any], extra: Mapping[str, Any]) -> dict[str, Any]:

@@ -87,3 +87,22 @@ def test_model_dirs_stay_under_the_models_root(tmp_path: Path) -> None:
         resolve_model_dir(root, "link")
     with pytest.raises(ValueError):
         resolve_model_dir(root, "../outside")
+
+
+def test_env_overrides_reach_nested_sections() -> None:
+    config = load_config(
+        None,
+        environ={
+            "SHOAL_SCHEDULER_PLACEMENT_FRACTION_THRESHOLD": "0.7",
+            "SHOAL_SCHEDULER_RECONCILE_INTERVAL_S": "2.5",
+            "SHOAL_GATEWAY_ADMIN_API_KEYS": "a,b",
+        },
+    )
+    assert config.scheduler.placement.fraction_threshold == 0.7
+    assert config.scheduler.reconcile_interval_s == 2.5
+    assert config.gateway.admin_api_keys == ["a", "b"]
+
+
+def test_unknown_nested_env_override_names_the_key() -> None:
+    with pytest.raises(ConfigError, match="placement.*no_such_knob|no_such_knob"):
+        load_config(None, environ={"SHOAL_SCHEDULER_PLACEMENT_NO_SUCH_KNOB": "1"})
