@@ -77,12 +77,39 @@ def write_kv(
             looking, which costs as much as the copy itself for a decode step.
     """
     num_slots = key_cache.shape[0] * key_cache.shape[1]
-    if may_pad and slot_mapping.numel() and bool((slot_mapping < 0).any()):
+    if may_pad and slot_mapping.numel() and int(slot_mapping.min()) < 0:
         kept = (slot_mapping >= 0).nonzero().squeeze(1)
         slot_mapping, key, value = slot_mapping[kept], key[kept], value[kept]
-    for new, cache in ((key, key_cache), (value, value_cache)):
-        rows, source = _as_wide(cache.view(num_slots, *cache.shape[2:]), new)
-        rows.index_copy_(0, slot_mapping, source)
+    _copy_to_slots(key_cache.view(num_slots, key_cache.shape[2], key_cache.shape[3]), key, slot_mapping)
+    _copy_to_slots(
+        value_cache.view(num_slots, value_cache.shape[2], value_cache.shape[3]), value, slot_mapping
+    )
+
+
+def _copy_to_slots(rows: torch.Tensor, new: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """``rows[slot_mapping[i]] = new[i]``: one `index_copy_` over the widest elements that
+    both layouts allow (what `_as_wide` picks), checked with as few Python steps as
+    possible: this runs once per layer per step, and for a decode step's few KB its fixed
+    cost is most of the op's time.
+
+    Args:
+        rows: [num_slots, num_kv_heads, head_dim], contiguous.
+        new: [num_tokens, num_kv_heads, head_dim], last dim contiguous.
+    """
+    item_bytes = new.element_size()
+    misalignment = rows.data_ptr() | new.data_ptr()
+    for wide in _WIDE_DTYPES:
+        if wide.itemsize <= item_bytes:
+            break
+        if misalignment % wide.itemsize:
+            continue
+        try:  # view() checks that sizes, strides and offsets divide into wide elements
+            wide_rows, wide_new = rows.view(wide), new.view(wide)
+        except RuntimeError:
+            continue
+        wide_rows.index_copy_(0, slot_mapping, wide_new)
+        return
+    rows.index_copy_(0, slot_mapping, new)
 
 
 class GatherBuffers:

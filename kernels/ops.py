@@ -58,11 +58,17 @@ there is unspecified.
 
 Set ``SHOAL_KERNELS=reference`` to run the torch implementation on CUDA
 tensors too (for debugging, or where the extension cannot be built).
+
+A server calls `prepare` when it starts, so the kernels are built (or fail to
+build) before the first request rather than inside its forward pass.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
+from types import ModuleType
+from typing import Literal
 
 import torch
 
@@ -70,9 +76,51 @@ from shoal.kernels import contract, cpu, cuda_ext
 
 _USE_CUDA_KERNELS = os.environ.get("SHOAL_KERNELS", "cuda") != "reference"
 
+KernelBackend = Literal["cuda", "reference", "cpu"]
+"""Which implementation the ops run on a device: Shoal's CUDA kernels, the torch
+implementation on CUDA tensors (``SHOAL_KERNELS=reference``), or the CPU one."""
+
 
 def _on_cuda(*tensors: torch.Tensor) -> bool:
     return _USE_CUDA_KERNELS and any(t.is_cuda for t in tensors)
+
+
+def prepare(
+    device: torch.device,
+    *,
+    load: Callable[[], ModuleType] = cuda_ext.load_extension,
+    use_cuda_kernels: bool | None = None,
+) -> KernelBackend:
+    """Makes the ops ready to run on `device` now: on CUDA, builds and loads the kernels.
+
+    Without this, the extension is built by the first op that sees a CUDA tensor,
+    i.e. inside a server's first forward pass (about a minute of nvcc), and a build
+    failure fails every pass while the server looks healthy. There is no silent
+    fallback: a CUDA server without its kernels refuses to start, with the
+    compiler's message; running the torch implementation on the GPU instead (much
+    slower: it gathers K/V per layer) is the operator's explicit choice,
+    ``SHOAL_KERNELS=reference``.
+
+    Args:
+        device: where the KV cache lives.
+        load: builds and loads the extension (`cuda_ext.load_extension`; tests
+            inject their own).
+        use_cuda_kernels: whether CUDA tensors go to the kernels; None reads
+            ``SHOAL_KERNELS`` as the ops do.
+
+    Returns:
+        The implementation the ops run on `device`.
+
+    Raises:
+        KernelBuildError: `device` is CUDA, the kernels are wanted, and they
+            cannot be built or loaded.
+    """
+    if device.type != "cuda":
+        return "cpu"
+    if not (_USE_CUDA_KERNELS if use_cuda_kernels is None else use_cuda_kernels):
+        return "reference"
+    load()
+    return "cuda"
 
 
 def write_kv(

@@ -282,6 +282,28 @@ def measure(
     return [(num_ops / seconds, blocks) for seconds, blocks in zip(best, net_blocks, strict=True)]
 
 
+VLLM_REPORTED_M_OPS = {"single": 1.0, f"batched {BATCH}": 5.9}
+"""vLLM's own allocate+free figures (M ops/s) the issue compares against, measured elsewhere."""
+
+ROWS = [
+    ("single", VLLM_QUEUE, vllm_single),
+    ("single", VLLM_POOL, vllm_pool_single),
+    ("single", SHOAL, shoal_single),
+    (f"batched {BATCH}", VLLM_QUEUE, vllm_batched),
+    (f"batched {BATCH}", VLLM_POOL, vllm_pool_batched),
+    (f"batched {BATCH}", SHOAL, shoal_batched),
+]
+
+
+def bench_block_pools(num_blocks: int, num_ops: int, repeats: int) -> list[dict[str, object]]:
+    """One row per (mode, implementation): M ops/s and net allocations per op."""
+    measured = measure([make for _, _, make in ROWS], num_blocks, num_ops, repeats)
+    return [
+        {"mode": mode, "implementation": name, "M ops/s": ops_per_s / 1e6, "net allocs/op": net_blocks}
+        for (mode, name, _), (ops_per_s, net_blocks) in zip(ROWS, measured, strict=True)
+    ]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -295,25 +317,21 @@ def main() -> None:
         f"python {platform.python_version()} on {platform.machine()}, {args.num_blocks} blocks, "
         f"{num_ops} allocate+free ops per run, best of {repeats} interleaved rounds"
     )
-    rows = [
-        ("single", VLLM_QUEUE, vllm_single),
-        ("single", VLLM_POOL, vllm_pool_single),
-        ("single", SHOAL, shoal_single),
-        (f"batched {BATCH}", VLLM_QUEUE, vllm_batched),
-        (f"batched {BATCH}", VLLM_POOL, vllm_pool_batched),
-        (f"batched {BATCH}", SHOAL, shoal_batched),
-    ]
-    results: dict[tuple[str, str], float] = {}
+    rows = bench_block_pools(args.num_blocks, num_ops, repeats)
     print(f"{'mode':<12} {'implementation':<58} {'M ops/s':>8} {'net allocs/op':>14}")
-    measured = measure([make for _, _, make in rows], args.num_blocks, num_ops, repeats)
-    for (mode, name, _), (ops_per_s, net_blocks) in zip(rows, measured, strict=True):
-        results[(mode, name)] = ops_per_s
-        print(f"{mode:<12} {name:<58} {ops_per_s / 1e6:>8.2f} {net_blocks:>14.4f}")
+    results: dict[tuple[object, object], float] = {}
+    for row in rows:
+        results[(row["mode"], row["implementation"])] = float(row["M ops/s"])  # type: ignore[arg-type]
+        print(
+            f"{row['mode']:<12} {row['implementation']:<58} {row['M ops/s']:>8.2f} {row['net allocs/op']:>14.4f}"
+        )
     for mode in ("single", f"batched {BATCH}"):
         shoal = results[(mode, SHOAL)]
         print(
             f"{mode}: Shoal / vLLM BlockPool = {shoal / results[(mode, VLLM_POOL)]:.2f}x, "
-            f"Shoal / vLLM bare queue = {shoal / results[(mode, VLLM_QUEUE)]:.2f}x"
+            f"Shoal / vLLM bare queue = {shoal / results[(mode, VLLM_QUEUE)]:.2f}x, "
+            f"Shoal / vLLM's reported {VLLM_REPORTED_M_OPS[mode]} M ops/s = "
+            f"{shoal / VLLM_REPORTED_M_OPS[mode]:.2f}x"
         )
 
 

@@ -15,9 +15,20 @@ arrive together at t0 and each path serves them all:
                 Hugging Face forward passes alone, a floor no engine that runs them can beat.
 
 Reported per run: output tokens/s (all requests' generated tokens / time from t0 to the
-last completion) and time to first token (from t0; mean, p50, p95). All paths decode
-greedily with EOS ignored, so every request generates exactly its length; Shoal's and
-hf-serial's texts are compared as a sanity check.
+last completion: prefill included), decode tokens/s (the tokens after each request's first
+/ time from the first request's first token to the last request's last token: the decode
+phase, though in continuous batching later prompts' prefills still share it), and time to
+first token (from t0; mean, p50, p95). All paths decode greedily with EOS ignored, so every
+request generates exactly its length; Shoal's and hf-serial's texts are compared as a
+sanity check.
+
+The same run also measures, unless `--sections` leaves them out, the KV block pool's
+allocate+free throughput (`bench_block_pool.py`: single and batched, against vLLM's
+reported 1.0 M/s and 5.9 M/s and a re-creation of its free list measured here) and the
+CPU KV ops' bandwidth as a fraction of a contiguous copy of the same bytes
+(`bench_kv_ops.py`: write_kv with prefill and decode slot patterns, the gather of
+paged_attention, and write_kv at one decode step's size), and ends with one markdown
+report of all three. Both scripts still run alone.
 
 Request shapes come from the Azure LLM conversation trace (/work/shared/data): prompt
 tokens = ContextTokens / prompt-divisor and output tokens = GeneratedTokens /
@@ -26,6 +37,7 @@ prompt token ids are random (seeded) from the model's vocabulary.
 
     python scripts/bench_engine.py --quick            # ~2 small models, shorter requests
     python scripts/bench_engine.py                     # all demo models
+    python scripts/bench_engine.py --sections block-pool,kv-ops   # the micro-benchmarks only
 """
 
 from __future__ import annotations
@@ -43,6 +55,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import bench_block_pool  # scripts/, next to this file (on sys.path when run as a script)
+import bench_kv_ops
 import torch
 from transformers import (
     AutoConfig,
@@ -69,29 +83,58 @@ class Shape:
     num_output_tokens: int
 
 
+@dataclass(frozen=True)
+class Timings:
+    """What one path's run of C requests measured, each time from t0."""
+
+    seconds: float
+    """Until the last request completed."""
+    ttft_s: list[float]
+    """Each request's first token."""
+    last_token_s: list[float]
+    """Each request's last token."""
+    texts: list[str]
+
+
 @dataclass
 class RunResult:
     model: str
     path: str
     concurrency: int
-    num_output_tokens: int
-    seconds: float
-    ttft_s: list[float]
-    texts: list[str] | None = None
+    num_output_tokens: list[int]
+    """Each request's generated tokens."""
+    timings: Timings
+
+    @property
+    def seconds(self) -> float:
+        return self.timings.seconds
+
+    @property
+    def texts(self) -> list[str] | None:
+        return self.timings.texts or None
 
     @property
     def tokens_per_s(self) -> float:
-        return self.num_output_tokens / self.seconds
+        """All generated tokens / time to the last completion (prefill included)."""
+        return sum(self.num_output_tokens) / self.timings.seconds
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        """Tokens after each request's first / time from the first first token to the last
+        last token: throughput of the decode phase, without the initial prefill."""
+        span = max(self.timings.last_token_s) - min(self.timings.ttft_s)
+        return sum(n - 1 for n in self.num_output_tokens) / span if span > 0 else 0.0
 
     def summary(self) -> dict[str, Any]:
-        ttft = sorted(self.ttft_s)
+        ttft = sorted(self.timings.ttft_s)
         return {
             "model": self.model,
             "path": self.path,
             "concurrency": self.concurrency,
-            "output_tokens": self.num_output_tokens,
+            "output_tokens": sum(self.num_output_tokens),
             "seconds": round(self.seconds, 3),
             "tokens_per_s": round(self.tokens_per_s, 1),
+            "decode_tokens_per_s": round(self.decode_tokens_per_s, 1),
             "ttft_mean_ms": round(1000 * statistics.mean(ttft), 1),
             "ttft_p50_ms": round(1000 * ttft[len(ttft) // 2], 1),
             "ttft_p95_ms": round(1000 * ttft[min(len(ttft) - 1, int(0.95 * len(ttft)))], 1),
@@ -129,12 +172,11 @@ def make_prompts(shapes: list[Shape], vocab_size: int, seed: int) -> list[list[i
 # ---------------------------------------------------------------------- the four paths
 
 
-def run_shoal(
-    engine: PagedEngine, prompts: list[list[int]], shapes: list[Shape]
-) -> tuple[float, list[float], list[str]]:
-    async def serve() -> tuple[float, list[float], list[str]]:
+def run_shoal(engine: PagedEngine, prompts: list[list[int]], shapes: list[Shape]) -> Timings:
+    async def serve() -> Timings:
         t0 = time.perf_counter()
         ttft = [0.0] * len(prompts)
+        last = [0.0] * len(prompts)
         texts = [""] * len(prompts)
 
         async def one(index: int) -> None:
@@ -142,20 +184,20 @@ def run_shoal(
                 max_tokens=shapes[index].num_output_tokens, temperature=0.0, ignore_eos=True
             )
             async for output in engine.generate(GenerationRequest(f"r{index}", prompts[index], params)):
-                if output.num_new_tokens and not ttft[index]:
-                    ttft[index] = time.perf_counter() - t0
+                if output.num_new_tokens:
+                    last[index] = time.perf_counter() - t0
+                    if not ttft[index]:
+                        ttft[index] = last[index]
                 texts[index] += output.text
             assert output.num_completion_tokens == shapes[index].num_output_tokens
 
         await asyncio.gather(*(one(index) for index in range(len(prompts))))
-        return time.perf_counter() - t0, ttft, texts
+        return Timings(time.perf_counter() - t0, ttft, last, texts)
 
     return asyncio.run(serve())
 
 
-def run_without_attention(
-    engine: PagedEngine, prompts: list[list[int]], shapes: list[Shape]
-) -> tuple[float, list[float], list[str]]:
+def run_without_attention(engine: PagedEngine, prompts: list[list[int]], shapes: list[Shape]) -> Timings:
     """`run_shoal` with the attention ops as no-ops (the `floor` row; its texts are garbage).
 
     Both ways the engine attends are stubbed: the public ops, and the CPU functions its
@@ -163,27 +205,27 @@ def run_without_attention(
     saved = ops.write_kv, ops.paged_attention, cpu.write_kv, cpu.run_attention
     ops.write_kv = ops.paged_attention = cpu.write_kv = cpu.run_attention = _no_op  # type: ignore[assignment]
     try:
-        seconds, ttft, _ = run_shoal(engine, prompts, shapes)
+        timings = run_shoal(engine, prompts, shapes)
     finally:
         ops.write_kv, ops.paged_attention, cpu.write_kv, cpu.run_attention = saved
-    return seconds, ttft, []
+    return Timings(timings.seconds, timings.ttft_s, timings.last_token_s, [])
 
 
 def _no_op(*args: Any, **kwargs: Any) -> None:
     pass
 
 
-class _FirstTokenClock(BaseStreamer):
-    """Records when generate() produces its first new token (its first put() is the prompt)."""
+class _TokenClock(BaseStreamer):
+    """Records when generate() produces each step's new tokens (its first put() is the prompt)."""
 
     def __init__(self) -> None:
-        self.num_puts = 0
-        self.first_token_at = 0.0
+        self.token_at: list[float] = []
+        self._saw_prompt = False
 
     def put(self, value: torch.Tensor) -> None:
-        self.num_puts += 1
-        if self.num_puts == 2:
-            self.first_token_at = time.perf_counter()
+        if self._saw_prompt:
+            self.token_at.append(time.perf_counter())
+        self._saw_prompt = True
 
     def end(self) -> None:
         pass
@@ -195,13 +237,11 @@ def _greedy_config(max_new_tokens: int, pad_token_id: int) -> GenerationConfig:
     )
 
 
-def run_hf_serial(
-    model: Any, tokenizer: Any, prompts: list[list[int]], shapes: list[Shape]
-) -> tuple[float, list[float], list[str]]:
+def run_hf_serial(model: Any, tokenizer: Any, prompts: list[list[int]], shapes: list[Shape]) -> Timings:
     t0 = time.perf_counter()
-    ttft, texts = [], []
+    ttft, last, texts = [], [], []
     for prompt, shape in zip(prompts, shapes, strict=True):
-        clock = _FirstTokenClock()
+        clock = _TokenClock()
         input_ids = torch.tensor([prompt])
         with torch.inference_mode():
             output = model.generate(
@@ -210,20 +250,19 @@ def run_hf_serial(
                 streamer=clock,
                 generation_config=_greedy_config(shape.num_output_tokens, tokenizer.pad_token_id),
             )
-        ttft.append(clock.first_token_at - t0)
+        ttft.append(clock.token_at[0] - t0)
+        last.append(clock.token_at[-1] - t0)
         texts.append(tokenizer.decode(output[0, len(prompt) :], skip_special_tokens=True))
-    return time.perf_counter() - t0, ttft, texts
+    return Timings(time.perf_counter() - t0, ttft, last, texts)
 
 
-def run_hf_padded(
-    model: Any, tokenizer: Any, prompts: list[list[int]], shapes: list[Shape]
-) -> tuple[float, list[float], list[str]]:
+def run_hf_padded(model: Any, tokenizer: Any, prompts: list[list[int]], shapes: list[Shape]) -> Timings:
     t0 = time.perf_counter()
     width = max(len(prompt) for prompt in prompts)
     pad = tokenizer.pad_token_id
     input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
     attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-    clock = _FirstTokenClock()
+    clock = _TokenClock()
     with torch.inference_mode():
         model.generate(
             input_ids,
@@ -232,12 +271,12 @@ def run_hf_padded(
             generation_config=_greedy_config(max(s.num_output_tokens for s in shapes), pad),
         )
     seconds = time.perf_counter() - t0
-    return seconds, [clock.first_token_at - t0] * len(prompts), []
+    # Every row gets a token per step; request i's own tokens are the first n_i of them.
+    last = [clock.token_at[shape.num_output_tokens - 1] - t0 for shape in shapes]
+    return Timings(seconds, [clock.token_at[0] - t0] * len(prompts), last, [])
 
 
-def run_hf_cb(
-    manager: Any, prompts: list[list[int]], shapes: list[Shape]
-) -> tuple[float, list[float], list[str]]:
+def run_hf_cb(manager: Any, prompts: list[list[int]], shapes: list[Shape]) -> Timings:
     t0 = time.perf_counter()
     request_ids = [
         manager.add_request(prompt, max_new_tokens=shape.num_output_tokens, record_timestamps=True)
@@ -253,7 +292,12 @@ def run_hf_cb(
     seconds = time.perf_counter() - t0
     for request_id, shape in zip(request_ids, shapes, strict=True):
         assert len(finished[request_id].generated_tokens) == shape.num_output_tokens
-    return seconds, [finished[r].timestamps[0] - t0 for r in request_ids], []
+    return Timings(
+        seconds,
+        [finished[r].timestamps[0] - t0 for r in request_ids],
+        [finished[r].timestamps[-1] - t0 for r in request_ids],
+        [],
+    )
 
 
 # ---------------------------------------------------------------------- driver
@@ -295,9 +339,9 @@ def bench_model(
                 for name in paths:
                     if name == "hf-serial" and repeat > 0:
                         continue
-                    seconds, ttft, texts = runners[name](prompts[:concurrency], shapes[:concurrency])
-                    num_tokens = sum(shape.num_output_tokens for shape in shapes[:concurrency])
-                    result = RunResult(key, name, concurrency, num_tokens, seconds, ttft, texts or None)
+                    timings = runners[name](prompts[:concurrency], shapes[:concurrency])
+                    num_tokens = [shape.num_output_tokens for shape in shapes[:concurrency]]
+                    result = RunResult(key, name, concurrency, num_tokens, timings)
                     runs.setdefault((name, concurrency), []).append(result)
                     print(json.dumps({"repeat": repeat, **result.summary()}), flush=True)
     finally:
@@ -368,6 +412,81 @@ def _check_texts(results: list[RunResult]) -> None:
         )
 
 
+SECTIONS = ("engine", "block-pool", "kv-ops")
+
+
+def engine_report(results: list[RunResult], levels: list[int]) -> str:
+    """The engine table (medians), and Shoal over the best HF path at the top concurrency."""
+    lines = [
+        "| model | path | C | output tok/s (incl. prefill) | decode tok/s | TTFT mean ms | p50 | p95 |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for r in results:
+        summary = r.summary()
+        path = f"**{r.path}**" if r.path == "shoal" else r.path
+        lines.append(
+            f"| {r.model} | {path} | {r.concurrency} | {summary['tokens_per_s']} | "
+            f"{summary['decode_tokens_per_s']} | {summary['ttft_mean_ms']:.0f} | "
+            f"{summary['ttft_p50_ms']:.0f} | {summary['ttft_p95_ms']:.0f} |"
+        )
+    top = max(levels)
+    for key in dict.fromkeys(r.model for r in results):
+        at_top = {r.path: r for r in results if r.model == key and r.concurrency == top}
+        best_hf = max(
+            (r for p, r in at_top.items() if p.startswith("hf-")), key=lambda r: r.tokens_per_s, default=None
+        )
+        if "shoal" in at_top and best_hf is not None:
+            shoal = at_top["shoal"]
+            lines.append(
+                f"\n{key}, C = {top}: Shoal / best HF path ({best_hf.path}) = "
+                f"{shoal.tokens_per_s / best_hf.tokens_per_s:.2f}x output tok/s, "
+                f"{shoal.decode_tokens_per_s / best_hf.decode_tokens_per_s:.2f}x decode tok/s"
+            )
+    return "\n".join(lines)
+
+
+def block_pool_report(quick: bool) -> str:
+    num_ops, repeats = (200_000, 3) if quick else (1_000_000, 7)
+    rows = bench_block_pool.bench_block_pools(4096, num_ops, repeats)
+    shoal = {
+        row["mode"]: float(row["M ops/s"]) for row in rows if row["implementation"] == bench_block_pool.SHOAL
+    }  # type: ignore[arg-type]
+    lines = [
+        f"4096 blocks, {num_ops} allocate+free ops per run, best of {repeats} interleaved rounds.",
+        "",
+        "| mode | implementation | M ops/s | net allocs/op |",
+        "| --- | --- | ---: | ---: |",
+    ]
+    lines += [
+        f"| {row['mode']} | {row['implementation']} | {float(row['M ops/s']):.2f} | {float(row['net allocs/op']):.4f} |"  # type: ignore[arg-type]
+        for row in rows
+    ]
+    lines.append("")
+    for mode, reported in bench_block_pool.VLLM_REPORTED_M_OPS.items():
+        lines.append(
+            f"- {mode}: Shoal {shoal[mode]:.2f} M ops/s = {shoal[mode] / reported:.2f}x vLLM's reported {reported} M ops/s"
+        )
+    return "\n".join(lines)
+
+
+def kv_ops_report(quick: bool) -> str:
+    bench_kv_ops.use_cpu_time()
+    repeats = 5 if quick else 11
+    token_counts = (16384,) if quick else (16384, 65536)
+    return "\n".join(
+        [
+            f"Thread CPU time, one torch thread, medians of {repeats} interleaved rounds; the baseline "
+            "is `dst.copy_(src)` of the same bytes between contiguous tensors.",
+            "",
+            bench_kv_ops.markdown(bench_kv_ops.bench_bandwidth(token_counts, repeats)),
+            "",
+            "At the size of one layer of a decode step the fixed cost per call is what is measured:",
+            "",
+            bench_kv_ops.markdown(bench_kv_ops.bench_write_kv_steps(repeats)),
+        ]
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -377,6 +496,11 @@ def main() -> None:
     parser.add_argument("--models", help="comma-separated model keys")
     parser.add_argument("--paths", default="shoal,hf-serial,hf-padded,hf-cb,floor")
     parser.add_argument("--concurrency", default="1,8,32")
+    parser.add_argument(
+        "--sections",
+        default=",".join(SECTIONS),
+        help=f"which parts to run (default: all of {', '.join(SECTIONS)})",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--max-num-batched-tokens",
@@ -385,7 +509,7 @@ def main() -> None:
         help="per-step token budget of shoal and hf-cb (default 2048)",
     )
     parser.add_argument("--repeats", type=int, help="runs per path and level (default 3, --quick 2)")
-    parser.add_argument("--json", type=Path, help="write all results here")
+    parser.add_argument("--json", type=Path, help="write all engine results here")
     parser.add_argument(
         "--threads",
         type=int,
@@ -394,8 +518,25 @@ def main() -> None:
         "more threads oversubscribe the cores and make every path slower and noisier)",
     )
     args = parser.parse_args()
+    sections = args.sections.split(",")
+    unknown = set(sections) - set(SECTIONS)
+    if unknown:
+        parser.error(f"unknown sections {sorted(unknown)}; choose from {', '.join(SECTIONS)}")
     torch.set_num_threads(args.threads)
     levels = [int(c) for c in args.concurrency.split(",")]
+    report = [
+        f"# Shoal benchmark\n\ntorch {torch.__version__}, {args.threads} torch thread(s) for the engine paths"
+    ]
+    if "engine" in sections:
+        report += ["\n## Engine\n", run_engine_section(args, levels)]
+    if "block-pool" in sections:
+        report += ["\n## Block pool: allocate + free\n", block_pool_report(args.quick)]
+    if "kv-ops" in sections:
+        report += ["\n## CPU KV ops: bandwidth against a contiguous copy\n", kv_ops_report(args.quick)]
+    print("\n".join(report), flush=True)
+
+
+def run_engine_section(args: argparse.Namespace, levels: list[int]) -> str:
     if args.quick:
         models = args.models or "demo/llama-5m,demo/qwen2-25m"
         shape_args = (16, (4, 128), 8, (4, 32))
@@ -403,20 +544,16 @@ def main() -> None:
         models = args.models or "demo/llama-5m,demo/qwen2-25m,demo/llama-100m"
         shape_args = (8, (4, 256), 4, (4, 64))
     shapes = sample_shapes(max(levels), args.seed, *shape_args)
-    print(
-        json.dumps(
-            {
-                "trace": str(TRACE),
-                "prompt_tokens": f"ContextTokens // {shape_args[0]}, clipped to {shape_args[1]}",
-                "output_tokens": f"GeneratedTokens // {shape_args[2]}, clipped to {shape_args[3]}",
-                "mean_prompt_tokens": statistics.mean(s.num_prompt_tokens for s in shapes),
-                "mean_output_tokens": statistics.mean(s.num_output_tokens for s in shapes),
-                "torch_threads": torch.get_num_threads(),
-                "torch": torch.__version__,
-            }
-        ),
-        flush=True,
-    )
+    workload = {
+        "trace": str(TRACE),
+        "prompt_tokens": f"ContextTokens // {shape_args[0]}, clipped to {shape_args[1]}",
+        "output_tokens": f"GeneratedTokens // {shape_args[2]}, clipped to {shape_args[3]}",
+        "mean_prompt_tokens": statistics.mean(s.num_prompt_tokens for s in shapes),
+        "mean_output_tokens": statistics.mean(s.num_output_tokens for s in shapes),
+        "torch_threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+    }
+    print(json.dumps(workload), flush=True)
     with tempfile.TemporaryDirectory() as temp_dir:
         models_root = args.models_root or Path(temp_dir)
         keys = models.split(",")
@@ -434,26 +571,24 @@ def main() -> None:
                 args.repeats or (2 if args.quick else 3),
             )
     print(json.dumps({"medians": [r.summary() for r in results]}), flush=True)
-    top = max(levels)
-    for key in keys:
-        at_top = {r.path: r.tokens_per_s for r in results if r.model == key and r.concurrency == top}
-        best_hf = max((v for k, v in at_top.items() if k.startswith("hf-")), default=0.0)
-        if "shoal" in at_top and best_hf:
-            print(
-                json.dumps(
-                    {
-                        "model": key,
-                        "concurrency": top,
-                        "shoal_tokens_per_s": round(at_top["shoal"], 1),
-                        "best_hf_tokens_per_s": round(best_hf, 1),
-                        "speedup": round(at_top["shoal"] / best_hf, 2),
-                        "floor_tokens_per_s": round(at_top.get("floor", 0.0), 1),
-                    }
-                ),
-                flush=True,
-            )
     if args.json:
-        args.json.write_text(json.dumps([{**r.summary(), "ttft_s": r.ttft_s} for r in results], indent=1))
+        args.json.write_text(
+            json.dumps(
+                [
+                    {**r.summary(), "ttft_s": r.timings.ttft_s, "last_token_s": r.timings.last_token_s}
+                    for r in results
+                ],
+                indent=1,
+            )
+        )
+    header = (
+        f"Prompts: {workload['prompt_tokens']} (mean {workload['mean_prompt_tokens']:.0f}); outputs: "
+        f"{workload['output_tokens']} (mean {workload['mean_output_tokens']:.0f}); medians of the repeats. "
+        "Output tok/s counts all generated tokens over the time from t0 to the last completion "
+        "(prefill included); decode tok/s the tokens after each request's first over the time from "
+        "the first first-token to the last token.\n"
+    )
+    return header + "\n" + engine_report(results, levels)
 
 
 if __name__ == "__main__":

@@ -12,8 +12,10 @@ For each dtype and head_dim (16-token blocks, 8 kv heads):
 
 each reported in GB/s and as a fraction of ``dst.copy_(src)`` moving the same
 number of bytes between contiguous tensors, measured in the same loop. Then
-``paged_attention`` decode for 1, 8 and 32 sequences against
-``scaled_dot_product_attention`` over contiguous K/V of the same shapes.
+``write_kv`` at the size of one layer of a decode step (32 tokens), per call
+against a copy of the same bytes: there the op's fixed cost, not bandwidth, is
+what is measured. Then ``paged_attention`` decode for 1, 8 and 32 sequences
+against ``scaled_dot_product_attention`` over contiguous K/V of the same shapes.
 Repetitions of every contender are interleaved and medians reported, because
 shared machines are noisy. Prints markdown tables.
 """
@@ -96,6 +98,82 @@ def bench_write_kv(dtype: torch.dtype, head_dim: int, num_tokens: int, pattern: 
         repeats,
     )
     return row(f"write_kv ({pattern})", dtype, head_dim, num_tokens, num_bytes, timing)
+
+
+def bench_write_kv_step(dtype: torch.dtype, head_dim: int, num_tokens: int, repeats: int) -> dict:
+    """`write_kv` of one decode step's layer (`num_tokens` scattered slots) per call, against
+    one `copy_` of the same bytes between small contiguous tensors (in L2); each timing
+    covers `calls` calls. Two slot patterns:
+
+    * the same slots every call: the rows stay in L1/L2 as the copy's do, so what is left
+      is the op's fixed cost (argument handling, two `index_copy_` dispatches);
+    * fresh random slots every call in a pool of at most 16 MB (128 blocks), which stays in
+      the L3 cache, as the blocks of a decode step do (the step before read them): every
+      row write then misses L2.
+    """
+    calls = 64
+    num_blocks = 128
+    cache_shape = (num_blocks, BLOCK_SIZE, NUM_KV_HEADS, head_dim)
+    key_cache, value_cache = torch.zeros(cache_shape, dtype=dtype), torch.zeros(cache_shape, dtype=dtype)
+    key = random_values((num_tokens, NUM_KV_HEADS, head_dim), dtype)
+    value = random_values((num_tokens, NUM_KV_HEADS, head_dim), dtype)
+    slot_sets = [write_slots(num_tokens, num_blocks, "decode") for _ in range(calls)]
+    src = random_values((2 * key.numel(),), dtype)
+    dst = torch.zeros_like(src)
+
+    def same_slots() -> None:
+        slots = slot_sets[0]
+        for _ in range(calls):
+            cpu.write_kv(key, value, key_cache, value_cache, slots)
+
+    def fresh_slots() -> None:
+        for slots in slot_sets:
+            cpu.write_kv(key, value, key_cache, value_cache, slots)
+
+    def copies() -> None:
+        for _ in range(calls):
+            dst.copy_(src)
+
+    timing = interleaved_medians({"same": same_slots, "fresh": fresh_slots, "copy": copies}, repeats)
+    same_us, fresh_us, copy_us = (1e6 * timing.seconds[name] / calls for name in ("same", "fresh", "copy"))
+    return {
+        "op": f"write_kv (decode step, {num_tokens} tokens)",
+        "dtype": str(dtype).removeprefix("torch."),
+        "head_dim": head_dim,
+        "KB": f"{2 * key.numel() * key.element_size() / 1e3:.0f}",
+        "copy us/call": f"{copy_us:.1f}",
+        "op us/call, same slots": f"{same_us:.1f}",
+        "op / copy, same slots": f"{copy_us / same_us:.2f}",
+        "op us/call, fresh slots": f"{fresh_us:.1f}",
+        "op / copy, fresh slots": f"{copy_us / fresh_us:.2f}",
+    }
+
+
+def bench_bandwidth(token_counts: tuple[int, ...], repeats: int) -> list[dict]:
+    """The write and gather rows of the report, for every dtype, head_dim and size."""
+    rows = []
+    for dtype in (torch.bfloat16, torch.float32):
+        for head_dim in (64, 128):
+            for num_tokens in token_counts:
+                for pattern in ("prefill", "decode"):
+                    rows.append(bench_write_kv(dtype, head_dim, num_tokens, pattern, repeats))
+                rows.append(bench_gather(dtype, head_dim, num_tokens, repeats))
+    return rows
+
+
+def bench_write_kv_steps(repeats: int) -> list[dict]:
+    return [
+        bench_write_kv_step(dtype, head_dim, 32, repeats)
+        for dtype in (torch.bfloat16, torch.float32)
+        for head_dim in (64, 128)
+    ]
+
+
+def use_cpu_time() -> None:
+    """Time with the calling thread's CPU time and one torch thread (`--cpu-time`)."""
+    global clock
+    clock = time.thread_time
+    torch.set_num_threads(1)
 
 
 def bench_gather(dtype: torch.dtype, head_dim: int, num_tokens: int, repeats: int) -> dict:
@@ -199,10 +277,8 @@ def main() -> None:
         help="time the calling thread's CPU time with one torch thread: steadier on a shared machine",
     )
     args = parser.parse_args()
-    global clock
     if args.cpu_time:
-        clock = time.thread_time
-        torch.set_num_threads(1)
+        use_cpu_time()
     elif args.threads:
         torch.set_num_threads(args.threads)
     repeats = args.repeats or (5 if args.quick else 21)
@@ -214,14 +290,8 @@ def main() -> None:
         f"torch {torch.__version__}, {torch.get_num_threads()} threads, {clock_name}, "
         f"medians of {repeats} interleaved rounds\n"
     )
-    bandwidth = []
-    for dtype in (torch.bfloat16, torch.float32):
-        for head_dim in (64, 128):
-            for num_tokens in token_counts:
-                for pattern in ("prefill", "decode"):
-                    bandwidth.append(bench_write_kv(dtype, head_dim, num_tokens, pattern, repeats))
-                bandwidth.append(bench_gather(dtype, head_dim, num_tokens, repeats))
-    print(markdown(bandwidth), end="\n\n")
+    print(markdown(bench_bandwidth(token_counts, repeats)), end="\n\n")
+    print(markdown(bench_write_kv_steps(repeats)), end="\n\n")
 
     decode = [
         bench_decode(dtype, num_seqs, seq_len, repeats)

@@ -3,13 +3,14 @@
 #
 #   * every kernels/csrc/*.cu with nvcc for each arch (sm_80 and sm_90 unless
 #     SHOAL_CUDA_ARCHS says otherwise), with the flags torch.utils.cpp_extension
-#     adds, compile only (-c);
+#     adds, compile only (-c): device code through ptxas for every arch;
 #   * every kernels/csrc/*.cpp (the torch bindings) with the host compiler,
 #     syntax only, against the installed torch's headers.
 #
-# All compiles run in parallel. Prints one line per compile; exits non-zero if
-# any failed. Environment: NVCC, CXX, CUDA_HOME, SHOAL_CUDA_ARCHS, and PYTHON
-# (default: $VIRTUAL_ENV/bin/python, else python3) to find torch.
+# All compiles run in parallel, one nvcc call per .cu for all archs. Prints one
+# line per compile; exits non-zero if any failed. Environment: NVCC, CXX,
+# CUDA_HOME, SHOAL_CUDA_ARCHS, and PYTHON (default: $VIRTUAL_ENV/bin/python,
+# else the repository's .venv/bin/python, else python3) to find torch.
 set -euo pipefail
 
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -20,6 +21,8 @@ read -r -a archs <<<"${SHOAL_CUDA_ARCHS:-80 90}"
 if [[ -z ${PYTHON:-} ]]; then
   if [[ -n ${VIRTUAL_ENV:-} && -x $VIRTUAL_ENV/bin/python ]]; then
     PYTHON=$VIRTUAL_ENV/bin/python
+  elif [[ -x $root/.venv/bin/python ]]; then
+    PYTHON=$root/.venv/bin/python  # the project venv, as .ci/run makes it (not activated)
   else
     PYTHON=python3
   fi
@@ -75,14 +78,23 @@ if ((${#cu_files[@]} == 0)); then
 fi
 echo "check_kernels: $("$nvcc" --version | tail -n 1); archs: ${archs[*]}"
 
+# One nvcc call per .cu builds every arch (-gencode per arch): the host side of the
+# file (preprocessing, cudafe, the host compiler) runs once instead of once per arch,
+# and --threads runs the per-arch device compiles in parallel inside the call.
+gencode=()
+arch_names=()
+for arch in "${archs[@]}"; do
+  gencode+=(-gencode "arch=compute_$arch,code=sm_$arch")
+  arch_names+=("sm_$arch")
+done
+arch_label=$(IFS=+; echo "${arch_names[*]}")
+
 pids=()
 for source in "${cu_files[@]}"; do
   name=$(basename "$source" .cu)
-  for arch in "${archs[@]}"; do
-    compile "$name.cu:sm_$arch" "$nvcc" "${nvcc_flags[@]}" -gencode "arch=compute_$arch,code=sm_$arch" \
-      -c "$source" -o "$out/$name.sm_$arch.o" &
-    pids+=($!)
-  done
+  compile "$name.cu:$arch_label" "$nvcc" "${nvcc_flags[@]}" "${gencode[@]}" --threads "${#archs[@]}" \
+    -c "$source" -o "$out/$name.o" &
+  pids+=($!)
 done
 for source in "${cpp_files[@]}"; do
   compile "$(basename "$source"):host" "$cxx" "${cxx_flags[@]}" "$source" &

@@ -17,8 +17,15 @@ import structlog
 from nats.micro import add_service
 from nats.micro.service import Service
 
+from shoal.kernels.cuda_ext import KernelBuildError
 from shoal.services.worker.generation import Engine
-from shoal.services.worker.loader import LoadedModel, ModelLoadError, park_weights, restore_weights
+from shoal.services.worker.loader import (
+    LoadedModel,
+    MinEngineBytes,
+    ModelLoadError,
+    park_weights,
+    restore_weights,
+)
 from shoal.services.worker.service import WorkerService
 from shoal.shared.bus import Bus
 from shoal.shared.messages import (
@@ -49,6 +56,8 @@ class ReplicaRuntime:
     build_engine: EngineFactory
     measure: Callable[[LoadedModel, int], int]
     drain_timeout_s: float = 30.0
+    min_engine_bytes: MinEngineBytes = 0
+    """What the engine needs besides the weights: checked before a restore rebuilds it."""
 
     async def to_cache(self) -> WorkerReply:
         if self.engine is None:
@@ -64,9 +73,11 @@ class ReplicaRuntime:
         if self.engine is not None:
             return WorkerReply(ok=True, message="already serving")
         try:
-            await asyncio.to_thread(restore_weights, self.loaded, replica)
+            await asyncio.to_thread(
+                restore_weights, self.loaded, replica, min_kv_reserve_bytes=self.min_engine_bytes
+            )
             engine, engine_bytes = await asyncio.to_thread(self.build_engine, self.loaded)
-        except (ModelLoadError, ValueError, MemoryError) as exc:
+        except (ModelLoadError, KernelBuildError, ValueError, MemoryError) as exc:
             raise RequestError(507, f"cannot restore on the new allocation: {exc}") from exc
         self.replica, self.engine = replica, engine
         self.service.resume(engine)

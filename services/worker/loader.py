@@ -4,11 +4,13 @@ On CUDA the allocation is enforced by torch and accelerate (seed 000):
 `set_device` on the first target GPU, `set_per_process_memory_fraction` for a
 single-GPU replica, and a `max_memory` map that gives non-target GPUs 0 bytes.
 On virtual GPUs (tensors on the CPU) the worker enforces it itself: the
-weights plus a minimal KV pool must fit, or loading fails with a clear error.
+weights plus what the engine needs at least (its activation reserve and the
+smallest KV pool it starts with) must fit, or loading fails with a clear error.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,6 +29,15 @@ _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch
 
 class ModelLoadError(RuntimeError):
     """The model cannot be loaded on this replica's allocation (the message says why)."""
+
+
+MinEngineBytes = int | Callable[[Any, torch.dtype], int]
+"""Bytes the engine needs besides the weights, or a function of the model's config and dtype
+that computes them (`engine.factory.get_min_engine_bytes_for`)."""
+
+
+def _resolve_min_bytes(min_engine_bytes: MinEngineBytes, config: Any, dtype: torch.dtype) -> int:
+    return min_engine_bytes if isinstance(min_engine_bytes, int) else min_engine_bytes(config, dtype)
 
 
 @dataclass
@@ -94,9 +105,13 @@ def load_model(
     *,
     device: torch.device,
     attn_implementation: str | None = None,
-    min_kv_reserve_bytes: int = 0,
+    min_kv_reserve_bytes: MinEngineBytes = 0,
 ) -> LoadedModel:
     """Load `spec` from `models_root` for `replica`.
+
+    Args:
+        min_kv_reserve_bytes: what the engine needs besides the weights (its activation
+            reserve and minimal KV pool); on a virtual GPU the weights plus this must fit.
 
     Raises ModelLoadError when the path is not a transformers checkpoint under
     the models root, or the weights (plus `min_kv_reserve_bytes`) do not fit
@@ -128,10 +143,12 @@ def load_model(
         model = model.to(device)
     model.eval()
     weight_bytes = model_weight_bytes(model)
-    if device.type != "cuda" and allocation_bytes and weight_bytes + min_kv_reserve_bytes > allocation_bytes:
+    min_engine_bytes = _resolve_min_bytes(min_kv_reserve_bytes, config, dtype)
+    if device.type != "cuda" and allocation_bytes and weight_bytes + min_engine_bytes > allocation_bytes:
         raise ModelLoadError(
-            f"{spec.key}: weights ({weight_bytes} bytes) plus the minimal KV pool ({min_kv_reserve_bytes} bytes) "
-            f"do not fit this replica's allocation of {allocation_bytes} bytes"
+            f"{spec.key}: weights ({weight_bytes} bytes) plus the engine's minimum ({min_engine_bytes} bytes: "
+            f"activation reserve and minimal KV pool) do not fit this replica's allocation of "
+            f"{allocation_bytes} bytes"
         )
     _verify_placement(model, replica, device)
     max_len = spec.max_model_len or int(getattr(config, "max_position_embeddings", 2048) or 2048)
@@ -157,10 +174,13 @@ def park_weights(loaded: LoadedModel, replica: ReplicaRecord) -> None:
     torch.cuda.empty_cache()
 
 
-def restore_weights(loaded: LoadedModel, replica: ReplicaRecord, *, min_kv_reserve_bytes: int = 0) -> None:
+def restore_weights(
+    loaded: LoadedModel, replica: ReplicaRecord, *, min_kv_reserve_bytes: MinEngineBytes = 0
+) -> None:
     """from_cache: the weights back onto the GPUs of the replica's (new) allocation.
 
-    Raises ModelLoadError when the weights do not fit the allocation of a virtual GPU.
+    Raises ModelLoadError when the weights (plus `min_kv_reserve_bytes`, as in `load_model`)
+    do not fit the allocation of a virtual GPU.
     """
     allocation_bytes = sum(replica.gpu_bytes.values())
     if loaded.device.type == "cuda":
@@ -173,7 +193,11 @@ def restore_weights(loaded: LoadedModel, replica: ReplicaRecord, *, min_kv_reser
         else:
             loaded.model.to(placement["device_map"][""])
         _verify_placement(loaded.model, replica, loaded.device)
-    elif allocation_bytes and loaded.weight_bytes + min_kv_reserve_bytes > allocation_bytes:
-        raise ModelLoadError(f"weights ({loaded.weight_bytes} bytes) do not fit the new allocation "
-                             f"of {allocation_bytes} bytes")
+    else:
+        min_engine_bytes = _resolve_min_bytes(min_kv_reserve_bytes, loaded.model.config, loaded.dtype)
+        if allocation_bytes and loaded.weight_bytes + min_engine_bytes > allocation_bytes:
+            raise ModelLoadError(
+                f"weights ({loaded.weight_bytes} bytes) plus the engine's minimum ({min_engine_bytes} bytes) "
+                f"do not fit the new allocation of {allocation_bytes} bytes"
+            )
     loaded.allocation_bytes = allocation_bytes

@@ -15,10 +15,11 @@ import nats.errors
 import structlog
 import torch
 
+from shoal.kernels.cuda_ext import KernelBuildError
 from shoal.services.worker.args import WorkerArgs, add_worker_arguments, parse_worker_args
 from shoal.services.worker.control import ReplicaRuntime, serve_control
 from shoal.services.worker.generation import Engine
-from shoal.services.worker.loader import LoadedModel, ModelLoadError, load_model
+from shoal.services.worker.loader import LoadedModel, MinEngineBytes, ModelLoadError, load_model
 from shoal.services.worker.prompts import eos_token_ids
 from shoal.services.worker.service import WorkerIdentity, WorkerService
 from shoal.shared import subjects
@@ -43,6 +44,18 @@ def build_engine(args: WorkerArgs, loaded: LoadedModel) -> tuple[Engine, int]:
     engine = build_paged_engine(loaded, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
                                 kv_cache_tokens=args.model.kv_cache_tokens)
     return engine, engine.kv_cache_bytes + engine.reserve_bytes
+
+
+def get_min_engine_bytes(args: WorkerArgs) -> MinEngineBytes:
+    """What the worker's engine needs besides the weights (the loader checks it on virtual
+    GPUs, so a model that cannot hold even the engine's minimal pool fails at load)."""
+    if args.engine == "hf":
+        return 0  # no pool: generate() grows its own cache
+    from shoal.services.worker.engine.factory import get_min_engine_bytes_for
+
+    return get_min_engine_bytes_for(
+        torch.device(args.device), block_size=args.block_size, max_num_seqs=args.max_num_seqs
+    )
 
 
 def measure_replica_bytes(loaded: LoadedModel, engine_bytes: int) -> int:
@@ -76,10 +89,11 @@ async def serve(args: WorkerArgs) -> int:
             register_attention()
         try:
             loaded = await asyncio.to_thread(
-                load_model, args.models_root, args.model, replica, device=device, attn_implementation=attn
+                load_model, args.models_root, args.model, replica, device=device, attn_implementation=attn,
+                min_kv_reserve_bytes=get_min_engine_bytes(args),
             )
             engine, engine_bytes = await asyncio.to_thread(build_engine, args, loaded)
-        except (ModelLoadError, ValueError, MemoryError) as exc:
+        except (ModelLoadError, KernelBuildError, ValueError, MemoryError) as exc:
             log.error("model_load_failed", error=str(exc))
             await report(bus, args.node_id, WorkerEvent(replica.replica_id, "failed", str(exc), pid=pid))
             return 3
@@ -97,7 +111,8 @@ async def serve(args: WorkerArgs) -> int:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
         runtime = ReplicaRuntime(replica, loaded, engine, service, lambda model: build_engine(args, model),
-                                 measure_replica_bytes, args.drain_timeout_s)
+                                 measure_replica_bytes, args.drain_timeout_s,
+                                 min_engine_bytes=get_min_engine_bytes(args))
         control = await serve_control(bus, runtime)
         run_task = asyncio.create_task(service.run())
         await report(

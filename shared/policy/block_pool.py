@@ -301,6 +301,25 @@ class BlockPool:
 
     # ------------------------------------------------------------------ prefix cache
 
+    def get_cached_prefix(self, block_hashes: Sequence[BlockHash]) -> tuple[int, int]:
+        """What `take_cached_prefix` would reuse, without taking it: no stats, no state change.
+
+        Returns:
+            (leading blocks found, how many of them are cached-free): taking them removes
+            the cached-free ones from the blocks an allocation can use.
+        """
+        hash_to_block = self._hash_to_block
+        ref_counts = self._ref_counts
+        num_hits = num_cached_free = 0
+        for block_hash in block_hashes:
+            block_id = hash_to_block.get(block_hash)
+            if block_id is None:
+                break
+            num_hits += 1
+            if not ref_counts[block_id]:
+                num_cached_free += 1
+        return num_hits, num_cached_free
+
     def take_cached_prefix(self, block_hashes: Sequence[BlockHash], out: list[int]) -> int:
         """Reuse the longest cached prefix of `block_hashes`: add a reference to each hit.
 

@@ -97,24 +97,73 @@ class KVCacheManager:
 
     # ------------------------------------------------------------------ lifecycle
 
-    def start_sequence(self, seq_id: str, token_ids: Sequence[int]) -> int:
+    def start_sequence(
+        self, seq_id: str, token_ids: Sequence[int], block_hashes: list[BlockHash] | None = None
+    ) -> int:
         """Open an empty block table for `seq_id`, reusing the longest cached prefix of `token_ids`.
+
+        Args:
+            block_hashes: the sequence's own list of its full blocks' hashes, as far as
+                known (see `try_start_sequence`); None for a fresh one.
 
         Returns:
             The number of leading tokens whose K/V is already in the reused blocks (a
             multiple of `block_size`, always less than `len(token_ids)`).
         """
         assert seq_id not in self._block_tables, f"sequence {seq_id!r} already has a block table"
+        if block_hashes is None:
+            block_hashes = []
         block_ids: list[int] = []
-        block_hashes: list[BlockHash] = []
         if self.enable_prefix_caching and token_ids:
-            num_reusable_blocks = (len(token_ids) - 1) // self.block_size
-            block_hashes = hash_full_blocks(token_ids, self.block_size, num_reusable_blocks)
-            self.pool.take_cached_prefix(block_hashes, block_ids)
-        self._block_tables[seq_id] = block_ids
-        self._block_hashes[seq_id] = block_hashes
-        self._num_registered_blocks[seq_id] = len(block_ids)
+            self.pool.take_cached_prefix(self._get_prompt_hashes(token_ids, block_hashes), block_ids)
+        self._open(seq_id, block_ids, block_hashes)
         return len(block_ids) * self.block_size
+
+    def try_start_sequence(
+        self, seq_id: str, token_ids: Sequence[int], max_num_new_tokens: int, block_hashes: list[BlockHash]
+    ) -> int | None:
+        """`start_sequence` plus room for its first chunk, all or nothing.
+
+        Looks the prompt up without taking anything first (`BlockPool.get_cached_prefix`),
+        so a sequence that does not fit yet changes nothing and counts nothing: it may be
+        tried again every step without inflating the cache's hit, miss or free counts.
+
+        Args:
+            token_ids: the sequence's tokens (prompt, and generated ones after preemption).
+            max_num_new_tokens: most tokens to make room for after the reused prefix (the
+                step's remaining budget); positive.
+            block_hashes: the sequence's own list of its full blocks' hashes; extended in
+                place as far as the prompt's reusable blocks and, while the sequence runs,
+                as blocks fill, so a prompt is hashed once however often it is tried and
+                however often it is preempted. Its entries must be hashes of these
+                `token_ids`: a sequence's tokens only ever grow at the end.
+
+        Returns:
+            The number of reused leading tokens (room is made for the next
+            ``min(len(token_ids) - that, max_num_new_tokens)`` tokens), or None when the
+            pool cannot supply the blocks.
+        """
+        assert seq_id not in self._block_tables, f"sequence {seq_id!r} already has a block table"
+        assert max_num_new_tokens > 0, f"max_num_new_tokens must be positive, got {max_num_new_tokens}"
+        prompt_hashes: Sequence[BlockHash] = ()
+        num_cached_blocks = num_cached_free = 0
+        if self.enable_prefix_caching:
+            prompt_hashes = self._get_prompt_hashes(token_ids, block_hashes)
+            num_cached_blocks, num_cached_free = self.pool.get_cached_prefix(prompt_hashes)
+        num_computed_tokens = num_cached_blocks * self.block_size
+        num_new_tokens = min(len(token_ids) - num_computed_tokens, max_num_new_tokens)
+        # The new chunk starts at a block boundary, so it never writes into a shared block.
+        num_new_blocks = self.get_num_blocks_for(num_computed_tokens + num_new_tokens) - num_cached_blocks
+        if num_new_blocks + num_cached_free > self.pool.get_num_free_blocks():
+            return None
+        block_ids: list[int] = []
+        if prompt_hashes:
+            num_hits = self.pool.take_cached_prefix(prompt_hashes, block_ids)
+            assert num_hits == num_cached_blocks, "a prefix lookup and the take right after it must agree"
+        allocated = self.pool.try_allocate_n(num_new_blocks, block_ids)
+        assert allocated, "allocation must succeed when free blocks were counted"
+        self._open(seq_id, block_ids, block_hashes, num_registered_blocks=num_cached_blocks)
+        return num_computed_tokens
 
     def try_allocate_slots(self, seq_id: str, num_computed_tokens: int, num_new_tokens: int) -> bool:
         """Make room for `num_new_tokens` K/V entries after the first `num_computed_tokens`.
@@ -196,6 +245,33 @@ class KVCacheManager:
         return copy_pairs
 
     # ------------------------------------------------------------------ internals
+
+    def _open(
+        self,
+        seq_id: str,
+        block_ids: list[int],
+        block_hashes: list[BlockHash],
+        num_registered_blocks: int | None = None,
+    ) -> None:
+        self._block_tables[seq_id] = block_ids
+        self._block_hashes[seq_id] = block_hashes
+        self._num_registered_blocks[seq_id] = (
+            len(block_ids) if num_registered_blocks is None else num_registered_blocks
+        )
+
+    def _get_prompt_hashes(self, token_ids: Sequence[int], block_hashes: list[BlockHash]) -> list[BlockHash]:
+        """Hashes of the full blocks of `token_ids` a new sequence may reuse (all but the one
+        holding its last token), extending `block_hashes` in place where it is short."""
+        num_reusable_blocks = max(0, len(token_ids) - 1) // self.block_size
+        num_known = len(block_hashes)
+        if num_known < num_reusable_blocks:
+            block_hashes += hash_full_blocks(
+                token_ids[num_known * self.block_size :],
+                self.block_size,
+                num_reusable_blocks - num_known,
+                block_hashes[-1] if block_hashes else None,
+            )
+        return block_hashes if num_known <= num_reusable_blocks else block_hashes[:num_reusable_blocks]
 
     def _needs_copy(self, block_ids: list[int], num_computed_tokens: int, num_new_tokens: int) -> bool:
         """Whether the first write lands in a partially filled block someone else shares."""

@@ -132,6 +132,21 @@ def test_prefix_hits_revive_cached_free_blocks_and_count_misses(pool: BlockPool)
     assert pool.get_ref_count(0) == 2
 
 
+def test_a_prefix_lookup_changes_nothing(pool: BlockPool) -> None:
+    block_ids = _allocate(pool, 3)
+    for block_id, name in zip(block_ids, ["a", "ab", "abc"], strict=True):
+        assert pool.try_cache_block(block_id, _hash(name))
+    pool.free_n([2, 1])  # blocks 1, 2 cached-free; block 0 still used
+    before = pool.get_stats()
+    free_before = pool.get_free_block_ids()
+    assert pool.get_cached_prefix([_hash("a"), _hash("ab"), _hash("abX")]) == (2, 1)
+    assert pool.get_cached_prefix([_hash("X"), _hash("ab")]) == (0, 0)
+    assert pool.get_cached_prefix([]) == (0, 0)
+    assert pool.get_stats() == before
+    assert pool.get_free_block_ids() == free_before
+    assert [pool.get_ref_count(block_id) for block_id in range(3)] == [1, 0, 0]
+
+
 def test_duplicate_contents_keep_the_first_cache_entry(pool: BlockPool) -> None:
     first, second = _allocate(pool, 2)
     assert pool.try_cache_block(first, _hash("x"))

@@ -204,3 +204,40 @@ def test_many_sequences_on_a_small_pool_all_finish() -> None:
     stats = scheduler.kv_cache.pool.get_stats()
     assert stats.num_used_blocks == 0
     assert stats.num_peak_used_blocks == 6
+
+
+def test_a_sequence_left_waiting_counts_its_cache_hits_once() -> None:
+    """A prompt whose cached prefix is found but whose chunk does not fit is looked up, not
+    taken: hits, misses and frees count only the admission that happens, and the prompt is
+    hashed once however many steps it waits."""
+    scheduler = _scheduler(num_blocks=6, budget=16)
+    kv = scheduler.kv_cache
+    prompt = [1, 2, 3, 4, 5, 6, 7, 8, 9]
+    scheduler.add(_seq("x", prompt))
+    _run(scheduler)
+    scheduler.finish("x", "cancelled")  # blocks 0, 1 cached-free; block 2 free
+    stats = kv.pool.get_stats()
+    assert (stats.num_cache_hits, stats.num_cache_misses, stats.num_frees) == (0, 2, 3)
+    scheduler.add(_seq("big", list(range(20, 32))))  # 3 blocks (2 misses), a 4th at its 13th token
+    _run(scheduler)
+    _run(scheduler)
+    assert kv.get_num_free_blocks() == 2 and kv.pool.get_stats().num_cached_free_blocks == 2
+    # Two of its three full blocks are cached, but reviving them leaves no block for the rest.
+    waiting = _seq("y", [*prompt[:8], 50, 51, 52, 53, 54])
+    scheduler.add(waiting)
+    for _ in range(3):  # big's 4th block takes its 14th to 16th tokens: no eviction
+        assert [c.seq.seq_id for c in _run(scheduler).chunks] == ["big"]
+        assert not kv.has_sequence("y")
+    stats = kv.pool.get_stats()
+    assert (stats.num_cache_hits, stats.num_cache_misses, stats.num_frees) == (0, 4, 3), (
+        "waiting counts nothing"
+    )
+    hashes = waiting.block_hashes
+    assert len(hashes) == 3
+    scheduler.finish("big", "cancelled")
+    assert _shape(_run(scheduler)) == [("y", 8, 5, True)]
+    assert waiting.block_hashes is hashes and len(hashes) == 3, "hashed once, extended in place"
+    stats = kv.pool.get_stats()
+    assert (stats.num_cache_hits, stats.num_cache_misses) == (2, 5)
+    assert stats.num_frees == 3 + 4  # x's blocks, then big's: nothing for y's waiting steps
+    assert kv.get_block_ids("y")[:2] == [0, 1]

@@ -1,4 +1,8 @@
-"""Every CUDA source compiles for sm_80 and sm_90 (compile only: no GPU needed)."""
+"""Every CUDA source compiles for sm_80 and sm_90 (compile only: no GPU needed).
+
+Skipped where nvcc is missing, except in CI (the ``CI`` environment variable set): there a
+missing compiler fails the test, so the CUDA sources can never go unchecked unnoticed.
+"""
 
 from __future__ import annotations
 
@@ -13,10 +17,12 @@ import pytest
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "check_kernels.sh"
 
 
-@pytest.mark.skipif(
-    shutil.which("nvcc") is None, reason="nvcc is not on PATH: the CUDA compile check needs it"
-)
 def test_cuda_kernels_compile_for_sm80_and_sm90() -> None:
+    if shutil.which("nvcc") is None:
+        message = "nvcc is not on PATH: the CUDA compile check needs it"
+        if os.environ.get("CI"):
+            pytest.fail(f"{message} (CI is set: the check must run in CI)")
+        pytest.skip(message)
     result = subprocess.run(
         ["bash", str(SCRIPT)],
         capture_output=True,
@@ -25,5 +31,5 @@ def test_cuda_kernels_compile_for_sm80_and_sm90() -> None:
         env={**os.environ, "PYTHON": sys.executable, "SHOAL_CUDA_ARCHS": "80 90"},
     )
     assert result.returncode == 0, result.stdout + result.stderr
-    for name in ("cache_ops.cu:sm_80", "cache_ops.cu:sm_90", "paged_attention.cu:sm_80", "bindings.cpp:host"):
+    for name in ("cache_ops.cu:sm_80+sm_90", "paged_attention.cu:sm_80+sm_90", "bindings.cpp:host"):
         assert f"ok      {name}" in result.stdout

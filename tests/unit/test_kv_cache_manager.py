@@ -165,3 +165,33 @@ def test_free_releases_every_reference() -> None:
     assert not kv.has_sequence("a")
     with pytest.raises(KeyError):
         kv.free("a")
+
+
+def test_try_start_takes_the_prefix_only_when_the_chunk_fits() -> None:
+    kv = _manager(num_blocks=5)
+    prompt = list(range(1, 11))  # 2 full blocks + 2 tokens
+    _prefill(kv, "a", prompt)
+    kv.free("a")  # blocks 1, 0 cached-free (in that eviction order), 2 free
+    assert kv.try_allocate_slots(_open(kv, "filler"), 0, 8)  # takes the free blocks 2, 3
+    before = kv.pool.get_stats()
+    hashes: list[bytes] = []
+    # 14 tokens: 2 cached blocks, 2 more needed, but reviving the 2 leaves only block 4.
+    assert kv.try_start_sequence("b", [*prompt[:8], 5, 6, 7, 8, 9, 10], 16, hashes) is None
+    assert not kv.has_sequence("b") and kv.pool.get_stats() == before
+    assert hashes == [*hash_full_blocks(prompt, 4, 2), hash_block_tokens(hashes[1], [5, 6, 7, 8])]
+    # A budget of 4 needs only block 4 after the reused 8 tokens.
+    assert kv.try_start_sequence("b", [*prompt[:8], 5, 6, 7, 8, 9, 10], 4, hashes) == 8
+    assert kv.get_block_ids("b") == [0, 1, 4]
+    stats = kv.pool.get_stats()
+    assert (
+        stats.num_cache_hits - before.num_cache_hits,
+        stats.num_cache_misses - before.num_cache_misses,
+    ) == (2, 1)
+    assert stats.num_allocations - before.num_allocations == 1
+    kv.register_computed_blocks("b", [*prompt[:8], 5, 6, 7, 8, 9, 10], 12)
+    assert kv.pool.get_cached_block(hashes[2]) == 4, "the precomputed hash registers block 4"
+
+
+def _open(kv: KVCacheManager, seq_id: str) -> str:
+    kv.start_sequence(seq_id, [])
+    return seq_id

@@ -6,8 +6,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from transformers import AutoConfig
 
+from shoal.services.worker.args import WorkerArgs
 from shoal.services.worker.loader import ModelLoadError, build_max_memory, load_model
+from shoal.services.worker.main import build_engine, get_min_engine_bytes
 from shoal.shared.messages import ModelSpec, ReplicaRecord
 
 MODEL = "demo/llama-5m"
@@ -43,3 +46,28 @@ def test_max_memory_gives_non_target_gpus_nothing() -> None:
     assert build_max_memory({1: 5 << 30, 2: 7 << 30}, num_visible_gpus=4) == {
         0: 0, 1: 5 << 30, 2: 7 << 30, 3: 0, "cpu": 0,
     }
+
+
+async def test_the_worker_checks_its_engines_real_minimum_at_load(demo_models_root: Path) -> None:
+    """The loader refuses exactly the allocations the paged engine could not start on: its
+    minimum is the engine's activation reserve plus one KV block, not 0 bytes."""
+    spec = ModelSpec(key=MODEL, path=MODEL)
+    args = WorkerArgs(
+        nats_url="nats://unused", node_id="n", models_root=str(demo_models_root), replica=_replica(1 << 30),
+        model=spec, device="cpu", engine="paged", block_size=16, max_num_seqs=64, torch_threads=0,
+        drain_timeout_s=1.0,
+    )
+    min_engine_bytes = get_min_engine_bytes(args)
+    assert not isinstance(min_engine_bytes, int)
+    min_bytes = min_engine_bytes(AutoConfig.from_pretrained(demo_models_root / MODEL), torch.float32)
+    weight_bytes = load_model(demo_models_root, spec, _replica(1 << 30), device=CPU).weight_bytes
+    with pytest.raises(ModelLoadError, match=rf"plus the engine's minimum \({min_bytes} bytes"):
+        load_model(demo_models_root, spec, _replica(weight_bytes + min_bytes - 1), device=CPU,
+                   min_kv_reserve_bytes=min_engine_bytes)
+    loaded = load_model(demo_models_root, spec, _replica(weight_bytes + min_bytes), device=CPU,
+                        min_kv_reserve_bytes=min_engine_bytes)
+    engine, _ = build_engine(args, loaded)
+    try:
+        assert engine.get_stats().pool.num_blocks == 1, "the least that loads is the engine's smallest pool"
+    finally:
+        await engine.close()

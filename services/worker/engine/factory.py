@@ -2,12 +2,55 @@
 
 from __future__ import annotations
 
-from shoal.services.worker.engine.paged_engine import EngineConfig, PagedEngine
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from shoal.services.worker.engine.paged_engine import EngineConfig, PagedEngine, get_min_engine_bytes
 from shoal.services.worker.loader import LoadedModel
 from shoal.shared.policy.memory import DEFAULT_RUNTIME_OVERHEAD_BYTES
 
 DEFAULT_KV_CACHE_TOKENS = 4096
 """Pool size, in tokens, for a replica run without an allocation (by hand)."""
+
+
+def make_engine_config(
+    device: torch.device,
+    *,
+    block_size: int = 16,
+    max_num_seqs: int = 64,
+    max_num_batched_tokens: int = 2048,
+    num_blocks: int | None = None,
+    kv_cache_tokens: int | None = None,
+) -> EngineConfig:
+    """The `EngineConfig` a worker's engine runs with on `device` (see `build_paged_engine`)."""
+    return EngineConfig(
+        block_size=block_size,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max(max_num_batched_tokens, max_num_seqs),
+        num_blocks=num_blocks,
+        max_kv_cache_tokens=kv_cache_tokens,
+        # A CUDA context and allocator slack exist only on real GPUs.
+        runtime_overhead_bytes=DEFAULT_RUNTIME_OVERHEAD_BYTES if device.type == "cuda" else 0,
+        # Before the worker reports ready (and its memory is measured): see warm_up.py.
+        warm_up=True,
+    )
+
+
+def get_min_engine_bytes_for(
+    device: torch.device, *, block_size: int = 16, max_num_seqs: int = 64, max_num_batched_tokens: int = 2048
+) -> Callable[[Any, torch.dtype], int]:
+    """The least bytes besides the weights an engine built with these settings needs, as a
+    function of the model's config and dtype (what `loader.load_model` checks before the
+    engine is built): the activation reserve and one KV block."""
+    config = make_engine_config(
+        device,
+        block_size=block_size,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+    )
+    return lambda model_config, dtype: get_min_engine_bytes(model_config, dtype, config)
 
 
 def build_paged_engine(
@@ -23,19 +66,19 @@ def build_paged_engine(
     The pool gets `allocation_bytes` minus the measured weights, the activation reserve
     and the runtime overhead (`shoal.shared.policy.memory`), capped at the model's KV
     budget `kv_cache_tokens`; a replica with no allocation gets `DEFAULT_KV_CACHE_TOKENS`.
+    The engine runs its warm-up pass before it is returned.
 
     Raises:
         KVPoolTooSmall: the allocation leaves no room for a single block.
+        KernelBuildError: on CUDA, Shoal's kernels cannot be built.
     """
-    num_blocks = None if loaded.allocation_bytes else -(-DEFAULT_KV_CACHE_TOKENS // block_size)
-    config = EngineConfig(
+    config = make_engine_config(
+        loaded.device,
         block_size=block_size,
         max_num_seqs=max_num_seqs,
-        max_num_batched_tokens=max(max_num_batched_tokens, max_num_seqs),
-        num_blocks=num_blocks,
-        max_kv_cache_tokens=kv_cache_tokens,
-        # A CUDA context and allocator slack exist only on real GPUs.
-        runtime_overhead_bytes=DEFAULT_RUNTIME_OVERHEAD_BYTES if loaded.device.type == "cuda" else 0,
+        max_num_batched_tokens=max_num_batched_tokens,
+        num_blocks=None if loaded.allocation_bytes else -(-DEFAULT_KV_CACHE_TOKENS // block_size),
+        kv_cache_tokens=kv_cache_tokens,
     )
     return PagedEngine(
         loaded.model,

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import threading
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,12 +26,15 @@ from typing import Any
 import structlog
 import torch
 
+from shoal.kernels import ops
+from shoal.kernels.ops import KernelBackend
 from shoal.services.worker.engine import packed_linear
 from shoal.services.worker.engine.attention import ATTN_IMPLEMENTATION, register_attention
 from shoal.services.worker.engine.model_runner import ModelRunner
 from shoal.services.worker.engine.sampler import SamplingState, sample
 from shoal.services.worker.engine.scheduler import Scheduler, SchedulerConfig, SequenceUpdate
 from shoal.services.worker.engine.sequence import Sequence
+from shoal.services.worker.engine.warm_up import get_warm_up_lengths, warm_up
 from shoal.services.worker.generation import (
     FinishReason,
     GenerationOutput,
@@ -74,6 +78,10 @@ class EngineConfig:
     pack_cpu_linear_weights: bool = True
     """On the CPU, run float32 linear layers on oneDNN-packed weights (`packed_linear`),
     1.1-2.5x faster than MKL's; the packed tensors replace the weights (same bytes)."""
+    warm_up: bool = False
+    """Run one forward pass at the token budget (a small one on the CPU) while the engine is
+    built (`warm_up.py`), so a server's memory is measured after its peak and its first
+    request pays no first-pass costs. The worker's factory turns it on."""
 
     def __post_init__(self) -> None:
         assert self.block_size > 0, f"block_size must be positive, got {self.block_size}"
@@ -140,6 +148,11 @@ class PagedEngine:
             `config.num_blocks` is set.
         config: engine limits.
         max_model_len: the serving limit on prompt + completion; None uses the model's.
+
+    Raises:
+        KernelBuildError: the model is on CUDA and Shoal's kernels cannot be built (see
+            `shoal.kernels.ops.prepare`).
+        KVPoolTooSmall: the allocation leaves no KV block.
     """
 
     def __init__(
@@ -153,6 +166,9 @@ class PagedEngine:
     ) -> None:
         self.config = config
         self._tokenizer = tokenizer
+        self.kernels: KernelBackend = ops.prepare(next(model.parameters()).device)
+        """Which implementation runs the KV ops; on CUDA the kernels are built here, before
+        any request (`ops.prepare` raises `KernelBuildError` when they cannot be)."""
         register_attention()
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
         model.eval()
@@ -177,6 +193,26 @@ class PagedEngine:
         self.max_model_len = self._get_max_model_len(
             model.config, max_model_len, num_blocks * config.block_size
         )
+        self.num_warm_up_tokens = 0
+        """Tokens of the warm-up pass run at construction (0: none)."""
+        if config.warm_up:
+            started = time.perf_counter()
+            self.num_warm_up_tokens = warm_up(
+                self._runner,
+                num_blocks,
+                get_warm_up_lengths(
+                    on_cuda=self._runner.device.type == "cuda",
+                    max_num_batched_tokens=config.max_num_batched_tokens,
+                    max_num_seqs=config.max_num_seqs,
+                    pool_tokens=num_blocks * config.block_size,
+                    max_model_len=self.max_model_len,
+                ),
+            )
+            log.info(
+                "engine.warmed_up",
+                num_tokens=self.num_warm_up_tokens,
+                seconds=round(time.perf_counter() - started, 3),
+            )
         self._requests: dict[str, _RequestState] = {}
         self._arrivals = itertools.count()
         self._mean_request_blocks = 1.0
@@ -192,6 +228,7 @@ class PagedEngine:
             kv_cache_bytes=self._runner.kv_cache_bytes,
             max_model_len=self.max_model_len,
             prefix_caching=config.enable_prefix_caching,
+            kernels=self.kernels,
         )
 
     # ------------------------------------------------------------------ Engine protocol
@@ -402,11 +439,7 @@ class PagedEngine:
     # ------------------------------------------------------------------ sizing
 
     def _get_reserve_bytes(self, model: Any) -> int:
-        shape = get_model_shape(model.config, next(model.parameters()).dtype)
-        activation_bytes = get_activation_bytes(
-            shape, self.config.max_num_batched_tokens, self.config.max_num_seqs
-        )
-        return activation_bytes + self.config.runtime_overhead_bytes
+        return get_reserve_bytes(model.config, next(model.parameters()).dtype, self.config)
 
     def _size_pool(self, model: Any, allocation_bytes: int | None) -> int:
         if allocation_bytes is None:
@@ -437,6 +470,21 @@ class PagedEngine:
         if getattr(config, "use_sliding_window", True) and getattr(config, "sliding_window", None):
             limits.append(config.sliding_window)
         return min(limits)
+
+
+def get_reserve_bytes(model_config: Any, dtype: torch.dtype, config: EngineConfig) -> int:
+    """What the engine keeps out of its KV pool besides the weights: activations of one step
+    at the token budget, logits of `max_num_seqs` rows, and the runtime overhead."""
+    shape = get_model_shape(model_config, dtype)
+    activation_bytes = get_activation_bytes(shape, config.max_num_batched_tokens, config.max_num_seqs)
+    return activation_bytes + config.runtime_overhead_bytes
+
+
+def get_min_engine_bytes(model_config: Any, dtype: torch.dtype, config: EngineConfig) -> int:
+    """The least an allocation must hold besides the weights for the engine to start: its
+    reserve and one KV block (with less, sizing the pool raises `KVPoolTooSmall`)."""
+    block_bytes = get_model_shape(model_config, dtype).get_kv_bytes_per_block(config.block_size)
+    return get_reserve_bytes(model_config, dtype, config) + block_bytes
 
 
 def measure_weight_bytes(model: torch.nn.Module) -> int:

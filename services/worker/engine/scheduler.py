@@ -12,7 +12,8 @@ pass, `update()` takes the sampled tokens. One step:
    resume usually recomputes only what was evicted meanwhile).
 2. If nothing was preempted, waiting sequences are admitted in order while the token
    budget, `max_num_seqs` and the pool allow, each with as much of its prompt as the
-   budget leaves (chunked prefill), after reusing its cached prefix.
+   budget leaves (chunked prefill), after reusing its cached prefix (looked up first and
+   taken only when the chunk fits, so a sequence left waiting counts nothing).
 
 The oldest running sequence can always proceed: every other sequence can be preempted,
 waiting sequences hold no blocks, and the engine caps a sequence's length at the pool's
@@ -204,12 +205,15 @@ class Scheduler:
             if not self.kv_cache.get_num_free_blocks():
                 break
             seq = waiting[0]
-            seq.num_computed_tokens = self.kv_cache.start_sequence(seq.seq_id, seq.token_ids)
-            num_new_tokens = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            if not self.kv_cache.try_allocate_slots(seq.seq_id, seq.num_computed_tokens, num_new_tokens):
-                self.kv_cache.free(seq.seq_id)
-                seq.num_computed_tokens = 0
+            # Looks the prompt up first and takes its cached prefix only if the chunk fits:
+            # a sequence left waiting counts no cache hits and frees nothing, step after step.
+            num_computed_tokens = self.kv_cache.try_start_sequence(
+                seq.seq_id, seq.token_ids, budget, seq.block_hashes
+            )
+            if num_computed_tokens is None:
                 break
+            seq.num_computed_tokens = num_computed_tokens
+            num_new_tokens = min(seq.num_tokens - num_computed_tokens, budget)
             waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             bisect.insort(self._running, seq, key=_arrival)

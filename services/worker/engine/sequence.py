@@ -6,6 +6,7 @@ import enum
 from dataclasses import dataclass, field
 
 from shoal.services.worker.generation import FinishReason
+from shoal.shared.policy.block_pool import BlockHash
 
 
 class SequenceStatus(enum.Enum):
@@ -37,6 +38,9 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0
+    block_hashes: list[BlockHash] = field(default_factory=list)
+    """Prefix-cache hashes of its full blocks, as far as known: filled by the KV cache
+    manager and kept across admission attempts and preemptions, so a prompt is hashed once."""
     extra: dict[str, object] = field(default_factory=dict)
     """Per-sequence state of the layers above the scheduler (sampler, text stream)."""
 

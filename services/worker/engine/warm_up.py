@@ -1,0 +1,75 @@
+"""The engine's warm-up: one forward pass through the real path before the worker serves.
+
+On CUDA the first forward pass at full size allocates what no later pass gives back to
+the driver: cuBLAS workspaces, the caching allocator's blocks for the activation peak,
+lazily loaded kernels. A worker reports its memory (`torch.cuda.memory_reserved`) when it
+becomes ready, so without a warm-up the node agent measures it low, and the first request
+pays the first-pass costs. The pass runs a step the scheduler plans at the token budget:
+`max_num_seqs` sequences (so the logits peak is there too) sharing `max_num_batched_tokens`
+prompt tokens, through `ModelRunner.prepare` / `execute` and the sampler, i.e. the ops,
+attention and layouts that serve requests.
+
+It runs while the engine is built, before its step thread starts, on a throwaway block
+pool of the same size: no request can hold a block yet, the engine's pool statistics
+start at zero, and the blocks the pass wrote are zeroed again afterwards.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from shoal.services.worker.engine.model_runner import ModelRunner
+from shoal.services.worker.engine.sampler import SamplingState, sample
+from shoal.services.worker.engine.scheduler import Scheduler, SchedulerConfig
+from shoal.services.worker.engine.sequence import Sequence
+from shoal.shared.policy.block_pool import BlockPool
+from shoal.shared.policy.kv_cache_manager import KVCacheManager
+
+CPU_WARM_UP_TOKENS = 32
+"""Tokens of the warm-up pass on the CPU. There the full budget would cost seconds per
+start on the larger demo models (llama-100m: 0.12-0.21 s for 32 tokens on one core) and would
+warm nothing the memory figure depends on: a virtual GPU's memory is computed, not
+measured, and the decode-size linear kernels are built already (`packed_linear.warm_up`).
+A small pass still runs every piece of the path once before the first request."""
+CPU_WARM_UP_SEQS = 2
+
+
+def get_warm_up_lengths(
+    *, on_cuda: bool, max_num_batched_tokens: int, max_num_seqs: int, pool_tokens: int, max_model_len: int
+) -> list[int]:
+    """Prompt lengths of the warm-up pass's sequences (their sum is the pass's tokens).
+
+    CUDA: the token budget over `max_num_seqs` sequences; CPU: `CPU_WARM_UP_TOKENS` over
+    `CPU_WARM_UP_SEQS`. Both within the pool, and no sequence longer than `max_model_len`.
+    """
+    if on_cuda:
+        num_tokens, num_seqs = max_num_batched_tokens, max_num_seqs
+    else:
+        num_tokens, num_seqs = min(max_num_batched_tokens, CPU_WARM_UP_TOKENS), CPU_WARM_UP_SEQS
+    num_tokens = min(num_tokens, pool_tokens)
+    num_seqs = max(min(num_seqs, num_tokens), -(-num_tokens // max_model_len))
+    base, extra = divmod(num_tokens, num_seqs)
+    return [base + (index < extra) for index in range(num_seqs)]
+
+
+def warm_up(runner: ModelRunner, num_blocks: int, lengths: list[int]) -> int:
+    """Run one pass of fresh prompts of `lengths` tokens on a throwaway pool.
+
+    Returns:
+        The number of tokens the pass computed.
+    """
+    block_size = runner.block_size
+    kv_cache = KVCacheManager(BlockPool(num_blocks, block_size), enable_prefix_caching=False)
+    scheduler = Scheduler(SchedulerConfig(len(lengths), sum(lengths)), kv_cache)
+    for index, length in enumerate(lengths):
+        scheduler.add(Sequence(f"warm-up-{index}", [1] * length, length, length + 1, index))
+    plan = scheduler.schedule()
+    step = runner.prepare(plan, kv_cache)
+    logits = runner.execute(step)
+    sample(logits, [SamplingState(0.0, 1.0, None) for chunk in plan.chunks if chunk.samples])
+    num_used_blocks = kv_cache.pool.get_stats().num_used_blocks
+    with torch.inference_mode():
+        runner.kv_cache[:, :, :num_used_blocks].zero_()  # a fresh pool hands out 0, 1, 2, ...
+    if runner.device.type == "cuda":
+        torch.cuda.synchronize(runner.device)
+    return plan.num_batched_tokens
