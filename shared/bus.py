@@ -52,6 +52,9 @@ T = TypeVar("T", bound=msgspec.Struct)
 STREAM_IN_USE_ERR = 10058  # JSStreamNameExistErr: exists with a different configuration
 MAX_DELIVERIES = 3
 """A request is tried at most this often (a worker dying mid-request counts as a try)."""
+GET_ALL_INACTIVE_S = 5.0
+"""Server-side lifetime of a `get_all` watcher's consumer once nothing listens (a safety
+net: `get_all` deletes it itself; nats-py's default is 5 minutes)."""
 
 
 class BusError(RuntimeError):
@@ -73,10 +76,12 @@ class TypedBucket(Generic[T]):
     by hand (`nats kv put`) must not take a service down.
     """
 
-    def __init__(self, kv: KeyValue, decoder: msgspec.json.Decoder[T], name: str) -> None:
+    def __init__(self, kv: KeyValue, decoder: msgspec.json.Decoder[T], name: str,
+                 js: JetStreamContext | None = None) -> None:
         self.kv = kv
         self.name = name
         self._decoder = decoder
+        self._js = js  # deletes get_all's watcher consumers (None: they lapse after GET_ALL_INACTIVE_S)
 
     def decode(self, key: str, raw: bytes | None) -> T | None:
         """Decode a raw value of this bucket (None, and logged, if malformed)."""
@@ -102,8 +107,13 @@ class TypedBucket(Generic[T]):
         return Versioned(value, entry.revision)
 
     async def get_all(self, prefix: str = ">") -> dict[str, Versioned[T]]:
-        """Current value of every key matching `prefix` (a KV key filter, e.g. ``node-a.*``)."""
-        watcher = await self.kv.watch(prefix, ignore_deletes=True)
+        """Current value of every key matching `prefix` (a KV key filter, e.g. ``node-a.*``).
+
+        Reads through a watcher (an ephemeral ordered consumer), deleted again before
+        returning: nats-py leaves a stopped watcher's consumer on the server until its
+        inactivity threshold, and callers such as the reconcile loop read every few seconds.
+        """
+        watcher = await self.kv.watch(prefix, ignore_deletes=True, inactive_threshold=GET_ALL_INACTIVE_S)
         found: dict[str, Versioned[T]] = {}
         try:
             while True:
@@ -119,8 +129,21 @@ class TypedBucket(Generic[T]):
                 if not entry.delta:
                     break
         finally:
-            await watcher.stop()
+            try:
+                await watcher.stop()
+            finally:
+                await self._delete_watch_consumer(watcher)
         return found
+
+    async def _delete_watch_consumer(self, watcher: KeyValue.KeyWatcher) -> None:
+        # The ordered consumer's current name (it changes when nats-py recreates it after a gap).
+        consumer = getattr(watcher._sub, "_consumer", None)
+        if self._js is None or not consumer:
+            return  # the inactivity threshold removes it soon enough
+        try:
+            await self._js.delete_consumer(f"KV_{self.name}", consumer)
+        except (nats.errors.Error, TimeoutError) as exc:
+            log.debug("kv_watch_consumer_not_deleted", bucket=self.name, consumer=consumer, error=str(exc))
 
     async def put(self, key: str, value: T) -> int:
         """Unconditional write (not CAS): only for keys a single owner writes."""
@@ -345,10 +368,10 @@ async def connect(
     return Bus(
         nc=nc,
         js=js,
-        models=TypedBucket(kvs[subjects.MODELS_BUCKET], model_spec_decoder, subjects.MODELS_BUCKET),
-        gpus=TypedBucket(kvs[subjects.GPUS_BUCKET], gpu_record_decoder, subjects.GPUS_BUCKET),
-        replicas=TypedBucket(kvs[subjects.REPLICAS_BUCKET], replica_record_decoder, subjects.REPLICAS_BUCKET),
-        nodes=TypedBucket(kvs[subjects.NODES_BUCKET], node_record_decoder, subjects.NODES_BUCKET),
+        models=TypedBucket(kvs[subjects.MODELS_BUCKET], model_spec_decoder, subjects.MODELS_BUCKET, js),
+        gpus=TypedBucket(kvs[subjects.GPUS_BUCKET], gpu_record_decoder, subjects.GPUS_BUCKET, js),
+        replicas=TypedBucket(kvs[subjects.REPLICAS_BUCKET], replica_record_decoder, subjects.REPLICAS_BUCKET, js),
+        nodes=TypedBucket(kvs[subjects.NODES_BUCKET], node_record_decoder, subjects.NODES_BUCKET, js),
     )
 
 

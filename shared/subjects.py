@@ -9,6 +9,7 @@ each UTF-8 byte of any other character), reversibly and readably:
 
 from __future__ import annotations
 
+import functools
 import re
 
 # Streams and buckets (the NATS contract in DESIGN.md).
@@ -39,10 +40,17 @@ HDR_MSG_ID = "Nats-Msg-Id"
 _SAFE = re.compile(r"[A-Za-z0-9_-]")
 _TOKEN = re.compile(r"(?:[A-Za-z0-9_-]|=[0-9A-F]{2})+")
 MAX_MODEL_KEY_CHARS = 256
+CONSUMER_PREFIX = "infer-"
+"""Prefix of the per-model durable consumer's name (`consumer_name`)."""
+MAX_CONSUMER_NAME_CHARS = 255
+"""JetStream refuses longer consumer names."""
+MAX_MODEL_TOKEN_CHARS = MAX_CONSUMER_NAME_CHARS - len(CONSUMER_PREFIX)
+"""A model's token must leave room for `CONSUMER_PREFIX` in its consumer name. Each
+character outside ``[A-Za-z0-9_-]`` takes 3 per UTF-8 byte (``日`` -> ``=E6=97=A5``)."""
 
 
 class InvalidModelKey(ValueError):
-    """A model key that Shoal cannot name (empty, too long, or control characters)."""
+    """A model key that Shoal cannot name (empty, too long, its token too long, or control characters)."""
 
 
 class InvalidModelToken(ValueError):
@@ -57,12 +65,27 @@ def validate_model_key(model_key: str) -> str:
         raise InvalidModelKey(f"model key is longer than {MAX_MODEL_KEY_CHARS} characters")
     if any(ch.isspace() or not ch.isprintable() for ch in model_key):
         raise InvalidModelKey(f"model key {model_key!r} contains whitespace or control characters")
+    num_token_chars = len(_encode(model_key))
+    if num_token_chars > MAX_MODEL_TOKEN_CHARS:
+        raise InvalidModelKey(
+            f"model key is too long once escaped for NATS: its subject token has {num_token_chars} characters, "
+            f"at most {MAX_MODEL_TOKEN_CHARS} fit in a JetStream consumer name (characters other than "
+            f"A-Z a-z 0-9 _ - take 3 per UTF-8 byte)"
+        )
     return model_key
 
 
+@functools.lru_cache(maxsize=4096)
 def model_token(model_key: str) -> str:
-    """Map a model key to a subject- and KV-key-safe token (reversible, see module doc)."""
+    """Map a model key to a subject- and KV-key-safe token (reversible, see module doc).
+
+    Cached: the gateway maps the same few keys on every request (invalid keys raise,
+    and exceptions are not cached)."""
     validate_model_key(model_key)
+    return _encode(model_key)
+
+
+def _encode(model_key: str) -> str:
     parts: list[str] = []
     for ch in model_key:
         if _SAFE.fullmatch(ch):
@@ -89,7 +112,11 @@ def model_key_from_token(token: str) -> str:
         key = raw.decode()
     except UnicodeDecodeError as exc:
         raise InvalidModelToken(f"{token!r} does not decode to UTF-8") from exc
-    if model_token(key) != token:
+    try:
+        canonical = model_token(key)
+    except InvalidModelKey as exc:
+        raise InvalidModelToken(f"{token!r} decodes to a key Shoal cannot serve: {exc}") from exc
+    if canonical != token:
         raise InvalidModelToken(f"{token!r} is not the canonical token of {key!r}")
     return key
 
@@ -116,7 +143,7 @@ def event_subject(kind: str) -> str:
 
 def consumer_name(model_key: str) -> str:
     """Durable pull consumer shared by every replica of one model."""
-    return f"infer-{model_token(model_key)}"
+    return f"{CONSUMER_PREFIX}{model_token(model_key)}"
 
 
 def replica_name(model_key: str, replica_id: str) -> str:

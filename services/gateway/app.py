@@ -9,6 +9,7 @@ connection, the reply router, the watchers) is created and torn down in
 from __future__ import annotations
 
 import hmac
+import ipaddress
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 
@@ -19,6 +20,7 @@ from shoal.services.gateway import routes_admin, routes_openai
 from shoal.services.gateway.cluster import ClusterView
 from shoal.services.gateway.dispatch import Dispatcher
 from shoal.services.gateway.errors import Forbidden, Unauthorized, error_middleware
+from shoal.services.gateway.request_ids import request_id_middleware
 from shoal.services.gateway.router import ReplyRouter
 from shoal.services.gateway.state import GATEWAY, GatewayState
 from shoal.shared.bus import connect
@@ -31,7 +33,35 @@ OPEN_PATHS = ("/healthz", "/health", "/metrics")
 
 
 def _key_matches(presented: str, keys: list[str]) -> bool:
-    return any(hmac.compare_digest(presented, key) for key in keys)
+    # Bytes: compare_digest refuses str with non-ASCII characters (a 500 for a stray header).
+    given = presented.encode("utf-8", "surrogateescape")
+    return any(hmac.compare_digest(given, key.encode()) for key in keys)
+
+
+def bearer_token(header: str) -> str:
+    """The key of an ``Authorization: Bearer <key>`` header ("" if none); the scheme is
+    case-insensitive (RFC 9110), so ``bearer`` works too."""
+    scheme, _, token = header.strip().partition(" ")
+    return token.strip() if scheme.lower() == "bearer" else ""
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` (a listen address) is reachable only from this machine."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a host name, "" or "0.0.0.0"-like: assume it is reachable
+
+
+def open_admin_warning(config: GatewayConfig) -> str | None:
+    """Why the admin API is open to the network with this config, or None if it is not."""
+    if config.admin_api_keys or config.api_keys or is_loopback(config.host):
+        return None  # keys guard it (admin routes are off with only api_keys), or only this machine sees it
+    return (f"the admin API (/admin: register and remove models, scale, evict) is open to anyone who can reach "
+            f"{config.host}:{config.port}; set gateway.admin_api_keys (SHOAL_GATEWAY_ADMIN_API_KEYS=key1,key2) "
+            f"or listen on 127.0.0.1")
 
 
 def auth_middleware(config: GatewayConfig) -> Callable[..., Awaitable[web.StreamResponse]]:
@@ -40,11 +70,9 @@ def auth_middleware(config: GatewayConfig) -> Callable[..., Awaitable[web.Stream
     @web.middleware
     async def middleware(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
                          ) -> web.StreamResponse:
-        structlog.contextvars.clear_contextvars()
         if request.path in OPEN_PATHS:
             return await handler(request)
-        header = request.headers.get("Authorization", "")
-        presented = header.removeprefix("Bearer ").strip() if header.startswith("Bearer ") else ""
+        presented = bearer_token(request.headers.get("Authorization", ""))
         if request.path.startswith("/admin"):
             if config.admin_api_keys:
                 if not presented:
@@ -75,7 +103,7 @@ async def metrics(request: web.Request) -> web.Response:
 def create_app(config: GatewayConfig, nats_url: str, registry: Registry | None = None) -> web.Application:
     app = web.Application(
         client_max_size=config.max_body_bytes,
-        middlewares=[error_middleware, auth_middleware(config)],
+        middlewares=[request_id_middleware, error_middleware, auth_middleware(config)],
     )
     registry = registry or Registry()
 
@@ -99,6 +127,8 @@ def create_app(config: GatewayConfig, nats_url: str, registry: Registry | None =
                                        ["model"]),
         )
         log.info("gateway_started", gateway=gateway_id)
+        if (warning := open_admin_warning(config)) is not None:
+            log.warning("admin_api_open", host=config.host, port=config.port, detail=warning)
         yield
         await cluster.stop()
         await router.stop()

@@ -32,6 +32,8 @@ class ClusterView:
         """By replica KV key."""
         self._tasks: list[asyncio.Task[None]] = []
         self._models_by_token: dict[str, str] = {}
+        self._active: dict[str, set[str]] = {}
+        """Model -> KV keys of its replicas in ACTIVE_STATES (asked on every request)."""
 
     async def start(self) -> None:
         ready = [asyncio.Event(), asyncio.Event()]
@@ -56,7 +58,7 @@ class ClusterView:
         return any(r.serving for r in self.replicas_of(model))
 
     def has_active_replica(self, model: str) -> bool:
-        return any(r.state in ACTIVE_STATES for r in self.replicas_of(model))
+        return bool(self._active.get(model))
 
     def failing_reason(self, model: str, at: float) -> str | None:
         """Why `model` cannot serve now: its replicas keep failing and placement is backing
@@ -76,10 +78,13 @@ class ClusterView:
             self.models[value.key] = value
 
     def _on_replica(self, key: str, value: ReplicaRecord | None) -> None:
-        if value is None:
-            self.replicas.pop(key, None)
-        else:
+        previous = self.replicas.pop(key, None)
+        if previous is not None and previous.model in self._active:
+            self._active[previous.model].discard(key)
+        if value is not None:
             self.replicas[key] = value
+            if value.state in ACTIVE_STATES:
+                self._active.setdefault(value.model, set()).add(key)
 
     async def _watch(self, bucket: TypedBucket, apply, ready: asyncio.Event) -> None:  # type: ignore[no-untyped-def]
         while True:

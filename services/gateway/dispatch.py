@@ -15,9 +15,10 @@ dropped. When a new attempt begins after the client already holds text:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections import defaultdict
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Iterator
 from dataclasses import dataclass
 from typing import TypeAlias
 
@@ -33,7 +34,7 @@ from shoal.services.gateway.errors import (
     Unavailable,
     error_for_status,
 )
-from shoal.services.gateway.router import ReplyRouter
+from shoal.services.gateway.router import ReplyInbox, ReplyRouter
 from shoal.shared import subjects
 from shoal.shared.bus import Bus
 from shoal.shared.config import GatewayConfig
@@ -86,8 +87,11 @@ class Dispatcher:
         )
         self._queued_gauge = metrics.gauge("shoal_gateway_requests_in_flight", "Requests waiting or running", ["model"])
 
-    def admit(self, model: str) -> None:
-        """404 for an unknown model, 429 when its queue in this gateway is full."""
+    @contextlib.contextmanager
+    def admitted(self, model: str) -> Iterator[None]:
+        """Count a request for `model` as queued in this gateway for the whole `with` block:
+        404 for an unknown model, 429 when its queue is full. Counted from admission, so
+        requests waiting for a cold start's placement count against the bound too."""
         spec = self._cluster.get_model(model)
         if spec is None:
             raise NotFound(f"model {model!r} does not exist; GET /v1/models lists the served models",
@@ -96,17 +100,38 @@ class Dispatcher:
         if self._num_queued[model] >= limit:
             raise TooManyRequests(f"too many requests for {model!r} in flight ({limit}); retry shortly",
                                   retry_after_s=1.0)
+        self._num_queued[model] += 1
+        self._queued_gauge.set(self._num_queued[model], model=model)
+        try:
+            yield
+        finally:
+            self._num_queued[model] -= 1
+            self._queued_gauge.set(self._num_queued[model], model=model)
 
-    async def ensure_placed(self, model: str) -> None:
-        """Ask the scheduler for a replica when the model has none on its way (one ask per model at a time)."""
+    async def ensure_placed(self, model: str, deadline: float) -> None:
+        """Ask the scheduler for a replica when the model has none on its way (one ask per
+        model at a time); 504 if `deadline` (unix time) passes first."""
         if self._cluster.has_active_replica(model):
             return
         pending = self._ensuring.get(model)
         if pending is None:
             pending = asyncio.ensure_future(self._ask_scheduler(model))
             self._ensuring[model] = pending
-            pending.add_done_callback(lambda _: self._ensuring.pop(model, None))
-        await asyncio.shield(pending)
+            pending.add_done_callback(lambda done: self._ensured(model, done))
+        done, _ = await asyncio.wait([pending], timeout=max(0.0, deadline - time.time()))
+        if not done:
+            raise self._deadline_exceeded()
+        pending.result()
+
+    def _ensured(self, model: str, done: asyncio.Future[None]) -> None:
+        self._ensuring.pop(model, None)
+        if not done.cancelled():
+            done.exception()  # retrieved: every waiter may have given up at its deadline
+
+    def _deadline_exceeded(self) -> DeadlineExceeded:
+        return DeadlineExceeded(
+            f"the request did not finish within its deadline ({self._config.request_timeout_s:g}s)"
+        )
 
     async def _ask_scheduler(self, model: str) -> None:
         try:
@@ -132,9 +157,7 @@ class Dispatcher:
             ApiError: the worker's error, 504 at the deadline, StreamBroken.
         """
         model = request.model
-        self._num_queued[model] += 1
-        self._queued_gauge.set(self._num_queued[model], model=model)
-        queue = self._router.open(request.request_id)
+        inbox = self._router.open(request.request_id)
         started = time.monotonic()
         finished = False
         try:
@@ -143,7 +166,7 @@ class Dispatcher:
             num_sent = 0  # chunks of this request the caller has seen
             skip_below = 0  # a resumed attempt skips the chunks already sent
             while True:
-                reply = await self._next_reply(queue, request)
+                reply = await self._next_reply(inbox, request)
                 if reply.attempt < attempt:
                     continue  # late reply of a dead attempt
                 if reply.attempt > attempt:
@@ -171,11 +194,13 @@ class Dispatcher:
                         return
                     case ErrorReply(status=status, message=message, code=code):
                         finished = True
-                        raise error_for_status(status, message, code=code)
+                        error = error_for_status(status, message, code=code)
+                        if status in (400, 413):
+                            # The worker validates only the prompt (vocabulary, length, chat template).
+                            error.param = "prompt" if request.messages is None else "messages"
+                        raise error
         finally:
             self._router.close(request.request_id)
-            self._num_queued[model] -= 1
-            self._queued_gauge.set(self._num_queued[model], model=model)
             if not finished:
                 await self._cancel(request, "client disconnected or deadline passed")
 
@@ -192,23 +217,21 @@ class Dispatcher:
         except (TimeoutError, nats.errors.Error) as exc:
             raise Unavailable(f"the request queue is unavailable: {exc}", retry_after_s=2.0) from exc
 
-    async def _next_reply(self, queue: asyncio.Queue[Reply], request: InferenceRequest) -> Reply:
+    async def _next_reply(self, inbox: ReplyInbox, request: InferenceRequest) -> Reply:
         """The next reply; 504 at the deadline, 503 if the model's replicas keep failing meanwhile."""
         while True:
             remaining = request.deadline - time.time()
             if remaining <= 0:
-                raise DeadlineExceeded(
-                    f"the request did not finish within its deadline ({self._config.request_timeout_s:.0f}s)"
-                )
-            try:
-                return await asyncio.wait_for(queue.get(), timeout=min(remaining, FAILURE_CHECK_S))
-            except TimeoutError:
-                reason = self._cluster.failing_reason(request.model, time.time())
-                if reason is not None:
-                    raise Unavailable(f"model {request.model!r} cannot start: {reason}",
-                                      code="model_failing", retry_after_s=10.0) from None
-                # The replica this request waits for may have failed before serving: ask again.
-                await self.ensure_placed(request.model)
+                raise self._deadline_exceeded()
+            reply = await inbox.get(timeout_s=min(remaining, FAILURE_CHECK_S))
+            if reply is not None:
+                return reply
+            reason = self._cluster.failing_reason(request.model, time.time())
+            if reason is not None:
+                raise Unavailable(f"model {request.model!r} cannot start: {reason}",
+                                  code="model_failing", retry_after_s=10.0)
+            # The replica this request waits for may have failed before serving: ask again.
+            await self.ensure_placed(request.model, request.deadline)
 
     async def _cancel(self, request: InferenceRequest, reason: str) -> None:
         try:

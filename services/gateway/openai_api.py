@@ -1,23 +1,40 @@
 """The OpenAI request bodies Shoal accepts, validated with msgspec, and the responses it sends.
 
-Unknown fields are ignored (clients send many); fields Shoal knows but cannot
-honour (``n > 1``, ``logprobs``, tools, ``echo``...) are rejected with 400 naming
-the field, never silently dropped.
+Unknown fields are ignored (clients send many). Every field the OpenAI API lets
+be ``null`` may be ``null``, meaning absent. Numbers are bounded where they are
+declared (`msgspec.Meta`), so an out-of-range value is a 400 naming the field,
+never an overflow further in. Fields Shoal knows but cannot honour (``n > 1``,
+``logprobs``, penalties, ``logit_bias``, tools, ``echo``...) are accepted at
+their defaults and rejected with 400 naming the field otherwise, never silently
+dropped.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from collections.abc import Callable
+from typing import Annotated, Any, Literal
 
 import msgspec
-from msgspec import Struct
+from msgspec import Meta, Struct
 
 from shoal.services.gateway.errors import BadRequest, PayloadTooLarge
 from shoal.shared.messages import ChatMessage, SamplingParams
 
 MAX_STOP_SEQUENCES = 4
+MAX_INT32 = 2**31 - 1
 UNLIMITED_MAX_TOKENS = 1 << 30
 """Chat without max_tokens: generate up to the model's context (the worker clamps)."""
+
+MaxTokens = Annotated[int, Meta(ge=1, le=MAX_INT32)]
+Seed = Annotated[int, Meta(ge=-(2**63), le=2**63 - 1)]
+"""int64, as OpenAI documents it (and what msgpack carries to the worker)."""
+Temperature = Annotated[float, Meta(ge=0.0, le=2.0)]
+TopP = Annotated[float, Meta(gt=0.0, le=1.0)]
+Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
+NumChoices = Annotated[int, Meta(ge=1, le=128)]
+TopLogprobs = Annotated[int, Meta(ge=0, le=20)]
+CompletionLogprobs = Annotated[int, Meta(ge=0, le=5)]
+BestOf = Annotated[int, Meta(ge=0, le=20)]
 
 
 class TextPart(Struct):
@@ -32,37 +49,49 @@ class InMessage(Struct):
 
 
 class StreamOptions(Struct):
-    include_usage: bool = False
+    include_usage: bool | None = None
 
 
 class _Sampling(Struct, kw_only=True):
     model: str
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
+    max_tokens: MaxTokens | None = None
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
     stop: str | list[str] | None = None
-    seed: int | None = None
-    stream: bool = False
+    seed: Seed | None = None
+    stream: bool | None = None
     stream_options: StreamOptions | None = None
-    ignore_eos: bool = False
-    n: int = 1
-    logprobs: bool | int | None = None
+    ignore_eos: bool | None = None
+    """vLLM's extension: keep generating past end-of-sequence."""
     user: str | None = None
+    # Accepted at their defaults only (see `reject_unsupported`).
+    n: NumChoices | None = None
+    frequency_penalty: Penalty | None = None
+    presence_penalty: Penalty | None = None
+    logit_bias: dict[str, float] | None = None
 
 
 class ChatCompletionRequest(_Sampling, kw_only=True):
     messages: list[InMessage]
-    max_completion_tokens: int | None = None
+    max_completion_tokens: MaxTokens | None = None
+    logprobs: bool | None = None
+    top_logprobs: TopLogprobs | None = None
     tools: list[Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    functions: list[Any] | None = None
+    function_call: str | dict[str, Any] | None = None
     response_format: dict[str, Any] | None = None
+    audio: dict[str, Any] | None = None
+    modalities: list[str] | None = None
 
 
 class CompletionRequest(_Sampling, kw_only=True):
     prompt: str | list[Any]
     """A string, or one string / one token-id list in a list, or a token-id list."""
-    echo: bool = False
+    logprobs: CompletionLogprobs | None = None
+    echo: bool | None = None
     suffix: str | None = None
-    best_of: int | None = None
+    best_of: BestOf | None = None
 
 
 def decode_body(body: bytes, schema: type[Any]) -> Any:
@@ -77,6 +106,18 @@ def decode_body(body: bytes, schema: type[Any]) -> Any:
         raise BadRequest(f"request body is not valid JSON: {exc}") from exc
 
 
+class _ModelOnly(Struct):
+    model: str | None = None
+
+
+def model_named_in(body: bytes) -> str | None:
+    """The ``model`` of a body that failed validation, if it names one (for logs and metrics)."""
+    try:
+        return msgspec.json.decode(body, type=_ModelOnly).model
+    except msgspec.DecodeError:
+        return None
+
+
 def _param_of(message: str) -> str | None:
     marker = "at `$."
     if marker in message:
@@ -84,46 +125,65 @@ def _param_of(message: str) -> str | None:
     return None
 
 
-def _check_range(name: str, value: float | None, low: float, high: float, *, low_open: bool = False) -> None:
-    if value is None:
-        return
-    if value < low or value > high or (low_open and value == low):
-        bracket = "(" if low_open else "["
-        raise BadRequest(f"{name} must be in {bracket}{low}, {high}], got {value}", param=name)
+_TOOL_CHOICES_WITHOUT_CALLS = (None, "none", "auto")
+_UNSUPPORTED: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
+    # (field, is its value one Shoal honours?, why not)
+    ("n", lambda v: v in (None, 1), "n > 1 is not supported; send separate requests"),
+    ("logprobs", lambda v: v is None or v is False, "logprobs are not supported"),
+    ("top_logprobs", lambda v: not v, "top_logprobs are not supported"),
+    ("frequency_penalty", lambda v: not v, "frequency_penalty is not supported (only 0)"),
+    ("presence_penalty", lambda v: not v, "presence_penalty is not supported (only 0)"),
+    ("logit_bias", lambda v: not v, "logit_bias is not supported"),
+    ("tools", lambda v: not v, "tools are not supported"),
+    ("tool_choice", lambda v: v in _TOOL_CHOICES_WITHOUT_CALLS, "tool_choice is not supported"),
+    ("functions", lambda v: not v, "functions are not supported"),
+    ("function_call", lambda v: v in _TOOL_CHOICES_WITHOUT_CALLS, "function_call is not supported"),
+    ("response_format", lambda v: not v or v.get("type", "text") == "text",
+     "only response_format {\"type\": \"text\"} is supported"),
+    ("audio", lambda v: v is None, "audio output is not supported"),
+    ("modalities", lambda v: v in (None, ["text"]), "only the \"text\" modality is supported"),
+    ("echo", lambda v: not v, "echo is not supported"),
+    ("suffix", lambda v: not v, "suffix is not supported"),
+    ("best_of", lambda v: v in (None, 1), "best_of > 1 is not supported"),
+)
+
+
+def reject_unsupported(req: _Sampling) -> None:
+    """400 naming the first field set to a value Shoal cannot honour (see the module doc)."""
+    for name, honoured, message in _UNSUPPORTED:
+        if not honoured(getattr(req, name, None)):
+            raise BadRequest(message, code="unsupported_parameter", param=name)
+
+
+def stream_mode(req: _Sampling) -> tuple[bool, bool]:
+    """(stream, include_usage); ``stream_options`` without ``stream: true`` is a 400, as OpenAI has it."""
+    stream = bool(req.stream)
+    if req.stream_options is not None and not stream:
+        raise BadRequest("stream_options is only allowed when stream is true", param="stream_options")
+    return stream, bool(req.stream_options and req.stream_options.include_usage)
 
 
 def sampling_params(req: _Sampling, max_tokens: int | None, default_max_tokens: int) -> SamplingParams:
-    """Validate the sampling fields shared by chat and completions."""
-    if req.n != 1:
-        raise BadRequest("n > 1 is not supported; send separate requests", param="n")
-    if req.logprobs:
-        raise BadRequest("logprobs are not supported", param="logprobs")
-    _check_range("temperature", req.temperature, 0.0, 2.0)
-    _check_range("top_p", req.top_p, 0.0, 1.0, low_open=True)
-    if max_tokens is not None and max_tokens < 1:
-        raise BadRequest(f"max_tokens must be >= 1, got {max_tokens}", param="max_tokens")
+    """Validate the sampling fields shared by chat and completions (ranges are checked at decoding)."""
+    if not req.model:
+        raise BadRequest("model is required", param="model")
+    reject_unsupported(req)
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     if len(stop) > MAX_STOP_SEQUENCES or any(not s for s in stop):
         raise BadRequest(f"stop takes up to {MAX_STOP_SEQUENCES} non-empty strings", param="stop")
-    if not req.model:
-        raise BadRequest("model is required", param="model")
     return SamplingParams(
         max_tokens=max_tokens if max_tokens is not None else default_max_tokens,
         temperature=1.0 if req.temperature is None else req.temperature,
         top_p=1.0 if req.top_p is None else req.top_p,
         seed=req.seed,
         stop=stop,
-        ignore_eos=req.ignore_eos,
+        ignore_eos=bool(req.ignore_eos),
     )
 
 
 def chat_messages(req: ChatCompletionRequest, max_chars: int) -> list[ChatMessage]:
     if not req.messages:
         raise BadRequest("messages must hold at least one message", param="messages")
-    if req.tools:
-        raise BadRequest("tools are not supported", param="tools")
-    if req.response_format and req.response_format.get("type", "text") != "text":
-        raise BadRequest("only response_format {\"type\": \"text\"} is supported", param="response_format")
     messages: list[ChatMessage] = []
     total_chars = 0
     for i, message in enumerate(req.messages):
@@ -141,18 +201,12 @@ def chat_messages(req: ChatCompletionRequest, max_chars: int) -> list[ChatMessag
         role = "system" if message.role == "developer" else message.role
         messages.append(ChatMessage(role=role, content=content, name=message.name))
     if total_chars > max_chars:
-        raise_prompt_too_large(total_chars, max_chars)
+        raise_prompt_too_large(total_chars, max_chars, param="messages")
     return messages
 
 
 def completion_prompt(req: CompletionRequest, max_chars: int) -> tuple[str | None, list[int] | None]:
     """A completion request's single prompt, as text or token ids."""
-    if req.echo:
-        raise BadRequest("echo is not supported", param="echo")
-    if req.suffix:
-        raise BadRequest("suffix is not supported", param="suffix")
-    if req.best_of not in (None, 1):
-        raise BadRequest("best_of > 1 is not supported", param="best_of")
     prompt: Any = req.prompt
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
         prompt = prompt[0]
@@ -163,14 +217,16 @@ def completion_prompt(req: CompletionRequest, max_chars: int) -> tuple[str | Non
     if prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         if len(prompt) > max_chars:
             raise_prompt_too_large(len(prompt), max_chars)
+        if not all(0 <= t <= MAX_INT32 for t in prompt):
+            raise BadRequest("prompt token ids must be integers in 0..2147483647", param="prompt")
         return None, list(prompt)
     raise BadRequest("prompt must be one string or one list of token ids (batches are not supported)",
                      param="prompt")
 
 
-def raise_prompt_too_large(num_chars: int, max_chars: int) -> None:
+def raise_prompt_too_large(num_chars: int, max_chars: int, param: str = "prompt") -> None:
     raise PayloadTooLarge(f"prompt has {num_chars} characters; this gateway takes at most {max_chars}",
-                          param="prompt")
+                          param=param)
 
 
 # --------------------------------------------------------------------------- responses

@@ -9,6 +9,8 @@
 
 from __future__ import annotations
 
+from typing import Annotated
+
 import msgspec
 from aiohttp import web
 
@@ -29,10 +31,12 @@ from shoal.shared.messages import (
 from shoal.shared.micro import ServiceCallError, ServiceError, ServiceUnavailable, request_json
 
 routes = web.RouteTableDef()
+MAX_REPLICAS = 1024
+"""Replicas one model may ask for through the admin API (a typo must not flood the scheduler)."""
 
 
 class ScaleBody(msgspec.Struct, forbid_unknown_fields=True):
-    replicas: int
+    replicas: Annotated[int, msgspec.Meta(ge=0, le=MAX_REPLICAS)]
 
 
 class EvictBody(msgspec.Struct, forbid_unknown_fields=True):
@@ -56,12 +60,11 @@ async def _command(request: web.Request, verb: str, command: SchedulerCommand) -
 
 @routes.post("/admin/models")
 async def register_model(request: web.Request) -> web.Response:
-    try:
-        model = msgspec.json.decode(await request.read(), type=ModelConfig)
-    except msgspec.ValidationError as exc:
-        raise BadRequest(f"invalid model: {exc}") from exc
-    except msgspec.DecodeError as exc:
-        raise BadRequest(f"request body is not valid JSON: {exc}") from exc
+    """Register a model. Its path must stay under the models root (checked here) and hold a
+    checkpoint a node agent can read (checked by the scheduler, which asks one: 400 if not)."""
+    model = decode_body(await request.read(), ModelConfig)
+    if model.min_replicas > MAX_REPLICAS:
+        raise BadRequest(f"min_replicas must be <= {MAX_REPLICAS}", param="min_replicas")
     return await _command(request, "register", RegisterModel(spec_from_config(model, source="admin")))
 
 
@@ -73,8 +76,6 @@ async def remove_model(request: web.Request) -> web.Response:
 @routes.post("/admin/models/{model:.+}/scale")
 async def scale_model(request: web.Request) -> web.Response:
     body = decode_body(await request.read(), ScaleBody)
-    if body.replicas < 0:
-        raise BadRequest("replicas must be >= 0", param="replicas")
     return await _command(request, "scale", ScaleModel(request.match_info["model"], body.replicas))
 
 

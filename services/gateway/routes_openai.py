@@ -8,9 +8,9 @@ ending with ``data: [DONE]``; an error after the stream started is sent as an
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import time
-import uuid
 from typing import Any
 
 import structlog
@@ -30,17 +30,20 @@ from shoal.services.gateway.openai_api import (
     decode_body,
     encoder,
     full_response,
+    model_named_in,
     sampling_params,
     stream_chunk,
+    stream_mode,
     usage,
 )
+from shoal.services.gateway.request_ids import REQUEST_ID, REQUEST_ID_HEADER
 from shoal.services.gateway.state import GATEWAY, GatewayState
-from shoal.shared.messages import FinalReply, InferenceRequest, SamplingParams, TokenChunk
+from shoal.shared.messages import FinalReply, InferenceRequest, TokenChunk
+from shoal.shared.subjects import MAX_MODEL_KEY_CHARS
 
 log = structlog.get_logger(__name__)
 
 routes = web.RouteTableDef()
-REQUEST_ID_HEADER = "X-Request-Id"
 REPLICA_HEADER = "X-Shoal-Replica"
 """Which replica answered a non-streamed request (debugging, and the replica-spread tests)."""
 
@@ -73,36 +76,77 @@ def _card(key: str, registered_at: float, max_model_len: int | None) -> ModelCar
 
 @routes.post("/v1/chat/completions")
 async def chat_completions(request: web.Request) -> web.StreamResponse:
-    state = request.app[GATEWAY]
-    body = decode_body(await request.read(), ChatCompletionRequest)
-    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    params = sampling_params(body, max_tokens, UNLIMITED_MAX_TOKENS)
-    messages = chat_messages(body, state.config.max_prompt_chars)
-    inference = _inference_request(state, body.model, params, stream=body.stream, messages=messages)
-    return await _serve(request, state, inference, "chat", body.stream,
-                        bool(body.stream_options and body.stream_options.include_usage))
+    return await _serve(request, "chat")
 
 
 @routes.post("/v1/completions")
 async def completions(request: web.Request) -> web.StreamResponse:
+    return await _serve(request, "completion")
+
+
+async def _serve(request: web.Request, kind: Kind) -> web.StreamResponse:
+    """Validate, admit, place, dispatch; every request counts in ``shoal_gateway_requests_total``
+    (``model`` is empty unless the request named a registered model)."""
     state = request.app[GATEWAY]
-    body = decode_body(await request.read(), CompletionRequest)
-    params = sampling_params(body, body.max_tokens, 16)
-    prompt, prompt_ids = completion_prompt(body, state.config.max_prompt_chars)
-    inference = _inference_request(state, body.model, params, stream=body.stream, prompt=prompt,
-                                   prompt_token_ids=prompt_ids)
-    return await _serve(request, state, inference, "completion", body.stream,
-                        bool(body.stream_options and body.stream_options.include_usage))
+    model_label = ""
+    outcome = "500"
+    started: float | None = None
+    try:
+        raw = await request.read()
+        try:
+            body = decode_body(raw, ChatCompletionRequest if kind == "chat" else CompletionRequest)
+        except ApiError:
+            model_label = _label_for(state, model_named_in(raw))
+            raise
+        model_label = _label_for(state, body.model)
+        inference, stream, include_usage = _inference_request(state, body, request[REQUEST_ID])
+        with state.dispatcher.admitted(inference.model):
+            started = time.monotonic()
+            await state.dispatcher.ensure_placed(inference.model, inference.deadline)
+            if stream:
+                response = await _stream(request, state, inference, kind, include_usage)
+            else:
+                response = await _collect(state, inference, kind)
+        outcome = "ok"
+        return response
+    except ApiError as exc:
+        outcome = str(exc.status)
+        raise
+    except asyncio.CancelledError:
+        outcome = "cancelled"  # the client went away
+        raise
+    finally:
+        state.requests_total.inc(model=model_label, kind=kind, outcome=outcome)
+        if started is not None:
+            state.latency.observe(time.monotonic() - started, model=model_label)
 
 
-def _inference_request(state: GatewayState, model: str, params: SamplingParams, *, stream: bool,
-                       **prompt: Any) -> InferenceRequest:
-    request_id = uuid.uuid4().hex
-    structlog.contextvars.bind_contextvars(request_id=request_id, model=model)
+def _label_for(state: GatewayState, model: str | None) -> str:
+    """Bind `model` for logging; return it as a metrics label only if it is registered (clients
+    must not be able to mint label values)."""
+    if model is None:
+        return ""
+    structlog.contextvars.bind_contextvars(model=model[:MAX_MODEL_KEY_CHARS])  # a body may send megabytes
+    return model if state.cluster.get_model(model) is not None else ""
+
+
+def _inference_request(state: GatewayState, body: ChatCompletionRequest | CompletionRequest, request_id: str
+                       ) -> tuple[InferenceRequest, bool, bool]:
+    """The request to publish, whether to stream, whether to send usage (400 for what is invalid)."""
+    prompt: dict[str, Any]
+    if isinstance(body, ChatCompletionRequest):
+        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        params = sampling_params(body, max_tokens, UNLIMITED_MAX_TOKENS)
+        prompt = {"messages": chat_messages(body, state.config.max_prompt_chars)}
+    else:
+        params = sampling_params(body, body.max_tokens, 16)
+        text, token_ids = completion_prompt(body, state.config.max_prompt_chars)
+        prompt = {"prompt": text, "prompt_token_ids": token_ids}
+    stream, include_usage = stream_mode(body)
     created = time.time()
-    return InferenceRequest(
+    inference = InferenceRequest(
         request_id=request_id,
-        model=model,
+        model=body.model,
         params=params,
         deadline=created + state.config.request_timeout_s,
         reply_to=state.router.reply_subject(request_id),
@@ -111,27 +155,7 @@ def _inference_request(state: GatewayState, model: str, params: SamplingParams, 
         created=created,
         **prompt,
     )
-
-
-async def _serve(request: web.Request, state: GatewayState, inference: InferenceRequest, kind: Kind,
-                 stream: bool, include_usage: bool) -> web.StreamResponse:
-    state.dispatcher.admit(inference.model)
-    outcome = "error"
-    started = time.monotonic()
-    try:
-        await state.dispatcher.ensure_placed(inference.model)
-        if stream:
-            response = await _stream(request, state, inference, kind, include_usage)
-        else:
-            response = await _collect(state, inference, kind)
-        outcome = "ok"
-        return response
-    except ApiError as exc:
-        outcome = str(exc.status)
-        raise
-    finally:
-        state.requests_total.inc(model=inference.model, kind=kind, outcome=outcome)
-        state.latency.observe(time.monotonic() - started, model=inference.model)
+    return inference, stream, include_usage
 
 
 async def _collect(state: GatewayState, inference: InferenceRequest, kind: Kind) -> web.Response:
@@ -150,7 +174,7 @@ async def _collect(state: GatewayState, inference: InferenceRequest, kind: Kind)
     response_id = ("chatcmpl-" if kind == "chat" else "cmpl-") + inference.request_id
     body = full_response(kind, response_id, int(inference.created), inference.model, "".join(parts),
                          final.finish_reason, usage(final.prompt_tokens, final.completion_tokens))
-    return _json(body, headers={REQUEST_ID_HEADER: inference.request_id, REPLICA_HEADER: final.replica_id})
+    return _json(body, headers={REPLICA_HEADER: final.replica_id})  # X-Request-Id: request_id_middleware
 
 
 async def _stream(request: web.Request, state: GatewayState, inference: InferenceRequest, kind: Kind,

@@ -139,6 +139,19 @@ def _post(url: str, body: bytes, content_type: str = "application/json") -> tupl
                                  b'"n": 3}', 400, "n"),
         ("/v1/completions", b'{"model": "demo/llama-5m", "prompt": 42}', 400, "prompt"),
         ("/v1/completions", b'{"model": "demo/llama-5m"}', 400, None),
+        ("/v1/chat/completions", b'{"model": "demo/llama-5m", "messages": [{"role": "user", "content": "x"}], '
+                                 b'"max_tokens": 100000000000000000000}', 400, "max_tokens"),
+        ("/v1/chat/completions", b'{"model": "demo/llama-5m", "messages": [{"role": "user", "content": "x"}], '
+                                 b'"max_completion_tokens": 0}', 400, "max_completion_tokens"),
+        ("/v1/completions", b'{"model": "demo/llama-5m", "prompt": "x", "seed": 100000000000000000000}', 400,
+         "seed"),
+        ("/v1/completions", b'{"model": "demo/llama-5m", "prompt": "x", "top_p": 0}', 400, "top_p"),
+        ("/v1/chat/completions", b'{"model": "demo/llama-5m", "messages": [{"role": "user", "content": "x"}], '
+                                 b'"frequency_penalty": 1.5}', 400, "frequency_penalty"),
+        ("/v1/chat/completions", b'{"model": "demo/llama-5m", "messages": [{"role": "user", "content": "x"}], '
+                                 b'"stream_options": {"include_usage": true}}', 400, "stream_options"),
+        # Out of the model's vocabulary: only the worker knows; the error still names the field.
+        ("/v1/completions", b'{"model": "demo/llama-5m", "prompt": [1, 999999], "max_tokens": 1}', 400, "prompt"),
     ],
 )
 def test_bad_requests_get_openai_style_errors(shoal: ShoalUp, path: str, body: bytes, status: int,
@@ -152,15 +165,37 @@ def test_bad_requests_get_openai_style_errors(shoal: ShoalUp, path: str, body: b
         assert error.get("param") == param
 
 
+def test_null_fields_are_accepted_as_absent(shoal: ShoalUp) -> None:
+    nulls = {"n": None, "stream": None, "stop": None, "seed": None, "temperature": None, "top_p": None,
+             "user": None, "stream_options": None, "logprobs": None, "frequency_penalty": None,
+             "presence_penalty": None, "logit_bias": None}
+    body = {"model": SMALL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": None,
+            "max_completion_tokens": 3, "ignore_eos": True} | nulls
+    code, payload = _post(shoal.base_url + "/v1/chat/completions", json.dumps(body).encode())
+    assert code == 200, payload
+    assert payload["usage"]["completion_tokens"] == 3 and len(payload["choices"]) == 1
+
+
 def test_prompt_too_long_for_the_model_is_413(shoal: ShoalUp) -> None:
     body = json.dumps({"model": SMALL, "prompt": "word " * 4000, "max_tokens": 2}).encode()
     code, payload = _post(shoal.base_url + "/v1/completions", body)
     assert code == 413 and "prompt" in payload["error"]["message"]
 
 
+def test_registering_a_model_whose_files_no_node_agent_finds_is_400(shoal: ShoalUp) -> None:
+    code, payload = _post(shoal.base_url + "/admin/models", json.dumps({"key": "org/ghost", "path": "no/such"}).encode())
+    assert code == 400, payload
+    assert "no/such" in payload["error"]["message"]
+    with urllib.request.urlopen(shoal.v1 + "/models", timeout=10) as response:
+        assert "org/ghost" not in {m["id"] for m in json.loads(response.read())["data"]}
+    code, payload = _post(shoal.base_url + "/admin/models", json.dumps({"key": "org/again", "path": SMALL}).encode())
+    assert code == 200 and payload["model"]["weight_bytes"] > 0, payload
+
+
 def test_health_and_metrics(shoal: ShoalUp) -> None:
-    with urllib.request.urlopen(shoal.base_url + "/healthz", timeout=10) as response:
-        assert json.loads(response.read())["status"] == "ok"
+    for path in ("/healthz", "/health"):
+        with urllib.request.urlopen(shoal.base_url + path, timeout=10) as response:
+            assert json.loads(response.read())["status"] == "ok"
     with urllib.request.urlopen(shoal.base_url + "/metrics", timeout=10) as response:
         text = response.read().decode()
     assert "shoal_gateway_requests_total" in text

@@ -45,8 +45,8 @@ def _argv(service: dict[str, Any]) -> list[str]:
     return shlex.split(command) if isinstance(command, str) else command
 
 
-def test_compose_names_the_four_services(compose_config: dict[str, Any]) -> None:
-    assert set(compose_config["services"]) == {"nats", "gateway", "scheduler", "node-agent"}
+def test_compose_names_the_four_services_and_the_demo_models_job(compose_config: dict[str, Any]) -> None:
+    assert set(compose_config["services"]) == {"nats", "gateway", "scheduler", "node-agent", "demo-models"}
 
 
 def test_nats_runs_jetstream_on_a_volume(compose_config: dict[str, Any]) -> None:
@@ -72,10 +72,28 @@ def test_service_commands_are_the_cli_contract(compose_config: dict[str, Any]) -
         "--models-root",
         "/models",
     ]
-    assert {"published": 8000, "target": 8000} in services["gateway"]["ports"]
     for name in ("gateway", "scheduler", "node-agent"):
         assert services[name]["build"]["context"] == str(REPO_ROOT)
-        assert services[name]["depends_on"] == {"nats": {"condition": "service_healthy"}}
+        assert services[name]["depends_on"]["nats"] == {"condition": "service_healthy"}
+    assert set(services["gateway"]["depends_on"]) == set(services["node-agent"]["depends_on"]) == {"nats"}
+
+
+def test_gateway_is_published_on_loopback_with_keys_from_the_environment(compose_config: dict[str, Any]) -> None:
+    gateway = compose_config["services"]["gateway"]
+    assert gateway["ports"] == ["127.0.0.1:8000:8000/tcp"], "no open admin API on the network by default"
+    assert set(gateway["environment"]) == {"SHOAL_GATEWAY_ADMIN_API_KEYS", "SHOAL_GATEWAY_API_KEYS"}
+    assert "SHOAL_ADMIN_API_KEYS" in (REPO_ROOT / "compose.yaml").read_text()
+
+
+def test_scheduler_sees_the_models_so_they_get_registered(compose_config: dict[str, Any]) -> None:
+    services = compose_config["services"]
+    scheduler = services["scheduler"]
+    assert "models:/models:ro" in scheduler["volumes"]
+    assert scheduler["environment"]["SHOAL_NODE_MODELS_ROOT"] == "/models"
+    assert scheduler["depends_on"]["demo-models"] == {"condition": "service_completed_successfully"}
+    demo = services["demo-models"]
+    assert _argv(demo) == ["demo-models", "--models-root", "/models"]
+    assert "models:/models:rw" in demo["volumes"] and demo["restart"] == "no"
 
 
 def test_node_agent_reserves_nvidia_gpus_and_mounts_models(compose_config: dict[str, Any]) -> None:

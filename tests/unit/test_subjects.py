@@ -45,3 +45,19 @@ def test_strings_no_key_maps_to_are_rejected(bad: str) -> None:
 def test_replica_naming_contract() -> None:
     assert subjects.replica_name("org/m", "ab12") == "ModelActor:org/m:ab12"
     assert subjects.replica_kv_key("org/m", "ab12") == "org=2Fm.ab12"
+
+
+def test_keys_whose_token_overflows_a_consumer_name_are_rejected() -> None:
+    # 60 CJK characters are 180 UTF-8 bytes: a 544-character token, a 550-character consumer name.
+    with pytest.raises(InvalidModelKey, match="consumer name"):
+        model_token("org/" + "日" * 60)
+    with pytest.raises(InvalidModelKey, match="consumer name"):
+        subjects.validate_model_key("a" * (subjects.MAX_MODEL_TOKEN_CHARS + 1))
+    fits = "a" * subjects.MAX_MODEL_TOKEN_CHARS
+    assert len(subjects.consumer_name(fits)) == subjects.MAX_CONSUMER_NAME_CHARS
+    assert len(subjects.consumer_name("日" * (subjects.MAX_MODEL_TOKEN_CHARS // 9))) <= subjects.MAX_CONSUMER_NAME_CHARS
+
+
+def test_an_overlong_token_is_not_a_model_token() -> None:
+    with pytest.raises(InvalidModelToken):
+        model_key_from_token("a" * (subjects.MAX_MODEL_TOKEN_CHARS + 1))

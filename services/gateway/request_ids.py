@@ -1,0 +1,34 @@
+"""Every HTTP request gets an id first: bound for logging, sent back in ``X-Request-Id``.
+
+The id is made here, never taken from the client: it names the request's reply
+subject and is its JetStream de-duplication id, so it must be unique and a
+valid subject token.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Awaitable, Callable
+
+import structlog
+from aiohttp import web
+
+REQUEST_ID_HEADER = "X-Request-Id"
+REQUEST_ID = web.RequestKey("request_id", str)
+
+
+@web.middleware
+async def request_id_middleware(
+    request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+) -> web.StreamResponse:
+    """Outermost middleware: every log line of the request carries `request_id`, every
+    response (errors included) the ``X-Request-Id`` header. Streams set the header
+    themselves before they start."""
+    request_id = uuid.uuid4().hex
+    structlog.contextvars.clear_contextvars()  # keep-alive: a connection serves many requests
+    structlog.contextvars.bind_contextvars(request_id=request_id)
+    request[REQUEST_ID] = request_id
+    response = await handler(request)
+    if not response.prepared:
+        response.headers[REQUEST_ID_HEADER] = request_id
+    return response
