@@ -39,6 +39,13 @@ class SamplingParams(Struct, omit_defaults=True):
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
+    top_k: int = 0
+    """Sample among the k most likely tokens; 0: no limit."""
+    min_p: float = 0.0
+    """Drop tokens less likely than this fraction of the most likely one."""
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
 
     @property
     def is_reproducible(self) -> bool:
@@ -101,6 +108,8 @@ class ErrorReply(Struct, tag="error", tag_field="type", omit_defaults=True):
     error_type: str = "server_error"
     code: str | None = None
     replica_id: str = ""
+    param: str | None = None
+    """The request field at fault, when the worker knows it (OpenAI's ``error.param``)."""
 
 
 Reply = TokenChunk | FinalReply | ErrorReply

@@ -192,12 +192,13 @@ class Dispatcher:
                         finished = True
                         yield reply
                         return
-                    case ErrorReply(status=status, message=message, code=code):
+                    case ErrorReply(status=status, message=message, code=code, param=param):
                         finished = True
                         error = error_for_status(status, message, code=code)
                         if status in (400, 413):
-                            # The worker validates only the prompt (vocabulary, length, chat template).
-                            error.param = "prompt" if request.messages is None else "messages"
+                            # Unless the worker names a field, it rejected the prompt
+                            # (vocabulary, length, chat template).
+                            error.param = param or ("prompt" if request.messages is None else "messages")
                         raise error
         finally:
             self._router.close(request.request_id)

@@ -3,10 +3,12 @@
 Unknown fields are ignored (clients send many). Every field the OpenAI API lets
 be ``null`` may be ``null``, meaning absent. Numbers are bounded where they are
 declared (`msgspec.Meta`), so an out-of-range value is a 400 naming the field,
-never an overflow further in. Fields Shoal knows but cannot honour (``n > 1``,
-``logprobs``, penalties, ``logit_bias``, tools, ``echo``...) are accepted at
-their defaults and rejected with 400 naming the field otherwise, never silently
-dropped.
+never an overflow further in. Besides OpenAI's sampling fields (with
+``presence_penalty`` and ``frequency_penalty``), vLLM's ``top_k``, ``min_p``,
+``repetition_penalty`` and ``ignore_eos`` are honoured. Fields Shoal knows but
+cannot honour (``n > 1``, ``logprobs``, ``logit_bias``, tools, ``echo``...) are
+accepted at their defaults and rejected with 400 naming the field otherwise,
+never silently dropped.
 """
 
 from __future__ import annotations
@@ -31,6 +33,10 @@ Seed = Annotated[int, Meta(ge=-(2**63), le=2**63 - 1)]
 Temperature = Annotated[float, Meta(ge=0.0, le=2.0)]
 TopP = Annotated[float, Meta(gt=0.0, le=1.0)]
 Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
+TopK = Annotated[int, Meta(ge=-1, le=MAX_INT32)]
+"""vLLM's convention: -1 (or 0) keeps every token."""
+MinP = Annotated[float, Meta(ge=0.0, le=1.0)]
+RepetitionPenalty = Annotated[float, Meta(gt=0.0, le=10.0)]
 NumChoices = Annotated[int, Meta(ge=1, le=128)]
 TopLogprobs = Annotated[int, Meta(ge=0, le=20)]
 CompletionLogprobs = Annotated[int, Meta(ge=0, le=5)]
@@ -61,13 +67,17 @@ class _Sampling(Struct, kw_only=True):
     seed: Seed | None = None
     stream: bool | None = None
     stream_options: StreamOptions | None = None
+    frequency_penalty: Penalty | None = None
+    presence_penalty: Penalty | None = None
+    # vLLM's extensions (the openai client sends them through `extra_body`).
     ignore_eos: bool | None = None
-    """vLLM's extension: keep generating past end-of-sequence."""
+    """Keep generating past end-of-sequence."""
+    top_k: TopK | None = None
+    min_p: MinP | None = None
+    repetition_penalty: RepetitionPenalty | None = None
     user: str | None = None
     # Accepted at their defaults only (see `reject_unsupported`).
     n: NumChoices | None = None
-    frequency_penalty: Penalty | None = None
-    presence_penalty: Penalty | None = None
     logit_bias: dict[str, float] | None = None
 
 
@@ -131,8 +141,6 @@ _UNSUPPORTED: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("n", lambda v: v in (None, 1), "n > 1 is not supported; send separate requests"),
     ("logprobs", lambda v: v is None or v is False, "logprobs are not supported"),
     ("top_logprobs", lambda v: not v, "top_logprobs are not supported"),
-    ("frequency_penalty", lambda v: not v, "frequency_penalty is not supported (only 0)"),
-    ("presence_penalty", lambda v: not v, "presence_penalty is not supported (only 0)"),
     ("logit_bias", lambda v: not v, "logit_bias is not supported"),
     ("tools", lambda v: not v, "tools are not supported"),
     ("tool_choice", lambda v: v in _TOOL_CHOICES_WITHOUT_CALLS, "tool_choice is not supported"),
@@ -178,6 +186,11 @@ def sampling_params(req: _Sampling, max_tokens: int | None, default_max_tokens: 
         seed=req.seed,
         stop=stop,
         ignore_eos=bool(req.ignore_eos),
+        top_k=max(req.top_k or 0, 0),
+        min_p=req.min_p or 0.0,
+        presence_penalty=req.presence_penalty or 0.0,
+        frequency_penalty=req.frequency_penalty or 0.0,
+        repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
     )
 
 

@@ -26,9 +26,12 @@ class RequestRejected(ValueError):
     for the model or the KV pool; 400: invalid for this model).
     """
 
-    def __init__(self, message: str, status: int = 400) -> None:
+    def __init__(self, message: str, status: int = 400, *, param: str | None = None) -> None:
         super().__init__(message)
         self.status = status
+        self.param = param
+        """The request field at fault; None: the prompt (or messages), which is what the
+        engine validates unless it says otherwise."""
 
 
 @dataclass(frozen=True)

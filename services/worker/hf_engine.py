@@ -82,6 +82,12 @@ class HFGenerateEngine:
         max_len = min(self._max_model_len, request.max_model_len or self._max_model_len)
         if num_prompt >= max_len:
             raise RequestRejected(f"prompt has {num_prompt} tokens; this model takes at most {max_len - 1}", 413)
+        if request.params.presence_penalty or request.params.frequency_penalty:
+            raise RequestRejected(
+                "presence_penalty and frequency_penalty need the paged engine; this model runs on the hf engine",
+                400,
+                param="presence_penalty" if request.params.presence_penalty else "frequency_penalty",
+            )
         max_new = min(request.params.max_tokens, max_len - num_prompt)
         flag = _StopFlag()
         self._stops[request.request_id] = flag
@@ -106,7 +112,11 @@ class HFGenerateEngine:
             "pad_token_id": self._tokenizer.pad_token_id or self._tokenizer.eos_token_id,
         }
         if params.temperature > 0:
-            kwargs.update(temperature=params.temperature, top_p=params.top_p, top_k=0)
+            kwargs.update(temperature=params.temperature, top_p=params.top_p, top_k=params.top_k)
+            if params.min_p:
+                kwargs["min_p"] = params.min_p
+        if params.repetition_penalty != 1.0:
+            kwargs["repetition_penalty"] = params.repetition_penalty
         if params.ignore_eos:
             kwargs["min_new_tokens"] = max_new
         input_ids = torch.tensor([request.prompt_token_ids], device=self._model.device)

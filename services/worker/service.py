@@ -250,7 +250,7 @@ class WorkerService:
                 deadline_guard.cancel()
         except RequestRejected as exc:
             logger.info("request_rejected", status=exc.status, error=str(exc))
-            await replier.error(exc.status, str(exc), "invalid_request_error")
+            await replier.error(exc.status, str(exc), "invalid_request_error", param=exc.param)
             return "rejected"
         except asyncio.CancelledError:
             self._engine.cancel(request.request_id)
@@ -324,6 +324,8 @@ class _Replier:
         )
         await self._publish(encode_msgpack(message))
 
-    async def error(self, status: int, message: str, error_type: str) -> None:
-        reply = ErrorReply(self.request_id, self.attempt, status, message, error_type, None, self.replica_id)
+    async def error(self, status: int, message: str, error_type: str, *, param: str | None = None) -> None:
+        reply = ErrorReply(
+            self.request_id, self.attempt, status, message, error_type, None, self.replica_id, param
+        )
         await self._publish(encode_msgpack(reply))

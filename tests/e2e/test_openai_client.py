@@ -77,6 +77,19 @@ def test_seeded_sampling_is_reproducible(client: openai.OpenAI) -> None:
     assert first.choices[0].text == second.choices[0].text
 
 
+def test_penalties_and_vllm_sampling_fields_reach_the_engine(client: openai.OpenAI) -> None:
+    greedy = dict(model=SMALL, prompt="a a a a a a", max_tokens=16, temperature=0)
+    plain = client.completions.create(**greedy, extra_body={"ignore_eos": True}).choices[0].text
+    penalized = client.completions.create(**greedy, frequency_penalty=2.0, presence_penalty=2.0,
+                                          extra_body={"ignore_eos": True, "repetition_penalty": 1.5})
+    assert penalized.usage.completion_tokens == 16
+    assert penalized.choices[0].text != plain, "penalties must change a greedy completion"
+    # top_k 1 is greedy whatever the temperature
+    top_1 = client.completions.create(**{**greedy, "temperature": 1.5}, seed=5,
+                                      extra_body={"ignore_eos": True, "top_k": 1, "min_p": 0.2})
+    assert top_1.choices[0].text == plain
+
+
 def test_completion_streamed_and_not(client: openai.OpenAI) -> None:
     full = client.completions.create(model=SMALL, prompt="Once upon a time", max_tokens=10, temperature=0,
                                      extra_body={"ignore_eos": True})
@@ -147,7 +160,7 @@ def _post(url: str, body: bytes, content_type: str = "application/json") -> tupl
          "seed"),
         ("/v1/completions", b'{"model": "demo/llama-5m", "prompt": "x", "top_p": 0}', 400, "top_p"),
         ("/v1/chat/completions", b'{"model": "demo/llama-5m", "messages": [{"role": "user", "content": "x"}], '
-                                 b'"frequency_penalty": 1.5}', 400, "frequency_penalty"),
+                                 b'"frequency_penalty": 2.5}', 400, "frequency_penalty"),
         ("/v1/chat/completions", b'{"model": "demo/llama-5m", "messages": [{"role": "user", "content": "x"}], '
                                  b'"stream_options": {"include_usage": true}}', 400, "stream_options"),
         # Out of the model's vocabulary: only the worker knows; the error still names the field.

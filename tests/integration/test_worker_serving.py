@@ -165,3 +165,19 @@ async def test_prompt_longer_than_the_model_gets_413(bus: Bus, worker: WorkerSer
     assert isinstance(replies[-1], ErrorReply) and replies[-1].status == 413
     await worker.stop(drain_timeout_s=5.0)
     await serving
+
+
+async def test_penalties_the_hf_engine_cannot_apply_get_400_naming_the_field(
+    bus: Bus, worker: WorkerService
+) -> None:
+    serving = asyncio.create_task(worker.run())
+    request = _request("penalized")
+    request.params = SamplingParams(max_tokens=3, temperature=0.0, presence_penalty=0.5)
+    collector = asyncio.create_task(_collect(bus, request.reply_to))
+    await asyncio.sleep(0.05)
+    await _publish(bus, request)
+    replies = await collector
+    assert isinstance(replies[-1], ErrorReply)
+    assert (replies[-1].status, replies[-1].param) == (400, "presence_penalty")
+    await worker.stop(drain_timeout_s=5.0)
+    await serving

@@ -16,7 +16,14 @@ from typing import Any
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, MistralConfig
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    GenerationConfig,
+    LogitsProcessor,
+    LogitsProcessorList,
+    MistralConfig,
+)
 
 from shoal.services.worker.demo_models import make_demo_models
 from shoal.services.worker.engine.factory import build_paged_engine
@@ -63,6 +70,20 @@ def _tiny_mistral() -> torch.nn.Module:
     return AutoModelForCausalLM.from_config(config).eval()
 
 
+class _OpenAIPenalties(LogitsProcessor):
+    """OpenAI's presence and frequency penalties over the generated tokens: the reference."""
+
+    def __init__(self, num_prompt_tokens: int, presence: float, frequency: float) -> None:
+        self.num_prompt_tokens, self.presence, self.frequency = num_prompt_tokens, presence, frequency
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        for row, token_ids in enumerate(input_ids[:, self.num_prompt_tokens :].tolist()):
+            for token_id in set(token_ids):
+                count = token_ids.count(token_id)
+                scores[row, token_id] -= self.frequency * count + self.presence
+        return scores
+
+
 class Models:
     """Fresh model instances for engines, and memoized Hugging Face `generate` references
     computed on instances of their own (an engine switches its model's attention)."""
@@ -77,19 +98,35 @@ class Models:
             return _tiny_mistral()
         return AutoModelForCausalLM.from_pretrained(self.root / key).eval()
 
-    def greedy(self, key: str, prompt: list[int], num_new_tokens: int = NUM_NEW_TOKENS) -> list[int]:
-        """Hugging Face `generate`, greedy, EOS ignored (no EOS id at all, so nothing is masked)."""
-        memo_key = (key, tuple(prompt), num_new_tokens)
+    def greedy(
+        self, key: str, prompt: list[int], num_new_tokens: int = NUM_NEW_TOKENS, **penalties: float
+    ) -> list[int]:
+        """Hugging Face `generate`, greedy, EOS ignored (no EOS id at all, so nothing is masked).
+
+        `penalties`: ``repetition_penalty`` (Hugging Face's own), ``presence_penalty`` and
+        ``frequency_penalty`` (OpenAI's, by `_OpenAIPenalties`)."""
+        memo_key = (key, tuple(prompt), num_new_tokens, tuple(sorted(penalties.items())))
         if memo_key not in self._completions:
             if key not in self._references:
                 self._references[key] = self.load(key)
             input_ids = torch.tensor([prompt])
             config = GenerationConfig(
-                max_new_tokens=num_new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0
+                max_new_tokens=num_new_tokens,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+                repetition_penalty=penalties.get("repetition_penalty", 1.0),
+            )
+            processors = LogitsProcessorList(
+                [_OpenAIPenalties(len(prompt), penalties.get("presence_penalty", 0.0),
+                                  penalties.get("frequency_penalty", 0.0))]
             )
             with torch.inference_mode():
                 output = self._references[key].generate(
-                    input_ids, attention_mask=torch.ones_like(input_ids), generation_config=config
+                    input_ids,
+                    attention_mask=torch.ones_like(input_ids),
+                    generation_config=config,
+                    logits_processor=processors,
                 )
             completion = output[0, len(prompt) :].tolist()
             assert len(completion) == num_new_tokens
@@ -327,6 +364,45 @@ async def test_seeded_sampling_is_reproducible_in_any_batch(models: Models) -> N
         assert batch[2][0] != alone
         greedy, _ = await _collect(engine.generate(_request("g", prompt, max_tokens=16)))
         assert alone != greedy
+    finally:
+        await engine.close()
+
+
+@pytest.mark.parametrize(
+    "penalties",
+    [
+        {"repetition_penalty": 1.5},
+        {"presence_penalty": 1.5},
+        {"frequency_penalty": 0.7, "presence_penalty": -0.3},
+        {"repetition_penalty": 0.8, "frequency_penalty": 1.0},
+    ],
+    ids=["repetition", "presence", "frequency+presence", "repetition+frequency"],
+)
+async def test_penalties_equal_the_reference_in_a_mixed_batch(models: Models, penalties: dict[str, float]) -> None:
+    """Greedy with penalties equals `generate` with the same penalties, batched with
+    requests without any (whose output must not change)."""
+    key = "demo/llama-5m"
+    model = models.load(key)
+    # Short prompts from a small range of tokens: repeats, so every penalty bites.
+    generator = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(5, 40, (length,), generator=generator).tolist() for length in (6, 19, 3)]
+    num_new = 24
+    penalized = [models.greedy(key, prompt, num_new, **penalties) for prompt in prompts]
+    plain = [models.greedy(key, prompt, num_new) for prompt in prompts]
+    assert penalized != plain, "the penalties must change something for this test to mean anything"
+    engine = _engine(model, max_num_seqs=8)
+    try:
+        streams = [
+            _collect(engine.generate(_request(f"p{i}", prompt, max_tokens=num_new, **penalties)))
+            for i, prompt in enumerate(prompts)
+        ] + [
+            _collect(engine.generate(_request(f"g{i}", prompt, max_tokens=num_new)))
+            for i, prompt in enumerate(prompts)
+        ]
+        results = await asyncio.gather(*streams)
+        texts = [text for text, _ in results]
+        assert texts[: len(prompts)] == [_echo(tokens) for tokens in penalized]
+        assert texts[len(prompts) :] == [_echo(tokens) for tokens in plain]
     finally:
         await engine.close()
 

@@ -31,7 +31,7 @@ from shoal.kernels.ops import KernelBackend
 from shoal.services.worker.engine import packed_linear
 from shoal.services.worker.engine.attention import ATTN_IMPLEMENTATION, register_attention
 from shoal.services.worker.engine.model_runner import ModelRunner
-from shoal.services.worker.engine.sampler import SamplingState, sample
+from shoal.services.worker.engine.sampler import SamplingState, TokenHistory, sample
 from shoal.services.worker.engine.scheduler import Scheduler, SchedulerConfig, SequenceUpdate
 from shoal.services.worker.engine.sequence import Sequence
 from shoal.services.worker.engine.warm_up import get_warm_up_lengths, warm_up
@@ -321,7 +321,9 @@ class PagedEngine:
             if self._closed:
                 raise RequestRejected("the engine is shutting down", 503)
             if request.request_id in self._requests:
-                raise RequestRejected(f"request id {request.request_id!r} is already running", 400)
+                raise RequestRejected(
+                    f"request id {request.request_id!r} is already running", 400, param="request_id"
+                )
             seq = Sequence(
                 request.request_id,
                 list(request.prompt_token_ids),
@@ -371,10 +373,15 @@ class PagedEngine:
                 self._wakeup.wait(timeout=0.1)
                 return True
             step = self._runner.prepare(plan, self._kv_cache)
-            sampling_states = [self._requests[c.seq.seq_id].sampling for c in plan.chunks if c.samples]
+            sampled = [chunk.seq for chunk in plan.chunks if chunk.samples]
+            sampling_states = [self._requests[seq.seq_id].sampling for seq in sampled]
+            histories = None
+            if any(state.has_penalties for state in sampling_states):
+                # The lists themselves: only this thread appends to them (`update`, below).
+                histories = [TokenHistory(seq.token_ids, seq.num_prompt_tokens) for seq in sampled]
         try:
             logits = self._runner.execute(step)
-            token_ids = sample(logits, sampling_states)
+            token_ids = sample(logits, sampling_states, histories)
         except Exception as exc:  # a failed pass fails its requests, never the engine
             log.exception("engine.forward_failed", num_seqs=len(plan.chunks))
             self._fail([chunk.seq.seq_id for chunk in plan.chunks], exc)

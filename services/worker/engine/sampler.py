@@ -1,13 +1,20 @@
-"""Next-token sampling for a batch: greedy, or temperature + top-p with a generator per request.
+"""Next-token sampling for a batch: greedy, or temperature + top-k / top-p / min-p with a
+generator per request; presence, frequency and repetition penalties on either.
 
 Each request that samples owns a `torch.Generator` (seeded from `params.seed`, or from
 the OS when it has none) and draws exactly one uniform number per generated token from it,
 so a seeded request yields the same tokens whatever else shares its batches, and after a
 preemption (its K/V recomputed, its generator untouched).
+
+Penalties follow the OpenAI API (presence and frequency, over the tokens generated so
+far: ``logit - presence * [count > 0] - frequency * count``) and vLLM / Hugging Face
+(repetition, over prompt and generated tokens: a positive logit is divided by it, a
+negative one multiplied), applied before the temperature.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -23,21 +30,59 @@ class SamplingState:
     top_p: float
     generator: torch.Generator | None
     """None for greedy requests."""
+    top_k: int = 0
+    """Keep the k most likely tokens; 0: all."""
+    min_p: float = 0.0
+    """Drop tokens less likely than this fraction of the most likely one; 0: none."""
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
 
     @classmethod
     def from_params(cls, params: SamplingParams) -> SamplingState:
+        penalties = {
+            "presence_penalty": params.presence_penalty,
+            "frequency_penalty": params.frequency_penalty,
+            "repetition_penalty": params.repetition_penalty,
+        }
         if params.temperature <= 0.0:
-            return cls(0.0, 1.0, None)
+            return cls(0.0, 1.0, None, **penalties)
         generator = torch.Generator()
         if params.seed is None:
             generator.seed()
         else:
             generator.manual_seed(params.seed)
-        return cls(params.temperature, params.top_p, generator)
+        return cls(
+            params.temperature, params.top_p, generator, top_k=params.top_k, min_p=params.min_p, **penalties
+        )
+
+    @property
+    def has_penalties(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
 
 
-def sample(logits: torch.Tensor, states: list[SamplingState]) -> list[int]:
-    """One token per row of `logits` [num_rows, vocab_size], row i sampled per `states[i]`."""
+@dataclass(frozen=True)
+class TokenHistory:
+    """The tokens a row's penalties look at: `token_ids` = prompt, then generated tokens."""
+
+    token_ids: Sequence[int]
+    num_prompt_tokens: int
+
+
+def sample(
+    logits: torch.Tensor, states: list[SamplingState], histories: Sequence[TokenHistory] | None = None
+) -> list[int]:
+    """One token per row of `logits` [num_rows, vocab_size], row i sampled per `states[i]`.
+
+    Args:
+        histories: each row's tokens so far; needed (and read) only for rows with penalties.
+    """
+    penalized_rows = [row for row, state in enumerate(states) if state.has_penalties]
+    if penalized_rows:
+        assert histories is not None and len(histories) == len(states), "penalties need each row's tokens"
+        logits = logits.clone()
+        for row in penalized_rows:
+            logits[row] = _penalize(logits[row], states[row], histories[row])
     token_ids = logits.argmax(dim=-1)
     sampled_rows = [row for row, state in enumerate(states) if state.generator is not None]
     if sampled_rows:
@@ -45,8 +90,27 @@ def sample(logits: torch.Tensor, states: list[SamplingState]) -> list[int]:
     return token_ids.tolist()
 
 
+def _penalize(logits: torch.Tensor, state: SamplingState, history: TokenHistory) -> torch.Tensor:
+    """`logits` [vocab_size] of one row with its penalties applied (a new tensor)."""
+    vocab_size = logits.shape[-1]
+    device = logits.device
+    logits = logits.float()
+    if state.repetition_penalty != 1.0 and history.token_ids:
+        seen = torch.zeros(vocab_size, dtype=torch.bool, device=device)
+        seen[torch.tensor(list(history.token_ids), dtype=torch.int64, device=device)] = True
+        scaled = torch.where(logits > 0, logits / state.repetition_penalty, logits * state.repetition_penalty)
+        logits = torch.where(seen, scaled, logits)
+    generated = list(history.token_ids[history.num_prompt_tokens :])
+    if (state.presence_penalty or state.frequency_penalty) and generated:
+        counts = torch.bincount(
+            torch.tensor(generated, dtype=torch.int64, device=device), minlength=vocab_size
+        )[:vocab_size].float()
+        logits = logits - state.frequency_penalty * counts - state.presence_penalty * (counts > 0).float()
+    return logits
+
+
 def _sample_rows(logits: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
-    """Inverse-CDF sampling over each row's top-p nucleus, one uniform draw per row."""
+    """Inverse-CDF sampling over each row's top-k / top-p / min-p set, one uniform draw per row."""
     device = logits.device
     temperatures = torch.tensor([state.temperature for state in states], device=device)
     probs = torch.softmax(logits.float() / temperatures[:, None], dim=-1)
@@ -55,12 +119,19 @@ def _sample_rows(logits: torch.Tensor, states: list[SamplingState]) -> torch.Ten
     top_ps = torch.tensor([state.top_p for state in states], device=device)
     # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
     outside = (cumulative - sorted_probs) >= top_ps[:, None]
+    if any(state.top_k > 0 for state in states):
+        top_ks = torch.tensor([state.top_k or logits.shape[-1] for state in states], device=device)
+        ranks = torch.arange(logits.shape[-1], device=device)
+        outside |= ranks[None, :] >= top_ks[:, None]
+    if any(state.min_p > 0.0 for state in states):
+        min_ps = torch.tensor([state.min_p for state in states], device=device)
+        outside |= sorted_probs < min_ps[:, None] * sorted_probs[:, :1]
     sorted_probs = sorted_probs.masked_fill(outside, 0.0)
     cumulative = sorted_probs.cumsum(dim=-1)
     uniforms = torch.cat([torch.rand(1, generator=state.generator) for state in states]).to(device)
     targets = uniforms * cumulative[:, -1]
     picks = torch.searchsorted(cumulative, targets[:, None], right=True).clamp_(max=logits.shape[-1] - 1)
-    # A pick past the nucleus (float rounding at its edge) falls back to its last token.
+    # A pick past the kept set (float rounding at its edge) falls back to its last token.
     num_kept = (~outside).sum(dim=-1, keepdim=True)
     picks = torch.minimum(picks, num_kept - 1)
     return sorted_ids.gather(-1, picks).squeeze(-1)
