@@ -24,6 +24,7 @@ from shoal.services.worker.engine.paged_engine import EngineConfig, PagedEngine
 from shoal.services.worker.generation import GenerationOutput, GenerationRequest
 from shoal.services.worker.loader import LoadedModel, model_weight_bytes
 from shoal.shared.messages import SamplingParams
+from tests.token_echo import TokenEcho, echo
 
 pytestmark = [
     pytest.mark.gpu,
@@ -34,17 +35,6 @@ DEVICE = torch.device("cuda")
 DEMO_MODELS = ("demo/llama-5m", "demo/qwen2-25m")
 NUM_NEW_TOKENS = 12
 BLOCK_SIZE = 4
-
-
-class TokenEcho:
-    """A detokenizer whose text is the token ids themselves: ``<17><4093>...``."""
-
-    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-        return "".join(f"<{token_id}>" for token_id in token_ids)
-
-
-def _echo(token_ids: Sequence[int]) -> str:
-    return TokenEcho().decode(token_ids)
 
 
 def _load(root: Path, key: str) -> Any:
@@ -119,7 +109,7 @@ async def test_greedy_alone_equals_hf_generate(
     try:
         for index, prompt in enumerate(prompts):
             text, final = await _collect(engine.generate(_request(f"r{index}", prompt)))
-            assert text == _echo(references.greedy(key, prompt)), f"prompt {index} ({len(prompt)} tokens)"
+            assert text == echo(references.greedy(key, prompt)), f"prompt {index} ({len(prompt)} tokens)"
             assert (final.finish_reason, final.num_completion_tokens) == ("length", NUM_NEW_TOKENS)
     finally:
         await engine.close()
@@ -138,13 +128,13 @@ async def test_greedy_batched_with_a_prefix_hit_equals_hf(
     engine = _engine(model, max_num_batched_tokens=24, max_num_seqs=16)
     try:
         first, _ = await _collect(engine.generate(_request("shared", shared)))
-        assert first == _echo(references.greedy(key, shared))
+        assert first == echo(references.greedy(key, shared))
         batch = [*prompts, [*shared, 7, 8], [*shared, 9]]
         results = await asyncio.gather(
             *(_collect(engine.generate(_request(f"r{i}", prompt))) for i, prompt in enumerate(batch))
         )
         for index, (text, final) in enumerate(results):
-            assert text == _echo(references.greedy(key, batch[index])), f"prompt {index}"
+            assert text == echo(references.greedy(key, batch[index])), f"prompt {index}"
             assert final.finish_reason == "length"
         assert engine.get_stats().pool.num_cache_hits == 2 * 3
     finally:
@@ -163,7 +153,7 @@ async def test_preempted_requests_finish_exactly(demo_models_root: Path, referen
         )
         for index, (text, final) in enumerate(results):
             assert final.finish_reason == "length", final
-            assert text == _echo(references.greedy(key, prompts[index])), f"prompt {index}"
+            assert text == echo(references.greedy(key, prompts[index])), f"prompt {index}"
         assert engine.get_stats().num_preemptions > 0
         assert engine.get_stats().pool.num_used_blocks == 0
     finally:

@@ -37,21 +37,11 @@ from shoal.services.worker.generation import GenerationOutput, GenerationRequest
 from shoal.services.worker.loader import LoadedModel
 from shoal.shared.messages import SamplingParams
 from shoal.shared.policy.memory import get_activation_bytes, get_model_shape
+from tests.token_echo import TokenEcho, echo
 
 DEMO_MODELS = ("demo/llama-5m", "demo/qwen2-25m")
 NUM_NEW_TOKENS = 12
 BLOCK_SIZE = 4
-
-
-class TokenEcho:
-    """A detokenizer whose text is the token ids themselves: ``<17><4093>...``."""
-
-    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-        return "".join(f"<{token_id}>" for token_id in token_ids)
-
-
-def _echo(token_ids: Sequence[int]) -> str:
-    return TokenEcho().decode(token_ids)
 
 
 def _tiny_mistral() -> torch.nn.Module:
@@ -187,7 +177,7 @@ async def test_greedy_alone_equals_hf_generate(models: Models, key: str, prefix_
     try:
         for index, prompt in enumerate(prompts):
             text, final = await _collect(engine.generate(_request(f"r{index}", prompt)))
-            assert text == _echo(expected[index]), f"prompt {index} ({len(prompt)} tokens)"
+            assert text == echo(expected[index]), f"prompt {index} ({len(prompt)} tokens)"
             assert (final.finish_reason, final.num_completion_tokens) == ("length", NUM_NEW_TOKENS)
             assert final.num_prompt_tokens == len(prompt)
     finally:
@@ -216,7 +206,7 @@ async def test_greedy_batched_with_staggered_arrivals_equals_hf(
             await asyncio.sleep(0.002 * (index % 3))
         results = await asyncio.gather(*tasks)
         for index, (text, final) in enumerate(results):
-            assert text == _echo(expected[index]), f"prompt {index} ({len(prompts[index])} tokens)"
+            assert text == echo(expected[index]), f"prompt {index} ({len(prompts[index])} tokens)"
             assert final.finish_reason == "length"
         if prefix_caching:
             # The first of the three computes the 3 shared blocks; the other two reuse them.
@@ -238,7 +228,7 @@ async def test_a_shared_prefix_hits_the_cache_and_saves_blocks(models: Models) -
         try:
             for index, prompt in enumerate(prompts):
                 text, _ = await _collect(engine.generate(_request(f"r{index}", prompt)))
-                assert text == _echo(expected[index])
+                assert text == echo(expected[index])
             stats = engine.get_stats().pool
             allocations[prefix_caching] = stats.num_allocations
             if prefix_caching:
@@ -260,7 +250,7 @@ async def test_more_requests_than_the_pool_holds_all_complete_exactly(models: Mo
         )
         for index, (text, final) in enumerate(results):
             assert final.finish_reason == "length", final
-            assert text == _echo(expected[index]), f"prompt {index}"
+            assert text == echo(expected[index]), f"prompt {index}"
         assert engine.get_stats().num_preemptions > 0
         stats = engine.get_stats().pool
         assert stats.num_used_blocks == 0
@@ -342,7 +332,7 @@ async def test_eos_ends_generation_unless_ignored(models: Models) -> None:
         assert (final.finish_reason, final.num_completion_tokens, text) == (
             "stop",
             end,
-            _echo(expected[:end]),
+            echo(expected[:end]),
         )
     finally:
         await engine.close()
@@ -401,8 +391,8 @@ async def test_penalties_equal_the_reference_in_a_mixed_batch(models: Models, pe
         ]
         results = await asyncio.gather(*streams)
         texts = [text for text, _ in results]
-        assert texts[: len(prompts)] == [_echo(tokens) for tokens in penalized]
-        assert texts[len(prompts) :] == [_echo(tokens) for tokens in plain]
+        assert texts[: len(prompts)] == [echo(tokens) for tokens in penalized]
+        assert texts[len(prompts) :] == [echo(tokens) for tokens in plain]
     finally:
         await engine.close()
 
@@ -456,7 +446,7 @@ async def test_a_failed_forward_pass_fails_its_requests_not_the_engine(models: M
         assert (final.finish_reason, final.error) == ("error", "RuntimeError: device lost")
         assert engine.get_stats().pool.num_used_blocks == 0
         text, final = await _collect(engine.generate(_request("next", [5, 6, 7])))
-        assert (final.finish_reason, text) == ("length", _echo(models.greedy("demo/llama-5m", [5, 6, 7])))
+        assert (final.finish_reason, text) == ("length", echo(models.greedy("demo/llama-5m", [5, 6, 7])))
     finally:
         await engine.close()
 
