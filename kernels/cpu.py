@@ -3,9 +3,12 @@
 It serves on machines without CUDA, so it is vectorized: no Python loop per
 token (paged_attention loops over prefill sequences and over groups of decode
 sequences of similar length). It is plain torch and device-agnostic, so it
-also runs on CUDA tensors (``SHOAL_KERNELS=reference``). The contract and the
-block layout are documented in `shoal.kernels.ops`; docs/kernels.md says how
-each op is done and why.
+also runs on CUDA tensors (``SHOAL_KERNELS=reference``). One exception: on CPU
+tensors `write_kv` runs a small C loop with streaming stores for large writes
+(`shoal.kernels.cpu_native`, built on first use), and `write_kv_torch` serves
+where that cannot be built, and as its reference in tests. The contract and
+the block layout are documented in `shoal.kernels.ops`; docs/kernels.md says
+how each op is done and why.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from shoal.kernels import cpu_native
 from shoal.kernels.contract import KVContractError
 
 # index_copy_ (and index_select along a dim other than the first) moves one
@@ -72,9 +76,34 @@ def write_kv(
 ) -> None:
     """Writes each token's K/V into its slot; see `shoal.kernels.ops.write_kv`.
 
+    On CPU tensors this is the native kernel (`shoal.kernels.cpu_native`) where it
+    was built; otherwise, and for tensors it does not take, `write_kv_torch`.
+
     Args:
-        may_pad: False when the caller knows no slot is negative (padding): skips
-            looking, which costs as much as the copy itself for a decode step.
+        may_pad: False when the caller knows no slot is negative (padding); the
+            torch implementation then skips looking, which costs as much as the copy
+            itself for a decode step (the native one skips padding as it goes).
+    """
+    if key_cache.is_cpu:  # not built for the torch path on CUDA tensors (SHOAL_KERNELS=reference)
+        native = cpu_native.try_load()
+        if native is not None and native.write_kv(key, value, key_cache, value_cache, slot_mapping):
+            return
+    write_kv_torch(key, value, key_cache, value_cache, slot_mapping, may_pad=may_pad)
+
+
+def write_kv_torch(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    *,
+    may_pad: bool = True,
+) -> None:
+    """`write_kv` in plain torch: the fallback of the native kernel and its reference in tests.
+
+    Args:
+        may_pad: as in `write_kv`.
     """
     num_slots = key_cache.shape[0] * key_cache.shape[1]
     if may_pad and slot_mapping.numel() and int(slot_mapping.min()) < 0:

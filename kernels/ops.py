@@ -2,8 +2,10 @@
 
 Every function runs Shoal's CUDA kernels when its tensors are on a CUDA device
 (the extension is built on first use, see `shoal.kernels.cuda_ext`) and the
-vectorized torch implementation in `shoal.kernels.cpu` otherwise. Both follow
-the one contract below; docs/kernels.md says the same with more examples.
+vectorized torch implementation in `shoal.kernels.cpu` otherwise (whose
+`write_kv` is a small C loop, `shoal.kernels.cpu_native`, where the machine's C
+compiler builds it). Both follow the one contract below; docs/kernels.md says
+the same with more examples.
 
 Layout
 ------
@@ -72,7 +74,7 @@ from typing import Literal
 
 import torch
 
-from shoal.kernels import contract, cpu, cuda_ext
+from shoal.kernels import contract, cpu, cpu_native, cuda_ext
 
 _USE_CUDA_KERNELS = os.environ.get("SHOAL_KERNELS", "cuda") != "reference"
 
@@ -92,6 +94,11 @@ def prepare(
     use_cuda_kernels: bool | None = None,
 ) -> KernelBackend:
     """Makes the ops ready to run on `device` now: on CUDA, builds and loads the kernels.
+
+    On the CPU it builds (or loads from its cache) the native `write_kv`
+    (`shoal.kernels.cpu_native`, a fraction of a second of the C compiler the first
+    time on a machine), which never fails: without it the torch implementation serves, and
+    the reason is logged.
 
     Without this, the extension is built by the first op that sees a CUDA tensor,
     i.e. inside a server's first forward pass (about a minute of nvcc), and a build
@@ -116,6 +123,7 @@ def prepare(
             cannot be built or loaded.
     """
     if device.type != "cuda":
+        cpu_native.try_load()
         return "cpu"
     if not (_USE_CUDA_KERNELS if use_cuda_kernels is None else use_cuda_kernels):
         return "reference"

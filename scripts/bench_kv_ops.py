@@ -11,7 +11,10 @@ For each dtype and head_dim (16-token blocks, 8 kv heads):
   number of tokens as 512-token sequences with random block tables;
 
 each reported in GB/s and as a fraction of ``dst.copy_(src)`` moving the same
-number of bytes between contiguous tensors, measured in the same loop. Then
+number of bytes between contiguous tensors, measured in the same loop, with the
+implementation that ran (``impl``: the native C kernel of
+``shoal.kernels.cpu_native`` with streaming or ordinary stores, or torch;
+``SHOAL_CPU_KERNELS=torch`` measures the torch one). Then
 ``write_kv`` at the size of one layer of a decode step (32 tokens), per call
 against a copy of the same bytes: there the op's fixed cost, not bandwidth, is
 what is measured. Then ``paged_attention`` decode for 1, 8 and 32 sequences
@@ -31,7 +34,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from shoal.kernels import cpu
+from shoal.kernels import cpu, cpu_native
 
 BLOCK_SIZE = 16
 NUM_KV_HEADS = 8
@@ -97,7 +100,9 @@ def bench_write_kv(dtype: torch.dtype, head_dim: int, num_tokens: int, pattern: 
         },
         repeats,
     )
-    return row(f"write_kv ({pattern})", dtype, head_dim, num_tokens, num_bytes, timing)
+    return row(
+        f"write_kv ({pattern})", dtype, head_dim, num_tokens, num_bytes, timing, write_kv_impl(num_bytes)
+    )
 
 
 def bench_write_kv_step(dtype: torch.dtype, head_dim: int, num_tokens: int, repeats: int) -> dict:
@@ -136,11 +141,13 @@ def bench_write_kv_step(dtype: torch.dtype, head_dim: int, num_tokens: int, repe
 
     timing = interleaved_medians({"same": same_slots, "fresh": fresh_slots, "copy": copies}, repeats)
     same_us, fresh_us, copy_us = (1e6 * timing.seconds[name] / calls for name in ("same", "fresh", "copy"))
+    num_bytes = 2 * key.numel() * key.element_size()
     return {
         "op": f"write_kv (decode step, {num_tokens} tokens)",
+        "impl": write_kv_impl(num_bytes),
         "dtype": str(dtype).removeprefix("torch."),
         "head_dim": head_dim,
-        "KB": f"{2 * key.numel() * key.element_size() / 1e3:.0f}",
+        "KB": f"{num_bytes / 1e3:.0f}",
         "copy us/call": f"{copy_us:.1f}",
         "op us/call, same slots": f"{same_us:.1f}",
         "op / copy, same slots": f"{copy_us / same_us:.2f}",
@@ -196,13 +203,42 @@ def bench_gather(dtype: torch.dtype, head_dim: int, num_tokens: int, repeats: in
         },
         repeats,
     )
-    return row("gather_kv", dtype, head_dim, num_seqs * seq_len, num_bytes, timing)
+    return row("gather_kv", dtype, head_dim, num_seqs * seq_len, num_bytes, timing, "torch")
 
 
-def row(op: str, dtype: torch.dtype, head_dim: int, num_tokens: int, num_bytes: int, timing: Timing) -> dict:
+def write_kv_impl(num_bytes: int) -> str:
+    """Which implementation `cpu.write_kv` runs for a write of `num_bytes` (K and V) of
+    the benchmark's tensors, which the native kernel always takes when it is loaded."""
+    native = cpu_native.try_load()
+    if native is None:
+        return "torch"
+    if native.has_streaming_stores and num_bytes >= cpu_native.STREAM_MIN_BYTES:
+        return "C, streaming"
+    return "C"
+
+
+def describe_write_kv() -> str:
+    """A line saying which `write_kv` implementation this process runs."""
+    native = cpu_native.try_load()
+    if native is None:
+        return (
+            f"write_kv: torch (`index_copy_`; {cpu_native.ENV_VAR}=torch, or the native kernel did not build)"
+        )
+    if not native.has_streaming_stores:
+        return f"write_kv: native C kernel ({native.library_path}), ordinary stores only on this architecture"
+    return (
+        f"write_kv: native C kernel ({native.library_path}), streaming stores from "
+        f"{cpu_native.STREAM_MIN_BYTES / 2**20:g} MiB written"
+    )
+
+
+def row(
+    op: str, dtype: torch.dtype, head_dim: int, num_tokens: int, num_bytes: int, timing: Timing, impl: str
+) -> dict:
     op_seconds, copy_seconds = timing.seconds["op"], timing.seconds["copy"]
     return {
         "op": op,
+        "impl": impl,
         "dtype": str(dtype).removeprefix("torch."),
         "head_dim": head_dim,
         "tokens": num_tokens,
@@ -288,7 +324,7 @@ def main() -> None:
     clock_name = "thread CPU time" if args.cpu_time else "wall time"
     print(
         f"torch {torch.__version__}, {torch.get_num_threads()} threads, {clock_name}, "
-        f"medians of {repeats} interleaved rounds\n"
+        f"medians of {repeats} interleaved rounds\n{describe_write_kv()}\n"
     )
     print(markdown(bench_bandwidth(token_counts, repeats)), end="\n\n")
     print(markdown(bench_write_kv_steps(repeats)), end="\n\n")

@@ -40,20 +40,23 @@ class SamplingState:
 
     @classmethod
     def from_params(cls, params: SamplingParams) -> SamplingState:
-        penalties = {
-            "presence_penalty": params.presence_penalty,
-            "frequency_penalty": params.frequency_penalty,
-            "repetition_penalty": params.repetition_penalty,
-        }
-        if params.temperature <= 0.0:
-            return cls(0.0, 1.0, None, **penalties)
-        generator = torch.Generator()
-        if params.seed is None:
-            generator.seed()
-        else:
-            generator.manual_seed(params.seed)
+        generator = None
+        if params.temperature > 0.0:
+            generator = torch.Generator()
+            if params.seed is None:
+                generator.seed()
+            else:
+                generator.manual_seed(params.seed)
+        sampling = generator is not None  # top-k and min-p mean nothing to a greedy row
         return cls(
-            params.temperature, params.top_p, generator, top_k=params.top_k, min_p=params.min_p, **penalties
+            temperature=params.temperature if sampling else 0.0,
+            top_p=params.top_p if sampling else 1.0,
+            generator=generator,
+            top_k=params.top_k if sampling else 0,
+            min_p=params.min_p if sampling else 0.0,
+            presence_penalty=params.presence_penalty,
+            frequency_penalty=params.frequency_penalty,
+            repetition_penalty=params.repetition_penalty,
         )
 
     @property
