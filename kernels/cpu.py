@@ -3,16 +3,19 @@
 It serves on machines without CUDA, so it is vectorized: no Python loop per
 token (paged_attention loops over prefill sequences and over groups of decode
 sequences of similar length). It is plain torch and device-agnostic, so it
-also runs on CUDA tensors (``SHOAL_KERNELS=reference``). One exception: on CPU
-tensors `write_kv` runs a small C loop with streaming stores for large writes
-(`shoal.kernels.cpu_native`, built on first use), and `write_kv_torch` serves
-where that cannot be built, and as its reference in tests. The contract and
-the block layout are documented in `shoal.kernels.ops`; docs/kernels.md says
-how each op is done and why.
+also runs on CUDA tensors (``SHOAL_KERNELS=reference``). Two exceptions, on CPU
+tensors where the native library (`shoal.kernels.cpu_native`, built on first
+use) is available: `write_kv` runs a small C loop with streaming stores for
+large writes (`write_kv_torch` serves otherwise, and is its reference in
+tests), and the decode rows of `paged_attention` run a C kernel that reads
+K/V straight from the blocks (the torch decode groups below serve otherwise,
+and are its reference). The contract and the block layout are documented in
+`shoal.kernels.ops`; docs/kernels.md says how each op is done and why.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import threading
 from collections.abc import Sequence
@@ -307,12 +310,33 @@ class PrefillPlan:
 
 
 @dataclass(frozen=True)
+class DecodeSequences:
+    """The decoding sequences of a batch as `plan_attention` was given them."""
+
+    seqs: list[int]
+    block_tables: Sequence[Sequence[int]]
+    seq_lens: Sequence[int]
+    query_start_loc: Sequence[int]
+    key_cache: torch.Tensor
+    """A layer's key cache (its shape, dtype and device)."""
+
+
+@dataclass(frozen=True)
 class AttentionPlan:
     """Host-side metadata of one `paged_attention` batch, shared by every layer."""
 
     num_tokens: int
-    decode: tuple[DecodeGroup, ...]
     prefills: tuple[PrefillPlan, ...]
+    native_decode: cpu_native.DecodePlan | None
+    """The decoding sequences for the native kernel (CPU caches it takes, when it is
+    loaded and chosen); None: the torch groups (`decode`) attend them."""
+    decode_sequences: DecodeSequences
+
+    @functools.cached_property
+    def decode(self) -> tuple[DecodeGroup, ...]:
+        """The torch path's length groups of the decoding sequences, built on first use:
+        with the native kernel only if it declines a layer's tensors."""
+        return _plan_decode_groups(self.decode_sequences)
 
 
 def plan_attention(
@@ -355,24 +379,44 @@ def plan_attention(
                 mask = torch.full((q_len, seq_len), float("-inf"), device=device).triu_(seq_len - q_len + 1)
             block_ids = torch.tensor(block_tables[seq][:num_blocks], dtype=torch.int64, device=device)
             prefills.append(PrefillPlan(start, q_len, seq_len, block_ids, mask))
-    decode: tuple[DecodeGroup, ...] = ()
-    if decode_seqs:
-        # A group costs a few op calls, about as much as attending to this many padded blocks.
-        block_bytes = 2 * key_cache[0].numel() * key_cache.element_size()  # K and V
-        groups = _group_by_length(
-            decode_seqs, seq_lens, block_size, max(1, GROUP_OVERHEAD_BYTES // block_bytes)
-        )
-        max_bytes = MAX_GROUP_BYTES * torch.get_num_threads()
-        chunks = [
-            group[start : start + size]
-            for group in groups
-            for size in [_max_group_seqs(group, seq_lens, block_size, block_bytes, max_bytes)]
-            for start in range(0, len(group), size)
-        ]
-        decode = tuple(
-            _plan_decode_group(chunk, block_tables, seq_lens, query_start_loc, key_cache) for chunk in chunks
-        )
-    return AttentionPlan(query_start_loc[-1], decode, tuple(prefills))
+    native_decode = None
+    if decode_seqs and key_cache.is_cpu:  # never built for the torch path on CUDA tensors
+        kernels = cpu_native.try_load()
+        if kernels is not None and kernels.decode_attention_enabled:
+            native_decode = kernels.plan_decode(
+                key_cache,
+                [block_tables[seq] for seq in decode_seqs],
+                [seq_lens[seq] for seq in decode_seqs],
+                [query_start_loc[seq] for seq in decode_seqs],
+            )
+    return AttentionPlan(
+        query_start_loc[-1],
+        tuple(prefills),
+        native_decode,
+        DecodeSequences(decode_seqs, block_tables, seq_lens, query_start_loc, key_cache),
+    )
+
+
+def _plan_decode_groups(batch: DecodeSequences) -> tuple[DecodeGroup, ...]:
+    """The torch path's decode groups: by length, then in chunks of at most `MAX_GROUP_BYTES`."""
+    if not batch.seqs:
+        return ()
+    key_cache, seq_lens = batch.key_cache, batch.seq_lens
+    block_size = key_cache.shape[1]
+    # A group costs a few op calls, about as much as attending to this many padded blocks.
+    block_bytes = 2 * key_cache[0].numel() * key_cache.element_size()  # K and V
+    groups = _group_by_length(batch.seqs, seq_lens, block_size, max(1, GROUP_OVERHEAD_BYTES // block_bytes))
+    max_bytes = MAX_GROUP_BYTES * torch.get_num_threads()
+    chunks = [
+        group[start : start + size]
+        for group in groups
+        for size in [_max_group_seqs(group, seq_lens, block_size, block_bytes, max_bytes)]
+        for start in range(0, len(group), size)
+    ]
+    return tuple(
+        _plan_decode_group(chunk, batch.block_tables, seq_lens, batch.query_start_loc, key_cache)
+        for chunk in chunks
+    )
 
 
 def _group_by_length(
@@ -483,14 +527,19 @@ def run_attention(
 ) -> None:
     """`paged_attention` of a planned batch (the layouts of `shoal.kernels.ops`).
 
+    Decode rows run the native kernel where the plan has it and it takes the
+    tensors, else the torch groups; prefill rows run in torch.
+
     Args:
         new_key: the batch's own K rows [num_tokens, num_kv_heads, head_dim],
             already written to the cache; with `new_value`, a fresh prefill
             (q_len == seq_len) reads them instead of gathering its blocks.
         new_value: the batch's own V rows, like `new_key`.
     """
-    for decode_group in plan.decode:
-        _decode(out, query, key_cache, value_cache, decode_group, scale)
+    native = plan.native_decode
+    if native is None or not native.run(out, query, key_cache, value_cache, scale):
+        for decode_group in plan.decode:
+            _decode(out, query, key_cache, value_cache, decode_group, scale)
     if not plan.prefills:
         return
     group = query.shape[1] // key_cache.shape[2]  # query heads per kv head

@@ -1,23 +1,34 @@
-"""Shoal's native CPU cache kernel (kernels/csrc/cpu_cache_ops.c): built on first use, loaded with ctypes.
+"""Shoal's native CPU kernels (kernels/csrc/*.c): built on first use, loaded with ctypes.
 
-The torch `write_kv` (`shoal.kernels.cpu`) moves scattered rows with ordinary
-stores, and a store to a line that is not in the cache reads the line first, so
-a large write to scattered slots runs at a third to a half of a contiguous
-copy; this C loop can use streaming (non-temporal) stores instead. It is plain
-C without torch headers: the system C compiler (``$CC``, else ``cc``, else
-``gcc``) builds it in a fraction of a second, the first time a process needs it, into a
-per-user cache directory keyed by a hash of the source, the flags and the
+Two kernels, one library:
+
+* ``write_kv`` (`cpu_cache_ops.c`): the torch version (`shoal.kernels.cpu`) moves
+  scattered rows with ordinary stores, and a store to a line that is not in the
+  cache reads the line first, so a large write to scattered slots runs at a third
+  to a half of a contiguous copy; this C loop can use streaming (non-temporal)
+  stores instead.
+* paged decode attention (`cpu_attention.c`): one query row per sequence attends
+  to its context read straight from the blocks by block table, where the torch
+  version first gathers every sequence's blocks into a contiguous copy. Its
+  metadata is a `DecodePlan`, built once per forward pass and used by every layer.
+
+Plain C without torch headers: the system C compiler (``$CC``, else ``cc``, else
+``gcc``) builds it in a few seconds, the first time a process needs it, into a
+per-user cache directory keyed by a hash of the sources, the flags and the
 compiler, so later processes load it without compiling. No ``-march``: the
-cached library may be used on another machine of the same architecture.
+cached library may be used on another machine of the same architecture (the
+attention kernel picks its AVX2 code at run time).
 
 Where it cannot be built or loaded (no compiler, a failed compile, no private
 directory to build in), the torch implementation runs instead, with the same
 results, and the reason is logged once. ``SHOAL_CPU_KERNELS=torch`` forces the
-torch implementation.
+torch implementation of both; ``SHOAL_CPU_ATTENTION=torch`` that of the
+attention only.
 """
 
 from __future__ import annotations
 
+import array
 import contextlib
 import ctypes
 import hashlib
@@ -30,6 +41,7 @@ import subprocess
 import tempfile
 import threading
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import structlog
@@ -37,12 +49,20 @@ import torch
 
 log = structlog.get_logger(__name__)
 
-SOURCE = Path(__file__).resolve().parent / "csrc" / "cpu_cache_ops.c"
-ABI_VERSION = 1
-"""What ``shoal_cpu_kernels_abi()`` must return: the C signature this module calls."""
-COMPILE_FLAGS = ("-O3", "-std=c11", "-fPIC", "-shared")
+_CSRC = Path(__file__).resolve().parent / "csrc"
+SOURCE = _CSRC / "cpu_cache_ops.c"
+ATTENTION_SOURCE = _CSRC / "cpu_attention.c"
+SOURCES = (SOURCE, ATTENTION_SOURCE)
+"""What the library is compiled from (and its cache key hashes)."""
+ABI_VERSION = 2
+"""What ``shoal_cpu_kernels_abi()`` must return: the C signatures this module calls."""
+COMPILE_FLAGS = ("-O3", "-std=c11", "-fPIC", "-shared", "-ffp-contract=fast")
+"""``-ffp-contract=fast`` lets the attention kernel's AVX2 code fuse its products and sums
+(FMA); ``-std=c11`` alone turns that off. Nothing else in the library computes on floats."""
 ENV_VAR = "SHOAL_CPU_KERNELS"
-"""``torch`` runs the torch implementation even where the native kernel builds."""
+"""``torch`` runs the torch implementation even where the native kernels build."""
+ATTENTION_ENV_VAR = "SHOAL_CPU_ATTENTION"
+"""``torch`` runs the torch decode attention while the native ``write_kv`` still runs."""
 
 STREAM_MIN_BYTES = 1024 * 1024
 """A write of at least this many bytes (K and V, padding included) uses streaming stores,
@@ -56,6 +76,71 @@ COMPILE_TIMEOUT_S = 120
 
 # The element sizes of the contract's dtypes; the C loop moves bytes and needs only these.
 _ELEMENT_BYTES = {torch.float32: 4, torch.float16: 2, torch.bfloat16: 2}
+# The attention kernel's dtype codes (cpu_attention.c's DTYPE_*).
+_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+ISA_BEST, ISA_BASELINE, ISA_AVX2 = 0, 1, 2
+"""The attention kernel's code paths (cpu_attention.c's ISA_*): the best this CPU runs,
+the baseline (SSE2 on x86-64), AVX2 with FMA (x86-64, chosen at run time)."""
+ISA_NAMES = {ISA_BASELINE: "baseline", ISA_AVX2: "avx2"}
+ATTENTION_CHUNK = 16
+"""The attention kernel takes head_dim in steps of this many elements."""
+_DECODE_OK, _DECODE_BAD_GEOMETRY, _DECODE_NO_MEMORY, _DECODE_NO_ISA = -1, -2, -3, -4
+
+
+class _DecodePlanStruct(ctypes.Structure):
+    """cpu_attention.c's ``struct shoal_decode_plan``."""
+
+    _fields_ = [
+        ("num_seqs", ctypes.c_int64),
+        ("block_tables", ctypes.c_void_p),
+        ("table_stride", ctypes.c_int64),
+        ("seq_lens", ctypes.c_void_p),
+        ("rows", ctypes.c_void_p),
+        ("num_blocks", ctypes.c_int64),
+        ("block_size", ctypes.c_int64),
+        ("num_kv_heads", ctypes.c_int64),
+        ("head_dim", ctypes.c_int64),
+        ("dtype", ctypes.c_int64),
+    ]
+
+
+@dataclass(frozen=True, eq=False)
+class DecodePlan:
+    """The decoding sequences of one forward pass, as the native attention reads them.
+
+    Built once per pass (`CpuKernels.plan_decode`) and used by every layer, whose caches
+    must have `cache_shape` and `dtype` (checked on every call). The int32 arrays are
+    owned here; the C struct points into them.
+    """
+
+    kernels: CpuKernels
+    cache_shape: tuple[int, int, int, int]
+    """[num_blocks, block_size, num_kv_heads, head_dim] of every layer's key and value cache."""
+    dtype: torch.dtype
+    num_seqs: int
+    block_tables: array.array[int]
+    """int32 [num_seqs, table_stride]: each sequence's blocks, padded with 0."""
+    seq_lens: array.array[int]
+    rows: array.array[int]
+    """int32 [num_seqs]: each sequence's query (and output) row."""
+    struct: _DecodePlanStruct
+    address: int
+    """The struct's address, the kernel's first argument."""
+
+    def run(
+        self,
+        out: torch.Tensor,
+        query: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        scale: float,
+        *,
+        isa: int = ISA_BEST,
+    ) -> bool:
+        """Decode attention of the plan's sequences into their rows of `out`; see
+        `CpuKernels.decode_attention`."""
+        return self.kernels.decode_attention(self, out, query, key_cache, value_cache, scale, isa=isa)
 
 
 class NativeBuildError(RuntimeError):
@@ -63,10 +148,14 @@ class NativeBuildError(RuntimeError):
 
 
 class CpuKernels:
-    """The loaded library: `write_kv` on raw pointers and byte strides."""
+    """The loaded library: `write_kv` and decode attention on raw pointers and strides."""
 
-    def __init__(self, library_path: Path) -> None:
+    def __init__(self, library_path: Path, *, decode_attention: bool = True) -> None:
         """Loads a built library.
+
+        Args:
+            decode_attention: whether `shoal.kernels.cpu` runs the native decode attention
+                (False: the torch one; ``SHOAL_CPU_ATTENTION=torch``).
 
         Raises:
             NativeBuildError: it cannot be loaded or was built from another signature.
@@ -78,6 +167,8 @@ class CpuKernels:
             streaming = library.shoal_cpu_kernels_streaming
             streaming.restype = ctypes.c_int64
             write_kv = library.shoal_write_kv
+            attention = library.shoal_decode_attention
+            attention_isa = library.shoal_decode_attention_isa
         except (OSError, AttributeError) as error:
             raise NativeBuildError(f"cannot load {library_path}: {error}") from error
         if abi() != ABI_VERSION:
@@ -85,10 +176,18 @@ class CpuKernels:
         i64, ptr = ctypes.c_int64, ctypes.c_void_p
         write_kv.argtypes = [ptr, ptr, i64, i64, i64, i64, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64]
         write_kv.restype = i64
+        attention.argtypes = [ptr, ptr, i64, i64, ptr, i64, i64, i64, i64, ptr, ptr, ctypes.c_double, i64]
+        attention.restype = i64
+        attention_isa.restype = i64
         self.library_path = library_path
         self.has_streaming_stores = bool(streaming())
         """False where the build has no streaming stores (not x86-64): every write uses memcpy."""
+        self.decode_attention_enabled = decode_attention
+        """Whether `shoal.kernels.cpu` plans decode attention for this library."""
+        self.attention_isa = int(attention_isa())
+        """The attention kernel's code path on this CPU: `ISA_AVX2` or `ISA_BASELINE`."""
         self._write_kv = write_kv
+        self._decode_attention = attention
 
     def write_kv(
         self,
@@ -177,6 +276,152 @@ class CpuKernels:
         return True
 
 
+    def plan_decode(
+        self,
+        key_cache: torch.Tensor,
+        block_tables: Sequence[Sequence[int]],
+        seq_lens: Sequence[int],
+        rows: Sequence[int],
+    ) -> DecodePlan | None:
+        """The metadata of a batch of decoding sequences (one query row each), for every layer.
+
+        Args:
+            key_cache: a layer's key cache; every layer's caches must have its shape and dtype.
+            block_tables: each sequence's block ids (entries past its length's blocks unused).
+            seq_lens: each sequence's context length, at least 1.
+            rows: each sequence's query row.
+
+        Returns:
+            The plan, or None where the kernel does not take the cache: not on the CPU, not
+            contiguous, another dtype, a head_dim that is not a multiple of
+            `ATTENTION_CHUNK`, or ids beyond int32.
+        """
+        code = _DTYPE_CODES.get(key_cache.dtype)
+        if code is None or not key_cache.is_cpu or key_cache.dim() != 4 or not key_cache.is_contiguous():
+            return None
+        num_blocks, block_size, num_kv_heads, head_dim = key_cache.shape
+        if head_dim % ATTENTION_CHUNK or not seq_lens:
+            return None
+        needed = [-(-seq_len // block_size) for seq_len in seq_lens]
+        stride = max(needed)
+        flat: list[int] = []
+        for table, num_used in zip(block_tables, needed, strict=True):
+            flat += table[:num_used]
+            flat += [0] * (stride - len(table[:num_used]))
+        try:
+            tables, lens, row_ids = array.array("i", flat), array.array("i", seq_lens), array.array("i", rows)
+        except OverflowError:  # beyond int32: left to the torch path and its index checks
+            return None
+        struct = _DecodePlanStruct(
+            len(seq_lens),
+            tables.buffer_info()[0],
+            stride,
+            lens.buffer_info()[0],
+            row_ids.buffer_info()[0],
+            num_blocks,
+            block_size,
+            num_kv_heads,
+            head_dim,
+            code,
+        )
+        return DecodePlan(
+            self,
+            (num_blocks, block_size, num_kv_heads, head_dim),
+            key_cache.dtype,
+            len(seq_lens),
+            tables,
+            lens,
+            row_ids,
+            struct,
+            ctypes.addressof(struct),
+        )
+
+    def decode_attention(
+        self,
+        plan: DecodePlan,
+        out: torch.Tensor,
+        query: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        scale: float,
+        *,
+        isa: int = ISA_BEST,
+    ) -> bool:
+        """`shoal.kernels.ops.paged_attention` for the plan's decoding sequences, in C.
+
+        Reads each sequence's K/V rows in place through its block table; writes only the
+        plan's rows of `out`. What the C code relies on for memory safety is checked here
+        (tensors, shapes, dtypes, strides) or there before anything is read (block ids,
+        lengths, rows; see `cpu_attention.c`'s `check_plan`).
+
+        Args:
+            out: [num_tokens, num_heads, head_dim], last dim contiguous.
+            query: like `out`.
+            key_cache: contiguous, of the plan's shape and dtype.
+            value_cache: like `key_cache`.
+            isa: the code path (`ISA_BEST`; tests pick `ISA_BASELINE` or `ISA_AVX2`).
+
+        Returns:
+            Whether it ran; False (nothing done) for tensors it does not take.
+
+        Raises:
+            IndexError: a sequence's block ids, length or row are out of range (nothing written).
+            ValueError: `isa` is not available on this CPU.
+        """
+        # ~0.1 us per attribute read: the engine calls this once per layer per step.
+        dtype, shape, q_shape = plan.dtype, plan.cache_shape, query.shape
+        if not (
+            key_cache.dtype is dtype
+            and value_cache.dtype is dtype
+            and query.dtype is dtype
+            and out.dtype is dtype
+            and key_cache.shape == shape
+            and value_cache.shape == shape
+            and len(q_shape) == 3
+            and q_shape[2] == shape[3]
+            and q_shape[1] % shape[2] == 0
+            and out.shape == q_shape
+            and key_cache.is_cpu
+            and value_cache.is_cpu
+            and query.is_cpu
+            and out.is_cpu
+            and key_cache.is_contiguous()
+            and value_cache.is_contiguous()
+        ):
+            return False
+        q_strides, out_strides = query.stride(), out.stride()
+        if q_strides[2] != 1 or out_strides[2] != 1:
+            return False
+        status = self._decode_attention(
+            plan.address,
+            out.data_ptr(),
+            out_strides[0],
+            out_strides[1],
+            query.data_ptr(),
+            q_strides[0],
+            q_strides[1],
+            q_shape[0],
+            q_shape[1],
+            key_cache.data_ptr(),
+            value_cache.data_ptr(),
+            scale,
+            isa,
+        )
+        if status == _DECODE_OK:
+            return True
+        if status >= 0:
+            raise IndexError(
+                f"paged_attention: decoding sequence {status} (length {plan.seq_lens[status]}, row "
+                f"{plan.rows[status]}) has a block id outside the pool's {shape[0]} blocks or a row "
+                f"outside the {q_shape[0]} query rows"
+            )
+        if status == _DECODE_NO_ISA:
+            raise ValueError(f"decode attention: code path {isa} is not available on this CPU")
+        if status == _DECODE_NO_MEMORY:
+            raise MemoryError("decode attention: no memory for its scratch")
+        raise AssertionError(f"decode attention: the plan's geometry was refused ({status})")
+
+
 def default_compiler(environ: Mapping[str, str] = os.environ) -> list[str]:
     """``$CC`` split like a shell would, else ``cc``, else ``gcc``.
 
@@ -249,10 +494,10 @@ def _compiler_identity(compiler: Sequence[str]) -> str:
     return f"{shutil.which(compiler[0]) or compiler[0]}\n{shlex.join(compiler)}\n{result.stdout}"
 
 
-def build(compiler: Sequence[str], cache_dirs: Sequence[Path], source: Path = SOURCE) -> Path:
-    """The library built from `source` by `compiler`, compiled only when not already cached.
+def build(compiler: Sequence[str], cache_dirs: Sequence[Path], sources: Sequence[Path] = SOURCES) -> Path:
+    """The library built from `sources` by `compiler`, compiled only when not already cached.
 
-    The file name carries a hash of the source, the flags, the compiler and the
+    The file name carries a hash of the sources, the flags, the compiler and the
     platform, so a changed source or compiler builds anew. A compile writes a
     temporary file in the cache directory and renames it into place, so
     processes building at the same time each load a complete library.
@@ -260,7 +505,7 @@ def build(compiler: Sequence[str], cache_dirs: Sequence[Path], source: Path = SO
     Args:
         compiler: the compiler command (a list of words).
         cache_dirs: candidate cache directories (`default_cache_dirs`).
-        source: the C source.
+        sources: the C sources, compiled into one library.
 
     Returns:
         The path of the built library.
@@ -268,10 +513,12 @@ def build(compiler: Sequence[str], cache_dirs: Sequence[Path], source: Path = SO
     Raises:
         NativeBuildError: no compiler, no private cache directory, or the compile failed.
     """
-    try:
-        digest = hashlib.sha256(source.read_bytes())
-    except OSError as error:
-        raise NativeBuildError(f"cannot read the source: {error}") from error
+    digest = hashlib.sha256()
+    for source in sources:
+        try:
+            digest.update(hashlib.sha256(source.read_bytes()).digest())
+        except OSError as error:
+            raise NativeBuildError(f"cannot read the source: {error}") from error
     for part in (
         str(ABI_VERSION),
         shlex.join(COMPILE_FLAGS),
@@ -284,14 +531,14 @@ def build(compiler: Sequence[str], cache_dirs: Sequence[Path], source: Path = SO
     if library.exists() and _is_private(library, directory=False):
         return library
     try:
-        _compile(compiler, source, directory, library)
+        _compile(compiler, sources, directory, library)
     except OSError as error:  # the cache directory's file operations
         raise NativeBuildError(f"building {library}: {error}") from error
     log.info("kernels.cpu_native_built", library=str(library))
     return library
 
 
-def _compile(compiler: Sequence[str], source: Path, directory: Path, library: Path) -> None:
+def _compile(compiler: Sequence[str], sources: Sequence[Path], directory: Path, library: Path) -> None:
     """Compiles into a temporary file of `directory`, then renames it to `library`.
 
     Raises:
@@ -299,7 +546,7 @@ def _compile(compiler: Sequence[str], source: Path, directory: Path, library: Pa
     """
     fd, temporary = tempfile.mkstemp(prefix=".cpu_cache_ops-", suffix=".so", dir=directory)
     os.close(fd)
-    command = [*compiler, *COMPILE_FLAGS, "-o", temporary, str(source)]
+    command = [*compiler, *COMPILE_FLAGS, "-o", temporary, *map(str, sources)]
     try:
         try:
             result = subprocess.run(
@@ -319,13 +566,17 @@ def _compile(compiler: Sequence[str], source: Path, directory: Path, library: Pa
 
 
 def build_and_load(
-    compiler: Sequence[str] | None = None, cache_dirs: Sequence[Path] | None = None
+    compiler: Sequence[str] | None = None,
+    cache_dirs: Sequence[Path] | None = None,
+    *,
+    decode_attention: bool = True,
 ) -> CpuKernels:
-    """Builds (unless cached) and loads the native kernel.
+    """Builds (unless cached) and loads the native kernels.
 
     Args:
         compiler: the compiler command; None for `default_compiler`.
         cache_dirs: candidate cache directories; None for `default_cache_dirs`.
+        decode_attention: as `CpuKernels`.
 
     Raises:
         NativeBuildError: it cannot be built or loaded.
@@ -334,7 +585,7 @@ def build_and_load(
         compiler = default_compiler()
     if cache_dirs is None:
         cache_dirs = default_cache_dirs()
-    return CpuKernels(build(compiler, cache_dirs))
+    return CpuKernels(build(compiler, cache_dirs), decode_attention=decode_attention)
 
 
 def select(
@@ -342,22 +593,30 @@ def select(
     compiler: Sequence[str] | None = None,
     cache_dirs: Sequence[Path] | None = None,
 ) -> CpuKernels | None:
-    """The native kernel, or None for the torch implementation (logged when not by choice).
+    """The native kernels, or None for the torch implementation (logged when not by choice).
 
     Args:
-        environ: where ``SHOAL_CPU_KERNELS`` is read.
+        environ: where ``SHOAL_CPU_KERNELS`` and ``SHOAL_CPU_ATTENTION`` are read.
         compiler: as `build_and_load`; None reads ``$CC`` from `environ`.
         cache_dirs: as `build_and_load`; None derives them from `environ`.
     """
     choice = environ.get(ENV_VAR, "native")
     if choice == "torch":
         return None
+    attention = environ.get(ATTENTION_ENV_VAR, "native")
+    if attention not in ("native", "torch"):
+        log.warning(
+            "kernels.cpu_native_attention_choice",
+            error=f"{ATTENTION_ENV_VAR}={attention!r}: expected 'native' or 'torch'",
+            using="torch",
+        )
     try:
         if choice != "native":
             raise NativeBuildError(f"{ENV_VAR}={choice!r}: expected 'native' or 'torch'")
         return build_and_load(
             default_compiler(environ) if compiler is None else compiler,
             default_cache_dirs(environ) if cache_dirs is None else cache_dirs,
+            decode_attention=attention == "native",
         )
     except NativeBuildError as error:
         log.warning("kernels.cpu_native_unavailable", error=str(error), using="torch")

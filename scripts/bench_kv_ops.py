@@ -1,6 +1,6 @@
 """Bandwidth of Shoal's CPU KV-cache ops against a contiguous copy, and paged decode attention.
 
-    python scripts/bench_kv_ops.py [--quick] [--repeats N] [--threads N | --cpu-time]
+    python scripts/bench_kv_ops.py [--quick] [--repeats N] [--threads N | --cpu-time] [--decode-only]
 
 For each dtype and head_dim (16-token blocks, 8 kv heads):
 
@@ -17,8 +17,12 @@ implementation that ran (``impl``: the native C kernel of
 ``SHOAL_CPU_KERNELS=torch`` measures the torch one). Then
 ``write_kv`` at the size of one layer of a decode step (32 tokens), per call
 against a copy of the same bytes: there the op's fixed cost, not bandwidth, is
-what is measured. Then ``paged_attention`` decode for 1, 8 and 32 sequences
-against ``scaled_dot_product_attention`` over contiguous K/V of the same shapes.
+what is measured. Then ``paged_attention`` decode for 1, 8 and 32 sequences (and
+the demo models' head shapes at 32 sequences) with each decode implementation
+(``impl``: the native C kernel reading K/V from the blocks, with its code path,
+or torch's gather + SDPA; ``SHOAL_CPU_KERNELS=torch`` leaves only torch) against
+``scaled_dot_product_attention`` over contiguous K/V of the same shapes, and the
+fixed cost per layer of a tiny decode with each.
 Repetitions of every contender are interleaved and medians reported, because
 shared machines are noisy. Prints markdown tables.
 """
@@ -232,6 +236,14 @@ def describe_write_kv() -> str:
     )
 
 
+def describe_decode_attention() -> str:
+    """A line saying which decode attention `paged_attention` runs in this process."""
+    native = cpu_native.try_load()
+    if native is None or not native.decode_attention_enabled:
+        return "decode attention: torch (gather + SDPA); the decode tables time the native kernel too where it loads"
+    return f"decode attention: native C kernel, {cpu_native.ISA_NAMES[native.attention_isa]} code path"
+
+
 def row(
     op: str, dtype: torch.dtype, head_dim: int, num_tokens: int, num_bytes: int, timing: Timing, impl: str
 ) -> dict:
@@ -249,43 +261,116 @@ def row(
     }
 
 
-def bench_decode(dtype: torch.dtype, num_seqs: int, seq_len: int, repeats: int) -> dict:
-    head_dim = 128
-    group = NUM_HEADS // NUM_KV_HEADS
-    blocks_per_seq = seq_len // BLOCK_SIZE
+@dataclass(frozen=True)
+class DecodeShape:
+    """A decode batch: `num_seqs` sequences of `seq_len` tokens, heads over kv heads, head_dim."""
+
+    num_seqs: int
+    seq_len: int
+    num_heads: int = NUM_HEADS
+    num_kv_heads: int = NUM_KV_HEADS
+    head_dim: int = 128
+
+
+def decode_implementations() -> dict[str, cpu_native.CpuKernels | None]:
+    """The decode attentions to compare, as this process's choice to run them with: the
+    native kernel (where it is loaded) and torch's gather + SDPA."""
+    loaded = cpu_native.try_load()
+    if loaded is None:
+        return {"torch (gather + SDPA)": None}
+    native = cpu_native.CpuKernels(loaded.library_path, decode_attention=True)
+    return {
+        f"native C ({cpu_native.ISA_NAMES[native.attention_isa]})": native,
+        "torch (gather + SDPA)": cpu_native.CpuKernels(loaded.library_path, decode_attention=False),
+    }
+
+
+def with_choice(kernels: cpu_native.CpuKernels | None, run: Callable[[], object]) -> Callable[[], None]:
+    """`run` with `kernels` as the process's choice (restored after)."""
+
+    def chosen() -> None:
+        previous = cpu_native.use(kernels)
+        try:
+            run()
+        finally:
+            cpu_native.use(previous)
+
+    return chosen
+
+
+def bench_decode(dtype: torch.dtype, shape: DecodeShape, repeats: int) -> list[dict]:
+    """`cpu.paged_attention` of a decode batch (its plan built per call, as `ops` does) with
+    each implementation, against SDPA over contiguous K/V; all interleaved. One row per
+    implementation."""
+    num_seqs, seq_len, num_kv_heads, head_dim = shape.num_seqs, shape.seq_len, shape.num_kv_heads, shape.head_dim
+    group = shape.num_heads // num_kv_heads
+    blocks_per_seq = -(-seq_len // BLOCK_SIZE)
     num_blocks = 2 * num_seqs * blocks_per_seq
-    cache_shape = (num_blocks, BLOCK_SIZE, NUM_KV_HEADS, head_dim)
+    cache_shape = (num_blocks, BLOCK_SIZE, num_kv_heads, head_dim)
     key_cache, value_cache = random_values(cache_shape, dtype), random_values(cache_shape, dtype)
     block_tables = torch.randperm(num_blocks)[: num_seqs * blocks_per_seq].view(num_seqs, -1).int()
     seq_lens = torch.full((num_seqs,), seq_len, dtype=torch.int32)
     query_start_loc = torch.arange(num_seqs + 1, dtype=torch.int32)
-    query = random_values((num_seqs, NUM_HEADS, head_dim), dtype)
+    query = random_values((num_seqs, shape.num_heads, head_dim), dtype)
     out = torch.empty_like(query)
     # The contiguous baseline: K/V already [seqs, kv_heads, seq_len, head_dim], the
     # query heads of a kv group folded into the query-length dim as paged_attention does.
-    keys = random_values((num_seqs, NUM_KV_HEADS, seq_len, head_dim), dtype)
-    values = random_values((num_seqs, NUM_KV_HEADS, seq_len, head_dim), dtype)
-    grouped_query = query.view(num_seqs, NUM_KV_HEADS, group, head_dim)
+    keys = random_values((num_seqs, num_kv_heads, seq_len, head_dim), dtype)
+    values = random_values((num_seqs, num_kv_heads, seq_len, head_dim), dtype)
+    grouped_query = query.view(num_seqs, num_kv_heads, group, head_dim)
     scale = head_dim**-0.5
-    timing = interleaved_medians(
-        {
-            "paged": lambda: cpu.paged_attention(
-                out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale
-            ),
-            "sdpa": lambda: F.scaled_dot_product_attention(grouped_query, keys, values, scale=scale),
-        },
-        repeats,
-    )
-    paged, sdpa = timing.seconds["paged"], timing.seconds["sdpa"]
-    return {
-        "dtype": str(dtype).removeprefix("torch."),
-        "seqs": num_seqs,
-        "context": seq_len,
-        "heads / kv heads": f"{NUM_HEADS}/{NUM_KV_HEADS}",
-        "paged_attention ms": f"{paged * 1e3:.2f}",
-        "SDPA contiguous ms": f"{sdpa * 1e3:.2f}",
-        "paged / SDPA": f"{paged / sdpa:.2f}",
+
+    def paged() -> None:
+        cpu.paged_attention(out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale)
+
+    implementations = decode_implementations()
+    contenders: dict[str, Callable[[], object]] = {
+        name: with_choice(kernels, paged) for name, kernels in implementations.items()
     }
+    contenders["sdpa"] = lambda: F.scaled_dot_product_attention(grouped_query, keys, values, scale=scale)
+    timing = interleaved_medians(contenders, repeats)
+    sdpa = timing.seconds["sdpa"]
+    return [
+        {
+            "impl": name,
+            "dtype": str(dtype).removeprefix("torch."),
+            "seqs": num_seqs,
+            "context": seq_len,
+            "heads / kv heads": f"{shape.num_heads}/{num_kv_heads}",
+            "head_dim": head_dim,
+            "paged_attention ms": f"{timing.seconds[name] * 1e3:.3f}",
+            "SDPA contiguous ms": f"{sdpa * 1e3:.3f}",
+            "paged / SDPA": f"{timing.seconds[name] / sdpa:.2f}",
+        }
+        for name in implementations
+    ]
+
+
+def bench_decode_call(repeats: int) -> list[dict]:
+    """The fixed cost of one layer's decode attention as the engine runs it (one plan per
+    pass, `cpu.run_attention` per layer): one sequence of 16 tokens, 4/2 heads of 64, float32,
+    per call, with each implementation (the native one's plan and argument checks, and the
+    ctypes call; the torch one's gathers and SDPA dispatch)."""
+    calls = 200
+    key_cache = random_values((4, BLOCK_SIZE, 2, 64), torch.float32)
+    value_cache = random_values((4, BLOCK_SIZE, 2, 64), torch.float32)
+    query = random_values((1, 4, 64), torch.float32)
+    out = torch.empty_like(query)
+    rows = []
+    for name, kernels in decode_implementations().items():
+        previous = cpu_native.use(kernels)
+        try:
+            plan = cpu.plan_attention(key_cache, [[2]], [16], [0, 1])
+        finally:
+            cpu_native.use(previous)
+
+        def layers(plan: cpu.AttentionPlan = plan) -> None:
+            for _ in range(calls):
+                cpu.run_attention(out, query, key_cache, value_cache, plan, 0.125)
+
+        seconds = interleaved_medians({"layers": layers}, repeats).seconds["layers"]
+        rows.append({"impl": name, "decode attention of 1 x 16 tokens, us per layer": f"{seconds / calls * 1e6:.1f}"})
+    return rows
 
 
 def markdown(rows: list[dict]) -> str:
@@ -312,6 +397,9 @@ def main() -> None:
         action="store_true",
         help="time the calling thread's CPU time with one torch thread: steadier on a shared machine",
     )
+    parser.add_argument(
+        "--decode-only", action="store_true", help="only the decode attention tables (no bandwidth rows)"
+    )
     args = parser.parse_args()
     if args.cpu_time:
         use_cpu_time()
@@ -324,17 +412,26 @@ def main() -> None:
     clock_name = "thread CPU time" if args.cpu_time else "wall time"
     print(
         f"torch {torch.__version__}, {torch.get_num_threads()} threads, {clock_name}, "
-        f"medians of {repeats} interleaved rounds\n{describe_write_kv()}\n"
+        f"medians of {repeats} interleaved rounds\n{describe_write_kv()}\n{describe_decode_attention()}\n"
     )
-    print(markdown(bench_bandwidth(token_counts, repeats)), end="\n\n")
-    print(markdown(bench_write_kv_steps(repeats)), end="\n\n")
+    if not args.decode_only:
+        print(markdown(bench_bandwidth(token_counts, repeats)), end="\n\n")
+        print(markdown(bench_write_kv_steps(repeats)), end="\n\n")
 
     decode = [
-        bench_decode(dtype, num_seqs, seq_len, repeats)
+        row
         for dtype in (torch.bfloat16, torch.float32)
         for num_seqs in (1, 8, 32)
+        for row in bench_decode(dtype, DecodeShape(num_seqs, seq_len), repeats)
     ]
-    print(markdown(decode))
+    # The demo models' shapes at the engine benchmark's 32 sequences (contexts ~100-320).
+    decode += [
+        row
+        for heads in ((4, 2), (8, 2), (12, 4))
+        for row in bench_decode(torch.float32, DecodeShape(32, 160, *heads, 64), repeats)
+    ]
+    print(markdown(decode), end="\n\n")
+    print(markdown(bench_decode_call(repeats)))
 
 
 if __name__ == "__main__":

@@ -1,4 +1,8 @@
-"""The CPU KV-cache ops against naive references written here with per-token loops."""
+"""The CPU KV-cache ops against naive references written here with per-token loops.
+
+Attention is checked with both decode implementations: the torch groups and, where the
+native library builds, the C kernel (`shoal.kernels.cpu_native`); prefill rows are torch
+in both."""
 
 from __future__ import annotations
 
@@ -10,7 +14,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shoal.kernels import contract, cpu, ops
+from shoal.kernels import contract, cpu, cpu_native, ops
 
 BLOCK_SIZES = (1, 8, 16, 32)
 HEAD_DIMS = (32, 64, 128)
@@ -108,6 +112,13 @@ def build_batch(
     )
 
 
+def attention_implementations() -> list[cpu_native.CpuKernels | None]:
+    """The process's choices to run attention with: None (torch), and the native library
+    where it builds."""
+    native = cpu_native.try_load()
+    return [None] if native is None else [None, native]
+
+
 def check_attention(
     q_lens, seq_lens, block_size, heads, head_dim, dtype, seed=0, strided_query=False
 ) -> None:
@@ -118,10 +129,15 @@ def check_attention(
     if strided_query:
         query = transposed(query)
     scale = head_dim**-0.5
-    out = torch.full_like(query, float("nan"))
-    ops.paged_attention(out, query, key_cache, value_cache, block_tables, lens, starts, scale)
     expected = naive_paged_attention(query, key_cache, value_cache, block_tables, lens, starts, scale)
-    torch.testing.assert_close(out.double(), expected, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+    for kernels in attention_implementations():
+        previous = cpu_native.use(kernels)
+        try:
+            out = torch.full_like(query, float("nan"))
+            ops.paged_attention(out, query, key_cache, value_cache, block_tables, lens, starts, scale)
+        finally:
+            cpu_native.use(previous)
+        torch.testing.assert_close(out.double(), expected, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
 
 
 # --- write_kv ----------------------------------------------------------------
