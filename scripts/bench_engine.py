@@ -354,7 +354,7 @@ def bench_model(
 def _make_runner(
     name: str, model: Any, tokenizer: Any, max_num_batched_tokens: int
 ) -> tuple[Callable[..., Any], Callable[[], None]]:
-    if name == "shoal":
+    if name in ("shoal", "floor"):
         engine = PagedEngine(
             model,
             tokenizer,
@@ -363,17 +363,8 @@ def _make_runner(
                 max_num_seqs=64, max_num_batched_tokens=max_num_batched_tokens, runtime_overhead_bytes=0
             ),
         )
-        return (lambda p, s: run_shoal(engine, p, s)), (lambda: asyncio.run(engine.close()))
-    if name == "floor":
-        engine = PagedEngine(
-            model,
-            tokenizer,
-            allocation_bytes=GiB,
-            config=EngineConfig(
-                max_num_seqs=64, max_num_batched_tokens=max_num_batched_tokens, runtime_overhead_bytes=0
-            ),
-        )
-        return (lambda p, s: run_without_attention(engine, p, s)), (lambda: asyncio.run(engine.close()))
+        run = run_shoal if name == "shoal" else run_without_attention
+        return (lambda p, s: run(engine, p, s)), (lambda: asyncio.run(engine.close()))
     if name == "hf-serial":
         return (lambda p, s: run_hf_serial(model, tokenizer, p, s)), (lambda: None)
     if name == "hf-padded":

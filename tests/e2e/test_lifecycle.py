@@ -16,14 +16,18 @@ from tests.e2e.conftest import start_shoal_up
 pytestmark = pytest.mark.e2e
 
 
+def complete_once(v1: str) -> None:
+    """One short completion, so that a worker is serving."""
+    body = json.dumps({"model": "demo/llama-5m", "prompt": "hi", "max_tokens": 2}).encode()
+    request = urllib.request.Request(v1 + "/completions", data=body, headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=240) as response:
+        assert response.status == 200
+
+
 def test_sigterm_stops_workers_and_nats(demo_models_root: Path, tmp_path: Path) -> None:
     shoal = start_shoal_up(demo_models_root, tmp_path / "state")
     try:
-        body = json.dumps({"model": "demo/llama-5m", "prompt": "hi", "max_tokens": 2}).encode()
-        request = urllib.request.Request(shoal.v1 + "/completions", data=body,
-                                         headers={"Content-Type": "application/json"})
-        with urllib.request.urlopen(request, timeout=240) as response:
-            assert response.status == 200
+        complete_once(shoal.v1)
         running = shoal.leftovers()
         assert any("nats-server" in cmd for _, cmd in running), "nats-server should run while shoal is up"
         assert any("shoal.services.worker" in cmd for _, cmd in running), "a worker should serve the model"
@@ -36,11 +40,7 @@ def test_sigterm_stops_workers_and_nats(demo_models_root: Path, tmp_path: Path) 
 def test_sigkill_of_shoal_up_still_takes_workers_and_nats_down(demo_models_root: Path, tmp_path: Path) -> None:
     shoal = start_shoal_up(demo_models_root, tmp_path / "state")
     try:
-        body = json.dumps({"model": "demo/llama-5m", "prompt": "hi", "max_tokens": 2}).encode()
-        request = urllib.request.Request(shoal.v1 + "/completions", data=body,
-                                         headers={"Content-Type": "application/json"})
-        with urllib.request.urlopen(request, timeout=240) as response:
-            assert response.status == 200
+        complete_once(shoal.v1)
         assert len(shoal.leftovers()) >= 2
     finally:
         shoal.process.kill()
