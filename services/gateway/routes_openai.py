@@ -104,10 +104,9 @@ async def _serve(request: web.Request, kind: Kind) -> web.StreamResponse:
             started = time.monotonic()
             await state.dispatcher.ensure_placed(inference.model, inference.deadline)
             if stream:
-                response = await _stream(request, state, inference, kind, include_usage)
+                response, outcome = await _stream(request, state, inference, kind, include_usage)
             else:
-                response = await _collect(state, inference, kind)
-        outcome = "ok"
+                response, outcome = await _collect(state, inference, kind), "ok"
         return response
     except ApiError as exc:
         outcome = str(exc.status)
@@ -178,11 +177,14 @@ async def _collect(state: GatewayState, inference: InferenceRequest, kind: Kind)
 
 
 async def _stream(request: web.Request, state: GatewayState, inference: InferenceRequest, kind: Kind,
-                  include_usage: bool) -> web.StreamResponse:
+                  include_usage: bool) -> tuple[web.StreamResponse, str]:
+    """The SSE response and its outcome: "ok", or the status of an error sent in the stream
+    after the 200 (504 at the deadline, 503 when the replica died)."""
     response_id = ("chatcmpl-" if kind == "chat" else "cmpl-") + inference.request_id
     created = int(inference.created)
     model = inference.model
     events = state.dispatcher.run(inference, restartable=False)
+    outcome = "ok"
     async with contextlib.aclosing(events):
         # Wait for the first event before committing to a 200: errors before any token
         # (unknown model in the worker, prompt too long...) keep their proper status.
@@ -211,9 +213,10 @@ async def _stream(request: web.Request, state: GatewayState, inference: Inferenc
                 event = await anext(events)
         except ApiError as exc:
             log.info("stream_error", status=exc.status, error=exc.message)
+            outcome = str(exc.status)
             await sse.send(error_payload(exc))
         await sse.done()
-    return response
+    return response, outcome
 
 
 class _SseWriter:

@@ -1,4 +1,5 @@
-"""A client that goes away mid-request gets its request cancelled at the worker.
+"""A client that goes away mid-request, or a deadline that passes mid-stream, gets the
+request cancelled at the worker.
 
 Real parts throughout: the gateway on a real socket, a real worker (real model, real
 engine) on a real nats-server, the test listening on the bus with its own NATS client.
@@ -7,6 +8,7 @@ engine) on a real nats-server, the test listening on the bus with its own NATS c
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -24,7 +26,7 @@ from shoal.shared.bus import Bus
 from shoal.shared.messages import ModelSpec, ReplicaRecord, TokenChunk, cancel_decoder, reply_decoder
 from shoal.shared.metrics import Registry
 from shoal.shared.nats_server import EmbeddedNatsServer
-from tests.integration.gateway_harness import gateway_running
+from tests.integration.gateway_harness import gateway_running, metric_value
 
 MODEL = "demo/llama-5m"
 LONG = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 2000, "temperature": 0, "ignore_eos": True}
@@ -118,3 +120,32 @@ async def test_a_client_leaving_before_a_full_response_cancels_its_request_at_th
     (request_id,) = served.generating_ids
     await served.wait_until_cancelled(request_id)
     assert served.cancelled_ids == [request_id]
+
+
+async def test_a_deadline_passing_mid_stream_ends_it_with_a_504_event_counted_as_504(
+        served: Served, nats_server: EmbeddedNatsServer) -> None:
+    async with aiohttp.ClientSession() as session:
+        # Warm the worker up through the patient gateway, so the first token comes at once.
+        async with session.post(served.url + "/v1/completions", json=LONG | {"max_tokens": 2}) as response:
+            assert response.status == 200
+        async with gateway_running(nats_server.url, request_timeout_s=1.5) as hasty:
+            async with session.post(hasty + "/v1/completions", json=LONG | {"stream": True}) as response:
+                assert response.status == 200  # the first token came within the deadline
+                request_id = response.headers["X-Request-Id"]
+                events = [line[len(b"data: "):].strip() async for line in response.content
+                          if line.startswith(b"data: ")]
+            assert events[-1] == b"[DONE]"
+            error = json.loads(events[-2])["error"]
+            assert "deadline" in error["message"]
+            assert any(json.loads(event)["choices"][0]["text"] for event in events[:-2])  # tokens came first
+            sample = f'shoal_gateway_requests_total{{model="{MODEL}",kind="completion",outcome="504"}}'
+            assert await metric_value(hasty, sample) == 1
+            ok = f'shoal_gateway_requests_total{{model="{MODEL}",kind="completion",outcome="ok"}}'
+            assert await metric_value(hasty, ok) is None
+    assert request_id in served.cancelled_ids
+    expired = served.registry.counter("shoal_worker_requests_total", "", ["model", "outcome"])
+    for _ in range(600):  # the worker stops at the deadline too, and counts the request as expired
+        if expired.get(model=MODEL, outcome="expired") == 1 and served.worker.num_in_flight == 0:
+            break
+        await asyncio.sleep(0.05)
+    assert expired.get(model=MODEL, outcome="expired") == 1 and served.worker.num_in_flight == 0
