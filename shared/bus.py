@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Generic, TypeVar
@@ -19,10 +20,12 @@ import nats.errors
 import nats.js.errors
 import structlog
 from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.api import (
     AckPolicy,
     ConsumerConfig,
+    DeliverPolicy,
     DiscardPolicy,
     KeyValueConfig,
     RetentionPolicy,
@@ -53,8 +56,12 @@ STREAM_IN_USE_ERR = 10058  # JSStreamNameExistErr: exists with a different confi
 MAX_DELIVERIES = 3
 """A request is tried at most this often (a worker dying mid-request counts as a try)."""
 GET_ALL_INACTIVE_S = 5.0
-"""Server-side lifetime of a `get_all` watcher's consumer once nothing listens (a safety
-net: `get_all` deletes it itself; nats-py's default is 5 minutes)."""
+"""Server-side lifetime of a `get_all` consumer once nothing reads it (a safety net:
+`get_all` deletes it itself)."""
+GET_ALL_BATCH = 256
+"""KV entries fetched per round trip by `get_all`."""
+KV_OPERATION_HEADER = "KV-Operation"  # DEL or PURGE on a KV delete marker
+KV_MARKER_HEADER = "Nats-Marker-Reason"  # a marker the server places (TTL expiry, purge)
 
 
 class BusError(RuntimeError):
@@ -76,12 +83,11 @@ class TypedBucket(Generic[T]):
     by hand (`nats kv put`) must not take a service down.
     """
 
-    def __init__(self, kv: KeyValue, decoder: msgspec.json.Decoder[T], name: str,
-                 js: JetStreamContext | None = None) -> None:
+    def __init__(self, kv: KeyValue, decoder: msgspec.json.Decoder[T], name: str, js: JetStreamContext) -> None:
         self.kv = kv
         self.name = name
         self._decoder = decoder
-        self._js = js  # deletes get_all's watcher consumers (None: they lapse after GET_ALL_INACTIVE_S)
+        self._js = js
 
     def decode(self, key: str, raw: bytes | None) -> T | None:
         """Decode a raw value of this bucket (None, and logged, if malformed)."""
@@ -109,41 +115,52 @@ class TypedBucket(Generic[T]):
     async def get_all(self, prefix: str = ">") -> dict[str, Versioned[T]]:
         """Current value of every key matching `prefix` (a KV key filter, e.g. ``node-a.*``).
 
-        Reads through a watcher (an ephemeral ordered consumer), deleted again before
-        returning: nats-py leaves a stopped watcher's consumer on the server until its
-        inactivity threshold, and callers such as the reconcile loop read every few seconds.
+        Reads through an ephemeral pull consumer (last value per key, no acks), deleted
+        again before returning. Not nats-py's watcher: its "no more entries" marker rests
+        on the consumer's pending count read while the server is already pushing, and can
+        come before entries that exist (an empty read of a full bucket). A pull consumer
+        delivers nothing until fetched, so its pending count at creation is exact; each
+        message's own pending count then says when the read is complete.
         """
-        watcher = await self.kv.watch(prefix, ignore_deletes=True, inactive_threshold=GET_ALL_INACTIVE_S)
+        stream = f"KV_{self.name}"
+        config = ConsumerConfig(
+            name=f"get-all-{uuid.uuid4().hex}",
+            deliver_policy=DeliverPolicy.LAST_PER_SUBJECT,
+            ack_policy=AckPolicy.NONE,
+            filter_subject=f"$KV.{self.name}.{prefix}",
+            inactive_threshold=GET_ALL_INACTIVE_S,
+            mem_storage=True,
+        )
+        info = await self._js.add_consumer(stream, config)
         found: dict[str, Versioned[T]] = {}
         try:
-            while True:
+            remaining = info.num_pending or 0
+            if remaining:
+                subscription = await self._js.pull_subscribe_bind(consumer=info.name, stream=stream)
                 try:
-                    entry = await watcher.updates(timeout=5.0)
-                except nats.errors.TimeoutError:
-                    break
-                if entry is None:
-                    break
-                value = self._decode(entry.key, entry.value)
-                if value is not None and entry.revision is not None:
-                    found[entry.key] = Versioned(value, entry.revision)
-                if not entry.delta:
-                    break
+                    while remaining:
+                        for msg in await subscription.fetch(batch=min(remaining, GET_ALL_BATCH), timeout=5.0):
+                            remaining = msg.metadata.num_pending
+                            self._take_entry(msg, found)
+                finally:
+                    await subscription.unsubscribe()
         finally:
             try:
-                await watcher.stop()
-            finally:
-                await self._delete_watch_consumer(watcher)
+                await self._js.delete_consumer(stream, info.name)
+            except (nats.errors.Error, TimeoutError) as exc:  # it lapses after GET_ALL_INACTIVE_S
+                log.debug("kv_read_consumer_not_deleted", bucket=self.name, consumer=info.name, error=str(exc))
         return found
 
-    async def _delete_watch_consumer(self, watcher: KeyValue.KeyWatcher) -> None:
-        # The ordered consumer's current name (it changes when nats-py recreates it after a gap).
-        consumer = getattr(watcher._sub, "_consumer", None)
-        if self._js is None or not consumer:
-            return  # the inactivity threshold removes it soon enough
-        try:
-            await self._js.delete_consumer(f"KV_{self.name}", consumer)
-        except (nats.errors.Error, TimeoutError) as exc:
-            log.debug("kv_watch_consumer_not_deleted", bucket=self.name, consumer=consumer, error=str(exc))
+    def _take_entry(self, msg: Msg, found: dict[str, Versioned[T]]) -> None:
+        """Records the value a KV stream message holds, or forgets its key if it is a delete."""
+        key = msg.subject[len(f"$KV.{self.name}.") :]
+        headers = msg.headers or {}
+        if headers.get(KV_OPERATION_HEADER) in ("DEL", "PURGE") or KV_MARKER_HEADER in headers:
+            found.pop(key, None)
+            return
+        value = self._decode(key, msg.data)
+        if value is not None:
+            found[key] = Versioned(value, msg.metadata.sequence.stream)
 
     async def put(self, key: str, value: T) -> int:
         """Unconditional write (not CAS): only for keys a single owner writes."""
