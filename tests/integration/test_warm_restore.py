@@ -163,10 +163,17 @@ async def test_a_failed_restore_stops_the_worker_and_is_reported_once(cluster: t
     with capture_logs() as logs:
         reply = await scheduler.ensure(MODEL, 1)
         assert "from_cache" in reply.message and "failed" in reply.message, reply.message
-        while replica.replica_id in await _replicas(bus):  # freed by the scheduler (test timeout bounds it)
+
+        def failures() -> list[dict]:
+            return [e for e in logs if e["event"] == "replica_failed" and e.get("replica") == replica.replica_id
+                    and "never_served" in e]
+
+        # Freed by the scheduler, which logs the failure once its model record is updated,
+        # after the replica record is gone (the test timeout bounds the wait).
+        while replica.replica_id in await _replicas(bus) or not failures():
             await asyncio.sleep(0.1)
         assert not Path(f"/proc/{replica.pid}").exists(), "the worker of a failed restore must be stopped"
-        failed = [e for e in logs if e["event"] == "replica_failed" and e.get("replica") == replica.replica_id
-                  and "never_served" in e]
+        await asyncio.sleep(0.5)  # a second report, if one came, would be logged by now
+        failed = failures()
     assert len(failed) == 1, failed
     assert not failed[0]["never_served"]
