@@ -54,6 +54,8 @@ SOURCE = _CSRC / "cpu_cache_ops.c"
 ATTENTION_SOURCE = _CSRC / "cpu_attention.c"
 SOURCES = (SOURCE, ATTENTION_SOURCE)
 """What the library is compiled from (and its cache key hashes)."""
+LIBRARY_STEM = "shoal_cpu_kernels"
+"""The built library is ``<stem>-<hash>.so`` in the cache directory."""
 ABI_VERSION = 2
 """What ``shoal_cpu_kernels_abi()`` must return: the C signatures this module calls."""
 COMPILE_FLAGS = ("-O3", "-std=c11", "-fPIC", "-shared", "-ffp-contract=fast")
@@ -275,7 +277,6 @@ class CpuKernels:
             )
         return True
 
-
     def plan_decode(
         self,
         key_cache: torch.Tensor,
@@ -306,8 +307,9 @@ class CpuKernels:
         stride = max(needed)
         flat: list[int] = []
         for table, num_used in zip(block_tables, needed, strict=True):
-            flat += table[:num_used]
-            flat += [0] * (stride - len(table[:num_used]))
+            used = table[:num_used]
+            flat += used
+            flat += [0] * (stride - len(used))
         try:
             tables, lens, row_ids = array.array("i", flat), array.array("i", seq_lens), array.array("i", rows)
         except OverflowError:  # beyond int32: left to the torch path and its index checks
@@ -527,7 +529,7 @@ def build(compiler: Sequence[str], cache_dirs: Sequence[Path], sources: Sequence
     ):
         digest.update(b"\0" + part.encode())
     directory = _private_dir(cache_dirs)
-    library = directory / f"cpu_cache_ops-{digest.hexdigest()[:20]}.so"
+    library = directory / f"{LIBRARY_STEM}-{digest.hexdigest()[:20]}.so"
     if library.exists() and _is_private(library, directory=False):
         return library
     try:
@@ -544,7 +546,7 @@ def _compile(compiler: Sequence[str], sources: Sequence[Path], directory: Path, 
     Raises:
         NativeBuildError: the compiler did not run or failed.
     """
-    fd, temporary = tempfile.mkstemp(prefix=".cpu_cache_ops-", suffix=".so", dir=directory)
+    fd, temporary = tempfile.mkstemp(prefix=f".{LIBRARY_STEM}-", suffix=".so", dir=directory)
     os.close(fd)
     command = [*compiler, *COMPILE_FLAGS, "-o", temporary, *map(str, sources)]
     try:

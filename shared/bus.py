@@ -32,7 +32,7 @@ from nats.js.api import (
     StorageType,
     StreamConfig,
 )
-from nats.js.kv import KeyValue
+from nats.js.kv import KV_DEL, KV_MARKER_REASON, KV_OP, KV_PURGE, KeyValue
 
 from shoal.shared import subjects
 from shoal.shared.messages import (
@@ -60,8 +60,6 @@ GET_ALL_INACTIVE_S = 5.0
 `get_all` deletes it itself)."""
 GET_ALL_BATCH = 256
 """KV entries fetched per round trip by `get_all`."""
-KV_OPERATION_HEADER = "KV-Operation"  # DEL or PURGE on a KV delete marker
-KV_MARKER_HEADER = "Nats-Marker-Reason"  # a marker the server places (TTL expiry, purge)
 
 
 class BusError(RuntimeError):
@@ -88,6 +86,7 @@ class TypedBucket(Generic[T]):
         self.name = name
         self._decoder = decoder
         self._js = js
+        self._subject_prefix = f"$KV.{name}."
 
     def decode(self, key: str, raw: bytes | None) -> T | None:
         """Decode a raw value of this bucket (None, and logged, if malformed)."""
@@ -127,7 +126,7 @@ class TypedBucket(Generic[T]):
             name=f"get-all-{uuid.uuid4().hex}",
             deliver_policy=DeliverPolicy.LAST_PER_SUBJECT,
             ack_policy=AckPolicy.NONE,
-            filter_subject=f"$KV.{self.name}.{prefix}",
+            filter_subject=self._subject_prefix + prefix,
             inactive_threshold=GET_ALL_INACTIVE_S,
             mem_storage=True,
         )
@@ -153,9 +152,9 @@ class TypedBucket(Generic[T]):
 
     def _take_entry(self, msg: Msg, found: dict[str, Versioned[T]]) -> None:
         """Records the value a KV stream message holds, or forgets its key if it is a delete."""
-        key = msg.subject[len(f"$KV.{self.name}.") :]
+        key = msg.subject[len(self._subject_prefix) :]
         headers = msg.headers or {}
-        if headers.get(KV_OPERATION_HEADER) in ("DEL", "PURGE") or KV_MARKER_HEADER in headers:
+        if headers.get(KV_OP) in (KV_DEL, KV_PURGE) or KV_MARKER_REASON in headers:  # deleted, purged, expired
             found.pop(key, None)
             return
         value = self._decode(key, msg.data)

@@ -37,8 +37,8 @@ class ReplyInbox:
 
     def put(self, reply: Reply) -> None:
         self._replies.append(reply)
-        if self._waiter is not None and not self._waiter.done():
-            self._waiter.set_result(None)
+        if self._waiter is not None:
+            _wake(self._waiter)
 
     async def get(self, timeout_s: float) -> Reply | None:
         """The next reply, or None when none arrived within `timeout_s`."""

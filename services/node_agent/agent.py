@@ -94,7 +94,7 @@ class NodeAgent:
         self._gpus = gpus
         self._settings = settings
         self._replicas: dict[str, _Replica] = {}
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._tasks: set[asyncio.Task[object]] = set()
         self._service: Service | None = None
         self._started_at = now()
         registry = metrics or Registry()
@@ -143,7 +143,7 @@ class NodeAgent:
             await self._bus.nodes.delete(self.node_id)
         log.info("node_agent_stopped", node=self.node_id)
 
-    def _spawn_task(self, coro: Coroutine[Any, Any, None]) -> None:
+    def _spawn_task(self, coro: Coroutine[Any, Any, object]) -> None:
         task = asyncio.create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -381,12 +381,8 @@ class NodeAgent:
             if wait_stopped:
                 await process.stop()
             else:
-                self._spawn_task(self._stop_quietly(process))
+                self._spawn_task(process.stop())
         await self._mark_failed(record.model, record.replica_id, error, tell_scheduler=tell_scheduler)
-
-    @staticmethod
-    async def _stop_quietly(process: WorkerProcess) -> None:
-        await process.stop()
 
     async def _mark_failed(self, model: str, replica_id: str, error: str, *, tell_scheduler: bool = True) -> None:
         log.error("replica_failed", model=model, replica=replica_id, error=error)
