@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from shoal.shared.policy.block_pool import BlockPool
+from shoal.shared.kv_cache.block_pool import BlockPool
 
 BATCH = 128
 VLLM_QUEUE = "vLLM v1 FreeKVCacheBlockQueue, bare (re-created)"

@@ -67,8 +67,8 @@ from transformers import (
 )
 from transformers.generation.streamers import BaseStreamer
 
+from shoal.cli.demo_models import make_demo_models
 from shoal.kernels import cpu, ops
-from shoal.services.worker.demo_models import make_demo_models
 from shoal.services.worker.engine.paged_engine import EngineConfig, PagedEngine
 from shoal.services.worker.generation import GenerationRequest
 from shoal.shared.messages import SamplingParams

@@ -41,17 +41,17 @@ import time
 from collections import Counter
 from dataclasses import dataclass
 
-from shoal.shared.policy.cluster_state import (
+from shoal.shared.placement.config import PlacementConfig
+from shoal.shared.placement.memory_figure import MemoryFigure, get_memory_figure
+from shoal.shared.placement.plan import PlacementPlan
+from shoal.shared.placement.planner import ClusterPlanner
+from shoal.shared.placement.snapshot import (
     CandidateLevel,
     ClusterSnapshot,
     ModelDemand,
     NodeSnapshot,
     ReplicaSnapshot,
 )
-from shoal.shared.policy.memory_figure import MemoryFigure, get_memory_figure
-from shoal.shared.policy.placement import ClusterPlanner
-from shoal.shared.policy.placement_config import PlacementConfig
-from shoal.shared.policy.placement_plan import PlacementPlan
 
 GiB = 1 << 30
 GPU_BYTES = 80 * GiB

@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from shoal.services.worker.demo_models import DEMO_MODEL_KEYS, make_demo_models
+from shoal.cli.demo_models import DEMO_MODEL_KEYS, make_demo_models
 from shoal.shared.logs import configure_logging
 
 

@@ -20,7 +20,7 @@ import msgspec
 from msgspec import Struct, field
 
 from shoal.shared.messages import FairnessSpec
-from shoal.shared.policy.placement_config import PlacementConfig as PolicyPlacementConfig
+from shoal.shared.placement.config import PlacementConfig as PolicyPlacementConfig
 from shoal.shared.subjects import InvalidModelKey, validate_model_key, validate_node_id
 
 ENV_PREFIX = "SHOAL_"
@@ -86,7 +86,7 @@ class GatewayConfig(Struct, forbid_unknown_fields=True, kw_only=True):
 class PlacementConfig(Struct, forbid_unknown_fields=True, kw_only=True):
     """``[scheduler.placement]``: the placement policy's knobs (see docs/placement.md).
 
-    Every field maps one to one onto ``shoal.shared.policy.placement_config.PlacementConfig``,
+    Every field maps one to one onto ``shoal.shared.placement.config.PlacementConfig``,
     which checks them; an invalid value is an error naming ``scheduler.placement.<field>``.
     """
 

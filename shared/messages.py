@@ -182,7 +182,7 @@ class Occupant(Struct, omit_defaults=True):
 
     replica_id: str
     model: str
-    bytes: int
+    num_bytes: int
     state: OccupantState
     since: float
     last_accessed: float = 0.0
@@ -222,7 +222,7 @@ class GpuRecord(Struct, kw_only=True, omit_defaults=True):
     @property
     def reserved_bytes(self) -> int:
         """Bytes held by occupants that hold GPU memory (sleeping ones hold none)."""
-        return sum(o.bytes for o in self.occupants if o.state != "sleeping")
+        return sum(o.num_bytes for o in self.occupants if o.state != "sleeping")
 
     @property
     def available_bytes(self) -> int:
@@ -306,7 +306,7 @@ class RemoveModel(Struct, tag="remove", tag_field="type"):
 
 class ScaleModel(Struct, tag="scale", tag_field="type"):
     model: str
-    replicas: int
+    num_replicas: int
 
 
 class EvictReplicas(Struct, tag="evict", tag_field="type"):

@@ -37,7 +37,7 @@ def demo_models_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The demo models, made once per test session (or taken from $SHOAL_TEST_MODELS_ROOT)."""
     import os
 
-    from shoal.services.worker.demo_models import make_demo_models
+    from shoal.cli.demo_models import make_demo_models
 
     given = os.environ.get("SHOAL_TEST_MODELS_ROOT")
     root = Path(given) if given else tmp_path_factory.mktemp("models")

@@ -24,7 +24,7 @@ from nats.micro import add_service
 from nats.micro.service import Service
 
 from shoal.services.node_agent.gpus import NodeGpus, host_ram_bytes, nvml_process_bytes
-from shoal.services.node_agent.inspect import ModelInspectionError, inspect_model
+from shoal.services.node_agent.model_files import ModelInspectionError, inspect_model
 from shoal.services.node_agent.processes import WorkerProcess, spawn_worker, tail_log, worker_command
 from shoal.shared import subjects
 from shoal.shared.bus import Bus, cas_update, publish_event
@@ -52,7 +52,7 @@ from shoal.shared.messages import (
 )
 from shoal.shared.metrics import Registry
 from shoal.shared.micro import RequestError, ServiceCallError, add_json_endpoint, request_json
-from shoal.shared.policy.memory_figure import next_measured_figure
+from shoal.shared.placement.memory_figure import next_measured_figure
 
 log = structlog.get_logger(__name__)
 

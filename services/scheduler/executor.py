@@ -22,9 +22,9 @@ Outcomes (`StepResult`):
                *held*: its record goes back to its recorded allocation with state
                ``stopping`` and its occupants hold their bytes again (pinned: nothing is
                placed on that memory, nothing evicts it); the reconciler frees it once its
-               node agent confirms the worker stopped (`Scheduler.reconcile`).
+               node agent confirms the worker stopped (`SchedulerService.reconcile`).
              from_cache / create: returned to the scheduler, which frees and replaces the
-               replica (`Scheduler.on_replica_failed`).
+               replica (`SchedulerService.on_replica_failed`).
     skipped  a step it waited on did not finish: a from_cache / create whose GPUs were not
                freed is rolled back (reservation released; a new replica's record deleted,
                a restored one's back to WARM) and placed again by a later pass; a step of a
@@ -58,7 +58,7 @@ from shoal.shared.messages import (
     node_reply_decoder,
 )
 from shoal.shared.micro import ServiceCallError, request_json
-from shoal.shared.policy.replica_plan import DeltaOp, ReplicaDelta, ReplicaLocation
+from shoal.shared.placement.replicas import DeltaOp, ReplicaDelta, ReplicaLocation
 
 log = structlog.get_logger(__name__)
 

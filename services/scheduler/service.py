@@ -29,10 +29,10 @@ import structlog
 from nats.micro import add_service
 from nats.micro.service import Service
 
-from shoal.services.scheduler import cluster_view as view
+from shoal.services.scheduler import records
 from shoal.services.scheduler.executor import STOP_TIMEOUT_S, NodeSteps, StepResult, send_node_command
 from shoal.services.scheduler.registry import merge_registration
-from shoal.services.scheduler.store import ClusterSnapshot, ClusterStore
+from shoal.services.scheduler.store import ClusterStore, StoredCluster
 from shoal.shared import subjects
 from shoal.shared.bus import Bus, ensure_model_consumer, publish_event
 from shoal.shared.config import SchedulerConfig
@@ -56,11 +56,11 @@ from shoal.shared.messages import (
 )
 from shoal.shared.metrics import Registry
 from shoal.shared.micro import RequestError, ServiceCallError, ServiceError, add_json_endpoint, request_json
-from shoal.shared.policy.cluster_state import ClusterSnapshot as PolicySnapshot
-from shoal.shared.policy.memory_figure import UnknownModelMemory
-from shoal.shared.policy.placement import ClusterPlanner
-from shoal.shared.policy.placement_plan import PlacementPlan
-from shoal.shared.policy.replica_plan import build_delta, get_planned_locations
+from shoal.shared.placement.memory_figure import UnknownModelMemory
+from shoal.shared.placement.plan import PlacementPlan
+from shoal.shared.placement.planner import ClusterPlanner
+from shoal.shared.placement.replicas import build_delta, get_planned_locations
+from shoal.shared.placement.snapshot import ClusterSnapshot
 
 log = structlog.get_logger(__name__)
 
@@ -82,7 +82,7 @@ class PassOutcome:
     """What the node agents did with the plan's delta."""
 
 
-class Scheduler:
+class SchedulerService:
     """See the module doc."""
 
     def __init__(
@@ -99,7 +99,7 @@ class Scheduler:
         self.scheduler_id = config.scheduler_id or f"sched-{uuid.uuid4().hex[:8]}"
         self._clock = clock
         self._rng = rng or random.Random()
-        self._policy_config = view.build_policy_config(config.placement)
+        self._policy_config = records.build_policy_config(config.placement)
         registry = metrics or Registry()
         self.metrics = registry
         self.cas_conflicts = registry.counter(
@@ -168,7 +168,7 @@ class Scheduler:
                 return SchedulerReply(ok=True, status="ok", model=stored)
             case RemoveModel(model=model):
                 return await self.remove(model)
-            case ScaleModel(model=model, replicas=replicas):
+            case ScaleModel(model=model, num_replicas=replicas):
                 return await self.scale(model, replicas)
             case EvictReplicas(model=model, replica_id=replica_id):
                 return await self.evict(model, replica_id)
@@ -259,14 +259,14 @@ class Scheduler:
         if (held := self._held(spec)) is not None:
             return held
         try:
-            view.build_demand(spec, config=self._policy_config)
+            records.build_demand(spec, config=self._policy_config)
         except UnknownModelMemory as exc:
             return await self._reply(model, "cant_accommodate", f"{model}: {exc}; no node agent could inspect it")
 
         def operate(planner: ClusterPlanner, specs: dict[str, ModelSpec]) -> None:
             current = specs[model]
             desired = max(current.desired_replicas, min_replicas)
-            planner.ensure(view.build_demand(current, config=self._policy_config, desired_replicas=desired),
+            planner.ensure(records.build_demand(current, config=self._policy_config, desired_replicas=desired),
                            allow_evictions=allow_evictions)
 
         return await self._placement_reply(model, await self._run_pass(operate))
@@ -279,7 +279,7 @@ class Scheduler:
         def operate(planner: ClusterPlanner, specs: dict[str, ModelSpec]) -> None:
             planner.scale_down(model, replicas)
             if replicas:
-                planner.ensure(view.build_demand(specs[model], config=self._policy_config, desired_replicas=replicas))
+                planner.ensure(records.build_demand(specs[model], config=self._policy_config, desired_replicas=replicas))
 
         return await self._placement_reply(model, await self._run_pass(operate))
 
@@ -370,8 +370,8 @@ class Scheduler:
         self._passes.inc(scheduler=self.scheduler_id, outcome="contended")
         return PassOutcome(PlacementPlan(), committed=False, message="placement kept losing races; try again"), None
 
-    def _policy_snapshot(self, snapshot: ClusterSnapshot) -> PolicySnapshot:
-        return view.build_snapshot(
+    def _policy_snapshot(self, snapshot: StoredCluster) -> ClusterSnapshot:
+        return records.build_snapshot(
             snapshot.nodes.values(),
             [v.value for v in snapshot.gpus.values()],
             [v.value for v in snapshot.replicas.values()],
@@ -380,7 +380,7 @@ class Scheduler:
             now=self._clock(),
         )
 
-    async def _commit(self, snapshot: ClusterSnapshot, plan: PlacementPlan) -> asyncio.Task[list[StepResult]] | None:
+    async def _commit(self, snapshot: StoredCluster, plan: PlacementPlan) -> asyncio.Task[list[StepResult]] | None:
         """Write `plan` (see the module doc) and submit its node steps; None when a race was
         lost and nothing stays written.
 
@@ -406,7 +406,7 @@ class Scheduler:
             await self._release_leases(touched, {})
             return None
         replicas = {v.value.replica_id: v.value for v in snapshot.replicas.values()}
-        changes = view.plan_to_records(plan, gpus=[v.value for v in snapshot.gpus.values()], replicas=replicas,
+        changes = records.plan_to_records(plan, gpus=[v.value for v in snapshot.gpus.values()], replicas=replicas,
                                        scheduler_id=self.scheduler_id,
                                        reservation_ttl_s=self._config.reservation_ttl_s)
         if not await self.store.apply_gpu_changes(dict(changes.gpu_changes), snapshot.gpus):
@@ -416,7 +416,7 @@ class Scheduler:
         specs = await self._release_leases(touched, plan.desired_replicas)
         self._placed.inc(len(plan.placements), scheduler=self.scheduler_id)
         await self._record_events(plan)
-        recorded = view.get_recorded_locations(replicas.values())
+        recorded = records.get_recorded_locations(replicas.values())
         delta = build_delta(recorded, get_planned_locations(recorded, plan))
         new_records = {**replicas, **{r.replica_id: r for r in changes.replica_puts}}
         all_specs = {**{k: v.value for k, v in versioned.items()}, **specs}
@@ -502,7 +502,7 @@ class Scheduler:
         model's desired count; the model comes back when room returns or a request asks)."""
         snapshot = await self.store.snapshot()
         await self.store.remove_lapsed_reservations(snapshot)
-        for key, excess_bytes in view.find_over_committed(v.value for v in snapshot.gpus.values()).items():
+        for key, excess_bytes in records.find_over_committed(v.value for v in snapshot.gpus.values()).items():
             log.warning("gpu_over_committed", gpu=key, excess_bytes=excess_bytes)
         for entry in snapshot.replicas.values():
             record = entry.value

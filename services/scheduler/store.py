@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import msgspec
 import structlog
 
-from shoal.services.scheduler.cluster_view import GpuChange, apply_gpu_change
+from shoal.services.scheduler.records import GpuChange, apply_gpu_change
 from shoal.shared import subjects
 from shoal.shared.bus import Bus, CasConflict, Versioned, cas_update
 from shoal.shared.messages import GpuRecord, ModelSpec, NodeRecord, Occupant, ReplicaRecord, now
@@ -27,7 +27,7 @@ log = structlog.get_logger(__name__)
 
 
 @dataclass(frozen=True)
-class ClusterSnapshot:
+class StoredCluster:
     """Everything placement reads, as of one moment (each value with its revision)."""
 
     nodes: dict[str, NodeRecord]
@@ -68,9 +68,9 @@ class ClusterStore:
     def _count_conflict(self) -> None:
         self._conflicts.inc(scheduler=self._owner)
 
-    async def snapshot(self) -> ClusterSnapshot:
+    async def snapshot(self) -> StoredCluster:
         nodes = {k: v.value for k, v in (await self._bus.nodes.get_all()).items()}
-        return ClusterSnapshot(
+        return StoredCluster(
             nodes=nodes,
             gpus=await self._bus.gpus.get_all(),
             replicas=await self._bus.replicas.get_all(),
@@ -163,7 +163,7 @@ class ClusterStore:
         """Keep the memory of a replica whose worker may still hold it (a to_cache or stop
         that failed) accounted: its record goes back to `record` (its allocation before the
         plan) with state ``stopping``, and its occupants hold their bytes again as
-        ``draining``. Pinned so (see cluster_view); the reconciler frees it once the node
+        ``draining``. Pinned so (see records.py); the reconciler frees it once the node
         agent confirms the worker stopped."""
         stamp = self._clock()
         held = msgspec.structs.replace(record, state="stopping", error=error, updated_at=stamp)
@@ -176,7 +176,7 @@ class ClusterStore:
                     return None
                 before = current.find(record.replica_id)
                 occupant = Occupant(
-                    replica_id=record.replica_id, model=record.model, bytes=num_bytes, state="draining",
+                    replica_id=record.replica_id, model=record.model, num_bytes=num_bytes, state="draining",
                     since=stamp, last_accessed=before.last_accessed if before else 0.0, dedicated=record.dedicated,
                 )
                 occupants = [o for o in current.occupants if o.replica_id != record.replica_id] + [occupant]
@@ -247,7 +247,7 @@ class ClusterStore:
 
     # ------------------------------------------------------------------ reconciliation
 
-    async def remove_lapsed_reservations(self, snapshot: ClusterSnapshot) -> int:
+    async def remove_lapsed_reservations(self, snapshot: StoredCluster) -> int:
         """Drop occupants no replica record backs once their reservation expired
         (a scheduler crashed between reserving and recording)."""
         recorded = {v.value.replica_id for v in snapshot.replicas.values()}

@@ -68,7 +68,7 @@ class ShoalUp:
 
 def start_shoal_up(models_root: Path, state_dir: Path, *extra: str, timeout_s: float = 120.0) -> ShoalUp:
     port = free_port()
-    argv = [sys.executable, "-m", "shoal.services.cli", "up", "--port", str(port), "--models-root", str(models_root),
+    argv = [sys.executable, "-m", "shoal.cli.main", "up", "--port", str(port), "--models-root", str(models_root),
             "--state-dir", str(state_dir), "--gpus", "virtual:2x16GiB", "--log-format", "json", *extra]
     process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
     lines: list[str] = []

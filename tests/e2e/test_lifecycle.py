@@ -55,11 +55,11 @@ def test_status_and_inspect_show_the_cluster(demo_models_root: Path, tmp_path: P
     state = tmp_path / "state"
     shoal = start_shoal_up(demo_models_root, state)
     try:
-        status = subprocess.run([sys.executable, "-m", "shoal.services.cli", "status", "--state-dir", str(state)],
+        status = subprocess.run([sys.executable, "-m", "shoal.cli.main", "status", "--state-dir", str(state)],
                                 capture_output=True, text=True, timeout=60)
         assert status.returncode == 0, status.stderr
         assert "GPUs (2):" in status.stdout and "demo/llama-5m" in status.stdout
-        inspected = subprocess.run([sys.executable, "-m", "shoal.services.cli", "inspect", "--nats-url",
+        inspected = subprocess.run([sys.executable, "-m", "shoal.cli.main", "inspect", "--nats-url",
                                     shoal.nats_url], capture_output=True, text=True, timeout=60)
         assert inspected.returncode == 0, inspected.stderr
         for name in ("SHOAL_REQUESTS", "SHOAL_EVENTS", "shoal_models", "shoal_gpus", "shoal_replicas",

@@ -105,7 +105,7 @@ def schedulers(nats_server: EmbeddedNatsServer, tmp_path: Path) -> Iterator[list
     ports = [free_port() for _ in range(3)]
     env = {**os.environ, "SHOAL_DEMO_MODELS": "false", "SHOAL_SCHEDULER_RECONCILE_INTERVAL_S": "2"}
     processes = [
-        subprocess.Popen([sys.executable, "-m", "shoal.services.cli", "scheduler", "--nats-url", nats_server.url,
+        subprocess.Popen([sys.executable, "-m", "shoal.cli.main", "scheduler", "--nats-url", nats_server.url,
                           "--metrics-port", str(port), "--log-level", "warning"],
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=tmp_path)
         for port in ports
@@ -153,7 +153,7 @@ async def test_three_schedulers_never_over_commit_a_gpu(bus: Bus, nodes: StandIn
         assert record.level == "HOT"
         for index, num_bytes in record.gpu_bytes.items():
             occupant = occupants.get((record.node_id, index, record.replica_id))
-            assert occupant is not None and occupant.bytes == num_bytes, f"{record.name} has no matching occupant"
+            assert occupant is not None and occupant.num_bytes == num_bytes, f"{record.name} has no matching occupant"
     recorded = {(r.node_id, i, r.replica_id) for r in replicas for i in r.gpu_bytes}
     assert set(occupants) == recorded, "every occupant must belong to a replica record"
     per_model = Counter(r.model for r in replicas)

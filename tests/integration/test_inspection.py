@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import io
 
-from shoal.services.inspection import inspect, ping_services
+from shoal.cli.inspection import inspect, ping_services
 from shoal.shared.bus import Bus
 
 

@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator
 import pytest
 from nats.micro import add_service
 
-from shoal.services.scheduler.service import Scheduler
+from shoal.services.scheduler.service import SchedulerService
 from shoal.shared import subjects
 from shoal.shared.bus import Bus
 from shoal.shared.config import SchedulerConfig
@@ -110,8 +110,8 @@ async def node(bus: Bus) -> AsyncIterator[StandInNode]:
 
 
 @pytest.fixture
-async def scheduler(bus: Bus) -> AsyncIterator[Scheduler]:
-    instance = Scheduler(bus, SchedulerConfig(scheduler_id="s1", reconcile_interval_s=3600))
+async def scheduler(bus: Bus) -> AsyncIterator[SchedulerService]:
+    instance = SchedulerService(bus, SchedulerConfig(scheduler_id="s1", reconcile_interval_s=3600))
     await instance.start()
     yield instance
     await instance.stop()
@@ -123,7 +123,7 @@ async def _serving(bus: Bus, model: str, replica_id: str, gpu_bytes: dict[int, i
         key = subjects.gpu_kv_key(NODE, index)
         entry = await bus.gpus.get(key)
         assert entry is not None
-        occupant = Occupant(replica_id=replica_id, model=model, bytes=num_bytes, state="serving", since=now(),
+        occupant = Occupant(replica_id=replica_id, model=model, num_bytes=num_bytes, state="serving", since=now(),
                             last_accessed=now())
         entry.value.occupants.append(occupant)
         await bus.gpus.put(key, entry.value)
@@ -160,7 +160,7 @@ async def _until(predicate, what: str) -> None:  # type: ignore[no-untyped-def]
         await asyncio.sleep(0.05)
 
 
-async def test_an_eviction_on_an_over_committed_gpu_commits(bus: Bus, scheduler: Scheduler) -> None:
+async def test_an_eviction_on_an_over_committed_gpu_commits(bus: Bus, scheduler: SchedulerService) -> None:
     node = StandInNode(bus, (40,))
     await node.start()
     try:
@@ -178,7 +178,7 @@ async def test_an_eviction_on_an_over_committed_gpu_commits(bus: Bus, scheduler:
 
 
 async def test_a_failed_to_cache_keeps_the_memory_until_the_worker_is_stopped(
-        bus: Bus, node: StandInNode, scheduler: Scheduler) -> None:
+        bus: Bus, node: StandInNode, scheduler: SchedulerService) -> None:
     await node.start()
     await _model(bus, "org/x", 11, desired=1)  # measured since x1 was placed: x fits no GPU now
     await _model(bus, "org/m", 6)  # more than GPU 1 (5 GiB): m must evict x1 on GPU 0
@@ -193,7 +193,7 @@ async def test_a_failed_to_cache_keeps_the_memory_until_the_worker_is_stopped(
     (held,) = (await _replicas(bus, "org/x")).values()
     assert (held.replica_id, held.level, held.state, held.gpu_bytes) == ("x1", "HOT", "stopping", {0: 8 * GIB})
     gpu = await _gpu(bus, 0)
-    assert [(o.replica_id, o.bytes, o.state) for o in gpu.occupants] == [("x1", 8 * GIB, "draining")]
+    assert [(o.replica_id, o.num_bytes, o.state) for o in gpu.occupants] == [("x1", 8 * GIB, "draining")]
     assert await _replicas(bus, "org/m") == {}
     assert [verb for verb, _ in node.log] == ["to_cache"]
     assert (await _spec(bus, "org/x")).desired_replicas == 1, "a pressure eviction keeps the desired count"
@@ -209,7 +209,7 @@ async def test_a_failed_to_cache_keeps_the_memory_until_the_worker_is_stopped(
     assert (await _spec(bus, "org/x")).desired_replicas == 1
 
 
-async def test_a_failed_create_is_freed_and_counted_once(bus: Bus, node: StandInNode, scheduler: Scheduler) -> None:
+async def test_a_failed_create_is_freed_and_counted_once(bus: Bus, node: StandInNode, scheduler: SchedulerService) -> None:
     await node.start()
     await _model(bus, "org/f", 4)
     node.failing.add(("create", "*"))
@@ -230,7 +230,7 @@ async def test_a_failed_create_is_freed_and_counted_once(bus: Bus, node: StandIn
 
 
 async def test_node_steps_run_outside_the_pass_lock_and_in_order_per_gpu(
-        bus: Bus, node: StandInNode, scheduler: Scheduler) -> None:
+        bus: Bus, node: StandInNode, scheduler: SchedulerService) -> None:
     await node.start()
     await _model(bus, "org/x", 8)
     await _model(bus, "org/y", 3)

@@ -10,7 +10,7 @@ import pytest
 
 from shoal.services.node_agent.agent import NodeAgent, NodeAgentSettings
 from shoal.services.node_agent.gpus import discover_gpus
-from shoal.services.scheduler.service import Scheduler
+from shoal.services.scheduler.service import SchedulerService
 from shoal.shared import subjects
 from shoal.shared.bus import Bus, connect
 from shoal.shared.config import SchedulerConfig
@@ -23,7 +23,7 @@ LARGE = "demo/llama-100m"
 
 @pytest.fixture
 async def cluster(nats_server: EmbeddedNatsServer, demo_models_root: Path, tmp_path: Path
-                  ) -> AsyncIterator[tuple[Bus, Scheduler]]:
+                  ) -> AsyncIterator[tuple[Bus, SchedulerService]]:
     buses = [await connect(nats_server.url, name) for name in ("scheduler", "node-a", "node-b", "test")]
     agents = []
     for bus, node_id, gpus in ((buses[1], "node-a", "virtual:1x1GiB"), (buses[2], "node-b", "virtual:1x2GiB")):
@@ -32,7 +32,7 @@ async def cluster(nats_server: EmbeddedNatsServer, demo_models_root: Path, tmp_p
         agent = NodeAgent(bus, discover_gpus(gpus), settings)
         await agent.start()
         agents.append(agent)
-    scheduler = Scheduler(buses[0], SchedulerConfig(reconcile_interval_s=3600))
+    scheduler = SchedulerService(buses[0], SchedulerConfig(reconcile_interval_s=3600))
     await scheduler.start([ModelSpec(key=SMALL, path=SMALL), ModelSpec(key=LARGE, path=LARGE)])
     try:
         yield buses[3], scheduler
@@ -58,7 +58,7 @@ async def _wait_ready(bus: Bus, model: str, count: int, timeout_s: float = 120.0
     raise AssertionError(f"{model}: {count} ready replicas expected, have {await _replicas(bus, model)}")
 
 
-async def test_placement_uses_both_nodes_and_a_large_model_lands_where_it_fits(cluster: tuple[Bus, Scheduler]
+async def test_placement_uses_both_nodes_and_a_large_model_lands_where_it_fits(cluster: tuple[Bus, SchedulerService]
                                                                                ) -> None:
     bus, scheduler = cluster
     nodes = await bus.nodes.get_all()

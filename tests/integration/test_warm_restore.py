@@ -16,7 +16,7 @@ from structlog.testing import capture_logs
 
 from shoal.services.node_agent.agent import NodeAgent, NodeAgentSettings
 from shoal.services.node_agent.gpus import discover_gpus
-from shoal.services.scheduler.service import Scheduler
+from shoal.services.scheduler.service import SchedulerService
 from shoal.shared import subjects
 from shoal.shared.bus import Bus, connect
 from shoal.shared.config import SchedulerConfig
@@ -38,13 +38,13 @@ MODEL = "demo/llama-5m"
 
 @pytest.fixture
 async def cluster(nats_server: EmbeddedNatsServer, demo_models_root: Path, tmp_path: Path
-                  ) -> AsyncIterator[tuple[Bus, Scheduler]]:
+                  ) -> AsyncIterator[tuple[Bus, SchedulerService]]:
     buses = [await connect(nats_server.url, name) for name in ("scheduler", "node-a", "test")]
     settings = NodeAgentSettings(node_id="node-a", nats_url=nats_server.url, models_root=str(demo_models_root),
                                  log_dir=tmp_path / "node-a", worker_options={"torch_threads": 1})
     agent = NodeAgent(buses[1], discover_gpus("virtual:1x2GiB"), settings)
     await agent.start()
-    scheduler = Scheduler(buses[0], SchedulerConfig(reconcile_interval_s=3600))
+    scheduler = SchedulerService(buses[0], SchedulerConfig(reconcile_interval_s=3600))
     await scheduler.start([ModelSpec(key=MODEL, path=MODEL)])
     try:
         yield buses[2], scheduler
@@ -82,7 +82,7 @@ async def _occupant_bytes(bus: Bus, replica_id: str) -> dict[int, tuple[int, str
     for entry in (await bus.gpus.get_all()).values():
         occupant = entry.value.find(replica_id)
         if occupant is not None:
-            found[entry.value.index] = (occupant.bytes, occupant.state)
+            found[entry.value.index] = (occupant.num_bytes, occupant.state)
     return found
 
 
@@ -109,7 +109,7 @@ async def _complete(bus: Bus, request_id: str) -> FinalReply:
 
 
 async def test_a_replica_goes_warm_and_back_hot_and_serves_and_placement_reserves_the_measured_figure(
-        cluster: tuple[Bus, Scheduler]) -> None:
+        cluster: tuple[Bus, SchedulerService]) -> None:
     bus, scheduler = cluster
     assert (await scheduler.scale(MODEL, 1)).ok
     (first,) = (await _ready(bus, 1)).values()
@@ -149,7 +149,7 @@ async def test_a_replica_goes_warm_and_back_hot_and_serves_and_placement_reserve
     assert restored.measured_bytes is not None
 
 
-async def test_a_failed_restore_stops_the_worker_and_is_reported_once(cluster: tuple[Bus, Scheduler]) -> None:
+async def test_a_failed_restore_stops_the_worker_and_is_reported_once(cluster: tuple[Bus, SchedulerService]) -> None:
     bus, scheduler = cluster
     assert (await scheduler.scale(MODEL, 1)).ok
     (replica,) = (await _ready(bus, 1)).values()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from shoal.shared.policy.block_pool import BlockPool
+from shoal.shared.kv_cache.block_pool import BlockPool
 
 
 def _hash(name: str) -> bytes:

@@ -22,8 +22,8 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from shoal.shared.policy.block_pool import BlockPool
-from shoal.shared.policy.kv_cache_manager import KVCacheManager
+from shoal.shared.kv_cache.block_pool import BlockPool
+from shoal.shared.kv_cache.manager import KVCacheManager
 
 BLOCK_SIZE = 4
 # A few shared prompt heads so that prefixes repeat and the cache gets hits.

@@ -12,7 +12,7 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from shoal.services.worker.demo_models import (
+from shoal.cli.demo_models import (
     DEMO_MODEL_KEYS,
     SPECIAL_TOKEN_IDS,
     DemoModel,

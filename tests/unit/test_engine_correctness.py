@@ -25,7 +25,7 @@ from transformers import (
     MistralConfig,
 )
 
-from shoal.services.worker.demo_models import make_demo_models
+from shoal.cli.demo_models import make_demo_models
 from shoal.services.worker.engine.factory import build_paged_engine
 from shoal.services.worker.engine.paged_engine import (
     EngineConfig,
@@ -36,7 +36,7 @@ from shoal.services.worker.engine.paged_engine import (
 from shoal.services.worker.generation import GenerationOutput, GenerationRequest, RequestRejected
 from shoal.services.worker.loader import LoadedModel
 from shoal.shared.messages import SamplingParams
-from shoal.shared.policy.memory import get_activation_bytes, get_model_shape
+from shoal.shared.model_memory import get_activation_bytes, get_model_shape
 from tests.token_echo import TokenEcho, echo
 
 DEMO_MODELS = ("demo/llama-5m", "demo/qwen2-25m")

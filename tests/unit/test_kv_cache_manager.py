@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from shoal.shared.policy.block_pool import BlockPool
-from shoal.shared.policy.kv_cache_manager import KVCacheManager, hash_block_tokens, hash_full_blocks
+from shoal.shared.kv_cache.block_pool import BlockPool
+from shoal.shared.kv_cache.manager import KVCacheManager, hash_block_tokens, hash_full_blocks
 
 
 def _manager(num_blocks: int = 11, *, caching: bool = True) -> KVCacheManager:

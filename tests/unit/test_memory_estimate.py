@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, MistralConfig, Qwen2Config
 
-from shoal.shared.policy.memory import (
+from shoal.shared.model_memory import (
     GIB,
     MIB,
     count_parameters,

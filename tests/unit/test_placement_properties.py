@@ -12,20 +12,20 @@ from collections.abc import Iterator
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shoal.shared.policy.cluster_state import (
+from shoal.shared.placement.config import PlacementConfig
+from shoal.shared.placement.gpu_index import EvictionFit, GpuSlots, ReclaimIndex
+from shoal.shared.placement.memory_figure import MemoryFigure, get_memory_figure
+from shoal.shared.placement.node_eval import choose_victims, get_victim_totals, pick_victims
+from shoal.shared.placement.node_state import WorkReplica
+from shoal.shared.placement.plan import PlacementPlan
+from shoal.shared.placement.planner import ClusterPlanner, plan_placements
+from shoal.shared.placement.snapshot import (
     CandidateLevel,
     ClusterSnapshot,
     ModelDemand,
     NodeSnapshot,
     ReplicaSnapshot,
 )
-from shoal.shared.policy.gpu_index import EvictionFit, GpuSlots, ReclaimIndex
-from shoal.shared.policy.memory_figure import MemoryFigure, get_memory_figure
-from shoal.shared.policy.node_eval import choose_victims, get_victim_totals, pick_victims
-from shoal.shared.policy.node_state import WorkReplica
-from shoal.shared.policy.placement import ClusterPlanner, plan_placements
-from shoal.shared.policy.placement_config import PlacementConfig
-from shoal.shared.policy.placement_plan import PlacementPlan
 
 GiB = 1 << 30
 GPU_GIB = (16, 24, 40, 80)

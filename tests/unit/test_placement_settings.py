@@ -6,12 +6,12 @@ import io
 
 import pytest
 
-from shoal.services.inspection import render_status
-from shoal.services.scheduler.cluster_view import build_policy_config
+from shoal.cli.inspection import render_status
+from shoal.services.scheduler.records import build_policy_config
 from shoal.shared.config import ConfigError, load_config
 from shoal.shared.config import PlacementConfig as PlacementSettings
 from shoal.shared.messages import ModelSpec
-from shoal.shared.policy.memory_figure import next_measured_figure
+from shoal.shared.placement.memory_figure import next_measured_figure
 
 GiB = 1 << 30
 

@@ -7,19 +7,19 @@ import random
 
 import pytest
 
-from shoal.shared.policy.cluster_state import (
+from shoal.shared.placement.config import PlacementConfig
+from shoal.shared.placement.memory_figure import MemoryFigure, UnknownModelMemory, get_memory_figure
+from shoal.shared.placement.node_eval import choose_victims, evaluate_node
+from shoal.shared.placement.node_state import NodeWork
+from shoal.shared.placement.planner import ClusterPlanner
+from shoal.shared.placement.resources import GpuResources
+from shoal.shared.placement.snapshot import (
     CandidateLevel,
     ClusterSnapshot,
     ModelDemand,
     NodeSnapshot,
     ReplicaSnapshot,
 )
-from shoal.shared.policy.memory_figure import MemoryFigure, UnknownModelMemory, get_memory_figure
-from shoal.shared.policy.node_eval import choose_victims, evaluate_node
-from shoal.shared.policy.node_state import NodeWork
-from shoal.shared.policy.placement import ClusterPlanner
-from shoal.shared.policy.placement_config import PlacementConfig
-from shoal.shared.policy.resources import GpuResources
 
 GiB = 1 << 30
 CONFIG = PlacementConfig()

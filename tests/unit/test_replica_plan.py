@@ -6,24 +6,24 @@ from __future__ import annotations
 import random
 import uuid
 
-from shoal.shared.policy.cluster_state import (
-    CandidateLevel,
-    ClusterSnapshot,
-    ModelDemand,
-    NodeSnapshot,
-    ReplicaSnapshot,
-)
-from shoal.shared.policy.memory_figure import MemoryFigure
-from shoal.shared.policy.placement import ClusterPlanner, plan_placements
-from shoal.shared.policy.placement_config import PlacementConfig
-from shoal.shared.policy.placement_plan import Eviction, Placement, PlacementPlan
-from shoal.shared.policy.replica_plan import (
+from shoal.shared.placement.config import PlacementConfig
+from shoal.shared.placement.memory_figure import MemoryFigure
+from shoal.shared.placement.plan import Eviction, Placement, PlacementPlan
+from shoal.shared.placement.planner import ClusterPlanner, plan_placements
+from shoal.shared.placement.replicas import (
     ReplicaLocation,
     build_delta,
     choose_replicas_to_remove,
     get_planned_locations,
     new_replica_id,
     target_replica_ids,
+)
+from shoal.shared.placement.snapshot import (
+    CandidateLevel,
+    ClusterSnapshot,
+    ModelDemand,
+    NodeSnapshot,
+    ReplicaSnapshot,
 )
 
 GiB = 1 << 30

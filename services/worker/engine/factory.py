@@ -9,7 +9,7 @@ import torch
 
 from shoal.services.worker.engine.paged_engine import EngineConfig, PagedEngine, get_min_engine_bytes
 from shoal.services.worker.loader import LoadedModel
-from shoal.shared.policy.memory import DEFAULT_RUNTIME_OVERHEAD_BYTES
+from shoal.shared.model_memory import DEFAULT_RUNTIME_OVERHEAD_BYTES
 
 DEFAULT_KV_CACHE_TOKENS = 4096
 """Pool size, in tokens, for a replica run without an allocation (by hand)."""
@@ -64,7 +64,7 @@ def build_paged_engine(
     """A `PagedEngine` whose KV pool fills what the replica's allocation leaves.
 
     The pool gets `allocation_bytes` minus the measured weights, the activation reserve
-    and the runtime overhead (`shoal.shared.policy.memory`), capped at the model's KV
+    and the runtime overhead (`shoal.shared.model_memory`), capped at the model's KV
     budget `kv_cache_tokens`; a replica with no allocation gets `DEFAULT_KV_CACHE_TOKENS`.
     The engine runs its warm-up pass before it is returned.
 

@@ -15,8 +15,8 @@ import torch
 
 from shoal.kernels import cpu, ops
 from shoal.services.worker.engine.attention import BATCH_KWARG, PagedBatch
-from shoal.services.worker.engine.scheduler import StepPlan
-from shoal.shared.policy.kv_cache_manager import KVCacheManager
+from shoal.services.worker.engine.batch_scheduler import StepPlan
+from shoal.shared.kv_cache.manager import KVCacheManager
 
 
 @dataclass(frozen=True)

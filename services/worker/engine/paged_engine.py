@@ -8,7 +8,7 @@ pass, so `cancel()` frees a sequence's blocks at once. That is safe mid-pass: th
 writes only into blocks its sequences own exclusively, and freed blocks are handed out
 again only by the next plan, after the pass.
 
-    generate() ──add──▶ Scheduler ◀──schedule/update── step thread ──▶ ModelRunner ──▶ model
+    generate() ──add──▶ BatchScheduler ◀──schedule/update── step thread ──▶ ModelRunner ──▶ model
         ▲                                                   │
         └──── GenerationOutput (call_soon_threadsafe) ◀─────┘  TextStream: text + stop strings
 """
@@ -30,9 +30,9 @@ from shoal.kernels import ops
 from shoal.kernels.ops import KernelBackend
 from shoal.services.worker.engine import packed_linear
 from shoal.services.worker.engine.attention import ATTN_IMPLEMENTATION, register_attention
+from shoal.services.worker.engine.batch_scheduler import BatchScheduler, BatchSchedulerConfig, SequenceUpdate
 from shoal.services.worker.engine.model_runner import ModelRunner
 from shoal.services.worker.engine.sampler import SamplingState, TokenHistory, sample
-from shoal.services.worker.engine.scheduler import Scheduler, SchedulerConfig, SequenceUpdate
 from shoal.services.worker.engine.sequence import Sequence
 from shoal.services.worker.engine.warm_up import get_warm_up_lengths, warm_up
 from shoal.services.worker.generation import (
@@ -42,9 +42,9 @@ from shoal.services.worker.generation import (
     RequestRejected,
     TextStream,
 )
-from shoal.shared.policy.block_pool import BlockPool, BlockPoolStats
-from shoal.shared.policy.kv_cache_manager import KVCacheManager
-from shoal.shared.policy.memory import (
+from shoal.shared.kv_cache.block_pool import BlockPool, BlockPoolStats
+from shoal.shared.kv_cache.manager import KVCacheManager
+from shoal.shared.model_memory import (
     DEFAULT_RUNTIME_OVERHEAD_BYTES,
     get_activation_bytes,
     get_model_shape,
@@ -186,8 +186,8 @@ class PagedEngine:
         self._runner = ModelRunner(model, num_blocks, config.block_size)
         self._pool = BlockPool(num_blocks, config.block_size, self._runner.kv_cache_bytes // num_blocks)
         self._kv_cache = KVCacheManager(self._pool, enable_prefix_caching=config.enable_prefix_caching)
-        self._scheduler = Scheduler(
-            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens),
+        self._scheduler = BatchScheduler(
+            BatchSchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens),
             self._kv_cache,
         )
         self.max_model_len = self._get_max_model_len(

@@ -6,7 +6,7 @@ import enum
 from dataclasses import dataclass, field
 
 from shoal.services.worker.generation import FinishReason
-from shoal.shared.policy.block_pool import BlockHash
+from shoal.shared.kv_cache.block_pool import BlockHash
 
 
 class SequenceStatus(enum.Enum):

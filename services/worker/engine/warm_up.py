@@ -18,12 +18,12 @@ from __future__ import annotations
 
 import torch
 
+from shoal.services.worker.engine.batch_scheduler import BatchScheduler, BatchSchedulerConfig
 from shoal.services.worker.engine.model_runner import ModelRunner
 from shoal.services.worker.engine.sampler import SamplingState, sample
-from shoal.services.worker.engine.scheduler import Scheduler, SchedulerConfig
 from shoal.services.worker.engine.sequence import Sequence
-from shoal.shared.policy.block_pool import BlockPool
-from shoal.shared.policy.kv_cache_manager import KVCacheManager
+from shoal.shared.kv_cache.block_pool import BlockPool
+from shoal.shared.kv_cache.manager import KVCacheManager
 
 CPU_WARM_UP_TOKENS = 32
 """Tokens of the warm-up pass on the CPU. There the full budget would cost seconds per
@@ -60,7 +60,7 @@ def warm_up(runner: ModelRunner, num_blocks: int, lengths: list[int]) -> int:
     """
     block_size = runner.block_size
     kv_cache = KVCacheManager(BlockPool(num_blocks, block_size), enable_prefix_caching=False)
-    scheduler = Scheduler(SchedulerConfig(len(lengths), sum(lengths)), kv_cache)
+    scheduler = BatchScheduler(BatchSchedulerConfig(len(lengths), sum(lengths)), kv_cache)
     for index, length in enumerate(lengths):
         scheduler.add(Sequence(f"warm-up-{index}", [1] * length, length, length + 1, index))
     plan = scheduler.schedule()

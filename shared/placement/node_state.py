@@ -19,8 +19,8 @@ from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
-from shoal.shared.policy.cluster_state import NodeSnapshot
-from shoal.shared.policy.resources import CpuCacheResources, GpuResources
+from shoal.shared.placement.resources import CpuCacheResources, GpuResources
+from shoal.shared.placement.snapshot import NodeSnapshot
 
 Level = Literal["HOT", "WARM", "COLD"]
 EvictionReason = Literal["pressure", "cpu_pressure", "moved", "scale_down", "explicit"]

@@ -22,8 +22,8 @@ from __future__ import annotations
 import random
 from collections.abc import Collection, Hashable, Iterator, Mapping, Sequence
 
-from shoal.shared.policy.cluster_state import CandidateLevel, ModelDemand, NodeSnapshot
-from shoal.shared.policy.gpu_index import (
+from shoal.shared.placement.config import PlacementConfig
+from shoal.shared.placement.gpu_index import (
     ClearingIndex,
     FreeGpuIndex,
     GpuRoom,
@@ -31,7 +31,7 @@ from shoal.shared.policy.gpu_index import (
     ReclaimIndex,
     WholeGpuIndex,
 )
-from shoal.shared.policy.node_eval import (
+from shoal.shared.placement.node_eval import (
     NodeCandidate,
     count_whole_gpus,
     evaluate_node,
@@ -43,8 +43,8 @@ from shoal.shared.policy.node_eval import (
     search_multi_gpu,
     search_single_gpu,
 )
-from shoal.shared.policy.node_state import NodeWork
-from shoal.shared.policy.placement_config import PlacementConfig
+from shoal.shared.placement.node_state import NodeWork
+from shoal.shared.placement.snapshot import CandidateLevel, ModelDemand, NodeSnapshot
 
 SortKey = tuple[int, int, int, bool, int, float]
 """`NodeCandidate.sort_key`."""

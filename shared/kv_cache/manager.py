@@ -27,7 +27,7 @@ import hashlib
 from array import array
 from collections.abc import Sequence
 
-from shoal.shared.policy.block_pool import BlockHash, BlockPool
+from shoal.shared.kv_cache.block_pool import BlockHash, BlockPool
 
 
 def hash_block_tokens(parent_hash: BlockHash | None, token_ids: Sequence[int]) -> BlockHash:

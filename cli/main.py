@@ -121,7 +121,7 @@ def config_from_args(args: argparse.Namespace) -> ShoalConfig:
 def _nats_url_for_tools(config: ShoalConfig) -> str:
     if config.nats.url:
         return config.nats.url
-    from shoal.services.launcher import NATS_URL_FILE
+    from shoal.cli.launcher import NATS_URL_FILE
 
     url_file = Path(config.state_dir) / NATS_URL_FILE
     if url_file.is_file():
@@ -140,7 +140,7 @@ async def _with_bus(url: str, name: str, action: Callable[[Any], Awaitable[None]
 
 
 async def _run_service(config: ShoalConfig, args: argparse.Namespace) -> None:
-    from shoal.services import launcher
+    from shoal.cli import launcher
     from shoal.shared.metrics import Registry
 
     registry = Registry()
@@ -183,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return run_worker(args)
     if args.command == "demo-models":
-        from shoal.services.worker.demo_models import make_demo_models
+        from shoal.cli.demo_models import make_demo_models
 
         configure_logging("console", "info")
         for model in make_demo_models(Path(args.models_root), force=args.force):
@@ -195,8 +195,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"shoal: {exc}", file=sys.stderr)
         return 2
     configure_logging(config.logging.format, config.logging.level, service=args.command)
-    from shoal.services import launcher
-    from shoal.services.inspection import inspect, status
+    from shoal.cli import launcher
+    from shoal.cli.inspection import inspect, status
     from shoal.shared.bus import BusError
     from shoal.shared.micro import ServiceCallError
 

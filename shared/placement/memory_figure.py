@@ -18,7 +18,7 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
-from shoal.shared.policy.placement_config import PlacementConfig
+from shoal.shared.placement.config import PlacementConfig
 
 MemorySource = Literal["measured", "override", "estimate", "factor"]
 

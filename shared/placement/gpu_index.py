@@ -35,7 +35,7 @@ import bisect
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from typing import NamedTuple
 
-from shoal.shared.policy.node_eval import get_victim_totals
+from shoal.shared.placement.node_eval import get_victim_totals
 
 RANK_BITS = 32
 _RANK_MASK = (1 << RANK_BITS) - 1

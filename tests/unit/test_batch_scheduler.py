@@ -4,19 +4,19 @@ from __future__ import annotations
 
 import pytest
 
-from shoal.services.worker.engine.scheduler import Scheduler, SchedulerConfig, StepPlan
+from shoal.services.worker.engine.batch_scheduler import BatchScheduler, BatchSchedulerConfig, StepPlan
 from shoal.services.worker.engine.sequence import Sequence, SequenceStatus
-from shoal.shared.policy.block_pool import BlockPool
-from shoal.shared.policy.kv_cache_manager import KVCacheManager
+from shoal.shared.kv_cache.block_pool import BlockPool
+from shoal.shared.kv_cache.manager import KVCacheManager
 
 BLOCK_SIZE = 4
 
 
 def _scheduler(
     num_blocks: int = 11, *, max_num_seqs: int = 4, budget: int = 8, caching: bool = True
-) -> Scheduler:
+) -> BatchScheduler:
     kv = KVCacheManager(BlockPool(num_blocks, BLOCK_SIZE), enable_prefix_caching=caching)
-    return Scheduler(SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget), kv)
+    return BatchScheduler(BatchSchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget), kv)
 
 
 _arrivals = iter(range(1_000_000))
@@ -30,7 +30,7 @@ def _shape(plan: StepPlan) -> list[tuple[str, int, int, bool]]:
     return [(c.seq.seq_id, c.num_computed_tokens, c.num_new_tokens, c.samples) for c in plan.chunks]
 
 
-def _run(scheduler: Scheduler, token_id: int = 7) -> StepPlan:
+def _run(scheduler: BatchScheduler, token_id: int = 7) -> StepPlan:
     """One step that samples `token_id` for every sampling chunk."""
     plan = scheduler.schedule()
     scheduler.update(plan, [token_id for chunk in plan.chunks if chunk.samples])
@@ -183,7 +183,7 @@ def test_cancel_frees_blocks_at_once_and_skips_its_pending_output() -> None:
 
 def test_config_rejects_a_budget_below_max_num_seqs() -> None:
     with pytest.raises(AssertionError, match="at least max_num_seqs"):
-        SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=4)
+        BatchSchedulerConfig(max_num_seqs=8, max_num_batched_tokens=4)
 
 
 def test_many_sequences_on_a_small_pool_all_finish() -> None:

@@ -26,20 +26,20 @@ import random
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import replace
 
-from shoal.shared.policy.cluster_index import ClusterIndex
-from shoal.shared.policy.cluster_state import (
+from shoal.shared.placement.cluster_index import ClusterIndex
+from shoal.shared.placement.config import PlacementConfig
+from shoal.shared.placement.gpu_index import GpuRoom
+from shoal.shared.placement.node_eval import NodeCandidate, evaluate_node
+from shoal.shared.placement.node_state import EvictionReason, LevelChange, WorkReplica
+from shoal.shared.placement.plan import Eviction, Placement, PlacementPlan, Unplaced
+from shoal.shared.placement.replicas import choose_replicas_to_remove, target_replica_ids
+from shoal.shared.placement.snapshot import (
     CandidateLevel,
     ClusterSnapshot,
     ModelDemand,
     PlacedLevel,
     ReplicaSnapshot,
 )
-from shoal.shared.policy.gpu_index import GpuRoom
-from shoal.shared.policy.node_eval import NodeCandidate, evaluate_node
-from shoal.shared.policy.node_state import EvictionReason, LevelChange, WorkReplica
-from shoal.shared.policy.placement_config import PlacementConfig
-from shoal.shared.policy.placement_plan import Eviction, Placement, PlacementPlan, Unplaced
-from shoal.shared.policy.replica_plan import choose_replicas_to_remove, target_replica_ids
 
 Origin = tuple[int, ReplicaSnapshot]
 """Where a replica was in the snapshot: (node position, the replica as read)."""

@@ -36,11 +36,11 @@ import msgspec
 
 from shoal.shared.config import PlacementConfig as PlacementSettings
 from shoal.shared.messages import GpuRecord, ModelSpec, NodeRecord, Occupant, ReplicaRecord
-from shoal.shared.policy.cluster_state import ClusterSnapshot, ModelDemand, NodeSnapshot, ReplicaSnapshot
-from shoal.shared.policy.memory_figure import get_memory_figure
-from shoal.shared.policy.placement_config import PlacementConfig
-from shoal.shared.policy.placement_plan import PlacementPlan
-from shoal.shared.policy.replica_plan import ReplicaLocation
+from shoal.shared.placement.config import PlacementConfig
+from shoal.shared.placement.memory_figure import get_memory_figure
+from shoal.shared.placement.plan import PlacementPlan
+from shoal.shared.placement.replicas import ReplicaLocation
+from shoal.shared.placement.snapshot import ClusterSnapshot, ModelDemand, NodeSnapshot, ReplicaSnapshot
 from shoal.shared.subjects import gpu_kv_key, replica_kv_key
 
 _NOT_HOLDING = ("failed", "stopping")
@@ -110,9 +110,9 @@ def _build_node(
                 sleeping_ids.add(occupant.replica_id)
             elif _is_reservation_of(replica, node.node_id):
                 by_gpu = hot_bytes_by_id.setdefault(occupant.replica_id, {})
-                by_gpu[info.index] = by_gpu.get(info.index, 0) + occupant.bytes
+                by_gpu[info.index] = by_gpu.get(info.index, 0) + occupant.num_bytes
             elif replica is not None or occupant.expires_at is None or occupant.expires_at > now:
-                pinned_bytes_by_gpu[info.index] = pinned_bytes_by_gpu.get(info.index, 0) + occupant.bytes
+                pinned_bytes_by_gpu[info.index] = pinned_bytes_by_gpu.get(info.index, 0) + occupant.num_bytes
     replica_snapshots = []
     for replica in sorted(replica_by_id.values(), key=lambda r: r.replica_id):
         if replica.node_id != node.node_id or replica.level == "COLD" or replica.state in _NOT_HOLDING:
@@ -285,7 +285,7 @@ def plan_to_records(
                 Occupant(
                     replica_id=eviction.replica_id,
                     model=eviction.model,
-                    bytes=num_bytes,
+                    num_bytes=num_bytes,
                     state="sleeping",
                     since=at,
                     last_accessed=last_accessed_by_id.get(eviction.replica_id, 0.0),
@@ -301,7 +301,7 @@ def plan_to_records(
                 Occupant(
                     replica_id=placement.replica_id,
                     model=placement.model,
-                    bytes=num_bytes,
+                    num_bytes=num_bytes,
                     state="reserved",
                     since=at,
                     last_accessed=at,
@@ -353,7 +353,7 @@ def apply_gpu_change(record: GpuRecord, change: GpuChange, *, now: float) -> Gpu
     updated = msgspec.structs.replace(record, occupants=occupants, updated_at=now)
     if updated.reserved_bytes <= updated.total_bytes:
         return updated
-    adds_bytes = any(o.bytes > 0 and o.state != "sleeping" for o in change.add)
+    adds_bytes = any(o.num_bytes > 0 and o.state != "sleeping" for o in change.add)
     if adds_bytes or updated.reserved_bytes > record.reserved_bytes:
         return None
     return updated

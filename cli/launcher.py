@@ -22,7 +22,7 @@ from shoal.services.gateway.app import start_gateway
 from shoal.services.node_agent.agent import NodeAgent, NodeAgentSettings
 from shoal.services.node_agent.gpus import discover_gpus
 from shoal.services.scheduler.registry import spec_from_config
-from shoal.services.scheduler.service import Scheduler
+from shoal.services.scheduler.service import SchedulerService
 from shoal.shared.bus import connect
 from shoal.shared.config import ModelConfig, ShoalConfig, default_node_id, parse_bytes
 from shoal.shared.messages import ModelSpec
@@ -46,7 +46,7 @@ def model_specs(config: ShoalConfig) -> list[ModelSpec]:
     """The configured models, plus the demo models when `demo_models` is on."""
     models = list(config.models)
     if config.demo_models:
-        from shoal.services.worker.demo_models import demo_model_specs
+        from shoal.cli.demo_models import demo_model_specs
 
         configured = {m.key for m in models}
         for key, path in demo_model_specs(Path(config.node.models_root)):
@@ -57,15 +57,15 @@ def model_specs(config: ShoalConfig) -> list[ModelSpec]:
 
 def ensure_demo_models(config: ShoalConfig) -> None:
     if config.demo_models:
-        from shoal.services.worker.demo_models import make_demo_models
+        from shoal.cli.demo_models import make_demo_models
 
         make_demo_models(Path(config.node.models_root))
 
 
 @contextlib.asynccontextmanager
-async def scheduler_running(config: ShoalConfig, nats_url: str, registry: Registry) -> AsyncIterator[Scheduler]:
+async def scheduler_running(config: ShoalConfig, nats_url: str, registry: Registry) -> AsyncIterator[SchedulerService]:
     bus = await connect(nats_url, "scheduler")
-    scheduler = Scheduler(bus, config.scheduler, metrics=registry)
+    scheduler = SchedulerService(bus, config.scheduler, metrics=registry)
     try:
         await scheduler.start(model_specs(config))
         yield scheduler

@@ -7,7 +7,7 @@ import random
 import msgspec
 import pytest
 
-from shoal.services.scheduler.cluster_view import (
+from shoal.services.scheduler.records import (
     GpuChange,
     apply_gpu_change,
     build_demand,
@@ -19,11 +19,11 @@ from shoal.services.scheduler.cluster_view import (
 )
 from shoal.shared.config import PlacementConfig as PlacementSettings
 from shoal.shared.messages import GpuInfo, GpuRecord, ModelSpec, NodeRecord, Occupant, ReplicaRecord
-from shoal.shared.policy.cluster_state import ReplicaSnapshot
-from shoal.shared.policy.memory_figure import UnknownModelMemory
-from shoal.shared.policy.placement import ClusterPlanner, plan_placements
-from shoal.shared.policy.placement_config import PlacementConfig
-from shoal.shared.policy.replica_plan import get_planned_locations
+from shoal.shared.placement.config import PlacementConfig
+from shoal.shared.placement.memory_figure import UnknownModelMemory
+from shoal.shared.placement.planner import ClusterPlanner, plan_placements
+from shoal.shared.placement.replicas import get_planned_locations
+from shoal.shared.placement.snapshot import ReplicaSnapshot
 from shoal.shared.subjects import gpu_kv_key, replica_kv_key
 
 GiB = 1 << 30
@@ -37,7 +37,7 @@ def node_record(node_id: str, num_gpus: int = 2, gpu_gib: int = 80, ram_gib: int
 
 
 def occupant(replica_id: str, model: str, gib: int, state: str = "serving", **kwargs: object) -> Occupant:
-    return Occupant(replica_id=replica_id, model=model, bytes=gib * GiB, state=state, since=0.0, **kwargs)  # type: ignore[arg-type]
+    return Occupant(replica_id=replica_id, model=model, num_bytes=gib * GiB, state=state, since=0.0, **kwargs)  # type: ignore[arg-type]
 
 
 def gpu_record(node_id: str, index: int, *occupants: Occupant, gpu_gib: int = 80) -> GpuRecord:
@@ -164,7 +164,7 @@ def test_plan_writes_reservations_sleeping_occupants_and_records() -> None:
     assert list(changes.gpu_changes) == ["n0.0", "n0.1"]
     gpu0 = changes.gpu_changes["n0.0"]
     assert gpu0.remove_replica_ids == ("x1",)
-    assert [(o.replica_id, o.state, o.bytes) for o in gpu0.add] == [
+    assert [(o.replica_id, o.state, o.num_bytes) for o in gpu0.add] == [
         ("x1", "sleeping", 70 * GiB),
         ("w1", "reserved", 20 * GiB),
     ]

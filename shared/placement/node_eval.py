@@ -34,9 +34,9 @@ from collections.abc import Collection, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
-from shoal.shared.policy.cluster_state import CandidateLevel, ModelDemand
-from shoal.shared.policy.node_state import NodeWork, WorkReplica
-from shoal.shared.policy.placement_config import PlacementConfig
+from shoal.shared.placement.config import PlacementConfig
+from shoal.shared.placement.node_state import NodeWork, WorkReplica
+from shoal.shared.placement.snapshot import CandidateLevel, ModelDemand
 
 AllocationKind = Literal["fractional", "full_gpu", "multi_gpu"]
 

@@ -1,6 +1,6 @@
 """What the placement policy reads: an immutable snapshot of the cluster and the models to place.
 
-The scheduler builds these from the KV buckets (``services/scheduler/cluster_view.py``);
+The scheduler builds these from the KV buckets (``services/scheduler/records.py``);
 tests and the simulator build them by hand. Nothing here is mutated by the policy: it
 copies what it changes into its own working state.
 
@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import Literal
 
-from shoal.shared.policy.memory_figure import MemoryFigure
+from shoal.shared.placement.memory_figure import MemoryFigure
 
 PlacedLevel = Literal["HOT", "WARM"]
 """A replica the snapshot knows of is on a GPU (HOT) or parked in CPU RAM (WARM); COLD

@@ -17,12 +17,12 @@ import msgspec
 import nats.errors
 from nats.aio.msg import Msg
 
-from shoal.services.scheduler.cluster_view import build_policy_config
+from shoal.services.scheduler.records import build_policy_config
 from shoal.shared.bus import Bus
 from shoal.shared.config import PlacementConfig as PlacementSettings
 from shoal.shared.messages import GpuRecord, ModelSpec, ReplicaRecord
-from shoal.shared.policy.memory_figure import UnknownModelMemory, get_memory_figure
-from shoal.shared.policy.placement_config import PlacementConfig
+from shoal.shared.placement.config import PlacementConfig
+from shoal.shared.placement.memory_figure import UnknownModelMemory, get_memory_figure
 
 BAR_WIDTH = 30
 STATUS_HEADER = "Status"
@@ -125,7 +125,7 @@ def render_status(nodes: dict[str, Any], gpus: dict[str, GpuRecord], replicas: l
         out.write(f"  {key:<22} {_bar(used, gpu.total_bytes)} {_gib(used)} / {_gib(gpu.total_bytes)} "
                   f"({pct:.0f}%){warning}\n")
         for occupant in gpu.occupants:
-            out.write(f"      {occupant.model:<28} {occupant.replica_id[:12]} {_gib(occupant.bytes):>11} "
+            out.write(f"      {occupant.model:<28} {occupant.replica_id[:12]} {_gib(occupant.num_bytes):>11} "
                       f"{occupant.state}\n")
     out.write(f"\nReplicas ({len(replicas)}):\n")
     for record in sorted(replicas, key=lambda r: (r.model, r.created_at)):

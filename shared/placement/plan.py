@@ -11,10 +11,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
-from shoal.shared.policy.cluster_state import CandidateLevel
-from shoal.shared.policy.memory_figure import MemorySource
-from shoal.shared.policy.node_eval import AllocationKind
-from shoal.shared.policy.node_state import EvictionReason
+from shoal.shared.placement.memory_figure import MemorySource
+from shoal.shared.placement.node_eval import AllocationKind
+from shoal.shared.placement.node_state import EvictionReason
+from shoal.shared.placement.snapshot import CandidateLevel
 
 
 @dataclass(frozen=True, slots=True)

@@ -17,7 +17,7 @@ from collections.abc import Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
-from shoal.shared.policy.placement_plan import PlacementPlan
+from shoal.shared.placement.plan import PlacementPlan
 
 DeltaOp = Literal["to_cache", "delete", "from_cache", "create"]
 

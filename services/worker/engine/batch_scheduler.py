@@ -28,11 +28,11 @@ from dataclasses import dataclass
 
 from shoal.services.worker.engine.sequence import Sequence, SequenceStatus
 from shoal.services.worker.generation import FinishReason
-from shoal.shared.policy.kv_cache_manager import KVCacheManager
+from shoal.shared.kv_cache.manager import KVCacheManager
 
 
 @dataclass(frozen=True)
-class SchedulerConfig:
+class BatchSchedulerConfig:
     max_num_seqs: int = 64
     """Most sequences running at once."""
     max_num_batched_tokens: int = 2048
@@ -83,10 +83,10 @@ class SequenceUpdate:
     finish_reason: FinishReason | None
 
 
-class Scheduler:
+class BatchScheduler:
     """Waiting and running queues over one `KVCacheManager` (see module doc)."""
 
-    def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager) -> None:
+    def __init__(self, config: BatchSchedulerConfig, kv_cache: KVCacheManager) -> None:
         self.config = config
         self.kv_cache = kv_cache
         self._waiting: deque[Sequence] = deque()

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from shoal.shared.config import resolve_model_dir
 from shoal.shared.messages import InspectModel, ModelFacts
-from shoal.shared.policy.memory import estimate_from_config
+from shoal.shared.model_memory import estimate_from_config
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt")
 
