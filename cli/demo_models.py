@@ -30,6 +30,8 @@ from typing import TYPE_CHECKING
 import structlog
 from safetensors import safe_open
 
+from shoal.shared.config import ModelConfig
+
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedTokenizerFast
 
@@ -162,9 +164,10 @@ def make_demo_models(
     return [_read_model(recipe, models_root) for recipe in recipes]
 
 
-def demo_model_specs(models_root: Path) -> list[tuple[str, str]]:
-    """(model key, path relative to `models_root`) of every complete demo model under `models_root`."""
-    return [(recipe.key, recipe.key) for recipe in _RECIPES if _is_complete(models_root / recipe.key)]
+def demo_model_configs(models_root: Path) -> list[ModelConfig]:
+    """How to serve every complete demo model under `models_root` (key = path, defaults otherwise)."""
+    return [ModelConfig(key=recipe.key, path=recipe.key) for recipe in _RECIPES
+            if _is_complete(models_root / recipe.key)]
 
 
 def _select_recipes(names: Iterable[str] | None) -> list[_Recipe]:

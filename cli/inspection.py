@@ -17,9 +17,7 @@ import msgspec
 import nats.errors
 from nats.aio.msg import Msg
 
-from shoal.services.scheduler.records import build_policy_config
 from shoal.shared.bus import Bus
-from shoal.shared.config import PlacementConfig as PlacementSettings
 from shoal.shared.messages import GpuRecord, ModelSpec, ReplicaRecord
 from shoal.shared.placement.config import PlacementConfig
 from shoal.shared.placement.memory_figure import UnknownModelMemory, get_memory_figure
@@ -148,12 +146,12 @@ def _memory_figure(spec: ModelSpec, config: PlacementConfig) -> tuple[str, str]:
     return _gib(figure.required_bytes), figure.source
 
 
-async def status(bus: Bus, out: TextIO, placement: PlacementSettings | None = None) -> None:
+async def status(bus: Bus, out: TextIO, placement: PlacementConfig | None = None) -> None:
     """`shoal status`; `placement` is the ``[scheduler.placement]`` section of the config
     the scheduler runs with (``shoal status --config shoal.toml``)."""
     nodes = {k: v.value for k, v in (await bus.nodes.get_all()).items()}
     gpus = {k: v.value for k, v in (await bus.gpus.get_all()).items()}
     replicas = [v.value for v in (await bus.replicas.get_all()).values()]
     models = [v.value for v in (await bus.models.get_all()).values()]
-    config = build_policy_config(placement or PlacementSettings())
+    config = placement or PlacementConfig()
     render_status(nodes, gpus, replicas, models, out, config=config)

@@ -16,16 +16,16 @@ import sys
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
+import msgspec
 import structlog
 
 from shoal.services.gateway.app import start_gateway
-from shoal.services.node_agent.agent import NodeAgent, NodeAgentSettings
+from shoal.services.node_agent.agent import NodeAgent
 from shoal.services.node_agent.gpus import discover_gpus
-from shoal.services.scheduler.registry import spec_from_config
 from shoal.services.scheduler.service import SchedulerService
 from shoal.shared.bus import connect
-from shoal.shared.config import ModelConfig, ShoalConfig, default_node_id, parse_bytes
-from shoal.shared.messages import ModelSpec
+from shoal.shared.config import ShoalConfig
+from shoal.shared.messages import ModelSpec, now
 from shoal.shared.metrics import Registry
 from shoal.shared.nats_server import EmbeddedNatsServer
 
@@ -46,13 +46,12 @@ def model_specs(config: ShoalConfig) -> list[ModelSpec]:
     """The configured models, plus the demo models when `demo_models` is on."""
     models = list(config.models)
     if config.demo_models:
-        from shoal.cli.demo_models import demo_model_specs
+        from shoal.cli.demo_models import demo_model_configs
 
         configured = {m.key for m in models}
-        for key, path in demo_model_specs(Path(config.node.models_root)):
-            if key not in configured:
-                models.append(ModelConfig(key=key, path=path))
-    return [spec_from_config(m) for m in models]
+        models += [m for m in demo_model_configs(Path(config.node.models_root)) if m.key not in configured]
+    registered_at = now()
+    return [ModelSpec.from_settings(m, source="config", registered_at=registered_at) for m in models]
 
 
 def ensure_demo_models(config: ShoalConfig) -> None:
@@ -76,28 +75,11 @@ async def scheduler_running(config: ShoalConfig, nats_url: str, registry: Regist
 
 @contextlib.asynccontextmanager
 async def node_agent_running(config: ShoalConfig, nats_url: str, registry: Registry) -> AsyncIterator[NodeAgent]:
-    node = config.node
-    node_id = node.node_id or default_node_id()
-    bus = await connect(nats_url, f"node-agent-{node_id}")
-    settings = NodeAgentSettings(
-        node_id=node_id,
-        nats_url=nats_url,
-        models_root=str(Path(node.models_root).resolve()),
-        log_dir=Path(config.state_dir).resolve() / "logs",
-        cpu_ram_bytes=parse_bytes(node.cpu_ram_bytes) if node.cpu_ram_bytes != "" else 0,
-        heartbeat_interval_s=node.heartbeat_interval_s,
-        worker_start_timeout_s=node.worker_start_timeout_s,
-        runtime_overhead_bytes=config.scheduler.placement.runtime_overhead_bytes,
-        worker_options={
-            "engine": config.worker.engine,
-            "block_size": config.worker.block_size,
-            "max_num_seqs": config.worker.max_num_seqs,
-            "torch_threads": config.worker.torch_threads,
-            "log_format": config.logging.format,
-            "log_level": config.logging.level,
-        },
-    )
-    agent = NodeAgent(bus, discover_gpus(node.gpus), settings, metrics=registry)
+    node = msgspec.structs.replace(config.node, node_id=config.node.node_id_or_default(),
+                                   models_root=str(Path(config.node.models_root).resolve()))
+    bus = await connect(nats_url, f"node-agent-{node.node_id}")
+    agent = NodeAgent(bus, discover_gpus(node.gpus), node, config.worker, config.logging, nats_url=nats_url,
+                      log_dir=Path(config.state_dir).resolve() / "logs", metrics=registry)
     try:
         await agent.start()
         yield agent

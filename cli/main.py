@@ -69,7 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
             sub.add_argument("--metrics-port", type=int, help="serve GET /metrics on this port")
             sub.add_argument("--metrics-host", default="127.0.0.1")
 
-    from shoal.services.worker.args import add_worker_arguments
+    from shoal.services.worker.launch import add_worker_arguments
 
     add_worker_arguments(commands.add_parser("worker", help="run one replica (normally spawned by a node agent)"))
 

@@ -1,27 +1,32 @@
 """Shoal's configuration: msgspec Structs loaded from ``shoal.toml`` plus env overrides.
 
+Every setting is declared once, here or in a Struct this module nests (a model's
+fields: `shoal.shared.model_settings`; placement: `shoal.shared.placement.config`).
+
 Precedence, lowest first: defaults here < the TOML file < ``SHOAL_<SECTION>_<FIELD>``
 environment variables (e.g. ``SHOAL_GATEWAY_PORT=9000``, ``SHOAL_NATS_URL=...``)
 < command-line flags (applied by the CLI). Unknown keys and bad values are
-errors that name the offending key.
+errors that name the offending key. Every ``*_bytes`` setting also takes a size
+string (``"16GiB"``, ``"512MiB"``).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import re
 import socket
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 from msgspec import Struct, field
 
-from shoal.shared.messages import FairnessSpec
-from shoal.shared.placement.config import PlacementConfig as PolicyPlacementConfig
-from shoal.shared.subjects import InvalidModelKey, validate_model_key, validate_node_id
+from shoal.shared.errors import ShoalError
+from shoal.shared.model_memory import DEFAULT_RUNTIME_OVERHEAD_BYTES
+from shoal.shared.model_settings import ModelSettings
+from shoal.shared.placement.config import PlacementConfig
+from shoal.shared.subjects import validate_node_id
 
 ENV_PREFIX = "SHOAL_"
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
@@ -34,7 +39,7 @@ _UNITS = {
 }
 
 
-class ConfigError(ValueError):
+class ConfigError(ShoalError, ValueError):
     """The configuration file, an environment override or a flag is invalid."""
 
 
@@ -83,40 +88,6 @@ class GatewayConfig(Struct, forbid_unknown_fields=True, kw_only=True):
             raise ValueError("gateway.max_queue_per_model must be >= 1")
 
 
-class PlacementConfig(Struct, forbid_unknown_fields=True, kw_only=True):
-    """``[scheduler.placement]``: the placement policy's knobs (see docs/placement.md).
-
-    Every field maps one to one onto ``shoal.shared.placement.config.PlacementConfig``,
-    which checks them; an invalid value is an error naming ``scheduler.placement.<field>``.
-    """
-
-    gpu_fraction_factor: float = 3.0
-    """Seed 000's safety factor, used only for a model nothing is known of."""
-    fraction_threshold: float = 0.8
-    """A replica needing less than this fraction of a GPU shares it; above, it takes the GPU."""
-    min_available_gpu_fraction: float = 0.3
-    """A GPU counts as available for new placements while at least this fraction is free."""
-    unknown_extra_gpus: int = 1
-    """Extra whole GPUs for a multi-GPU model whose figure is the factor guess (seed 000's +1)."""
-    min_gpu_memory_fraction: float = 0.01
-    """Lower clamp of the memory fraction a single-GPU worker gets."""
-    max_gpu_memory_fraction: float = 0.99
-    """Upper clamp of the memory fraction a single-GPU worker gets."""
-    warm_cache_fraction: float = 0.5
-    """Share of a node's CPU RAM that WARM replicas (weights parked in host RAM) may hold."""
-    runtime_overhead_bytes: int = 512 * 1024 * 1024
-    """CUDA context + allocator slack added to estimates from a model's config."""
-
-    def __post_init__(self) -> None:
-        if self.runtime_overhead_bytes < 0:
-            raise ValueError("scheduler.placement.runtime_overhead_bytes must be >= 0")
-        policy_fields = {f.name for f in dataclasses.fields(PolicyPlacementConfig)}
-        try:
-            PolicyPlacementConfig(**{name: getattr(self, name) for name in policy_fields})
-        except ValueError as exc:
-            raise ValueError(f"scheduler.placement.{exc}") from exc
-
-
 class SchedulerConfig(Struct, forbid_unknown_fields=True, kw_only=True):
     scheduler_id: str = ""
     """Unique per scheduler process. Empty: generated at start."""
@@ -124,77 +95,67 @@ class SchedulerConfig(Struct, forbid_unknown_fields=True, kw_only=True):
     """A GPU reservation not backed by a replica record lapses after this."""
     reconcile_interval_s: float = 5.0
     placement: PlacementConfig = field(default_factory=PlacementConfig)
+    """The placement policy's knobs (docs/placement.md)."""
 
 
 class NodeConfig(Struct, forbid_unknown_fields=True, kw_only=True):
     node_id: str = ""
-    """Unique per node agent. Empty: derived from the host name."""
+    """Unique per node agent. Empty: derived from the host name (`node_id_or_default`)."""
     gpus: str = "virtual:2x16GiB"
     """``nvml`` (real GPUs), or ``virtual:<count>x<size>`` (e.g. virtual:2x16GiB)."""
     models_root: str = "./models"
-    cpu_ram_bytes: str | int = ""
-    """Host RAM offered to WARM replicas. Empty: the machine's total RAM."""
+    """Model paths are relative to it and may not leave it."""
+    cpu_ram_bytes: int = 0
+    """Host RAM offered to WARM replicas. 0: the machine's total RAM."""
     heartbeat_interval_s: float = 3.0
     worker_start_timeout_s: float = 180.0
+    """A worker not ready by then is stopped and its replica failed."""
 
     def __post_init__(self) -> None:
         if self.node_id:
             validate_node_id(self.node_id)
         parse_gpu_spec(self.gpus)
+        if self.cpu_ram_bytes < 0 or self.heartbeat_interval_s <= 0 or self.worker_start_timeout_s <= 0:
+            raise ValueError("node: cpu_ram_bytes >= 0, heartbeat_interval_s > 0, worker_start_timeout_s > 0")
+
+    def node_id_or_default(self) -> str:
+        return self.node_id or default_node_id()
 
 
 class WorkerConfig(Struct, forbid_unknown_fields=True, kw_only=True):
-    engine: str = "paged"
+    """How every worker process runs (the node agent hands it to the workers it starts)."""
+
+    engine: Literal["paged", "hf"] = "paged"
     """``paged`` (Shoal's continuous-batching engine) or ``hf`` (plain transformers generate)."""
     block_size: int = 16
+    """Tokens per KV block."""
     max_num_seqs: int = 64
+    """Most requests one replica's engine holds (running and waiting)."""
+    max_num_batched_tokens: int = 2048
+    """Token budget of one forward pass (longer prompts are prefilled in chunks)."""
     torch_threads: int = 0
-    """0: let torch decide."""
+    """Intra-op threads of each worker. 0: torch's default."""
+    drain_timeout_s: float = 30.0
+    """Before a worker stops or sleeps, in-flight requests may finish for this long."""
+    runtime_overhead_bytes: int = DEFAULT_RUNTIME_OVERHEAD_BYTES
+    """CUDA context and allocator slack a replica holds besides weights, activations and KV
+    (real GPUs only); part of the memory estimate made from a model's config."""
 
     def __post_init__(self) -> None:
-        if self.engine not in ("paged", "hf"):
-            raise ValueError(f"worker.engine must be 'paged' or 'hf', got {self.engine!r}")
-        if self.block_size < 1 or self.max_num_seqs < 1:
-            raise ValueError("worker.block_size and worker.max_num_seqs must be >= 1")
+        if self.block_size < 1 or self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
+            raise ValueError("worker.block_size, max_num_seqs and max_num_batched_tokens must be >= 1")
+        if self.torch_threads < 0 or self.drain_timeout_s < 0 or self.runtime_overhead_bytes < 0:
+            raise ValueError("worker.torch_threads, drain_timeout_s and runtime_overhead_bytes must be >= 0")
 
 
-class ModelConfig(Struct, forbid_unknown_fields=True, kw_only=True):
-    key: str
-    path: str
-    dtype: str = "auto"
-    max_model_len: int | None = None
-    kv_cache_tokens: int = 4096
-    memory_override_bytes: str | int | None = None
-    num_gpus: int = 1
-    dedicated: bool = False
-    min_replicas: int = 0
-    """Replicas placed at start; 0 places the model on its first request."""
-    max_queue: int | None = None
-    fairness: FairnessSpec = field(default_factory=FairnessSpec)
-    idle_timeout_s: float | None = None
-
-    def __post_init__(self) -> None:
-        try:
-            validate_model_key(self.key)
-        except InvalidModelKey as exc:
-            raise ValueError(str(exc)) from exc
-        validate_model_path(self.path)
-        if self.memory_override_bytes is not None:
-            parse_bytes(self.memory_override_bytes)
-        if self.kv_cache_tokens < 0 or self.num_gpus < 1 or self.min_replicas < 0:
-            raise ValueError(f"model {self.key}: kv_cache_tokens >= 0, num_gpus >= 1, min_replicas >= 0")
+class ModelConfig(ModelSettings, forbid_unknown_fields=True, kw_only=True):
+    """A ``[[models]]`` entry of shoal.toml, or the body of POST /admin/models: the fields of
+    `ModelSettings`, with unknown keys refused."""
 
 
 class LoggingConfig(Struct, forbid_unknown_fields=True, kw_only=True):
-    format: str = "console"
-    """``console`` or ``json``."""
-    level: str = "info"
-
-    def __post_init__(self) -> None:
-        if self.format not in ("console", "json"):
-            raise ValueError(f"logging.format must be 'console' or 'json', got {self.format!r}")
-        if self.level.lower() not in ("debug", "info", "warning", "error"):
-            raise ValueError(f"logging.level must be debug/info/warning/error, got {self.level!r}")
+    format: Literal["console", "json"] = "console"
+    level: Literal["debug", "info", "warning", "error"] = "info"
 
 
 class ShoalConfig(Struct, forbid_unknown_fields=True, kw_only=True):
@@ -218,26 +179,6 @@ class ShoalConfig(Struct, forbid_unknown_fields=True, kw_only=True):
 
 
 # --------------------------------------------------------------------------- helpers
-
-
-def validate_model_path(path: str) -> str:
-    """A model path is relative to the models root and may not climb out of it."""
-    if not path:
-        raise ValueError("model path is empty")
-    pure = Path(path)
-    if pure.is_absolute() or ".." in pure.parts:
-        raise ValueError(f"model path {path!r} must be relative to the models root, without '..'")
-    return path
-
-
-def resolve_model_dir(models_root: str | Path, path: str) -> Path:
-    """The model's directory, guaranteed to lie under `models_root` (symlinks resolved)."""
-    validate_model_path(path)
-    root = Path(models_root).resolve()
-    resolved = (root / path).resolve()
-    if resolved != root and root not in resolved.parents:
-        raise ValueError(f"model path {path!r} resolves outside the models root {root}")
-    return resolved
 
 
 def parse_gpu_spec(spec: str) -> tuple[str, int, int]:
@@ -339,8 +280,27 @@ def load_config(
     raw = _merge(raw, _env_overrides(env))
     if overrides:
         raw = _merge(raw, overrides)
+    where = f" ({source})" if source else ""
     try:
-        return msgspec.convert(raw, ShoalConfig, strict=False)
-    except msgspec.ValidationError as exc:
-        where = f" ({source})" if source else ""
+        return msgspec.convert(parse_byte_sizes(raw), ShoalConfig, strict=False)
+    except (msgspec.ValidationError, ConfigError) as exc:
         raise ConfigError(f"invalid configuration{where}: {exc}") from exc
+
+
+def parse_byte_sizes(raw: Any, path: str = "$") -> Any:
+    """A copy of a raw config tree whose ``*_bytes`` values given as size strings (``"24GiB"``)
+    are byte counts; raises ConfigError naming the key of a string that is not a size."""
+    if isinstance(raw, Mapping):
+        parsed = {}
+        for key, value in raw.items():
+            where = f"{path}.{key}"
+            if str(key).endswith("_bytes") and isinstance(value, str):
+                try:
+                    value = parse_bytes(value)
+                except ConfigError as exc:
+                    raise ConfigError(f"{exc} - at `{where}`") from exc
+            parsed[key] = parse_byte_sizes(value, where)
+        return parsed
+    if isinstance(raw, list):
+        return [parse_byte_sizes(item, f"{path}[{i}]") for i, item in enumerate(raw)]
+    return raw

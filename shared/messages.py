@@ -6,8 +6,25 @@ Channels and encodings:
   (`TokenChunk` | `FinalReply` | `ErrorReply`) on the request's reply subject;
   `CancelRequest` on ``shoal.cancel.<model>``.
 * control plane (JSON, what `nats kv get` shows): the KV records `ModelSpec`,
-  `GpuRecord`, `ReplicaRecord`, `NodeRecord`; `SchedulerCommand` and
-  `NodeCommand` requests with their replies; `WorkerEvent`; `Event`.
+  `GpuRecord`, `ReplicaRecord`, `NodeRecord`; `Event` on ``shoal.event.<kind>``;
+  the commands of the micro services, one type per subject:
+
+      shoal.scheduler.ensure            EnsureModel      -> SchedulerReply
+      shoal.scheduler.register          RegisterModel    -> SchedulerReply
+      shoal.scheduler.remove            RemoveModel      -> SchedulerReply
+      shoal.scheduler.scale             ScaleModel       -> SchedulerReply
+      shoal.scheduler.evict             EvictReplicas    -> SchedulerReply
+      shoal.scheduler.replica_failed    ReplicaFailed    -> SchedulerReply
+      shoal.node.<node>.create          CreateReplica    -> NodeReply
+      shoal.node.<node>.stop            StopReplica      -> NodeReply
+      shoal.node.<node>.to_cache        CacheReplica     -> NodeReply
+      shoal.node.<node>.from_cache      RestoreReplica   -> NodeReply
+      shoal.node.<node>.worker_event    WorkerEvent      -> NodeReply
+      shoal.node.inspect                InspectModel     -> ModelFacts   (any node agent)
+      shoal.worker.<replica>.to_cache   CacheReplica     -> WorkerReply
+      shoal.worker.<replica>.from_cache RestoreReplica   -> WorkerReply
+
+  (`SCHEDULER_COMMANDS` maps each scheduler verb to its type.)
 
 Wire Structs never forbid unknown fields: an older service skips the fields a
 newer one added (rolling upgrades). Decoders are built once, here.
@@ -21,6 +38,7 @@ from typing import Any, Literal
 import msgspec
 from msgspec import Struct, field
 
+from shoal.shared.model_settings import ModelSettings
 from shoal.shared.subjects import replica_name
 
 # --------------------------------------------------------------------------- hot path
@@ -71,7 +89,6 @@ class InferenceRequest(Struct, tag="infer", tag_field="type", omit_defaults=True
     stream: bool = False
     gateway_id: str = ""
     created: float = 0.0
-    session_id: str | None = None
 
 
 class TokenChunk(Struct, tag="chunk", tag_field="type", omit_defaults=True):
@@ -98,6 +115,10 @@ class FinalReply(Struct, tag="final", tag_field="type", omit_defaults=True):
     replica_id: str = ""
 
 
+ErrorType = Literal["invalid_request_error", "timeout", "unavailable", "server_error"]
+"""OpenAI's ``error.type`` of a worker's error (the gateway maps `status` to its own types)."""
+
+
 class ErrorReply(Struct, tag="error", tag_field="type", omit_defaults=True):
     """A request that failed in the worker; `status` is the HTTP status the gateway answers."""
 
@@ -105,7 +126,7 @@ class ErrorReply(Struct, tag="error", tag_field="type", omit_defaults=True):
     attempt: int
     status: int
     message: str
-    error_type: str = "server_error"
+    error_type: ErrorType = "server_error"
     code: str | None = None
     replica_id: str = ""
     param: str | None = None
@@ -127,28 +148,10 @@ ReplicaState = Literal["pending", "loading", "ready", "draining", "sleeping", "s
 OccupantState = Literal["reserved", "loading", "serving", "draining", "sleeping"]
 
 
-class FairnessSpec(Struct, omit_defaults=True):
-    min_runtime_s: float = 10.0
-    """A replica serves at least this long before it can be preempted."""
-    max_wait_s: float = 5.0
-    """A waiting model waits this long for memory to free up before it preempts."""
-    popular: bool = False
-    """Never preempted."""
+class ModelSpec(ModelSettings, kw_only=True, omit_defaults=True):
+    """A served model, as kept in ``shoal_models`` under its model token: the operator's
+    `ModelSettings` plus what the cluster learned of it."""
 
-
-class ModelSpec(Struct, kw_only=True, omit_defaults=True):
-    """A served model, as kept in ``shoal_models`` under its model token."""
-
-    key: str
-    """The name clients use (``model`` in OpenAI requests)."""
-    path: str
-    """Directory of the transformers checkpoint, relative to the models root."""
-    dtype: str = "auto"
-    max_model_len: int | None = None
-    kv_cache_tokens: int = 4096
-    """KV budget: tokens of KV cache the replica reserves beyond its weights."""
-    memory_override_bytes: int | None = None
-    """Operator-given serving memory per replica; beats the estimate, not a measurement."""
     estimated_bytes: int | None = None
     """From the model's config: parameters x dtype bytes + KV budget + runtime overhead."""
     measured_serving_bytes: int | None = None
@@ -157,11 +160,8 @@ class ModelSpec(Struct, kw_only=True, omit_defaults=True):
     weight_bytes: int | None = None
     """Raw checkpoint size: what a WARM replica holds in CPU RAM (filled in by inspection)."""
     num_parameters: int | None = None
-    num_gpus: int = 1
-    dedicated: bool = False
-    """Dedicated replicas are never evicted under memory pressure."""
     desired_replicas: int = 0
-    max_queue: int | None = None
+    """The replicas the scheduler keeps placed (at least `min_replicas` at registration)."""
     lease_owner: str | None = None
     """The scheduler committing a plan that changes this model's replicas right now."""
     lease_until: float | None = None
@@ -171,10 +171,16 @@ class ModelSpec(Struct, kw_only=True, omit_defaults=True):
     last_error: str | None = None
     hold_until: float | None = None
     """After repeated failures, no new replica is placed before this time."""
-    fairness: FairnessSpec = field(default_factory=FairnessSpec)
-    idle_timeout_s: float | None = None
-    source: str = "config"
+    source: Literal["config", "admin"] = "config"
+    """Where it was registered from: shoal.toml or the admin API."""
     registered_at: float = 0.0
+
+    @classmethod
+    def from_settings(cls, settings: ModelSettings, *, source: Literal["config", "admin"], registered_at: float
+                      ) -> ModelSpec:
+        """A new registration: `settings` as given, nothing learned yet, `min_replicas` desired."""
+        declared = msgspec.structs.asdict(settings)
+        return cls(**declared, desired_replicas=settings.min_replicas, source=source, registered_at=registered_at)
 
 
 class Occupant(Struct, omit_defaults=True):
@@ -183,6 +189,7 @@ class Occupant(Struct, omit_defaults=True):
     replica_id: str
     model: str
     num_bytes: int
+    """GPU bytes it holds on this GPU (sleeping occupants hold none, whatever this says)."""
     state: OccupantState
     since: float
     last_accessed: float = 0.0
@@ -191,19 +198,6 @@ class Occupant(Struct, omit_defaults=True):
     """The scheduler that reserved it."""
     expires_at: float | None = None
     """A reservation not yet backed by a replica record lapses after this time."""
-
-
-class PreemptionIntent(Struct, omit_defaults=True):
-    model: str
-    replica_id: str
-    bytes: int
-    since: float
-
-
-class WakeLock(Struct):
-    holder: str
-    acquired_at: float
-    expires_at: float
 
 
 class GpuRecord(Struct, kw_only=True, omit_defaults=True):
@@ -215,8 +209,6 @@ class GpuRecord(Struct, kw_only=True, omit_defaults=True):
     name: str = ""
     virtual: bool = False
     occupants: list[Occupant] = field(default_factory=list)
-    intents: list[PreemptionIntent] = field(default_factory=list)
-    wake_lock: WakeLock | None = None
     updated_at: float = 0.0
 
     @property
@@ -307,6 +299,7 @@ class RemoveModel(Struct, tag="remove", tag_field="type"):
 class ScaleModel(Struct, tag="scale", tag_field="type"):
     model: str
     num_replicas: int
+    """The desired replica count."""
 
 
 class EvictReplicas(Struct, tag="evict", tag_field="type"):
@@ -325,12 +318,25 @@ class ReplicaFailed(Struct, tag="replica_failed", tag_field="type"):
 
 
 SchedulerCommand = EnsureModel | RegisterModel | RemoveModel | ScaleModel | EvictReplicas | ReplicaFailed
+SCHEDULER_COMMANDS: dict[str, type[SchedulerCommand]] = {
+    "ensure": EnsureModel,
+    "register": RegisterModel,
+    "remove": RemoveModel,
+    "scale": ScaleModel,
+    "evict": EvictReplicas,
+    "replica_failed": ReplicaFailed,
+}
+"""Each scheduler verb (``shoal.scheduler.<verb>``) and the one command type it takes."""
+
+SchedulerStatus = Literal["ok", "placed", "serving", "cant_accommodate", "contended", "failing"]
+"""``ok``: done; ``placed``: replicas were placed (loading); ``serving``: a replica serves;
+``cant_accommodate``: no room, even with evictions; ``contended``: placement kept losing CAS
+races; ``failing``: the model's replicas keep failing and placement backs off."""
 
 
 class SchedulerReply(Struct, omit_defaults=True):
     ok: bool
-    status: str
-    """``placed`` | ``serving`` | ``pending`` | ``cant_accommodate`` | ``not_found`` | ``invalid`` | ``ok``."""
+    status: SchedulerStatus
     message: str = ""
     model: ModelSpec | None = None
     replicas: list[ReplicaRecord] = field(default_factory=list)
@@ -369,7 +375,8 @@ class InspectModel(Struct, tag="inspect", tag_field="type"):
     kv_cache_tokens: int = 4096
 
 
-NodeCommand = CreateReplica | StopReplica | CacheReplica | RestoreReplica | InspectModel
+NodeCommand = CreateReplica | StopReplica | CacheReplica | RestoreReplica
+"""What a scheduler sends to one node agent (each on its own verb subject)."""
 
 
 class ModelFacts(Struct, omit_defaults=True):
@@ -405,10 +412,16 @@ class WorkerEvent(Struct, tag="worker_event", tag_field="type", omit_defaults=Tr
     pid: int | None = None
 
 
+EventKind = Literal[
+    "model_registered", "model_removed",
+    "replica_placed", "replica_evicted", "replica_ready", "replica_cached", "replica_stopped", "replica_failed",
+]
+
+
 class Event(Struct, omit_defaults=True):
     """A record in ``SHOAL_EVENTS`` (``shoal.event.<kind>``): placement, eviction, failure..."""
 
-    kind: str
+    kind: EventKind
     at: float
     message: str = ""
     model: str | None = None
@@ -425,16 +438,25 @@ json_encoder = msgspec.json.Encoder()
 request_decoder = msgspec.msgpack.Decoder(InferenceRequest)
 reply_decoder: msgspec.msgpack.Decoder[Reply] = msgspec.msgpack.Decoder(Reply)  # type: ignore[arg-type]
 cancel_decoder = msgspec.msgpack.Decoder(CancelRequest)
-scheduler_command_decoder: msgspec.json.Decoder[SchedulerCommand] = msgspec.json.Decoder(
-    SchedulerCommand  # type: ignore[arg-type]
-)
+
+scheduler_command_decoders = {verb: msgspec.json.Decoder(kind) for verb, kind in SCHEDULER_COMMANDS.items()}
 scheduler_reply_decoder = msgspec.json.Decoder(SchedulerReply)
-node_command_decoder: msgspec.json.Decoder[NodeCommand] = msgspec.json.Decoder(NodeCommand)  # type: ignore[arg-type]
+create_replica_decoder = msgspec.json.Decoder(CreateReplica)
+stop_replica_decoder = msgspec.json.Decoder(StopReplica)
+cache_replica_decoder = msgspec.json.Decoder(CacheReplica)
+restore_replica_decoder = msgspec.json.Decoder(RestoreReplica)
+node_command_decoders: dict[str, msgspec.json.Decoder[Any]] = {
+    "create": create_replica_decoder,
+    "stop": stop_replica_decoder,
+    "to_cache": cache_replica_decoder,
+    "from_cache": restore_replica_decoder,
+}
+"""Each scheduler-facing node agent verb (``shoal.node.<node>.<verb>``) and the decoder of its type."""
+inspect_model_decoder = msgspec.json.Decoder(InspectModel)
+worker_event_decoder = msgspec.json.Decoder(WorkerEvent)
 node_reply_decoder = msgspec.json.Decoder(NodeReply)
 worker_reply_decoder = msgspec.json.Decoder(WorkerReply)
 model_facts_decoder = msgspec.json.Decoder(ModelFacts)
-worker_event_decoder = msgspec.json.Decoder(WorkerEvent)
-event_decoder = msgspec.json.Decoder(Event)
 
 model_spec_decoder = msgspec.json.Decoder(ModelSpec)
 gpu_record_decoder = msgspec.json.Decoder(GpuRecord)

@@ -111,7 +111,7 @@ def decode_body(body: bytes, schema: type[Any]) -> Any:
     try:
         return msgspec.json.decode(body, type=schema)
     except msgspec.ValidationError as exc:
-        raise BadRequest(f"invalid request: {exc}", param=_param_of(str(exc))) from exc
+        raise BadRequest(f"invalid request: {exc}", param=param_of(str(exc))) from exc
     except msgspec.DecodeError as exc:
         raise BadRequest(f"request body is not valid JSON: {exc}") from exc
 
@@ -128,7 +128,7 @@ def model_named_in(body: bytes) -> str | None:
         return None
 
 
-def _param_of(message: str) -> str | None:
+def param_of(message: str) -> str | None:
     marker = "at `$."
     if marker in message:
         return message.split(marker, 1)[1].rstrip("`").split("[")[0].split(".")[0]

@@ -9,19 +9,20 @@
 
 from __future__ import annotations
 
+import time
 from typing import Annotated
 
 import msgspec
 from aiohttp import web
 
 from shoal.services.gateway.errors import BadRequest, Unavailable, error_for_status
-from shoal.services.gateway.openai_api import decode_body, encoder
+from shoal.services.gateway.openai_api import decode_body, encoder, param_of
 from shoal.services.gateway.state import GATEWAY
-from shoal.services.scheduler.registry import spec_from_config
 from shoal.shared import subjects
-from shoal.shared.config import ModelConfig
+from shoal.shared.config import ConfigError, ModelConfig, parse_byte_sizes
 from shoal.shared.messages import (
     EvictReplicas,
+    ModelSpec,
     RegisterModel,
     RemoveModel,
     ScaleModel,
@@ -62,10 +63,21 @@ async def _command(request: web.Request, verb: str, command: SchedulerCommand) -
 async def register_model(request: web.Request) -> web.Response:
     """Register a model. Its path must stay under the models root (checked here) and hold a
     checkpoint a node agent can read (checked by the scheduler, which asks one: 400 if not)."""
-    model = decode_body(await request.read(), ModelConfig)
+    model = decode_model_config(await request.read())
     if model.min_replicas > MAX_REPLICAS:
         raise BadRequest(f"min_replicas must be <= {MAX_REPLICAS}", param="min_replicas")
-    return await _command(request, "register", RegisterModel(spec_from_config(model, source="admin")))
+    spec = ModelSpec.from_settings(model, source="admin", registered_at=time.time())
+    return await _command(request, "register", RegisterModel(spec))
+
+
+def decode_model_config(body: bytes) -> ModelConfig:
+    """A ``[[models]]`` entry sent as JSON (sizes may be strings, as in shoal.toml); 400 naming
+    the field at fault."""
+    raw = decode_body(body, dict)
+    try:
+        return msgspec.convert(parse_byte_sizes(raw), ModelConfig)
+    except (msgspec.ValidationError, ConfigError) as exc:
+        raise BadRequest(f"invalid request: {exc}", param=param_of(str(exc))) from exc
 
 
 @routes.delete("/admin/models/{model:.+}")
@@ -76,7 +88,7 @@ async def remove_model(request: web.Request) -> web.Response:
 @routes.post("/admin/models/{model:.+}/scale")
 async def scale_model(request: web.Request) -> web.Response:
     body = decode_body(await request.read(), ScaleBody)
-    return await _command(request, "scale", ScaleModel(request.match_info["model"], body.replicas))
+    return await _command(request, "scale", ScaleModel(request.match_info["model"], num_replicas=body.replicas))
 
 
 @routes.post("/admin/models/{model:.+}/evict")

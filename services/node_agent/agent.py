@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import socket
 from collections.abc import Coroutine
 from dataclasses import dataclass, field
@@ -25,9 +26,11 @@ from nats.micro.service import Service
 
 from shoal.services.node_agent.gpus import NodeGpus, host_ram_bytes, nvml_process_bytes
 from shoal.services.node_agent.model_files import ModelInspectionError, inspect_model
-from shoal.services.node_agent.processes import WorkerProcess, spawn_worker, tail_log, worker_command
+from shoal.services.node_agent.processes import WorkerProcess, spawn_worker, tail_log
+from shoal.services.worker.launch import WorkerLaunch
 from shoal.shared import subjects
 from shoal.shared.bus import Bus, cas_update, publish_event
+from shoal.shared.config import LoggingConfig, NodeConfig, WorkerConfig
 from shoal.shared.messages import (
     CacheReplica,
     CreateReplica,
@@ -36,7 +39,6 @@ from shoal.shared.messages import (
     InspectModel,
     ModelFacts,
     ModelSpec,
-    NodeCommand,
     NodeRecord,
     NodeReply,
     ReplicaFailed,
@@ -44,37 +46,26 @@ from shoal.shared.messages import (
     RestoreReplica,
     StopReplica,
     WorkerEvent,
-    node_command_decoder,
+    cache_replica_decoder,
+    create_replica_decoder,
+    inspect_model_decoder,
     now,
+    restore_replica_decoder,
     scheduler_reply_decoder,
+    stop_replica_decoder,
     worker_event_decoder,
     worker_reply_decoder,
 )
 from shoal.shared.metrics import Registry
 from shoal.shared.micro import RequestError, ServiceCallError, add_json_endpoint, request_json
 from shoal.shared.placement.memory_figure import next_measured_figure
+from shoal.shared.version import SHOAL_VERSION
 
 log = structlog.get_logger(__name__)
 
-VERSION = "0.1.0"
 MAX_ASSERT_RESTARTS = 3
 DEVICE_ASSERT_MARKER = "device-side assert triggered"
 WORKER_CONTROL_TIMEOUT_S = 120.0
-
-
-@dataclass
-class NodeAgentSettings:
-    node_id: str
-    nats_url: str
-    models_root: str
-    log_dir: Path
-    cpu_ram_bytes: int = 0
-    heartbeat_interval_s: float = 3.0
-    worker_start_timeout_s: float = 180.0
-    runtime_overhead_bytes: int = 512 * 1024 * 1024
-    """Added to estimates from a model's config (CUDA context, allocator slack)."""
-    worker_options: dict[str, object] = field(default_factory=dict)
-    """Extra `shoal worker` flags (engine, block_size, ...)."""
 
 
 @dataclass
@@ -89,10 +80,34 @@ class _Replica:
 class NodeAgent:
     """See the module doc. `start()` registers and serves; `stop()` stops every worker."""
 
-    def __init__(self, bus: Bus, gpus: NodeGpus, settings: NodeAgentSettings, metrics: Registry | None = None) -> None:
+    def __init__(
+        self,
+        bus: Bus,
+        gpus: NodeGpus,
+        node: NodeConfig,
+        worker: WorkerConfig,
+        logging: LoggingConfig,
+        *,
+        nats_url: str,
+        log_dir: Path,
+        metrics: Registry | None = None,
+    ) -> None:
+        """Args:
+        node: this node's settings, with `node_id` set and `models_root` absolute (workers
+            and inspections resolve model paths against it).
+        worker: handed to every worker this agent starts.
+        nats_url: the URL workers connect to.
+        log_dir: one log file per worker.
+        """
+        assert node.node_id, "the node agent needs its node id resolved (NodeConfig.node_id_or_default)"
+        assert Path(node.models_root).is_absolute(), "the node agent needs an absolute models root"
         self._bus = bus
         self._gpus = gpus
-        self._settings = settings
+        self._node = node
+        self._worker = worker
+        self._logging = logging
+        self._nats_url = nats_url
+        self._log_dir = log_dir
         self._replicas: dict[str, _Replica] = {}
         self._tasks: set[asyncio.Task[object]] = set()
         self._service: Service | None = None
@@ -103,7 +118,7 @@ class NodeAgent:
 
     @property
     def node_id(self) -> str:
-        return self._settings.node_id
+        return self._node.node_id
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -114,18 +129,22 @@ class NodeAgent:
         self._service = await add_service(
             self._bus.nc,
             name="shoal-node-agent",
-            version=VERSION,
-            description=f"Shoal node agent of {self.node_id}",
+            version=SHOAL_VERSION,
+            description=f"Shoal node agent of {self.node_id}: worker processes, GPUs, model inspection",
             metadata={"node_id": self.node_id},
         )
-        for verb in ("create", "stop", "to_cache", "from_cache"):
-            await add_json_endpoint(self._service, verb, subjects.node_subject(self.node_id, verb),
-                                    node_command_decoder.decode, self._on_command)
-        await add_json_endpoint(self._service, "worker_event", subjects.node_subject(self.node_id, "worker_event"),
-                                worker_event_decoder.decode, self._on_worker_event)
+        service, subject = self._service, functools.partial(subjects.node_subject, self.node_id)
+        await add_json_endpoint(service, "create", subject("create"), create_replica_decoder.decode, self._on_create)
+        await add_json_endpoint(service, "stop", subject("stop"), stop_replica_decoder.decode, self._on_stop)
+        await add_json_endpoint(service, "to_cache", subject("to_cache"), cache_replica_decoder.decode,
+                                self._on_to_cache)
+        await add_json_endpoint(service, "from_cache", subject("from_cache"), restore_replica_decoder.decode,
+                                self._on_from_cache)
+        await add_json_endpoint(service, "worker_event", subject("worker_event"), worker_event_decoder.decode,
+                                self._on_worker_event)
         # Any node agent can size a model (they all see the models root): one shared, queue-grouped subject.
-        await add_json_endpoint(self._service, "inspect", subjects.NODE_INSPECT, node_command_decoder.decode,
-                                self._on_command)
+        await add_json_endpoint(self._service, "inspect", subjects.NODE_INSPECT, inspect_model_decoder.decode,
+                                self._on_inspect)
         self._spawn_task(self._heartbeat_loop())
         log.info("node_agent_started", node=self.node_id, gpus=len(self._gpus.gpus), virtual=self._gpus.virtual)
 
@@ -155,11 +174,11 @@ class NodeAgent:
             node_id=self.node_id,
             hostname=socket.gethostname(),
             gpus=self._gpus.gpus,
-            cpu_ram_bytes=self._settings.cpu_ram_bytes or host_ram_bytes(),
+            cpu_ram_bytes=self._node.cpu_ram_bytes or host_ram_bytes(),
             virtual=self._gpus.virtual,
             heartbeat_at=now(),
             started_at=self._started_at,
-            version=VERSION,
+            version=SHOAL_VERSION,
             num_workers=sum(1 for r in self._replicas.values() if r.process),
         )
 
@@ -169,7 +188,7 @@ class NodeAgent:
 
     async def _heartbeat_loop(self) -> None:
         while True:
-            await asyncio.sleep(self._settings.heartbeat_interval_s)
+            await asyncio.sleep(self._node.heartbeat_interval_s)
             try:
                 await self._heartbeat_once()
             except Exception as exc:  # NATS may be reconnecting; the next beat retries
@@ -200,25 +219,25 @@ class NodeAgent:
 
     # ------------------------------------------------------------------ commands
 
-    async def _on_command(self, command: NodeCommand) -> NodeReply | ModelFacts:
-        match command:
-            case InspectModel():
-                try:
-                    return await asyncio.to_thread(
-                        inspect_model, self._settings.models_root, command, self._settings.runtime_overhead_bytes
-                    )
-                except ModelInspectionError as exc:
-                    raise RequestError(404, str(exc)) from exc
-            case CreateReplica(replica=record, model=spec):
-                return await self._create(record, spec)
-            case StopReplica(replica_id=replica_id, reason=reason):
-                return await self._stop_replica(replica_id, reason)
-            case CacheReplica(replica_id=replica_id):
-                return await self._to_cache(replica_id)
-            case RestoreReplica(replica=record):
-                return await self._from_cache(record)
-            case _:
-                raise RequestError(400, f"{type(command).__name__} is not supported by this node agent")
+    async def _on_inspect(self, command: InspectModel) -> ModelFacts:
+        try:
+            return await asyncio.to_thread(
+                inspect_model, self._node.models_root, command, self._worker.runtime_overhead_bytes
+            )
+        except ModelInspectionError as exc:
+            raise RequestError(404, str(exc)) from exc
+
+    async def _on_create(self, command: CreateReplica) -> NodeReply:
+        return await self._create(command.replica, command.model)
+
+    async def _on_stop(self, command: StopReplica) -> NodeReply:
+        return await self._stop_replica(command.replica_id, command.reason)
+
+    async def _on_to_cache(self, command: CacheReplica) -> NodeReply:
+        return await self._to_cache(command.replica_id)
+
+    async def _on_from_cache(self, command: RestoreReplica) -> NodeReply:
+        return await self._from_cache(command.replica)
 
     async def _create(self, record: ReplicaRecord, spec: ModelSpec) -> NodeReply:
         if record.node_id != self.node_id:
@@ -236,18 +255,11 @@ class NodeAgent:
         return NodeReply(ok=True, message="spawned", pid=replica.process.pid)
 
     async def _launch(self, replica: _Replica) -> None:
-        argv = worker_command(
-            self._settings.nats_url,
-            self.node_id,
-            self._settings.models_root,
-            replica.record,
-            replica.spec,
-            device=self._gpus.device,
-            **self._settings.worker_options,
-        )
+        launch = WorkerLaunch(nats_url=self._nats_url, node_id=self.node_id, models_root=self._node.models_root,
+                              device=self._gpus.device, replica=replica.record, model=replica.spec,
+                              worker=self._worker, logging=self._logging)
         replica.ready.clear()
-        replica.process = await spawn_worker(argv, replica.record.replica_id, replica.record.model,
-                                             self._settings.log_dir)
+        replica.process = await spawn_worker(launch, self._log_dir)
         await self._set_state(replica.record, "loading", pid=replica.process.pid)
         self._spawn_task(self._watch(replica, replica.process))
         self._spawn_task(self._start_deadline(replica, replica.process))
@@ -257,7 +269,9 @@ class NodeAgent:
         if replica is None or replica.process is None:
             return NodeReply(ok=True, message="not running")
         log.info("worker_stopping", replica=replica_id, reason=reason)
-        code = await replica.process.stop()
+        code = await replica.process.stop(self._worker.drain_timeout_s)
+        await publish_event(self._bus.js, Event("replica_stopped", now(), reason, replica.record.model, replica_id,
+                                                self.node_id, data={"exit_code": code}))
         return NodeReply(ok=True, message=f"stopped (exit {code})", pid=replica.process.pid)
 
     def _running(self, replica_id: str) -> _Replica:
@@ -355,12 +369,12 @@ class NodeAgent:
 
     async def _start_deadline(self, replica: _Replica, process: WorkerProcess) -> None:
         try:
-            await asyncio.wait_for(replica.ready.wait(), self._settings.worker_start_timeout_s)
+            await asyncio.wait_for(replica.ready.wait(), self._node.worker_start_timeout_s)
         except TimeoutError:
             if replica.process is process and process.process.returncode is None:
                 log.error("worker_start_timeout", replica=replica.record.replica_id)
                 await process.stop(timeout_s=5.0)
-                await self._fail(replica, f"not ready after {self._settings.worker_start_timeout_s}s")
+                await self._fail(replica, f"not ready after {self._node.worker_start_timeout_s}s")
 
     async def _fail(self, replica: _Replica, error: str, *, tell_scheduler: bool = True,
                     wait_stopped: bool = True) -> None:

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from shoal.shared.config import resolve_model_dir
 from shoal.shared.messages import InspectModel, ModelFacts
 from shoal.shared.model_memory import estimate_from_config
+from shoal.shared.model_settings import resolve_model_dir
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt")
 

@@ -2,7 +2,8 @@
 
 Each worker is started in its own process group with a parent-death signal
 (Linux), so a node agent that dies without cleaning up still takes its workers
-with it. Output goes to one log file per replica under the state directory.
+with it. It reads its `WorkerLaunch` from stdin (nothing it is told shows on a
+command line). Output goes to one log file per replica under the state directory.
 """
 
 from __future__ import annotations
@@ -13,12 +14,11 @@ import signal
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import structlog
 
+from shoal.services.worker.launch import WorkerLaunch, encode_launch
 from shoal.shared.child_process import die_with_parent
-from shoal.shared.messages import ModelSpec, ReplicaRecord, encode_json
 
 log = structlog.get_logger(__name__)
 
@@ -56,20 +56,32 @@ class WorkerProcess:
             pass
 
 
-async def spawn_worker(argv: list[str], replica_id: str, model: str, log_dir: Path) -> WorkerProcess:
-    """Start a worker process whose stdout/stderr go to ``<log_dir>/<replica_id>.log``."""
+WORKER_ARGV = (sys.executable, "-m", "shoal.services.worker")
+
+
+async def spawn_worker(launch: WorkerLaunch, log_dir: Path) -> WorkerProcess:
+    """Start a worker process for `launch.replica`, hand it `launch` on stdin; its stdout
+    and stderr go to ``<log_dir>/<replica_id>.log``."""
+    replica_id, model = launch.replica.replica_id, launch.replica.model
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / f"{replica_id}.log"
     with open(log_path, "ab") as log_file:
         process = await asyncio.create_subprocess_exec(
-            *argv,
-            stdin=asyncio.subprocess.DEVNULL,
+            *WORKER_ARGV,
+            stdin=asyncio.subprocess.PIPE,
             stdout=log_file,
             stderr=asyncio.subprocess.STDOUT,
             start_new_session=True,
             preexec_fn=die_with_parent,
             env={**os.environ, "PYTHONUNBUFFERED": "1"},
         )
+    assert process.stdin is not None, "the worker's stdin is a pipe"
+    process.stdin.write(encode_launch(launch))
+    try:
+        await process.stdin.drain()
+    except ConnectionError:  # it died at once: its exit is reported by the agent's watcher
+        log.warning("worker_launch_not_sent", replica=replica_id, pid=process.pid)
+    process.stdin.close()
     log.info("worker_spawned", replica=replica_id, model=model, pid=process.pid, log=str(log_path))
     return WorkerProcess(replica_id=replica_id, model=model, process=process, log_path=log_path)
 
@@ -84,14 +96,3 @@ def tail_log(path: Path, num_bytes: int = 2000) -> str:
             return handle.read().decode(errors="replace")
     except OSError:
         return ""
-
-
-def worker_command(nats_url: str, node_id: str, models_root: str, replica: ReplicaRecord, model: ModelSpec,
-                   **options: Any) -> list[str]:
-    """The argv of `shoal worker` for one replica."""
-    argv = [sys.executable, "-m", "shoal.services.worker", "--nats-url", nats_url, "--node-id", node_id,
-            "--models-root", models_root, "--replica", encode_json(replica).decode(),
-            "--model", encode_json(model).decode()]
-    for name, value in options.items():
-        argv += [f"--{name.replace('_', '-')}", str(value)]
-    return argv

@@ -30,11 +30,10 @@ excess, and `find_over_committed` reports it.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 
 import msgspec
 
-from shoal.shared.config import PlacementConfig as PlacementSettings
 from shoal.shared.messages import GpuRecord, ModelSpec, NodeRecord, Occupant, ReplicaRecord
 from shoal.shared.placement.config import PlacementConfig
 from shoal.shared.placement.memory_figure import get_memory_figure
@@ -192,12 +191,6 @@ def build_demand(
         dedicated=spec.dedicated,
         min_num_gpus=spec.num_gpus,
     )
-
-
-def build_policy_config(settings: PlacementSettings) -> PlacementConfig:
-    """The policy's knobs from the ``[scheduler.placement]`` section of ``shoal.toml``
-    (every field of `PlacementConfig` has a setting of the same name)."""
-    return PlacementConfig(**{f.name: getattr(settings, f.name) for f in fields(PlacementConfig)})
 
 
 def get_recorded_locations(replicas: Iterable[ReplicaRecord]) -> dict[str, ReplicaLocation]:

@@ -4,28 +4,7 @@ from __future__ import annotations
 
 import msgspec
 
-from shoal.shared.config import ModelConfig, parse_bytes
-from shoal.shared.messages import ModelSpec, now
-
-
-def spec_from_config(model: ModelConfig, source: str = "config") -> ModelSpec:
-    override = parse_bytes(model.memory_override_bytes) if model.memory_override_bytes is not None else None
-    return ModelSpec(
-        key=model.key,
-        path=model.path,
-        dtype=model.dtype,
-        max_model_len=model.max_model_len,
-        kv_cache_tokens=model.kv_cache_tokens,
-        memory_override_bytes=override,
-        num_gpus=model.num_gpus,
-        dedicated=model.dedicated,
-        desired_replicas=model.min_replicas,
-        max_queue=model.max_queue,
-        fairness=model.fairness,
-        idle_timeout_s=model.idle_timeout_s,
-        source=source,
-        registered_at=now(),
-    )
+from shoal.shared.messages import ModelSpec
 
 
 def merge_registration(current: ModelSpec | None, incoming: ModelSpec) -> ModelSpec | None:

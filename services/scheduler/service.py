@@ -49,10 +49,11 @@ from shoal.shared.messages import (
     ScaleModel,
     SchedulerCommand,
     SchedulerReply,
+    SchedulerStatus,
     StopReplica,
     model_facts_decoder,
     now,
-    scheduler_command_decoder,
+    scheduler_command_decoders,
 )
 from shoal.shared.metrics import Registry
 from shoal.shared.micro import RequestError, ServiceCallError, ServiceError, add_json_endpoint, request_json
@@ -61,10 +62,10 @@ from shoal.shared.placement.plan import PlacementPlan
 from shoal.shared.placement.planner import ClusterPlanner
 from shoal.shared.placement.replicas import build_delta, get_planned_locations
 from shoal.shared.placement.snapshot import ClusterSnapshot
+from shoal.shared.version import SHOAL_VERSION
 
 log = structlog.get_logger(__name__)
 
-VERSION = "0.1.0"
 ACTIVE_STATES = ("pending", "loading", "ready", "draining")
 MAX_REPLANS = 12
 MAX_HOLD_S = 120.0
@@ -99,7 +100,7 @@ class SchedulerService:
         self.scheduler_id = config.scheduler_id or f"sched-{uuid.uuid4().hex[:8]}"
         self._clock = clock
         self._rng = rng or random.Random()
-        self._policy_config = records.build_policy_config(config.placement)
+        self._policy_config = config.placement
         registry = metrics or Registry()
         self.metrics = registry
         self.cas_conflicts = registry.counter(
@@ -137,14 +138,12 @@ class SchedulerService:
         self._service = await add_service(
             self._bus.nc,
             name="shoal-scheduler",
-            version=VERSION,
-            description="Shoal scheduler: placement, replicas, preemption",
+            version=SHOAL_VERSION,
+            description="Shoal scheduler: model registry, placement, replicas",
             metadata={"scheduler_id": self.scheduler_id},
         )
-        for verb in ("ensure", "register", "remove", "scale", "evict", "replica_failed"):
-            await add_json_endpoint(
-                self._service, verb, subjects.scheduler_subject(verb), scheduler_command_decoder.decode, self.handle
-            )
+        for verb, decoder in scheduler_command_decoders.items():
+            await add_json_endpoint(self._service, verb, subjects.scheduler_subject(verb), decoder.decode, self.handle)
         self._reconciler = asyncio.create_task(self._reconcile_loop())
         log.info("scheduler_started", scheduler=self.scheduler_id, models=len(models))
 
@@ -478,7 +477,7 @@ class SchedulerService:
                     if r.record.model == model and r.outcome != "done"]
         return await self._reply(model, "placed" if outcome.plan.placements else "ok", "; ".join(not_done))
 
-    async def _reply(self, model: str, status: str, message: str = "", **extra: float) -> SchedulerReply:
+    async def _reply(self, model: str, status: SchedulerStatus, message: str = "", **extra: float) -> SchedulerReply:
         replicas = [v.value for v in (await self._bus.replicas.get_all(subjects.model_token(model) + ".*")).values()]
         spec = await self.store.get_model(model)
         if status in ("ok", "placed") and any(r.serving for r in replicas):

@@ -18,6 +18,7 @@ from nats.micro import add_service
 from nats.micro.service import Service
 
 from shoal.kernels.cuda_ext import KernelBuildError
+from shoal.services.worker.engine.paged_engine import KVPoolTooSmall
 from shoal.services.worker.generation import Engine
 from shoal.services.worker.loader import (
     LoadedModel,
@@ -30,14 +31,15 @@ from shoal.services.worker.service import WorkerService
 from shoal.shared.bus import Bus
 from shoal.shared.messages import (
     CacheReplica,
-    NodeCommand,
     ReplicaRecord,
     RestoreReplica,
     WorkerReply,
-    node_command_decoder,
+    cache_replica_decoder,
+    restore_replica_decoder,
 )
 from shoal.shared.micro import RequestError, add_json_endpoint
 from shoal.shared.subjects import worker_subject
+from shoal.shared.version import SHOAL_VERSION
 
 log = structlog.get_logger(__name__)
 
@@ -77,7 +79,7 @@ class ReplicaRuntime:
                 restore_weights, self.loaded, replica, min_kv_reserve_bytes=self.min_engine_bytes
             )
             engine, engine_bytes = await asyncio.to_thread(self.build_engine, self.loaded)
-        except (ModelLoadError, KernelBuildError, ValueError, MemoryError) as exc:
+        except (ModelLoadError, KVPoolTooSmall, KernelBuildError, MemoryError) as exc:
             raise RequestError(507, f"cannot restore on the new allocation: {exc}") from exc
         self.replica, self.engine = replica, engine
         self.service.resume(engine)
@@ -85,21 +87,21 @@ class ReplicaRuntime:
         log.info("replica_restored", measured_bytes=measured)
         return WorkerReply(ok=True, message="serving", measured_bytes=measured)
 
-    async def handle(self, command: NodeCommand) -> WorkerReply:
-        match command:
-            case CacheReplica():
-                return await self.to_cache()
-            case RestoreReplica(replica=replica):
-                return await self.from_cache(replica)
-        raise RequestError(400, f"a worker does not take {type(command).__name__}")
+    async def on_to_cache(self, _: CacheReplica) -> WorkerReply:
+        return await self.to_cache()
+
+    async def on_from_cache(self, command: RestoreReplica) -> WorkerReply:
+        return await self.from_cache(command.replica)
 
 
 async def serve_control(bus: Bus, runtime: ReplicaRuntime) -> Service:
     replica_id = runtime.replica.replica_id
-    service = await add_service(bus.nc, name="shoal-worker", version="0.1.0",
-                                description=f"Shoal replica {runtime.replica.name}",
+    service = await add_service(bus.nc, name="shoal-worker", version=SHOAL_VERSION,
+                                description=f"Shoal replica {runtime.replica.name}: park WARM and restore",
                                 metadata={"replica_id": replica_id, "model": runtime.replica.model})
-    for verb in ("to_cache", "from_cache"):
-        await add_json_endpoint(service, verb, worker_subject(replica_id, verb), node_command_decoder.decode,
-                                runtime.handle)
+    # The node agent relays its own to_cache / from_cache commands: same types, same decoders.
+    await add_json_endpoint(service, "to_cache", worker_subject(replica_id, "to_cache"),
+                            cache_replica_decoder.decode, runtime.on_to_cache)
+    await add_json_endpoint(service, "from_cache", worker_subject(replica_id, "from_cache"),
+                            restore_replica_decoder.decode, runtime.on_from_cache)
     return service

@@ -19,8 +19,8 @@ import structlog
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
-from shoal.shared.config import resolve_model_dir
 from shoal.shared.messages import ModelSpec, ReplicaRecord
+from shoal.shared.model_settings import InvalidModelPath, resolve_model_dir
 
 log = structlog.get_logger(__name__)
 
@@ -119,7 +119,7 @@ def load_model(
     """
     try:
         model_dir = resolve_model_dir(models_root, spec.path)
-    except ValueError as exc:
+    except InvalidModelPath as exc:
         raise ModelLoadError(str(exc)) from exc
     if not (model_dir / "config.json").is_file():
         raise ModelLoadError(f"{model_dir} is not a transformers checkpoint (no config.json)")

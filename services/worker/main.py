@@ -1,7 +1,8 @@
 """`shoal worker`: one process per replica, spawned by the node agent.
 
-Loads the model within the replica's allocation, reports to its node agent,
-serves requests until SIGTERM, then drains and exits.
+Reads its `WorkerLaunch` (launch.py) from stdin, loads the model within the
+replica's allocation, reports to its node agent, serves requests until SIGTERM,
+then drains and exits.
 """
 
 from __future__ import annotations
@@ -16,9 +17,10 @@ import structlog
 import torch
 
 from shoal.kernels.cuda_ext import KernelBuildError
-from shoal.services.worker.args import WorkerArgs, add_worker_arguments, parse_worker_args
 from shoal.services.worker.control import ReplicaRuntime, serve_control
+from shoal.services.worker.engine.paged_engine import KVPoolTooSmall
 from shoal.services.worker.generation import Engine
+from shoal.services.worker.launch import WorkerLaunch, add_worker_arguments, read_launch
 from shoal.services.worker.loader import LoadedModel, MinEngineBytes, ModelLoadError, load_model
 from shoal.services.worker.prompts import eos_token_ids
 from shoal.services.worker.service import WorkerIdentity, WorkerService
@@ -33,29 +35,32 @@ from shoal.shared.messages import (
 log = structlog.get_logger(__name__)
 
 
-def build_engine(args: WorkerArgs, loaded: LoadedModel) -> tuple[Engine, int]:
+def build_engine(launch: WorkerLaunch, loaded: LoadedModel) -> tuple[Engine, int]:
     """The engine and the bytes it holds beyond the weights (KV pool and activation reserve)."""
-    if args.engine == "hf":
+    worker = launch.worker
+    if worker.engine == "hf":
         from shoal.services.worker.hf_engine import HFGenerateEngine
 
         return HFGenerateEngine(loaded.model, loaded.tokenizer, loaded.max_model_len), 0
     from shoal.services.worker.engine.factory import build_paged_engine
 
-    engine = build_paged_engine(loaded, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
-                                kv_cache_tokens=args.model.kv_cache_tokens)
+    engine = build_paged_engine(loaded, block_size=worker.block_size, max_num_seqs=worker.max_num_seqs,
+                                max_num_batched_tokens=worker.max_num_batched_tokens,
+                                kv_cache_tokens=launch.model.kv_cache_tokens)
     return engine, engine.kv_cache_bytes + engine.reserve_bytes
 
 
-def get_min_engine_bytes(args: WorkerArgs) -> MinEngineBytes:
+def get_min_engine_bytes(launch: WorkerLaunch) -> MinEngineBytes:
     """What the worker's engine needs besides the weights (the loader checks it on virtual
     GPUs, so a model that cannot hold even the engine's minimal pool fails at load)."""
-    if args.engine == "hf":
+    worker = launch.worker
+    if worker.engine == "hf":
         return 0  # no pool: generate() grows its own cache
     from shoal.services.worker.engine.factory import get_min_engine_bytes_for
 
-    return get_min_engine_bytes_for(
-        torch.device(args.device), block_size=args.block_size, max_num_seqs=args.max_num_seqs
-    )
+    return get_min_engine_bytes_for(torch.device(launch.device), block_size=worker.block_size,
+                                    max_num_seqs=worker.max_num_seqs,
+                                    max_num_batched_tokens=worker.max_num_batched_tokens)
 
 
 def measure_replica_bytes(loaded: LoadedModel, engine_bytes: int) -> int:
@@ -74,35 +79,35 @@ async def report(bus: Bus, node_id: str, event: WorkerEvent) -> None:
         log.warning("node_agent_unreachable", node=node_id, error=type(exc).__name__)
 
 
-async def serve(args: WorkerArgs) -> int:
-    replica = args.replica
+async def serve(launch: WorkerLaunch) -> int:
+    replica = launch.replica
     structlog.contextvars.bind_contextvars(model=replica.model, replica=replica.replica_id)
-    bus = await connect(args.nats_url, f"worker-{replica.replica_id}")
+    bus = await connect(launch.nats_url, f"worker-{replica.replica_id}")
     pid = os.getpid()
     try:
-        await report(bus, args.node_id, WorkerEvent(replica.replica_id, "loading", pid=pid))
-        device = torch.device(args.device)
-        attn = "shoal_paged" if args.engine == "paged" else None
+        await report(bus, launch.node_id, WorkerEvent(replica.replica_id, "loading", pid=pid))
+        device = torch.device(launch.device)
+        attn = "shoal_paged" if launch.worker.engine == "paged" else None
         if attn:
             from shoal.services.worker.engine.attention import register_attention
 
             register_attention()
         try:
             loaded = await asyncio.to_thread(
-                load_model, args.models_root, args.model, replica, device=device, attn_implementation=attn,
-                min_kv_reserve_bytes=get_min_engine_bytes(args),
+                load_model, launch.models_root, launch.model, replica, device=device, attn_implementation=attn,
+                min_kv_reserve_bytes=get_min_engine_bytes(launch),
             )
-            engine, engine_bytes = await asyncio.to_thread(build_engine, args, loaded)
-        except (ModelLoadError, KernelBuildError, ValueError, MemoryError) as exc:
+            engine, engine_bytes = await asyncio.to_thread(build_engine, launch, loaded)
+        except (ModelLoadError, KVPoolTooSmall, KernelBuildError, MemoryError) as exc:
             log.error("model_load_failed", error=str(exc))
-            await report(bus, args.node_id, WorkerEvent(replica.replica_id, "failed", str(exc), pid=pid))
+            await report(bus, launch.node_id, WorkerEvent(replica.replica_id, "failed", str(exc), pid=pid))
             return 3
         measured = measure_replica_bytes(loaded, engine_bytes)
         service = WorkerService(
             bus,
             engine,
             loaded.tokenizer,
-            WorkerIdentity(replica.model, replica.replica_id, args.node_id),
+            WorkerIdentity(replica.model, replica.replica_id, launch.node_id),
             eos_token_ids=eos_token_ids(loaded.tokenizer, loaded.model),
             max_model_len=loaded.max_model_len,
         )
@@ -110,37 +115,37 @@ async def serve(args: WorkerArgs) -> int:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
-        runtime = ReplicaRuntime(replica, loaded, engine, service, lambda model: build_engine(args, model),
-                                 measure_replica_bytes, args.drain_timeout_s,
-                                 min_engine_bytes=get_min_engine_bytes(args))
+        runtime = ReplicaRuntime(replica, loaded, engine, service, lambda model: build_engine(launch, model),
+                                 measure_replica_bytes, launch.worker.drain_timeout_s,
+                                 min_engine_bytes=get_min_engine_bytes(launch))
         control = await serve_control(bus, runtime)
         run_task = asyncio.create_task(service.run())
         await report(
             bus,
-            args.node_id,
+            launch.node_id,
             WorkerEvent(replica.replica_id, "ready", measured_bytes=measured, weight_bytes=loaded.weight_bytes, pid=pid),
         )
         log.info("worker_ready", measured_bytes=measured, weight_bytes=loaded.weight_bytes)
         stop_task = asyncio.create_task(stop.wait())
         await asyncio.wait([run_task, stop_task], return_when=asyncio.FIRST_COMPLETED)
         await control.stop()
-        await service.stop(args.drain_timeout_s)
+        await service.stop(launch.worker.drain_timeout_s)
         run_task.cancel()
         await asyncio.gather(run_task, return_exceptions=True)
         if runtime.engine is not None:
             await runtime.engine.close()
-        await report(bus, args.node_id, WorkerEvent(replica.replica_id, "stopped", pid=pid))
+        await report(bus, launch.node_id, WorkerEvent(replica.replica_id, "stopped", pid=pid))
         return 0
     finally:
         await bus.close()
 
 
 def run_worker(ns: argparse.Namespace) -> int:
-    args = parse_worker_args(ns)
-    configure_logging(ns.log_format, ns.log_level, service="worker")
-    if args.torch_threads > 0:
-        torch.set_num_threads(args.torch_threads)
-    return asyncio.run(serve(args))
+    launch = read_launch(ns.launch)
+    configure_logging(launch.logging.format, launch.logging.level, service="worker")
+    if launch.worker.torch_threads > 0:
+        torch.set_num_threads(launch.worker.torch_threads)
+    return asyncio.run(serve(launch))
 
 
 def main(argv: list[str] | None = None) -> int:

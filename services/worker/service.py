@@ -27,6 +27,7 @@ from shoal.shared import subjects
 from shoal.shared.bus import Bus, ensure_model_consumer
 from shoal.shared.messages import (
     ErrorReply,
+    ErrorType,
     FinalReply,
     InferenceRequest,
     TokenChunk,
@@ -324,7 +325,7 @@ class _Replier:
         )
         await self._publish(encode_msgpack(message))
 
-    async def error(self, status: int, message: str, error_type: str, *, param: str | None = None) -> None:
+    async def error(self, status: int, message: str, error_type: ErrorType, *, param: str | None = None) -> None:
         reply = ErrorReply(
             self.request_id, self.attempt, status, message, error_type, None, self.replica_id, param
         )

@@ -1,12 +1,16 @@
-"""The knobs of the placement policy (seeds 000 and 002), as one frozen, validated dataclass."""
+"""The knobs of the placement policy (seeds 000 and 002): ``[scheduler.placement]`` in shoal.toml.
+
+One frozen, validated Struct: the configuration loader builds it from the file and the
+environment (an invalid value is an error naming ``$.scheduler.placement``), and the
+policy, the scheduler, `shoal status` and the simulator use the same object.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from msgspec import Struct
 
 
-@dataclass(frozen=True, slots=True)
-class PlacementConfig:
+class PlacementConfig(Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     """Placement defaults; every field is checked in `__post_init__`."""
 
     gpu_fraction_factor: float = 3.0

@@ -25,7 +25,8 @@ def free_port() -> int:
 
 
 def processes_mentioning(*needles: str) -> list[tuple[int, str]]:
-    """(pid, cmdline) of every live process whose command line contains one of `needles`."""
+    """(pid, cmdline) of every live process whose command line, or a file it holds open (a
+    worker's log, whose launch comes on stdin), contains one of `needles`."""
     found = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit() or int(entry.name) == os.getpid():
@@ -33,9 +34,10 @@ def processes_mentioning(*needles: str) -> list[tuple[int, str]]:
         try:
             cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
             state = (entry / "stat").read_text().split(") ", 1)[1][0]
+            open_files = " ".join(os.readlink(fd) for fd in (entry / "fd").iterdir())
         except OSError:
             continue
-        if state != "Z" and any(n in cmdline for n in needles):
+        if state != "Z" and any(n in cmdline or n in open_files for n in needles):
             found.append((int(entry.name), cmdline[:200]))
     return found
 

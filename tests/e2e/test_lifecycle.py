@@ -30,7 +30,9 @@ def test_sigterm_stops_workers_and_nats(demo_models_root: Path, tmp_path: Path) 
         complete_once(shoal.v1)
         running = shoal.leftovers()
         assert any("nats-server" in cmd for _, cmd in running), "nats-server should run while shoal is up"
-        assert any("shoal.services.worker" in cmd for _, cmd in running), "a worker should serve the model"
+        workers = [cmd for _, cmd in running if "shoal.services.worker" in cmd]
+        assert workers, "a worker should serve the model"
+        assert not any(shoal.nats_url in cmd for cmd in workers), "a worker's launch comes on stdin, not argv"
     finally:
         code = shoal.stop()
     assert code == 0

@@ -29,7 +29,7 @@ from shoal.shared.messages import (
     NodeRecord,
     NodeReply,
     ScaleModel,
-    node_command_decoder,
+    node_command_decoders,
     now,
     scheduler_reply_decoder,
 )
@@ -60,7 +60,7 @@ class StandInNodes:
             node_id = f"node-{n}"
             for verb in ("create", "stop", "to_cache", "from_cache"):
                 await add_json_endpoint(service, f"{verb}-{n}", subjects.node_subject(node_id, verb),
-                                        node_command_decoder.decode, self._answer(verb))
+                                        node_command_decoders[verb].decode, self._answer(verb))
             for index in range(GPUS_PER_NODE):
                 await self._bus.gpus.put(subjects.gpu_kv_key(node_id, index),
                                          GpuRecord(node_id=node_id, index=index, total_bytes=GPU_BYTES, virtual=True))

@@ -31,7 +31,7 @@ from shoal.shared.messages import (
     ReplicaRecord,
     RestoreReplica,
     StopReplica,
-    node_command_decoder,
+    node_command_decoders,
     now,
 )
 from shoal.shared.micro import RequestError, add_json_endpoint
@@ -58,7 +58,7 @@ class StandInNode:
     async def start(self) -> None:
         service = await add_service(self._bus.nc, name="stand-in-node", version="0.0.1")
         for verb in ("create", "stop", "to_cache", "from_cache"):
-            await add_json_endpoint(service, verb, subjects.node_subject(NODE, verb), node_command_decoder.decode,
+            await add_json_endpoint(service, verb, subjects.node_subject(NODE, verb), node_command_decoders[verb].decode,
                                     self._answer)
         for gpu in self._gpus:
             await self._bus.gpus.put(subjects.gpu_kv_key(NODE, gpu.index),

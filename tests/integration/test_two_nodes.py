@@ -8,12 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from shoal.services.node_agent.agent import NodeAgent, NodeAgentSettings
+from shoal.services.node_agent.agent import NodeAgent
 from shoal.services.node_agent.gpus import discover_gpus
 from shoal.services.scheduler.service import SchedulerService
 from shoal.shared import subjects
 from shoal.shared.bus import Bus, connect
-from shoal.shared.config import SchedulerConfig
+from shoal.shared.config import LoggingConfig, NodeConfig, SchedulerConfig, WorkerConfig
 from shoal.shared.messages import ModelSpec, ReplicaRecord
 from shoal.shared.nats_server import EmbeddedNatsServer
 
@@ -27,9 +27,8 @@ async def cluster(nats_server: EmbeddedNatsServer, demo_models_root: Path, tmp_p
     buses = [await connect(nats_server.url, name) for name in ("scheduler", "node-a", "node-b", "test")]
     agents = []
     for bus, node_id, gpus in ((buses[1], "node-a", "virtual:1x1GiB"), (buses[2], "node-b", "virtual:1x2GiB")):
-        settings = NodeAgentSettings(node_id=node_id, nats_url=nats_server.url, models_root=str(demo_models_root),
-                                     log_dir=tmp_path / node_id)
-        agent = NodeAgent(bus, discover_gpus(gpus), settings)
+        agent = NodeAgent(bus, discover_gpus(gpus), NodeConfig(node_id=node_id, models_root=str(demo_models_root)),
+                          WorkerConfig(), LoggingConfig(), nats_url=nats_server.url, log_dir=tmp_path / node_id)
         await agent.start()
         agents.append(agent)
     scheduler = SchedulerService(buses[0], SchedulerConfig(reconcile_interval_s=3600))

@@ -14,12 +14,12 @@ from pathlib import Path
 import pytest
 from structlog.testing import capture_logs
 
-from shoal.services.node_agent.agent import NodeAgent, NodeAgentSettings
+from shoal.services.node_agent.agent import NodeAgent
 from shoal.services.node_agent.gpus import discover_gpus
 from shoal.services.scheduler.service import SchedulerService
 from shoal.shared import subjects
 from shoal.shared.bus import Bus, connect
-from shoal.shared.config import SchedulerConfig
+from shoal.shared.config import LoggingConfig, NodeConfig, SchedulerConfig, WorkerConfig
 from shoal.shared.messages import (
     ErrorReply,
     FinalReply,
@@ -40,9 +40,9 @@ MODEL = "demo/llama-5m"
 async def cluster(nats_server: EmbeddedNatsServer, demo_models_root: Path, tmp_path: Path
                   ) -> AsyncIterator[tuple[Bus, SchedulerService]]:
     buses = [await connect(nats_server.url, name) for name in ("scheduler", "node-a", "test")]
-    settings = NodeAgentSettings(node_id="node-a", nats_url=nats_server.url, models_root=str(demo_models_root),
-                                 log_dir=tmp_path / "node-a", worker_options={"torch_threads": 1})
-    agent = NodeAgent(buses[1], discover_gpus("virtual:1x2GiB"), settings)
+    agent = NodeAgent(buses[1], discover_gpus("virtual:1x2GiB"),
+                      NodeConfig(node_id="node-a", models_root=str(demo_models_root)), WorkerConfig(torch_threads=1),
+                      LoggingConfig(), nats_url=nats_server.url, log_dir=tmp_path / "node-a")
     await agent.start()
     scheduler = SchedulerService(buses[0], SchedulerConfig(reconcile_interval_s=3600))
     await scheduler.start([ModelSpec(key=MODEL, path=MODEL)])

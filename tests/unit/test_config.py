@@ -9,8 +9,9 @@ from shoal.shared.config import (
     load_config,
     parse_bytes,
     parse_gpu_spec,
-    resolve_model_dir,
 )
+from shoal.shared.messages import ModelSpec
+from shoal.shared.model_settings import ModelSettings, resolve_model_dir
 
 
 def _write(tmp_path: Path, text: str) -> Path:
@@ -46,6 +47,10 @@ def test_file_then_env_then_overrides(tmp_path: Path) -> None:
         ("[[models]]\nkey = \"m\"\npath = \"/abs\"\n", "relative"),
         ("[[models]]\nkey = \"a\"\npath = \"a\"\n[[models]]\nkey = \"a\"\npath = \"b\"\n", "duplicate"),
         ("[worker]\nengine = \"vllm\"\n", "worker.engine"),
+        ("[[models]]\nkey = \"m\"\npath = \"m\"\ndtype = \"int3\"\n", "models[0].dtype"),
+        ("[[models]]\nkey = \"m\"\npath = \"m\"\nmemory_override_bytes = \"lots\"\n",
+         "not a byte size: 'lots' (examples: 512MiB, 16GiB, 80GB, 1073741824) - at `$.models[0].memory_override_bytes`"),
+        ("[node]\ncpu_ram_bytes = -1\n", "cpu_ram_bytes >= 0"),
         ("not toml = = 1", "not valid TOML"),
     ],
 )
@@ -106,3 +111,27 @@ def test_env_overrides_reach_nested_sections() -> None:
 def test_unknown_nested_env_override_names_the_key() -> None:
     with pytest.raises(ConfigError, match=r"unknown field `no_such_knob` - at `\$\.scheduler\.placement`"):
         load_config(None, environ={"SHOAL_SCHEDULER_PLACEMENT_NO_SUCH_KNOB": "1"})
+
+
+def test_every_bytes_setting_takes_a_size_string_in_the_file_and_the_environment(tmp_path: Path) -> None:
+    path = _write(tmp_path, '[node]\ncpu_ram_bytes = "64GiB"\n[[models]]\nkey = "m"\npath = "m"\n'
+                            'memory_override_bytes = "24GiB"\n')
+    config = load_config(path, environ={"SHOAL_WORKER_RUNTIME_OVERHEAD_BYTES": "256MiB"})
+    assert config.node.cpu_ram_bytes == 64 * 2**30
+    assert config.models[0].memory_override_bytes == 24 * 2**30
+    assert config.worker.runtime_overhead_bytes == 256 * 2**20
+
+
+def test_a_model_spec_is_derived_from_the_models_settings() -> None:
+    """One declaration: every setting of a [[models]] entry reaches the spec unchanged, and
+    the spec adds only what the cluster learns."""
+    config = load_config(None, environ={}, overrides={"models": [{
+        "key": "org/m", "path": "m", "dtype": "bfloat16", "max_model_len": 512, "kv_cache_tokens": 100,
+        "memory_override_bytes": "1GiB", "num_gpus": 2, "dedicated": True, "min_replicas": 3, "max_queue": 9,
+    }]})
+    settings = config.models[0]
+    spec = ModelSpec.from_settings(settings, source="config", registered_at=12.0)
+    for name in ModelSettings.__struct_fields__:
+        assert getattr(spec, name) == getattr(settings, name), name
+    assert (spec.desired_replicas, spec.source, spec.registered_at) == (3, "config", 12.0)
+    assert set(ModelSpec.__struct_fields__) >= set(ModelSettings.__struct_fields__)

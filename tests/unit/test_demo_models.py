@@ -16,7 +16,7 @@ from shoal.cli.demo_models import (
     DEMO_MODEL_KEYS,
     SPECIAL_TOKEN_IDS,
     DemoModel,
-    demo_model_specs,
+    demo_model_configs,
     make_demo_models,
 )
 
@@ -67,7 +67,7 @@ def test_makes_every_demo_model(made: tuple[Path, list[DemoModel]]) -> None:
         assert config["max_position_embeddings"] == 2048
         assert config["dtype"] == "float32"
         assert config["num_key_value_heads"] < config["num_attention_heads"], "every demo model uses GQA"
-    assert demo_model_specs(models_root) == [(key, key) for key in DEMO_MODEL_KEYS]
+    assert [(m.key, m.path) for m in demo_model_configs(models_root)] == [(key, key) for key in DEMO_MODEL_KEYS]
 
 
 def test_parameter_counts_match_names_and_configs(made: tuple[Path, list[DemoModel]]) -> None:
@@ -109,9 +109,9 @@ def test_force_rewrites_with_the_same_bytes(tmp_path: Path) -> None:
 def test_incomplete_model_is_made_again(tmp_path: Path) -> None:
     make_demo_models(tmp_path, names=[SMALLEST])
     (tmp_path / SMALLEST / "model.safetensors").unlink()
-    assert demo_model_specs(tmp_path) == []
+    assert demo_model_configs(tmp_path) == []
     make_demo_models(tmp_path, names=[SMALLEST])
-    assert demo_model_specs(tmp_path) == [(SMALLEST, SMALLEST)]
+    assert [(m.key, m.path) for m in demo_model_configs(tmp_path)] == [(SMALLEST, SMALLEST)]
 
 
 def test_making_models_leaves_the_callers_rng_alone(tmp_path: Path) -> None:

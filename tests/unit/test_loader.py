@@ -8,10 +8,12 @@ import pytest
 import torch
 from transformers import AutoConfig
 
-from shoal.services.worker.args import WorkerArgs
+from shoal.services.worker.launch import WorkerLaunch
 from shoal.services.worker.loader import ModelLoadError, build_max_memory, load_model
 from shoal.services.worker.main import build_engine, get_min_engine_bytes
+from shoal.shared.config import LoggingConfig, WorkerConfig
 from shoal.shared.messages import ModelSpec, ReplicaRecord
+from shoal.shared.model_settings import InvalidModelPath
 
 MODEL = "demo/llama-5m"
 CPU = torch.device("cpu")
@@ -35,8 +37,12 @@ def test_a_model_too_large_for_its_virtual_allocation_fails_clearly(demo_models_
 
 def test_paths_outside_the_models_root_or_without_a_checkpoint_are_refused(demo_models_root: Path,
                                                                          tmp_path: Path) -> None:
-    with pytest.raises(ModelLoadError, match="models root"):
-        load_model(demo_models_root, ModelSpec(key="x", path="../x"), _replica(1 << 30), device=CPU)
+    with pytest.raises(InvalidModelPath, match="models root"):
+        ModelSpec(key="x", path="../x")  # refused where a spec is made or decoded
+    (tmp_path / "root").mkdir()
+    (tmp_path / "root" / "escape").symlink_to(demo_models_root / MODEL)
+    with pytest.raises(ModelLoadError, match="outside the models root"):
+        load_model(tmp_path / "root", ModelSpec(key="x", path="escape"), _replica(1 << 30), device=CPU)
     (tmp_path / "empty").mkdir()
     with pytest.raises(ModelLoadError, match=r"no config\.json"):
         load_model(tmp_path, ModelSpec(key="x", path="empty"), _replica(1 << 30), device=CPU)
@@ -52,10 +58,9 @@ async def test_the_worker_checks_its_engines_real_minimum_at_load(demo_models_ro
     """The loader refuses exactly the allocations the paged engine could not start on: its
     minimum is the engine's activation reserve plus one KV block, not 0 bytes."""
     spec = ModelSpec(key=MODEL, path=MODEL)
-    args = WorkerArgs(
+    args = WorkerLaunch(
         nats_url="nats://unused", node_id="n", models_root=str(demo_models_root), replica=_replica(1 << 30),
-        model=spec, device="cpu", engine="paged", block_size=16, max_num_seqs=64, torch_threads=0,
-        drain_timeout_s=1.0,
+        model=spec, device="cpu", worker=WorkerConfig(), logging=LoggingConfig(),
     )
     min_engine_bytes = get_min_engine_bytes(args)
     assert not isinstance(min_engine_bytes, int)

@@ -66,11 +66,22 @@ def test_wire_structs_skip_fields_a_newer_service_added() -> None:
     assert m.reply_decoder.decode(chunk) == m.TokenChunk("r", 1, 0, "a")
 
 
-def test_commands_decode_by_tag() -> None:
+def test_each_scheduler_verb_takes_only_its_own_command() -> None:
     raw = m.encode_json(m.ScaleModel("org/m", 3))
-    assert m.scheduler_command_decoder.decode(raw) == m.ScaleModel("org/m", 3)
+    assert m.scheduler_command_decoders["scale"].decode(raw) == m.ScaleModel("org/m", 3)
     with pytest.raises(msgspec.ValidationError):
-        m.scheduler_command_decoder.decode(b'{"type":"launch_rockets"}')
+        m.scheduler_command_decoders["remove"].decode(raw)  # a scale sent to the remove verb
+    with pytest.raises(msgspec.ValidationError):
+        m.scheduler_command_decoders["scale"].decode(b'{"type":"launch_rockets"}')
+    assert set(m.scheduler_command_decoders) == set(m.SCHEDULER_COMMANDS)
+
+
+def test_node_agent_and_worker_verbs_take_only_their_own_command() -> None:
+    stop = m.encode_json(m.StopReplica("r1", "evicted"))
+    assert m.node_command_decoders["stop"].decode(stop) == m.StopReplica("r1", "evicted")
+    for decoder in (*(d for verb, d in m.node_command_decoders.items() if verb != "stop"), m.inspect_model_decoder):
+        with pytest.raises(msgspec.ValidationError):
+            decoder.decode(stop)
 
 
 def test_reproducibility_of_sampling() -> None:

@@ -7,10 +7,9 @@ import io
 import pytest
 
 from shoal.cli.inspection import render_status
-from shoal.services.scheduler.records import build_policy_config
 from shoal.shared.config import ConfigError, load_config
-from shoal.shared.config import PlacementConfig as PlacementSettings
 from shoal.shared.messages import ModelSpec
+from shoal.shared.placement.config import PlacementConfig
 from shoal.shared.placement.memory_figure import next_measured_figure
 
 GiB = 1 << 30
@@ -24,7 +23,7 @@ def test_every_knob_can_be_set_in_the_config_file(tmp_path) -> None:  # type: ig
         "unknown_extra_gpus = 0\nmin_gpu_memory_fraction = 0.05\nmax_gpu_memory_fraction = 0.95\n"
         "warm_cache_fraction = 0.25\n"
     )
-    config = build_policy_config(load_config(path, environ={}).scheduler.placement)
+    config = load_config(path, environ={}).scheduler.placement
     assert (config.gpu_fraction_factor, config.fraction_threshold, config.min_available_gpu_fraction) == (2.0, 0.9, 0.0)
     assert (config.unknown_extra_gpus, config.min_gpu_memory_fraction, config.max_gpu_memory_fraction) == (0, 0.05, 0.95)
     assert config.warm_cache_fraction == 0.25
@@ -34,11 +33,11 @@ def test_every_knob_can_be_set_in_the_config_file(tmp_path) -> None:  # type: ig
 @pytest.mark.parametrize(
     ("section", "message"),
     [
-        ("unknown_extra_gpus = -1", "scheduler.placement.unknown_extra_gpus must be >= 0, got -1"),
-        ("warm_cache_fraction = 1.5", "scheduler.placement.warm_cache_fraction must be in [0, 1], got 1.5"),
+        ("unknown_extra_gpus = -1", "unknown_extra_gpus must be >= 0, got -1 - at `$.scheduler.placement`"),
+        ("warm_cache_fraction = 1.5", "warm_cache_fraction must be in [0, 1], got 1.5 - at `$.scheduler.placement`"),
         ("min_gpu_memory_fraction = 0.5\nmax_gpu_memory_fraction = 0.4",
-         "scheduler.placement.min_gpu_memory_fraction and max_gpu_memory_fraction need 0 < min <= max <= 1"),
-        ("gpu_fraction_factor = 0.5", "scheduler.placement.gpu_fraction_factor must be >= 1.0, got 0.5"),
+         "min_gpu_memory_fraction and max_gpu_memory_fraction need 0 < min <= max <= 1"),
+        ("gpu_fraction_factor = 0.5", "gpu_fraction_factor must be >= 1.0, got 0.5 - at `$.scheduler.placement`"),
         ("fraction_treshold = 0.5", "unknown field `fraction_treshold`"),
     ],
 )
@@ -65,6 +64,6 @@ def test_status_shows_memory_figures_with_the_configured_factor() -> None:
     default, configured = io.StringIO(), io.StringIO()
     render_status({}, {}, [], models, default)
     render_status({}, {}, [], models, configured,
-                  config=build_policy_config(PlacementSettings(gpu_fraction_factor=2.0)))
+                  config=PlacementConfig(gpu_fraction_factor=2.0))
     assert "memory=3.00 GiB (factor)" in default.getvalue()
     assert "memory=2.00 GiB (factor)" in configured.getvalue()

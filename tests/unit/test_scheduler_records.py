@@ -11,13 +11,11 @@ from shoal.services.scheduler.records import (
     GpuChange,
     apply_gpu_change,
     build_demand,
-    build_policy_config,
     build_snapshot,
     find_over_committed,
     get_recorded_locations,
     plan_to_records,
 )
-from shoal.shared.config import PlacementConfig as PlacementSettings
 from shoal.shared.messages import GpuInfo, GpuRecord, ModelSpec, NodeRecord, Occupant, ReplicaRecord
 from shoal.shared.placement.config import PlacementConfig
 from shoal.shared.placement.memory_figure import UnknownModelMemory
@@ -116,18 +114,6 @@ def test_demand_ranks_the_memory_figure_and_carries_the_spec_flags() -> None:
     assert (guessed.figure.required_bytes, guessed.figure.source) == (6 * GiB, "factor")
     with pytest.raises(UnknownModelMemory):
         build_demand(ModelSpec(key="u", path="u"), config=CONFIG)
-
-
-def test_every_placement_knob_reaches_the_policy() -> None:
-    settings = PlacementSettings(
-        gpu_fraction_factor=2.0, fraction_threshold=0.7, min_available_gpu_fraction=0.2, unknown_extra_gpus=0,
-        min_gpu_memory_fraction=0.05, max_gpu_memory_fraction=0.9, warm_cache_fraction=0.25,
-    )
-    assert build_policy_config(settings) == PlacementConfig(
-        gpu_fraction_factor=2.0, fraction_threshold=0.7, min_available_gpu_fraction=0.2, unknown_extra_gpus=0,
-        min_gpu_memory_fraction=0.05, max_gpu_memory_fraction=0.9, warm_cache_fraction=0.25,
-    )
-    assert build_policy_config(PlacementSettings()) == PlacementConfig()
 
 
 # --------------------------------------------------------------------------- plan -> records

@@ -1,0 +1,96 @@
+"""What an operator declares about a served model: its fields, their defaults, their checks.
+
+Declared once, here. Everything else derives from `ModelSettings`:
+
+    ModelSettings ──┬── ModelConfig  (shared/config.py)    a ``[[models]]`` entry of shoal.toml,
+                    │                                     or the body of POST /admin/models
+                    └── ModelSpec    (shared/messages.py) the record in ``shoal_models``: these
+                                                          settings plus what the cluster learned
+                                                          (sizes, measured memory, replicas, ...)
+
+Model paths are relative to the node's models root and may never leave it
+(`resolve_model_dir`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from msgspec import Struct
+
+from shoal.shared.errors import ShoalError
+from shoal.shared.subjects import InvalidModelKey, validate_model_key
+
+Dtype = Literal["auto", "float32", "float16", "bfloat16"]
+DEFAULT_KV_CACHE_TOKENS = 4096
+
+
+class InvalidModelPath(ShoalError, ValueError):
+    """A model path that is absolute, climbs out of the models root, or resolves outside it."""
+
+
+class ModelSettings(Struct, kw_only=True, omit_defaults=True):
+    """A served model as the operator declares it."""
+
+    key: str
+    """The name clients use (``model`` in OpenAI requests), e.g. ``meta-llama/Llama-3.1-8B``."""
+    path: str
+    """Directory of the transformers checkpoint, relative to the models root."""
+    dtype: Dtype = "auto"
+    """Weights' dtype; ``auto`` takes the checkpoint's."""
+    max_model_len: int | None = None
+    """Prompt + completion limit in tokens; None: the model's own (``max_position_embeddings``)."""
+    kv_cache_tokens: int = DEFAULT_KV_CACHE_TOKENS
+    """KV budget: tokens of KV cache a replica reserves beyond its weights."""
+    memory_override_bytes: int | None = None
+    """Serving memory per replica given by the operator; beats the estimate, not a measurement.
+    In shoal.toml a size string works too (``"24GiB"``)."""
+    num_gpus: int = 1
+    """GPUs per replica when the model's memory figure is unknown (seed 000)."""
+    dedicated: bool = False
+    """Dedicated replicas are never evicted under memory pressure."""
+    min_replicas: int = 0
+    """Replicas placed at registration; 0 places the model on its first request."""
+    max_queue: int | None = None
+    """Requests for this model waiting or running in one gateway before 429; None: the gateway's
+    ``max_queue_per_model``."""
+
+    def __post_init__(self) -> None:
+        try:
+            validate_model_key(self.key)
+        except InvalidModelKey as exc:
+            raise ValueError(str(exc)) from exc
+        validate_model_path(self.path)
+        checks = (
+            (self.kv_cache_tokens >= 0, "kv_cache_tokens must be >= 0"),
+            (self.num_gpus >= 1, "num_gpus must be >= 1"),
+            (self.min_replicas >= 0, "min_replicas must be >= 0"),
+            (self.max_model_len is None or self.max_model_len >= 1, "max_model_len must be >= 1"),
+            (self.memory_override_bytes is None or self.memory_override_bytes > 0,
+             "memory_override_bytes must be > 0"),
+            (self.max_queue is None or self.max_queue >= 1, "max_queue must be >= 1"),
+        )
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(f"model {self.key}: {message}")
+
+
+def validate_model_path(path: str) -> str:
+    """A model path is relative to the models root and may not climb out of it."""
+    if not path:
+        raise InvalidModelPath("model path is empty")
+    pure = Path(path)
+    if pure.is_absolute() or ".." in pure.parts:
+        raise InvalidModelPath(f"model path {path!r} must be relative to the models root, without '..'")
+    return path
+
+
+def resolve_model_dir(models_root: str | Path, path: str) -> Path:
+    """The model's directory, guaranteed to lie under `models_root` (symlinks resolved)."""
+    validate_model_path(path)
+    root = Path(models_root).resolve()
+    resolved = (root / path).resolve()
+    if resolved != root and root not in resolved.parents:
+        raise InvalidModelPath(f"model path {path!r} resolves outside the models root {root}")
+    return resolved
