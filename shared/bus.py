@@ -35,6 +35,7 @@ from nats.js.api import (
 from nats.js.kv import KV_DEL, KV_MARKER_REASON, KV_OP, KV_PURGE, KeyValue
 
 from shoal.shared import subjects
+from shoal.shared.errors import ShoalError
 from shoal.shared.messages import (
     Event,
     GpuRecord,
@@ -52,7 +53,15 @@ log = structlog.get_logger(__name__)
 
 T = TypeVar("T", bound=msgspec.Struct)
 
-STREAM_IN_USE_ERR = 10058  # JSStreamNameExistErr: exists with a different configuration
+# JetStream API error codes Shoal branches on (nats-server's errors.json).
+JS_STREAM_NAME_EXISTS = 10058
+"""JSStreamNameExistErr: the stream (or KV bucket) exists with a different configuration."""
+JS_WRONG_LAST_SEQUENCE = 10071
+"""JSStreamWrongLastSequenceErrF: a CAS write lost (the key changed since the given revision)."""
+JS_WRONG_LAST_SEQUENCE_CONSTANT = 10164
+"""JSStreamWrongLastSequenceConstantErr: the same, from newer servers."""
+JS_CONSUMER_ALREADY_EXISTS = 10148
+"""JSConsumerAlreadyExists: a consumer of that name exists with another configuration."""
 MAX_DELIVERIES = 3
 """A request is tried at most this often (a worker dying mid-request counts as a try)."""
 GET_ALL_INACTIVE_S = 5.0
@@ -62,7 +71,7 @@ GET_ALL_BATCH = 256
 """KV entries fetched per round trip by `get_all`."""
 
 
-class BusError(RuntimeError):
+class BusError(ShoalError, RuntimeError):
     """NATS could not be reached or refused a request."""
 
 
@@ -184,13 +193,13 @@ class TypedBucket(Generic[T]):
         try:
             await self.kv.delete(key, last=revision)
         except nats.js.errors.APIError as exc:
-            if exc.err_code in (10071, 10164):
+            if exc.err_code in (JS_WRONG_LAST_SEQUENCE, JS_WRONG_LAST_SEQUENCE_CONSTANT):
                 return False
             raise
         return True
 
 
-class CasConflict(RuntimeError):
+class CasConflict(ShoalError, RuntimeError):
     """A compare-and-swap kept losing races past its retry budget."""
 
 
@@ -318,7 +327,7 @@ async def _ensure_stream(js: JetStreamContext, config: StreamConfig) -> None:
     try:
         await js.add_stream(config)
     except nats.js.errors.BadRequestError as exc:
-        if exc.err_code != STREAM_IN_USE_ERR:
+        if exc.err_code != JS_STREAM_NAME_EXISTS:
             raise
         # Exists with another configuration (an older or newer Shoal): bring it to ours.
         await js.update_stream(config)
@@ -328,7 +337,7 @@ async def _ensure_bucket(js: JetStreamContext, config: KeyValueConfig) -> KeyVal
     try:
         return await js.create_key_value(config)
     except nats.js.errors.BadRequestError as exc:
-        if exc.err_code != STREAM_IN_USE_ERR:
+        if exc.err_code != JS_STREAM_NAME_EXISTS:
             raise
         log.warning("kv_bucket_config_differs", bucket=config.bucket, detail=exc.description)
         return await js.key_value(config.bucket)
@@ -412,7 +421,7 @@ async def ensure_model_consumer(js: JetStreamContext, model_key: str, *, ack_wai
         await js.add_consumer(subjects.REQUESTS_STREAM, config)
     except nats.js.errors.BadRequestError as exc:
         # 10148: exists with another config (an older Shoal); keep serving with it.
-        if exc.err_code != 10148:
+        if exc.err_code != JS_CONSUMER_ALREADY_EXISTS:
             raise
         log.warning("consumer_config_differs", consumer=durable, detail=exc.description)
     return durable

@@ -91,20 +91,8 @@ class Gauge(_Metric):
         with self._lock:
             self._values[key] = value
 
-    def inc(self, amount: float = 1.0, **labels: str) -> None:
-        key = self._key(labels)
-        with self._lock:
-            self._values[key] = self._values.get(key, 0.0) + amount
-
-    def dec(self, amount: float = 1.0, **labels: str) -> None:
-        self.inc(-amount, **labels)
-
     def get(self, **labels: str) -> float:
         return self._values.get(self._key(labels), 0.0)
-
-    def remove(self, **labels: str) -> None:
-        with self._lock:
-            self._values.pop(self._key(labels), None)
 
     def samples(self) -> Iterable[str]:
         with self._lock:
@@ -137,9 +125,6 @@ class Histogram(_Metric):
                     counts[i] += 1
                     break
             self._sums[key] = self._sums.get(key, 0.0) + value
-
-    def get_count(self, **labels: str) -> int:
-        return sum(self._counts.get(self._key(labels), []))
 
     def samples(self) -> Iterable[str]:
         with self._lock:

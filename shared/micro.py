@@ -20,6 +20,7 @@ from nats.aio.client import Client as NATS
 from nats.micro.request import Request
 from nats.micro.service import Service
 
+from shoal.shared.errors import ShoalError
 from shoal.shared.messages import encode_json
 
 log = structlog.get_logger(__name__)
@@ -31,7 +32,7 @@ ERROR_CODE_HEADER = "Nats-Service-Error-Code"
 ERROR_HEADER = "Nats-Service-Error"
 
 
-class ServiceCallError(RuntimeError):
+class ServiceCallError(ShoalError, RuntimeError):
     """Base of every failure of a micro-service call."""
 
 
@@ -52,7 +53,7 @@ class ServiceError(ServiceCallError):
         self.description = description
 
 
-class RequestError(Exception):
+class RequestError(ShoalError):
     """Raised by a handler to answer with `code` and a message the caller may show."""
 
     def __init__(self, code: int, message: str) -> None:

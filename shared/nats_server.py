@@ -20,12 +20,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from shoal.shared.child_process import die_with_parent
+from shoal.shared.errors import ShoalError
 
 _LISTEN_RE = re.compile(r"Listening for client connections on [^:]+:(\d+)")
 _READY_RE = re.compile(r"Server is ready")
 
 
-class NatsServerError(RuntimeError):
+class NatsServerError(ShoalError, RuntimeError):
     """The embedded nats-server could not be found or did not start."""
 
 

@@ -12,6 +12,8 @@ from __future__ import annotations
 import functools
 import re
 
+from shoal.shared.errors import ShoalError
+
 # Streams and buckets (the NATS contract in DESIGN.md).
 REQUESTS_STREAM = "SHOAL_REQUESTS"
 EVENTS_STREAM = "SHOAL_EVENTS"
@@ -49,11 +51,11 @@ MAX_MODEL_TOKEN_CHARS = MAX_CONSUMER_NAME_CHARS - len(CONSUMER_PREFIX)
 character outside ``[A-Za-z0-9_-]`` takes 3 per UTF-8 byte (``日`` -> ``=E6=97=A5``)."""
 
 
-class InvalidModelKey(ValueError):
+class InvalidModelKey(ShoalError, ValueError):
     """A model key that Shoal cannot name (empty, too long, its token too long, or control characters)."""
 
 
-class InvalidModelToken(ValueError):
+class InvalidModelToken(ShoalError, ValueError):
     """A subject token that no model key maps to."""
 
 

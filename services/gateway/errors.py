@@ -14,10 +14,12 @@ import msgspec
 import structlog
 from aiohttp import web
 
+from shoal.shared.errors import ShoalError
+
 log = structlog.get_logger(__name__)
 
 
-class ApiError(Exception):
+class ApiError(ShoalError):
     status = 500
     error_type = "server_error"
 

@@ -9,12 +9,13 @@ from dataclasses import dataclass
 import structlog
 
 from shoal.shared.config import parse_gpu_spec
+from shoal.shared.errors import ShoalError
 from shoal.shared.messages import GpuInfo
 
 log = structlog.get_logger(__name__)
 
 
-class GpuDiscoveryError(RuntimeError):
+class GpuDiscoveryError(ShoalError, RuntimeError):
     """NVML was asked for but is not usable on this machine."""
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from shoal.shared.errors import ShoalError
 from shoal.shared.messages import InspectModel, ModelFacts
 from shoal.shared.model_memory import estimate_from_config
 from shoal.shared.model_settings import resolve_model_dir
@@ -11,7 +12,7 @@ from shoal.shared.model_settings import resolve_model_dir
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt")
 
 
-class ModelInspectionError(ValueError):
+class ModelInspectionError(ShoalError, ValueError):
     """The path is not a readable transformers checkpoint under the models root."""
 
 

@@ -19,6 +19,7 @@ import structlog
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
+from shoal.shared.errors import ShoalError
 from shoal.shared.messages import ModelSpec, ReplicaRecord
 from shoal.shared.model_settings import InvalidModelPath, resolve_model_dir
 
@@ -27,7 +28,7 @@ log = structlog.get_logger(__name__)
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
-class ModelLoadError(RuntimeError):
+class ModelLoadError(ShoalError, RuntimeError):
     """The model cannot be loaded on this replica's allocation (the message says why)."""
 
 

@@ -18,12 +18,13 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
+from shoal.shared.errors import ShoalError
 from shoal.shared.placement.config import PlacementConfig
 
 MemorySource = Literal["measured", "override", "estimate", "factor"]
 
 
-class UnknownModelMemory(ValueError):
+class UnknownModelMemory(ShoalError, ValueError):
     """A model with no memory figure at all and no weight size to apply the factor to."""
 
 

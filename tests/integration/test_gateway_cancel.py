@@ -24,7 +24,6 @@ from shoal.services.worker.service import WorkerIdentity, WorkerService
 from shoal.shared import subjects
 from shoal.shared.bus import Bus
 from shoal.shared.messages import ModelSpec, ReplicaRecord, TokenChunk, cancel_decoder, reply_decoder
-from shoal.shared.metrics import Registry
 from shoal.shared.nats_server import EmbeddedNatsServer
 from tests.integration.gateway_harness import gateway_running, metric_value
 
@@ -35,18 +34,16 @@ LONG = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 2000, "tempe
 class Served:
     """A gateway and one ready replica of MODEL, with what the test observes on the bus."""
 
-    def __init__(self, url: str, worker: WorkerService, registry: Registry) -> None:
+    def __init__(self, url: str, worker: WorkerService) -> None:
         self.url = url
         self.worker = worker
-        self.registry = registry
         self.cancelled_ids: list[str] = []
         self.generating_ids: set[str] = set()
         """Requests some replica has sent a token for."""
         self.first_token = asyncio.Event()
 
     def num_cancelled_at_worker(self) -> float:
-        return self.registry.counter("shoal_worker_requests_total", "", ["model", "outcome"]).get(
-            model=MODEL, outcome="cancelled")
+        return self.worker.num_requests_by_outcome["cancelled"]
 
     async def on_cancel(self, msg: Msg) -> None:
         self.cancelled_ids.append(cancel_decoder.decode(msg.data).request_id)
@@ -75,14 +72,13 @@ async def served(bus: Bus, nats_server: EmbeddedNatsServer, demo_models_root: Pa
     await bus.models.put(subjects.model_token(MODEL), spec)
     await bus.replicas.put(subjects.replica_kv_key(MODEL, "r1"), replica)  # ready: no scheduler is asked
     loaded = load_model(demo_models_root, spec, replica, device=torch.device("cpu"))
-    registry = Registry()
     worker = WorkerService(bus, HFGenerateEngine(loaded.model, loaded.tokenizer, loaded.max_model_len),
                            loaded.tokenizer, WorkerIdentity(MODEL, "r1", "n1"),
                            eos_token_ids=eos_token_ids(loaded.tokenizer, loaded.model),
-                           max_model_len=loaded.max_model_len, metrics=registry)
+                           max_model_len=loaded.max_model_len)
     serving = asyncio.create_task(worker.run())
     async with gateway_running(nats_server.url, request_timeout_s=120.0) as url:
-        observed = Served(url, worker, registry)
+        observed = Served(url, worker)
         cancels = await bus.nc.subscribe(subjects.cancel_subject(MODEL), cb=observed.on_cancel)
         replies = await bus.nc.subscribe(f"{subjects.REPLY_PREFIX}.>", cb=observed.on_reply)
         try:
@@ -143,9 +139,9 @@ async def test_a_deadline_passing_mid_stream_ends_it_with_a_504_event_counted_as
             ok = f'shoal_gateway_requests_total{{model="{MODEL}",kind="completion",outcome="ok"}}'
             assert await metric_value(hasty, ok) is None
     assert request_id in served.cancelled_ids
-    expired = served.registry.counter("shoal_worker_requests_total", "", ["model", "outcome"])
+    outcomes = served.worker.num_requests_by_outcome
     for _ in range(600):  # the worker stops at the deadline too, and counts the request as expired
-        if expired.get(model=MODEL, outcome="expired") == 1 and served.worker.num_in_flight == 0:
+        if outcomes["expired"] == 1 and served.worker.num_in_flight == 0:
             break
         await asyncio.sleep(0.05)
-    assert expired.get(model=MODEL, outcome="expired") == 1 and served.worker.num_in_flight == 0
+    assert outcomes["expired"] == 1 and served.worker.num_in_flight == 0
