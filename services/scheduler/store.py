@@ -216,23 +216,6 @@ class ClusterStore:
                 return entry.value
         raise CasConflict(f"{key}: the record kept changing while it was being freed")
 
-    # ------------------------------------------------------------------ replica records
-
-    async def create_replica(self, record: ReplicaRecord) -> bool:
-        key = subjects.replica_kv_key(record.model, record.replica_id)
-        return await self._bus.replicas.create(key, record) is not None
-
-    async def delete_replica(self, record: ReplicaRecord) -> None:
-        await self._bus.replicas.delete(subjects.replica_kv_key(record.model, record.replica_id))
-
-    async def update_replica(
-        self, model: str, replica_id: str, mutate: Callable[[ReplicaRecord | None], ReplicaRecord | None]
-    ) -> ReplicaRecord | None:
-        result = await cas_update(
-            self._bus.replicas, subjects.replica_kv_key(model, replica_id), mutate, rng=self._rng
-        )
-        return result.value if result else None
-
     # ------------------------------------------------------------------ models
 
     async def update_model(
