@@ -3,8 +3,8 @@
 Reports of a failure come from the node agent (a worker exited unasked or never became
 ready), from a from_cache / create the node did not carry out (`executor.NodeSteps`) and
 from the reconciler (a failed record left behind, a node whose heartbeats stopped). One
-failure may be reported by several of them; `store.ClusterStore.claim_replica` claims it for
-exactly one (a CAS delete of its record). That one counts it on its model's spec
+failure may be reported by several of them; `store.ClusterStore.free_replica` frees it for
+exactly one: memory first, then the record. That one counts it on its model's spec
 (backoff.py: the failure run, the hold, the never-served rule) and places a replacement
 when the model still wants replicas and is not held.
 """
@@ -50,12 +50,11 @@ class FailureHandler:
         One that served before is replaced (desired count kept); one that never came up is
         removed and the desired count lowered (seed 002), the next request asking again.
         A failure reported twice is counted once."""
-        record = await self._store.claim_replica(model, replica_id)
+        record = await self._store.free_replica(model, replica_id, error=error)
         if record is None:
             log.info("replica_failure_already_handled", model=model, replica=replica_id)
             return
         never_served = record.ready_at is None
-        await self._store.release_replica(record)
 
         def mutate(current: ModelSpec | None) -> ModelSpec | None:
             if current is None:

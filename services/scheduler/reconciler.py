@@ -90,7 +90,7 @@ class Reconciler:
     async def reap_held_replica(self, record: ReplicaRecord, *, node_alive: bool) -> bool:
         """Free a replica held after a failed to_cache or stop (``stopping``) once its node
         agent confirms the worker is stopped (or the node is gone); until then its memory
-        stays accounted.
+        stays accounted. Memory first, then the record (`ClusterStore.free_replica`).
         Returns True when it was freed (by this call)."""
         if node_alive:
             try:
@@ -101,9 +101,8 @@ class Reconciler:
                 log.warning("held_replica_not_stopped", model=record.model, replica=record.replica_id,
                             node=record.node_id, error=str(exc))
                 return False
-        claimed = await self._store.claim_replica(record.model, record.replica_id)
-        if claimed is None:
+        freed = await self._store.free_replica(record.model, record.replica_id, error=record.error or "held")
+        if freed is None:
             return False
-        await self._store.release_replica(claimed)
         log.info("held_replica_freed", model=record.model, replica=record.replica_id, node=record.node_id)
         return True
