@@ -1,8 +1,8 @@
 """The gateway's live view of models and replicas, kept by KV watchers.
 
-Answers without a NATS round trip: is this model registered, does it have a
-serving replica, has it any replica on its way (so the scheduler need not be
-asked again).
+Answers without a NATS round trip: is this model registered, has it any replica
+serving or on its way (so the scheduler need not be asked again), is its placement
+backing off after failures.
 """
 
 from __future__ import annotations
@@ -14,13 +14,14 @@ import nats.errors
 import structlog
 from nats.js.kv import KV_DEL, KV_PURGE
 
+from shoal.services.scheduler.backoff import is_held
+from shoal.services.scheduler.records import ACTIVE_STATES
 from shoal.shared.bus import Bus, TypedBucket
 from shoal.shared.messages import ModelSpec, ReplicaRecord
 
 log = structlog.get_logger(__name__)
 
 _DELETES = (KV_DEL, KV_PURGE)
-ACTIVE_STATES = ("pending", "loading", "ready", "draining")
 
 
 class ClusterView:
@@ -28,10 +29,9 @@ class ClusterView:
         self._bus = bus
         self.models: dict[str, ModelSpec] = {}
         """By model key."""
-        self.replicas: dict[str, ReplicaRecord] = {}
-        """By replica KV key."""
         self._tasks: list[asyncio.Task[None]] = []
         self._models_by_token: dict[str, str] = {}
+        self._model_by_replica_key: dict[str, str] = {}
         self._active: dict[str, set[str]] = {}
         """Model -> KV keys of its replicas in ACTIVE_STATES (asked on every request)."""
 
@@ -51,12 +51,6 @@ class ClusterView:
     def get_model(self, model: str) -> ModelSpec | None:
         return self.models.get(model)
 
-    def replicas_of(self, model: str) -> list[ReplicaRecord]:
-        return [r for r in self.replicas.values() if r.model == model]
-
-    def has_serving_replica(self, model: str) -> bool:
-        return any(r.serving for r in self.replicas_of(model))
-
     def has_active_replica(self, model: str) -> bool:
         return bool(self._active.get(model))
 
@@ -64,7 +58,7 @@ class ClusterView:
         """Why `model` cannot serve now: its replicas keep failing and placement is backing
         off, with none on its way. None while it may still come up."""
         spec = self.models.get(model)
-        if spec is None or spec.hold_until is None or spec.hold_until <= at or self.has_active_replica(model):
+        if spec is None or not is_held(spec.hold_until, at) or self.has_active_replica(model):
             return None
         return spec.last_error or "its replicas keep failing"
 
@@ -78,11 +72,11 @@ class ClusterView:
             self.models[value.key] = value
 
     def _on_replica(self, key: str, value: ReplicaRecord | None) -> None:
-        previous = self.replicas.pop(key, None)
-        if previous is not None and previous.model in self._active:
-            self._active[previous.model].discard(key)
+        previous_model = self._model_by_replica_key.pop(key, None)
+        if previous_model is not None and previous_model in self._active:
+            self._active[previous_model].discard(key)
         if value is not None:
-            self.replicas[key] = value
+            self._model_by_replica_key[key] = value.model
             if value.state in ACTIVE_STATES:
                 self._active.setdefault(value.model, set()).add(key)
 

@@ -10,6 +10,8 @@ dropped. When a new attempt begins after the client already holds text:
   where it stopped — no duplicate, no gap;
 * otherwise a non-streamed request starts over silently (its partial text was
   never sent), and a streamed one ends with a clear error event.
+
+That rule is `attempts.AttemptTracker` (pure); `Dispatcher.run` does the I/O around it.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from typing import TypeAlias
 import nats.errors
 import structlog
 
+from shoal.services.gateway.attempts import AttemptTracker
 from shoal.services.gateway.cluster import ClusterView
 from shoal.services.gateway.errors import (
     ApiError,
@@ -160,50 +163,46 @@ class Dispatcher:
         inbox = self._router.open(request.request_id)
         started = time.monotonic()
         finished = False
+        tracker = AttemptTracker(reproducible=request.params.is_reproducible, restartable=restartable)
         try:
             await self._publish(request)
-            attempt = 0
-            num_sent = 0  # chunks of this request the caller has seen
-            skip_below = 0  # a resumed attempt skips the chunks already sent
             while True:
                 reply = await self._next_reply(inbox, request)
-                if reply.attempt < attempt:
-                    continue  # late reply of a dead attempt
-                if reply.attempt > attempt:
-                    if num_sent and attempt:
-                        if request.params.is_reproducible:
-                            skip_below = num_sent
+                for action in tracker.on_reply(reply):
+                    match action:
+                        case "resume":
                             log.warning("stream_resumed", request_id=request.request_id, attempt=reply.attempt)
-                        elif restartable:
-                            num_sent = 0
+                        case "restart":
                             yield Restart()
-                        else:
+                        case "broken":
                             raise StreamBroken("the replica serving this stream failed; retry the request")
-                    attempt = reply.attempt
-                match reply:
-                    case TokenChunk(seq=seq):
-                        if seq < skip_below:
-                            continue
-                        if num_sent == 0:
-                            self._ttft.observe(time.monotonic() - started, model=model)
-                        num_sent += 1
-                        yield reply
-                    case FinalReply():
-                        finished = True
-                        yield reply
-                        return
-                    case ErrorReply(status=status, message=message, code=code, param=param):
-                        finished = True
-                        error = error_for_status(status, message, code=code)
-                        if status in (400, 413):
-                            # Unless the worker names a field, it rejected the prompt
-                            # (vocabulary, length, chat template).
-                            error.param = param or ("prompt" if request.messages is None else "messages")
-                        raise error
+                        case "deliver":
+                            assert isinstance(reply, TokenChunk), "only chunks are delivered"
+                            if tracker.num_sent == 1:
+                                self._ttft.observe(time.monotonic() - started, model=model)
+                            yield reply
+                        case "finish":
+                            assert isinstance(reply, FinalReply), "only a final reply finishes"
+                            finished = True
+                            yield reply
+                            return
+                        case "error":
+                            assert isinstance(reply, ErrorReply), "only an error reply is an error"
+                            finished = True
+                            raise self._worker_error(request, reply)
         finally:
             self._router.close(request.request_id)
             if not finished:
                 await self._cancel(request, "client disconnected or deadline passed")
+
+    @staticmethod
+    def _worker_error(request: InferenceRequest, reply: ErrorReply) -> ApiError:
+        error = error_for_status(reply.status, reply.message, code=reply.code)
+        if reply.status in (400, 413):
+            # Unless the worker names a field, it rejected the prompt (vocabulary, length,
+            # chat template).
+            error.param = reply.param or ("prompt" if request.messages is None else "messages")
+        return error
 
     async def _publish(self, request: InferenceRequest) -> None:
         headers = {

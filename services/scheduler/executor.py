@@ -12,8 +12,9 @@ another while earlier steps may still run) each step waits for
     * a from_cache or create: every earlier to_cache or delete on any of its GPUs
       (memory is given back before it is reused).
 
-Dependencies are taken when a delta is submitted, which happens under the pass lock
-right after its commit, so "earlier" is commit order.
+That rule is `step_graph.StepGraph` (pure); this module runs it. Dependencies are taken
+when a delta is submitted, which happens under the pass lock right after its commit, so
+"earlier" is commit order.
 
 Outcomes (`StepResult`):
 
@@ -22,9 +23,9 @@ Outcomes (`StepResult`):
                *held*: its record goes back to its recorded allocation with state
                ``stopping`` and its occupants hold their bytes again (pinned: nothing is
                placed on that memory, nothing evicts it); the reconciler frees it once its
-               node agent confirms the worker stopped (`SchedulerService.reconcile`).
+               node agent confirms the worker stopped (`reconciler.Reconciler`).
              from_cache / create: returned to the scheduler, which frees and replaces the
-               replica (`SchedulerService.on_replica_failed`).
+               replica (`failures.FailureHandler.on_replica_failed`).
     skipped  a step it waited on did not finish: a from_cache / create whose GPUs were not
                freed is rolled back (reservation released; a new replica's record deleted,
                a restored one's back to WARM) and placed again by a later pass; a step of a
@@ -44,6 +45,7 @@ from typing import Literal
 
 import structlog
 
+from shoal.services.scheduler.step_graph import FREEING_OPS, StepGraph
 from shoal.services.scheduler.store import ClusterStore
 from shoal.shared import subjects
 from shoal.shared.bus import Bus
@@ -70,9 +72,7 @@ agent's answer, not our timeout, says what happened."""
 START_TIMEOUT_S = 30.0
 """create: the agent answers once the process is spawned; readiness comes later."""
 
-FREEING_OPS: tuple[DeltaOp, ...] = ("to_cache", "delete")
 StepOutcome = Literal["done", "failed", "skipped"]
-GpuKey = tuple[str, int]
 
 
 @dataclass(frozen=True)
@@ -86,6 +86,7 @@ class StepResult:
 
 @dataclass
 class _Step:
+    step_id: int
     op: DeltaOp
     location: ReplicaLocation
     record: ReplicaRecord
@@ -93,10 +94,6 @@ class _Step:
     waits_on_gpus: list[asyncio.Future[bool]]
     finished: asyncio.Future[bool]
     """True once carried out; False when failed or skipped (later steps then skip too)."""
-
-    @property
-    def gpu_keys(self) -> list[GpuKey]:
-        return [(self.location.node_id, index) for index in sorted(self.location.gpu_bytes)]
 
 
 async def send_node_command(bus: Bus, node_id: str, verb: str, command: NodeCommand, timeout_s: float) -> None:
@@ -120,8 +117,9 @@ class NodeSteps:
         self._store = store
         self._lock = lock
         self._on_failed = on_failed
-        self._last_by_replica: dict[str, asyncio.Future[bool]] = {}
-        self._freeing_by_gpu: dict[GpuKey, list[asyncio.Future[bool]]] = {}
+        self._graph = StepGraph()
+        self._unfinished: dict[int, asyncio.Future[bool]] = {}
+        """By step id: the `finished` future of every step the graph still holds."""
         self._tasks: set[asyncio.Task[list[StepResult]]] = set()
 
     def submit(
@@ -142,7 +140,6 @@ class NodeSteps:
                 creates carry the new allocation).
             specs: model specs by key (a create needs its model's spec).
         """
-        self._prune()
         steps = [self._register(op, location, records_before, records_after) for op, location in delta.steps()]
         task = asyncio.create_task(self._run(steps, specs))
         self._tasks.add(task)
@@ -167,21 +164,18 @@ class NodeSteps:
             replica_id=location.replica_id, model=location.model, node_id=location.node_id,
             gpu_bytes=dict(location.gpu_bytes), level=location.level,
         )
+        waits = self._graph.add(op, location.replica_id, [(location.node_id, i) for i in location.gpu_bytes])
         finished: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
-        step = _Step(op, location, record, self._last_by_replica.get(location.replica_id), [], finished)
-        if op not in FREEING_OPS:
-            step.waits_on_gpus = [f for key in step.gpu_keys for f in self._freeing_by_gpu.get(key, ())]
-        self._last_by_replica[location.replica_id] = finished
-        if op in FREEING_OPS:
-            for key in step.gpu_keys:
-                self._freeing_by_gpu.setdefault(key, []).append(finished)
-        return step
+        self._unfinished[waits.step_id] = finished
+        after_replica = self._unfinished[waits.after_replica] if waits.after_replica is not None else None
+        return _Step(waits.step_id, op, location, record, after_replica,
+                     [self._unfinished[i] for i in waits.after_freeing], finished)
 
-    def _prune(self) -> None:
-        """Forget finished steps: a later pass planned on records that already show them."""
-        self._last_by_replica = {k: f for k, f in self._last_by_replica.items() if not f.done()}
-        pending = {key: [f for f in futures if not f.done()] for key, futures in self._freeing_by_gpu.items()}
-        self._freeing_by_gpu = {key: futures for key, futures in pending.items() if futures}
+    def _set_finished(self, step: _Step, carried_out: bool) -> None:
+        """Resolve `step` for the steps waiting on it; steps submitted later do not wait on it."""
+        step.finished.set_result(carried_out)
+        self._graph.forget(step.step_id)
+        del self._unfinished[step.step_id]
 
     async def _run(self, steps: list[_Step], specs: Mapping[str, ModelSpec]) -> list[StepResult]:
         results = []
@@ -198,7 +192,7 @@ class NodeSteps:
         finally:  # cancelled or broken off: whatever waits on these steps skips
             for step in steps:
                 if not step.finished.done():
-                    step.finished.set_result(False)
+                    self._set_finished(step, False)
         return results
 
     async def _run_step(self, step: _Step, specs: Mapping[str, ModelSpec]) -> StepResult:
@@ -226,9 +220,8 @@ class NodeSteps:
             return self._finish(step, "failed", error)
         return self._finish(step, "done")
 
-    @staticmethod
-    def _finish(step: _Step, outcome: StepOutcome, error: str = "") -> StepResult:
-        step.finished.set_result(outcome == "done")
+    def _finish(self, step: _Step, outcome: StepOutcome, error: str = "") -> StepResult:
+        self._set_finished(step, outcome == "done")
         return StepResult(step.op, step.record, outcome, error)
 
     async def _send(self, step: _Step, specs: Mapping[str, ModelSpec]) -> None:

@@ -6,6 +6,9 @@ the keys already changed are rolled back and the caller re-plans. New
 occupants are reservations carrying their owner and an expiry: a scheduler
 that crashes between reserving and writing the replica record leaves nothing
 behind for longer than the reservation TTL (the reconciler removes lapsed ones).
+
+Whatever ends a replica gives its memory back before its record goes, never after
+(`free_replica`, `roll_back_placement`; a plan's GPU changes before its record deletes).
 """
 
 from __future__ import annotations
@@ -204,34 +207,42 @@ class ClusterStore:
                 current, level="WARM", state="sleeping", gpu_bytes={}, gpu_memory_fraction=None,
                 updated_at=self._clock()), entry.revision)
 
-    async def claim_replica(self, model: str, replica_id: str) -> ReplicaRecord | None:
-        """Delete a replica's record by CAS and return it; None when it is already gone
-        (another report of the same failure got there first)."""
+    async def free_replica(self, model: str, replica_id: str, *, error: str) -> ReplicaRecord | None:
+        """Give a replica's GPU memory back, then delete its record; each replica is freed once.
+
+        The memory goes before the record, so no reader ever finds memory reserved for a
+        replica that has no record, nor a live record whose memory is gone:
+
+        1. claim: the record is CAS-updated to ``failed`` (with `error`), unless it already
+           is ``failed`` or ``stopping``. From then on no pass plans with it, a node agent's
+           late report does not revive it, and if this scheduler dies here the reconciler
+           finishes the job;
+        2. its occupants leave its GPU keys (idempotent);
+        3. its record is deleted by the revision step 1 left. When the record changed in
+           between (a node agent marked it failed, another report claimed it), start over
+           at 1.
+
+        Returns:
+            The record as read before the claim, to the one caller whose delete succeeded;
+            None when the record is gone (another report of the same failure, from this
+            or another scheduler, freed it first).
+        """
         key = subjects.replica_kv_key(model, replica_id)
         for _ in range(12):
             entry = await self._bus.replicas.get(key)
             if entry is None:
                 return None
-            if await self._bus.replicas.delete(key, entry.revision):
-                return entry.value
+            record, revision = entry.value, entry.revision
+            if record.state not in ("failed", "stopping"):
+                claimed = msgspec.structs.replace(record, state="failed", error=error, updated_at=self._clock())
+                claimed_revision = await self._bus.replicas.update(key, claimed, revision)
+                if claimed_revision is None:
+                    continue
+                revision = claimed_revision
+            await self.release_replica(record)
+            if await self._bus.replicas.delete(key, revision):
+                return record
         raise CasConflict(f"{key}: the record kept changing while it was being freed")
-
-    # ------------------------------------------------------------------ replica records
-
-    async def create_replica(self, record: ReplicaRecord) -> bool:
-        key = subjects.replica_kv_key(record.model, record.replica_id)
-        return await self._bus.replicas.create(key, record) is not None
-
-    async def delete_replica(self, record: ReplicaRecord) -> None:
-        await self._bus.replicas.delete(subjects.replica_kv_key(record.model, record.replica_id))
-
-    async def update_replica(
-        self, model: str, replica_id: str, mutate: Callable[[ReplicaRecord | None], ReplicaRecord | None]
-    ) -> ReplicaRecord | None:
-        result = await cas_update(
-            self._bus.replicas, subjects.replica_kv_key(model, replica_id), mutate, rng=self._rng
-        )
-        return result.value if result else None
 
     # ------------------------------------------------------------------ models
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 
+import msgspec
 import pytest
 from nats.micro import add_service
 
@@ -260,3 +261,108 @@ async def test_node_steps_run_outside_the_pass_lock_and_in_order_per_gpu(
     node.gate.set()
     assert (await evicting).ok and (await placing).ok
     assert node.log.index(("to_cache_done", "x1")) < node.log.index(("create", z.replica_id))
+
+
+class KvWrites:
+    """Every write to ``shoal_replicas`` and ``shoal_gpus``, in the order the server routed
+    them: one core subscription on their subjects sees one publisher's messages in order."""
+
+    def __init__(self) -> None:
+        self.writes: list[tuple[str, str, str, bytes]] = []
+        """(bucket, key, operation, value)."""
+
+    async def start(self, bus: Bus) -> None:
+        await bus.nc.subscribe("$KV.>", cb=self._on_message)
+
+    async def _on_message(self, msg) -> None:  # type: ignore[no-untyped-def]
+        _, bucket, key = msg.subject.split(".", 2)
+        if bucket in ("shoal_replicas", "shoal_gpus"):
+            self.writes.append((bucket, key, (msg.headers or {}).get("KV-Operation", "PUT"), msg.data))
+
+    def index(self, predicate) -> int:  # type: ignore[no-untyped-def]
+        """Position of the first write that `predicate(bucket, key, operation, value)` accepts."""
+        found = [i for i, write in enumerate(self.writes) if predicate(*write)]
+        assert found, f"no such write among {self.writes}"
+        return found[0]
+
+    def seen(self, predicate) -> bool:  # type: ignore[no-untyped-def]
+        return any(predicate(*write) for write in self.writes)
+
+
+def _record_deleted(model: str, replica_id: str):  # type: ignore[no-untyped-def]
+    key = subjects.replica_kv_key(model, replica_id)
+    return lambda bucket, k, op, _: bucket == "shoal_replicas" and k == key and op == "DEL"
+
+
+def _occupant_gone(gpu_key: str, replica_id: str):  # type: ignore[no-untyped-def]
+    def accept(bucket: str, key: str, op: str, value: bytes) -> bool:
+        if bucket != "shoal_gpus" or key != gpu_key or op != "PUT":
+            return False
+        return all(o.replica_id != replica_id for o in msgspec.json.decode(value, type=GpuRecord).occupants)
+    return accept
+
+
+async def test_a_failed_replicas_memory_is_given_back_before_its_record_goes(
+        bus: Bus, node: StandInNode, scheduler: SchedulerService) -> None:
+    await node.start()
+    await _model(bus, "org/f", 4, desired=1)
+    await _serving(bus, "org/f", "f1", {0: 4 * GIB})
+    kv = KvWrites()
+    await kv.start(bus)
+
+    await scheduler.on_replica_failed("org/f", "f1", "worker exited with 1")
+
+    deleted = _record_deleted("org/f", "f1")
+
+    async def delete_seen() -> bool:
+        return kv.seen(deleted)
+
+    await _until(delete_seen, "the record's delete to be routed")
+    key = subjects.replica_kv_key("org/f", "f1")
+    claimed = kv.index(lambda bucket, k, op, value: bucket == "shoal_replicas" and k == key and op == "PUT"
+                       and msgspec.json.decode(value, type=ReplicaRecord).state == "failed")
+    freed = kv.index(_occupant_gone(subjects.gpu_kv_key(NODE, 0), "f1"))
+    # Claimed (no pass plans with a failed record), then the memory given back, then the
+    # record deleted: at no moment is memory reserved for a replica with no record.
+    assert claimed < freed < kv.index(deleted), kv.writes
+    assert (await _spec(bus, "org/f")).num_failures == 1
+
+
+async def test_a_failure_reported_at_once_by_two_schedulers_is_counted_once(
+        bus: Bus, node: StandInNode, scheduler: SchedulerService) -> None:
+    await node.start()
+    await _model(bus, "org/f", 4, desired=2)
+    await _serving(bus, "org/f", "f1", {0: 4 * GIB})
+    other = SchedulerService(bus, SchedulerConfig(scheduler_id="s2", reconcile_interval_s=3600))
+    try:
+        await asyncio.gather(scheduler.on_replica_failed("org/f", "f1", "reported by the node agent"),
+                             other.on_replica_failed("org/f", "f1", "reported by a reconciler"),
+                             scheduler.on_replica_failed("org/f", "f1", "reported by a node step"))
+        spec = await _spec(bus, "org/f")
+        assert (spec.num_failures, spec.desired_replicas) == (1, 2)
+        assert all(o.replica_id != "f1" for o in (await _gpu(bus, 0)).occupants)
+        assert "f1" not in await _replicas(bus, "org/f")
+    finally:
+        await other.stop()
+
+
+async def test_a_held_replicas_memory_is_given_back_before_its_record_goes(
+        bus: Bus, node: StandInNode, scheduler: SchedulerService) -> None:
+    await node.start()
+    await _model(bus, "org/x", 11, desired=1)
+    await _model(bus, "org/m", 6)
+    await _serving(bus, "org/x", "x1", {0: 8 * GIB})
+    node.failing.add(("to_cache", "x1"))
+    await scheduler.ensure("org/m")  # x1's to_cache fails: x1 is held ("stopping")
+    kv = KvWrites()
+    await kv.start(bus)
+
+    await scheduler.reconcile()
+
+    deleted = _record_deleted("org/x", "x1")
+
+    async def delete_seen() -> bool:
+        return kv.seen(deleted)
+
+    await _until(delete_seen, "the record's delete to be routed")
+    assert kv.index(_occupant_gone(subjects.gpu_kv_key(NODE, 0), "x1")) < kv.index(deleted), kv.writes
