@@ -145,6 +145,8 @@ class CancelRequest(Struct, tag="cancel", tag_field="type"):
 
 Level = Literal["HOT", "WARM", "COLD"]
 ReplicaState = Literal["pending", "loading", "ready", "draining", "sleeping", "stopping", "failed"]
+ACTIVE_REPLICA_STATES: tuple[ReplicaState, ...] = ("pending", "loading", "ready", "draining")
+"""A replica in one of these serves or is on its way to serving (HOT, or being placed)."""
 OccupantState = Literal["reserved", "loading", "serving", "draining", "sleeping"]
 
 
@@ -174,6 +176,10 @@ class ModelSpec(ModelSettings, kw_only=True, omit_defaults=True):
     source: Literal["config", "admin"] = "config"
     """Where it was registered from: shoal.toml or the admin API."""
     registered_at: float = 0.0
+
+    def is_held(self, now: float) -> bool:
+        """Whether placement is backing off after failures at `now` (`scheduler/backoff.py`)."""
+        return self.hold_until is not None and self.hold_until > now
 
     @classmethod
     def from_settings(cls, settings: ModelSettings, *, source: Literal["config", "admin"], registered_at: float
@@ -255,6 +261,10 @@ class ReplicaRecord(Struct, kw_only=True, omit_defaults=True):
     @property
     def serving(self) -> bool:
         return self.level == "HOT" and self.state == "ready"
+
+    @property
+    def is_active(self) -> bool:
+        return self.state in ACTIVE_REPLICA_STATES
 
 
 class GpuInfo(Struct, omit_defaults=True):

@@ -14,8 +14,6 @@ import nats.errors
 import structlog
 from nats.js.kv import KV_DEL, KV_PURGE
 
-from shoal.services.scheduler.backoff import is_held
-from shoal.services.scheduler.records import ACTIVE_STATES
 from shoal.shared.bus import Bus, TypedBucket
 from shoal.shared.messages import ModelSpec, ReplicaRecord
 
@@ -33,7 +31,7 @@ class ClusterView:
         self._models_by_token: dict[str, str] = {}
         self._model_by_replica_key: dict[str, str] = {}
         self._active: dict[str, set[str]] = {}
-        """Model -> KV keys of its replicas in ACTIVE_STATES (asked on every request)."""
+        """Model -> KV keys of its replicas that are active, `ReplicaRecord.is_active` (asked on every request)."""
 
     async def start(self) -> None:
         ready = [asyncio.Event(), asyncio.Event()]
@@ -58,7 +56,7 @@ class ClusterView:
         """Why `model` cannot serve now: its replicas keep failing and placement is backing
         off, with none on its way. None while it may still come up."""
         spec = self.models.get(model)
-        if spec is None or not is_held(spec.hold_until, at) or self.has_active_replica(model):
+        if spec is None or not spec.is_held(at) or self.has_active_replica(model):
             return None
         return spec.last_error or "its replicas keep failing"
 
@@ -77,7 +75,7 @@ class ClusterView:
             self._active[previous_model].discard(key)
         if value is not None:
             self._model_by_replica_key[key] = value.model
-            if value.state in ACTIVE_STATES:
+            if value.is_active:
                 self._active.setdefault(value.model, set()).add(key)
 
     async def _watch(self, bucket: TypedBucket, apply, ready: asyncio.Event) -> None:  # type: ignore[no-untyped-def]

@@ -63,14 +63,9 @@ def count_failure(*, num_failures: int, desired_replicas: int, never_served: boo
     return FailureCount(failures, desired, now + hold_s if hold_s else None)
 
 
-def is_held(hold_until: float | None, now: float) -> bool:
-    """Whether placement of a model with this ``hold_until`` is backing off at `now`."""
-    return hold_until is not None and hold_until > now
-
-
 def get_held_reply(spec: ModelSpec, now: float) -> SchedulerReply | None:
     """The scheduler's answer to a placement command while `spec` is held; None when it is not."""
-    if spec.hold_until is None or not is_held(spec.hold_until, now):
+    if spec.hold_until is None or not spec.is_held(now):
         return None
     return SchedulerReply(ok=False, status="failing", model=spec, retry_after_s=max(1.0, spec.hold_until - now),
                           message=f"replicas of {spec.key} keep failing ({spec.num_failures} in a row); "

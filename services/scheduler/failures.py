@@ -68,7 +68,7 @@ class FailureHandler:
         spec = await self._store.update_model(model, mutate)
         log.warning("replica_failed", model=model, replica=replica_id, error=error, never_served=never_served,
                     failures=spec.num_failures if spec else None)
-        if spec is not None and spec.desired_replicas and not backoff.is_held(spec.hold_until, self._clock()):
+        if spec is not None and spec.desired_replicas and not spec.is_held(self._clock()):
             self._background.spawn(self._replace(model, spec.desired_replicas))  # the reporter need not wait
 
     def on_step_failed(self, result: StepResult) -> None:

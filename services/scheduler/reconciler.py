@@ -21,7 +21,7 @@ from collections.abc import Awaitable, Callable
 
 import structlog
 
-from shoal.services.scheduler import backoff, records
+from shoal.services.scheduler import records
 from shoal.services.scheduler.executor import STOP_TIMEOUT_S, send_node_command
 from shoal.services.scheduler.failures import FailureHandler
 from shoal.services.scheduler.store import ClusterStore
@@ -78,13 +78,13 @@ class Reconciler:
                 await self._failures.on_replica_failed(record.model, record.replica_id, record.error or "failed")
             elif record.state == "stopping":
                 await self.reap_held_replica(record, node_alive=record.node_id in snapshot.nodes)
-            elif record.node_id not in snapshot.nodes and record.state in records.ACTIVE_STATES:
+            elif record.node_id not in snapshot.nodes and record.is_active:
                 await self._failures.on_replica_failed(record.model, record.replica_id,
                                                        f"node {record.node_id} is gone")
         for model_entry in snapshot.models.values():
             spec = model_entry.value
-            hot = [r for r in snapshot.replicas_of(spec.key) if r.level == "HOT" and r.state in records.ACTIVE_STATES]
-            if len(hot) < spec.desired_replicas and not backoff.is_held(spec.hold_until, self._clock()):
+            hot = [r for r in snapshot.replicas_of(spec.key) if r.level == "HOT" and r.is_active]
+            if len(hot) < spec.desired_replicas and not spec.is_held(self._clock()):
                 await self._refill(spec.key, spec.desired_replicas)
 
     async def reap_held_replica(self, record: ReplicaRecord, *, node_alive: bool) -> bool:

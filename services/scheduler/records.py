@@ -42,9 +42,6 @@ from shoal.shared.placement.replicas import ReplicaLocation
 from shoal.shared.placement.snapshot import ClusterSnapshot, ModelDemand, NodeSnapshot, ReplicaSnapshot
 from shoal.shared.subjects import gpu_kv_key, replica_kv_key
 
-ACTIVE_STATES = ("pending", "loading", "ready", "draining")
-"""Replica states of a replica that serves or is on its way to serving (the reconciler
-refills a model short of HOT ones; the gateway asks for a placement when a model has none)."""
 _NOT_HOLDING = ("failed", "stopping")
 """Replica states whose GPU memory is still held but no longer serves (pinned, not evictable)."""
 

@@ -10,7 +10,6 @@ from shoal.services.scheduler.backoff import (
     count_failure,
     get_held_reply,
     get_hold_s,
-    is_held,
 )
 from shoal.shared.messages import ModelSpec
 
@@ -46,10 +45,10 @@ def test_a_replica_that_never_served_lowers_the_desired_count_by_one_never_below
 
 
 def test_a_hold_ends_at_its_time() -> None:
-    assert not is_held(None, NOW)
-    assert is_held(NOW + 0.5, NOW)
-    assert not is_held(NOW, NOW)
-    assert not is_held(NOW - 1.0, NOW)
+    assert not ModelSpec(key="m", path="m").is_held(NOW)
+    assert ModelSpec(key="m", path="m", hold_until=NOW + 0.5).is_held(NOW)
+    assert not ModelSpec(key="m", path="m", hold_until=NOW).is_held(NOW)
+    assert not ModelSpec(key="m", path="m", hold_until=NOW - 1.0).is_held(NOW)
 
 
 def test_while_held_placement_is_refused_with_the_time_left_at_least_a_second() -> None:
