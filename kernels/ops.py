@@ -2,8 +2,8 @@
 
 Every function runs Shoal's CUDA kernels when its tensors are on a CUDA device
 (the extension is built on first use, see `shoal.kernels.cuda_ext`) and the
-vectorized torch implementation in `shoal.kernels.cpu` otherwise (whose
-`write_kv` is a small C loop, `shoal.kernels.cpu_native`, where the machine's C
+vectorized torch implementation in `shoal.kernels.reference` otherwise (whose
+`write_kv` is a small C loop, `shoal.kernels.cpu_kernels`, where the machine's C
 compiler builds it). Both follow the one contract below; docs/kernels.md says
 the same with more examples.
 
@@ -74,7 +74,7 @@ from typing import Literal
 
 import torch
 
-from shoal.kernels import contract, cpu, cpu_native, cuda_ext
+from shoal.kernels import contract, cpu_kernels, cuda_ext, reference
 
 _USE_CUDA_KERNELS = os.environ.get("SHOAL_KERNELS", "cuda") != "reference"
 
@@ -96,7 +96,7 @@ def prepare(
     """Makes the ops ready to run on `device` now: on CUDA, builds and loads the kernels.
 
     On the CPU it builds (or loads from its cache) the native `write_kv`
-    (`shoal.kernels.cpu_native`, a fraction of a second of the C compiler the first
+    (`shoal.kernels.cpu_kernels`, a fraction of a second of the C compiler the first
     time on a machine), which never fails: without it the torch implementation serves, and
     the reason is logged.
 
@@ -123,7 +123,7 @@ def prepare(
             cannot be built or loaded.
     """
     if device.type != "cuda":
-        cpu_native.try_load()
+        cpu_kernels.try_load()
         return "cpu"
     if not (_USE_CUDA_KERNELS if use_cuda_kernels is None else use_cuda_kernels):
         return "reference"
@@ -155,7 +155,7 @@ def write_kv(
     if _on_cuda(key_cache):
         cuda_ext.load_extension().write_kv(key, value, key_cache, value_cache, slot_mapping)
     else:
-        cpu.write_kv(key, value, key_cache, value_cache, slot_mapping)
+        reference.write_kv(key, value, key_cache, value_cache, slot_mapping)
 
 
 def paged_attention(
@@ -190,7 +190,7 @@ def paged_attention(
             out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, float(scale)
         )
     else:
-        cpu.paged_attention(
+        reference.paged_attention(
             out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale
         )
 
@@ -212,7 +212,7 @@ def copy_blocks(kv_cache: torch.Tensor, block_mapping: torch.Tensor) -> None:
         mapping = block_mapping.to(kv_cache.device, non_blocking=True)
         cuda_ext.load_extension().copy_blocks(kv_cache, mapping)
     else:
-        cpu.copy_blocks(kv_cache, block_mapping)
+        reference.copy_blocks(kv_cache, block_mapping)
 
 
 def swap_blocks(src_cache: torch.Tensor, dst_cache: torch.Tensor, block_mapping: torch.Tensor) -> None:
@@ -240,4 +240,4 @@ def swap_blocks(src_cache: torch.Tensor, dst_cache: torch.Tensor, block_mapping:
         mapping = block_mapping.to(device, non_blocking=True)
         cuda_ext.load_extension().swap_blocks(src_cache, dst_cache, mapping)
     else:
-        cpu.swap_blocks(src_cache, dst_cache, block_mapping)
+        reference.swap_blocks(src_cache, dst_cache, block_mapping)

@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from shoal.kernels import cpu, cuda_ext, ops
+from shoal.kernels import cuda_ext, ops, reference
 
 pytestmark = [
     pytest.mark.gpu,
@@ -50,7 +50,7 @@ def test_write_kv_matches_cpu(dtype, block_size, strided) -> None:
     key_cache = values((num_blocks, block_size, num_kv_heads, head_dim), dtype, 4)
     value_cache = values((num_blocks, block_size, num_kv_heads, head_dim), dtype, 5)
     expected_key, expected_value = key_cache.clone(), value_cache.clone()
-    cpu.write_kv(key, value, expected_key, expected_value, slots)
+    reference.write_kv(key, value, expected_key, expected_value, slots)
 
     gpu_key_cache, gpu_value_cache = key_cache.cuda(), value_cache.cuda()
     gpu_key, gpu_value = key.cuda(), value.cuda()
@@ -71,7 +71,7 @@ def test_write_kv_with_misaligned_rows_uses_narrow_copies() -> None:
     slots = torch.arange(20, device="cuda") + 5
     ops.write_kv(key, key, key_cache, value_cache, slots)
     expected = torch.zeros(4, 8, 2, 32, dtype=torch.float16)
-    cpu.write_kv(key.cpu(), key.cpu(), expected, expected.clone(), slots.cpu())
+    reference.write_kv(key.cpu(), key.cpu(), expected, expected.clone(), slots.cpu())
     assert torch.equal(key_cache.cpu(), expected)
 
 
@@ -107,7 +107,7 @@ def compare_attention(q_lens, seq_lens, block_size, heads, head_dim, dtype, seed
     query = batch[0]
     scale = head_dim**-0.5
     expected = torch.empty_like(query)
-    cpu.paged_attention(expected, *batch, scale)
+    reference.paged_attention(expected, *batch, scale)
 
     gpu_query, *gpu_rest = (tensor.cuda() for tensor in batch)
     if strided:
@@ -172,7 +172,7 @@ def test_copy_blocks_matches_cpu(dtype) -> None:
     ids = torch.randperm(128, generator=torch.Generator().manual_seed(1))
     mapping = torch.stack([ids[:50], ids[50:100]], dim=1)
     expected = kv_cache.clone()
-    cpu.copy_blocks(expected, mapping)
+    reference.copy_blocks(expected, mapping)
     gpu_cache = kv_cache.cuda()
     ops.copy_blocks(gpu_cache, mapping.cuda())
     assert torch.equal(gpu_cache.cpu(), expected)
@@ -184,14 +184,14 @@ def test_swap_out_and_in_through_pinned_memory(dtype) -> None:
     host_pool = pool(200, dtype, 1).pin_memory()
     out_mapping = pairs(96, 200, 70, seed=2)
     expected_host = host_pool.clone()
-    cpu.swap_blocks(gpu_pool.cpu(), expected_host, out_mapping)
+    reference.swap_blocks(gpu_pool.cpu(), expected_host, out_mapping)
     ops.swap_blocks(gpu_pool, host_pool, out_mapping)  # CPU mapping: moved to the device by ops
     torch.cuda.synchronize()
     assert torch.equal(host_pool, expected_host)
 
     in_mapping = pairs(200, 96, 40, seed=3)
     expected_gpu = gpu_pool.cpu()
-    cpu.swap_blocks(host_pool, expected_gpu, in_mapping)
+    reference.swap_blocks(host_pool, expected_gpu, in_mapping)
     ops.swap_blocks(host_pool, gpu_pool, in_mapping.cuda())
     assert torch.equal(gpu_pool.cpu(), expected_gpu)
 
@@ -200,7 +200,7 @@ def test_swap_between_device_pools() -> None:
     src, dst = pool(30, torch.float16, 0).cuda(), pool(40, torch.float16, 1).cuda()
     mapping = pairs(30, 40, 25, seed=4)
     expected = dst.cpu()
-    cpu.swap_blocks(src.cpu(), expected, mapping)
+    reference.swap_blocks(src.cpu(), expected, mapping)
     ops.swap_blocks(src, dst, mapping)
     assert torch.equal(dst.cpu(), expected)
 
@@ -215,7 +215,7 @@ def test_kernels_run_on_the_current_stream() -> None:
     sources = torch.randperm(32, generator=torch.Generator().manual_seed(5))[:20]
     mapping = torch.stack([sources, torch.arange(32, 52)], dim=1)  # sources < 32 <= destinations
     expected = kv_cache.cpu()
-    cpu.copy_blocks(expected, mapping)
+    reference.copy_blocks(expected, mapping)
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):

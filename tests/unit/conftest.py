@@ -6,16 +6,16 @@ import os
 
 import pytest
 
-from shoal.kernels import cpu_native
+from shoal.kernels import cpu_build, cpu_kernels
 
 
 @pytest.fixture(scope="session")
-def native(tmp_path_factory: pytest.TempPathFactory) -> cpu_native.CpuKernels:
+def native(tmp_path_factory: pytest.TempPathFactory) -> cpu_kernels.CpuKernels:
     """The native CPU kernels built by the machine's compiler into a directory of this test run."""
     try:
-        compiler = cpu_native.default_compiler()
-    except cpu_native.NativeBuildError as error:
+        compiler = cpu_build.default_compiler()
+    except cpu_build.NativeBuildError as error:
         if os.environ.get("CI"):
             raise  # CI must not go without the native path
         pytest.skip(str(error))
-    return cpu_native.build_and_load(compiler, [tmp_path_factory.mktemp("native-kernels")])
+    return cpu_kernels.build_and_load(compiler, [tmp_path_factory.mktemp("native-kernels")])
