@@ -15,18 +15,17 @@ Two kernels, one library (built by `shoal.kernels.cpu_build`):
 
 Where the library cannot be built or loaded (no compiler, a failed compile, no private
 directory to build in), the torch implementation runs instead, with the same
-results, and the reason is logged once. ``SHOAL_CPU_KERNELS=torch`` forces the
-torch implementation of both; ``SHOAL_CPU_ATTENTION=torch`` that of the
-attention only.
+results, and the reason is logged once. The settings (`shoal.kernels.settings`)
+choose: ``cpu = "torch"`` forces the torch implementation of both;
+``cpu_attention = "torch"`` that of the attention only.
 """
 
 from __future__ import annotations
 
 import array
 import ctypes
-import os
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,13 +34,9 @@ import torch
 
 from shoal.kernels import cpu_build
 from shoal.kernels.cpu_build import ABI_VERSION, NativeBuildError
+from shoal.kernels.settings import KernelSettings, get_settings, on_configure
 
 log = structlog.get_logger(__name__)
-
-ENV_VAR = "SHOAL_CPU_KERNELS"
-"""``torch`` runs the torch implementation even where the native kernels build."""
-ATTENTION_ENV_VAR = "SHOAL_CPU_ATTENTION"
-"""``torch`` runs the torch decode attention while the native ``write_kv`` still runs."""
 
 STREAM_MIN_BYTES = 1024 * 1024
 """A write of at least this many bytes (K and V, padding included) uses streaming stores,
@@ -121,7 +116,6 @@ class DecodePlan:
         return self.kernels.decode_attention(self, out, query, key_cache, value_cache, scale, isa=isa)
 
 
-
 class CpuKernels:
     """The loaded library: `write_kv` and decode attention on raw pointers and strides."""
 
@@ -130,7 +124,7 @@ class CpuKernels:
 
         Args:
             decode_attention: whether `shoal.kernels.reference` runs the native decode
-                attention (False: the torch one; ``SHOAL_CPU_ATTENTION=torch``).
+                attention (False: the torch one; the setting ``cpu_attention = "torch"``).
 
         Raises:
             NativeBuildError: it cannot be loaded or was built from another signature.
@@ -422,35 +416,23 @@ def build_and_load(
 
 
 def select(
-    environ: Mapping[str, str] = os.environ,
+    settings: KernelSettings | None = None,
     compiler: Sequence[str] | None = None,
     cache_dirs: Sequence[Path] | None = None,
 ) -> CpuKernels | None:
     """The native kernels, or None for the torch implementation (logged when not by choice).
 
     Args:
-        environ: where ``SHOAL_CPU_KERNELS`` and ``SHOAL_CPU_ATTENTION`` are read.
-        compiler: as `build_and_load`; None reads ``$CC`` from `environ`.
-        cache_dirs: as `build_and_load`; None derives them from `environ`.
+        settings: the choice (its `cpu` and `cpu_attention`); None for the configured one
+            (`shoal.kernels.settings.get_settings`).
+        compiler: as `build_and_load`.
+        cache_dirs: as `build_and_load`.
     """
-    choice = environ.get(ENV_VAR, "native")
-    if choice == "torch":
+    chosen = get_settings() if settings is None else settings
+    if chosen.cpu == "torch":
         return None
-    attention = environ.get(ATTENTION_ENV_VAR, "native")
-    if attention not in ("native", "torch"):
-        log.warning(
-            "kernels.cpu_native_attention_choice",
-            error=f"{ATTENTION_ENV_VAR}={attention!r}: expected 'native' or 'torch'",
-            using="torch",
-        )
     try:
-        if choice != "native":
-            raise NativeBuildError(f"{ENV_VAR}={choice!r}: expected 'native' or 'torch'")
-        return build_and_load(
-            cpu_build.default_compiler(environ) if compiler is None else compiler,
-            cpu_build.default_cache_dirs(environ) if cache_dirs is None else cache_dirs,
-            decode_attention=attention == "native",
-        )
+        return build_and_load(compiler, cache_dirs, decode_attention=chosen.cpu_attention == "native")
     except NativeBuildError as error:
         log.warning("kernels.cpu_native_unavailable", error=str(error), using="torch")
         return None
@@ -464,7 +446,8 @@ def try_load() -> CpuKernels | None:
     """This process's choice: the native kernel, or None (the torch implementation).
 
     Made once, by the first call (`select`: builds or loads the library, or logs why
-    not); later calls return it at the cost of a global lookup.
+    not), and again after a `configure` that changes the CPU settings; later calls
+    return it at the cost of a global lookup.
     """
     global _selected
     if _selected is None:
@@ -484,3 +467,14 @@ def use(kernels: CpuKernels | None) -> CpuKernels | None:
     with _lock:
         _selected = (kernels,)
     return previous
+
+
+def _forget_choice(previous: KernelSettings, new: KernelSettings) -> None:
+    """Drops the choice when the CPU settings change: the next op makes it anew."""
+    global _selected
+    if (previous.cpu, previous.cpu_attention) != (new.cpu, new.cpu_attention):
+        with _lock:
+            _selected = None
+
+
+on_configure(_forget_choice)

@@ -58,8 +58,9 @@ out-of-range index instead of writing out of bounds. Neither path checks that
 no slot appears twice in one `write_kv`; if one does, which token's K/V lands
 there is unspecified.
 
-Set ``SHOAL_KERNELS=reference`` to run the torch implementation on CUDA
-tensors too (for debugging, or where the extension cannot be built).
+The setting ``cuda = "reference"`` (`shoal.kernels.settings`) runs the torch
+implementation on CUDA tensors too (for debugging, or where the extension cannot
+be built).
 
 A server calls `prepare` when it starts, so the kernels are built (or fail to
 build) before the first request rather than inside its forward pass.
@@ -67,7 +68,6 @@ build) before the first request rather than inside its forward pass.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from types import ModuleType
 from typing import Literal
@@ -75,12 +75,23 @@ from typing import Literal
 import torch
 
 from shoal.kernels import contract, cpu_kernels, cuda_ext, reference
-
-_USE_CUDA_KERNELS = os.environ.get("SHOAL_KERNELS", "cuda") != "reference"
+from shoal.kernels.settings import KernelSettings, get_settings, on_configure
 
 KernelBackend = Literal["cuda", "reference", "cpu"]
 """Which implementation the ops run on a device: Shoal's CUDA kernels, the torch
-implementation on CUDA tensors (``SHOAL_KERNELS=reference``), or the CPU one."""
+implementation on CUDA tensors (the setting ``cuda = "reference"``), or the CPU one."""
+
+# The settings as the ops read them on every call (module globals: no lookups through
+# the settings object on the hot path), updated by every `configure`.
+_USE_CUDA_KERNELS = get_settings().cuda == "kernels"
+
+
+def _apply(previous: KernelSettings, new: KernelSettings) -> None:
+    global _USE_CUDA_KERNELS
+    _USE_CUDA_KERNELS = new.cuda == "kernels"
+
+
+on_configure(_apply)
 
 
 def _on_cuda(*tensors: torch.Tensor) -> bool:
@@ -105,15 +116,15 @@ def prepare(
     failure fails every pass while the server looks healthy. There is no silent
     fallback: a CUDA server without its kernels refuses to start, with the
     compiler's message; running the torch implementation on the GPU instead (much
-    slower: it gathers K/V per layer) is the operator's explicit choice,
-    ``SHOAL_KERNELS=reference``.
+    slower: it gathers K/V per layer) is the operator's explicit choice, the
+    setting ``cuda = "reference"``.
 
     Args:
         device: where the KV cache lives.
         load: builds and loads the extension (`cuda_ext.load_extension`; tests
             inject their own).
-        use_cuda_kernels: whether CUDA tensors go to the kernels; None reads
-            ``SHOAL_KERNELS`` as the ops do.
+        use_cuda_kernels: whether CUDA tensors go to the kernels; None for the
+            configured ``cuda`` setting, as the ops do.
 
     Returns:
         The implementation the ops run on `device`.

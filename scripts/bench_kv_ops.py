@@ -1,6 +1,7 @@
 """Bandwidth of Shoal's CPU KV-cache ops against a contiguous copy, and paged decode attention.
 
     python scripts/bench_kv_ops.py [--quick] [--repeats N] [--threads N | --cpu-time] [--decode-only]
+                                   [--cpu native|torch]
 
 For each dtype and head_dim (16-token blocks, 8 kv heads):
 
@@ -14,13 +15,13 @@ each reported in GB/s and as a fraction of ``dst.copy_(src)`` moving the same
 number of bytes between contiguous tensors, measured in the same loop, with the
 implementation that ran (``impl``: the native C kernel of
 ``shoal.kernels.cpu_kernels`` with streaming or ordinary stores, or torch;
-``SHOAL_CPU_KERNELS=torch`` measures the torch one). Then
+``--cpu torch``, the kernels' setting ``cpu = "torch"``, measures the torch one). Then
 ``write_kv`` at the size of one layer of a decode step (32 tokens), per call
 against a copy of the same bytes: there the op's fixed cost, not bandwidth, is
 what is measured. Then ``paged_attention`` decode for 1, 8 and 32 sequences (and
 the demo models' head shapes at 32 sequences) with each decode implementation
 (``impl``: the native C kernel reading K/V from the blocks, with its code path,
-or torch's gather + SDPA; ``SHOAL_CPU_KERNELS=torch`` leaves only torch) against
+or torch's gather + SDPA; ``--cpu torch`` leaves only torch) against
 ``scaled_dot_product_attention`` over contiguous K/V of the same shapes, and the
 fixed cost per layer of a tiny decode with each.
 Repetitions of every contender are interleaved and medians reported, because
@@ -39,6 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from shoal.kernels import attention_plan, cpu_kernels, reference
+from shoal.kernels.settings import KernelSettings, configure
 
 BLOCK_SIZE = 16
 NUM_KV_HEADS = 8
@@ -226,7 +228,7 @@ def describe_write_kv() -> str:
     native = cpu_kernels.try_load()
     if native is None:
         return (
-            f"write_kv: torch (`index_copy_`; {cpu_kernels.ENV_VAR}=torch, or the native kernel did not build)"
+            'write_kv: torch (`index_copy_`; the setting cpu = "torch", or the native kernel did not build)'
         )
     if not native.has_streaming_stores:
         return f"write_kv: native C kernel ({native.library_path}), ordinary stores only on this architecture"
@@ -400,7 +402,14 @@ def main() -> None:
     parser.add_argument(
         "--decode-only", action="store_true", help="only the decode attention tables (no bandwidth rows)"
     )
+    parser.add_argument(
+        "--cpu",
+        choices=("native", "torch"),
+        default="native",
+        help="the kernels' `cpu` setting: the native C kernels where they build, or torch only",
+    )
     args = parser.parse_args()
+    configure(KernelSettings(cpu=args.cpu))
     if args.cpu_time:
         use_cpu_time()
     elif args.threads:

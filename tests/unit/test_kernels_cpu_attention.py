@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from structlog.testing import capture_logs
 
 from shoal.kernels import attention_plan, cpu_build, cpu_kernels, ops, reference
+from shoal.kernels.settings import KernelSettings
 
 TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -312,7 +313,7 @@ def paged_attention(batch_q_lens: list[int], seq_lens: list[int], dtype: torch.d
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_paged_attention_runs_native_decodes_and_torch_prefills(native, process_choice, dtype) -> None:
     """The same batch with the native decode attention, with the torch one
-    (``SHOAL_CPU_ATTENTION=torch``) and with no native library at all: decode rows agree
+    (the setting ``cpu_attention = "torch"``) and with no native library at all: decode rows agree
     within the tolerance, prefill rows (torch in every case) bit for bit."""
     q_lens = [1, 12, 1, 0, 5, 1]
     seq_lens = [40, 12, 3, 9, 30, 200]
@@ -354,7 +355,7 @@ def test_a_failed_build_leaves_decode_attention_to_torch(tmp_path, process_choic
     script.write_text('#!/bin/sh\nif [ "$1" = --version ]; then echo fake-cc 1.0; exit 0; fi\nexit 1\n')
     script.chmod(0o755)
     with capture_logs() as logs:
-        kernels = cpu_kernels.select({}, [str(script)], [tmp_path / "cache"])
+        kernels = cpu_kernels.select(KernelSettings(), [str(script)], [tmp_path / "cache"])
     assert kernels is None and logs[0]["event"] == "kernels.cpu_native_unavailable"
     cpu_kernels.use(kernels)
     batch = make_batch([3, 50], 8, 8, 2, 64, torch.float32, seed=6)
@@ -366,14 +367,23 @@ def test_a_failed_build_leaves_decode_attention_to_torch(tmp_path, process_choic
     torch.testing.assert_close(out[:2].double(), naive_attention(batch, 0.125)[:2], atol=2e-5, rtol=2e-5)
 
 
-def test_the_attention_choice_is_read_from_the_environment(native, tmp_path) -> None:
+def test_the_attention_choice_is_a_setting(native, tmp_path) -> None:
     compiler = cpu_build.default_compiler()
     cache = [tmp_path / "cache"]
-    chosen = cpu_kernels.select({}, compiler, cache)
+    chosen = cpu_kernels.select(KernelSettings(), compiler, cache)
     assert chosen is not None and chosen.decode_attention_enabled
-    torch_attention = cpu_kernels.select({cpu_kernels.ATTENTION_ENV_VAR: "torch"}, compiler, cache)
+    torch_attention = cpu_kernels.select(KernelSettings(cpu_attention="torch"), compiler, cache)
     assert torch_attention is not None and not torch_attention.decode_attention_enabled
-    with capture_logs() as logs:
-        unknown = cpu_kernels.select({cpu_kernels.ATTENTION_ENV_VAR: "fast"}, compiler, cache)
-    assert unknown is not None and not unknown.decode_attention_enabled
-    assert "expected 'native' or 'torch'" in logs[0]["error"]
+
+
+def test_configure_switches_the_decode_attention_of_the_next_plan(native, kernel_settings) -> None:
+    """`configure` drops the process's choice; the next plan is made with the new settings."""
+    batch = make_batch([3, 50], 8, 8, 2, 64, torch.float32, seed=7)
+    kernel_settings(cpu_attention="torch")
+    torch_plan = attention_plan.plan_attention(batch.key_cache, batch.block_tables, batch.seq_lens, [0, 1, 2])
+    kernels = cpu_kernels.try_load()
+    assert kernels is not None and not kernels.decode_attention_enabled
+    assert torch_plan.native_decode is None
+    kernel_settings(cpu_attention="native")
+    native_plan = attention_plan.plan_attention(batch.key_cache, batch.block_tables, batch.seq_lens, [0, 1, 2])
+    assert native_plan.native_decode is not None

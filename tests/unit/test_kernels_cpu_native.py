@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from structlog.testing import capture_logs
 
 from shoal.kernels import cpu_build, cpu_kernels, ops, reference
+from shoal.kernels.settings import KernelSettings
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _BITS = {4: torch.int32, 2: torch.int16}
@@ -280,7 +281,7 @@ def test_a_directory_others_can_write_is_not_used(native, tmp_path) -> None:
 def test_a_failed_build_falls_back_to_torch_and_says_why(tmp_path, process_choice) -> None:
     compiler = fake_compiler(tmp_path, 'echo "fake-cc: error: out of luck" >&2\nexit 1')
     with capture_logs() as logs:
-        kernels = cpu_kernels.select({}, compiler, [tmp_path / "cache"])
+        kernels = cpu_kernels.select(KernelSettings(), compiler, [tmp_path / "cache"])
     assert kernels is None
     (event,) = logs
     assert event["event"] == "kernels.cpu_native_unavailable" and event["log_level"] == "warning"
@@ -300,14 +301,26 @@ def test_a_failed_build_falls_back_to_torch_and_says_why(tmp_path, process_choic
 
 def test_a_missing_compiler_or_the_torch_choice_selects_torch(tmp_path) -> None:
     with capture_logs() as logs:
-        assert cpu_kernels.select({}, [str(tmp_path / "no-such-cc")], [tmp_path]) is None
+        assert cpu_kernels.select(KernelSettings(), [str(tmp_path / "no-such-cc")], [tmp_path]) is None
     assert "does not run" in logs[0]["error"]
     with capture_logs() as logs:
-        assert cpu_kernels.select({cpu_kernels.ENV_VAR: "torch"}, [str(tmp_path / "no-such-cc")]) is None
+        assert cpu_kernels.select(KernelSettings(cpu="torch"), [str(tmp_path / "no-such-cc")]) is None
     assert logs == []
-    with capture_logs() as logs:
-        assert cpu_kernels.select({cpu_kernels.ENV_VAR: "fast"}, [str(tmp_path / "no-such-cc")]) is None
-    assert "expected 'native' or 'torch'" in logs[0]["error"]
+
+
+def test_the_torch_setting_writes_with_torch_and_builds_nothing(native, kernel_settings) -> None:
+    """``cpu = "torch"`` (configured): the process's choice is the torch implementation, and
+    `reference.write_kv` gives what `write_kv_torch` gives; back to ``native``, the library."""
+    kernel_settings(cpu="torch")
+    assert cpu_kernels.try_load() is None
+    key = torch.randn(5, 2, 32)
+    slots = torch.tensor([3, -1, 11, 0, 7])
+    key_cache, expected = torch.zeros(3, 4, 2, 32), torch.zeros(3, 4, 2, 32)
+    reference.write_kv(key, key, key_cache, key_cache.clone(), slots)
+    reference.write_kv_torch(key, key, expected, expected.clone(), slots)
+    assert torch.equal(key_cache, expected)
+    kernel_settings(cpu="native")
+    assert isinstance(cpu_kernels.try_load(), cpu_kernels.CpuKernels)
 
 
 def test_cc_from_the_environment_is_split_like_a_shell_would() -> None:
