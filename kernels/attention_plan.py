@@ -17,8 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from shoal.kernels import cpu_kernels
-from shoal.kernels.contract import KVContractError
+from shoal.kernels import contract, cpu_kernels
 
 # A prefill of q_len rows over seq_len positions is computed with explicit
 # scores ([heads, q_len, seq_len] float32) up to this many score entries per
@@ -107,8 +106,13 @@ def plan_attention(
     block_tables: Sequence[Sequence[int]],
     seq_lens: Sequence[int],
     query_start_loc: Sequence[int],
+    *,
+    num_tokens: int | None = None,
 ) -> AttentionPlan:
     """Builds the metadata of a batch (see `shoal.kernels.ops.paged_attention`) once.
+
+    The batch's index values and the cache's geometry are checked here, once per batch
+    (`contract.check_attention_batch`, `contract.check_attention_cache`).
 
     Args:
         key_cache: a layer's key cache (only its shape, dtype and device are used).
@@ -116,23 +120,27 @@ def plan_attention(
             length needs are ignored.
         seq_lens: context lengths, including the new query tokens.
         query_start_loc: num_seqs + 1 cumulative query counts, from 0.
+        num_tokens: the query's rows; None when they are ``query_start_loc[-1]`` by
+            construction (the engine's batches).
 
     Raises:
-        KVContractError: a q_len outside [0, seq_len], or a table too short for its sequence.
+        KVContractError: the cache's geometry or the batch's values break the contract.
     """
+    contract.check_attention_cache(key_cache)
+    contract.check_attention_batch(
+        query_start_loc[-1] if num_tokens is None else num_tokens,
+        key_cache.shape[1],
+        block_tables,
+        seq_lens,
+        query_start_loc,
+    )
     block_size, dtype, device = key_cache.shape[1], key_cache.dtype, key_cache.device
     decode_seqs: list[int] = []
     prefills: list[PrefillPlan] = []
     for seq, seq_len in enumerate(seq_lens):
         start = query_start_loc[seq]
         q_len = query_start_loc[seq + 1] - start
-        if not 0 <= q_len <= seq_len:
-            raise KVContractError(f"sequence {seq}: q_len {q_len} must be in [0, seq_len={seq_len}]")
         num_blocks = -(-seq_len // block_size)
-        if num_blocks > len(block_tables[seq]):
-            raise KVContractError(
-                f"a sequence needs {num_blocks} blocks but block_tables has {len(block_tables[seq])} columns"
-            )
         if q_len == 1:
             decode_seqs.append(seq)
         elif q_len > 1:

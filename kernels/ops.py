@@ -49,14 +49,26 @@ all three may be mixed in one call. GQA/MQA: ``num_heads % num_kv_heads == 0``
 and query head h reads kv head ``h // (num_heads // num_kv_heads)``. Softmax is
 accumulated in float32; the output has the query's dtype.
 
-Values the CPU path checks and the CUDA path trusts (checking them on a GPU
-would synchronize the stream): slots, block ids and table entries in range,
-``q_len <= seq_len``, ``seq_len <= max_blocks_per_seq * block_size``, and no
-block both a source and a destination (or a destination twice) in one
-`copy_blocks`. The CUDA kernels stop with a device-side assert on an
-out-of-range index instead of writing out of bounds. Neither path checks that
-no slot appears twice in one `write_kv`; if one does, which token's K/V lands
-there is unspecified.
+What is checked, and where (`shoal.kernels.contract`; one contract, the same
+answer on both paths):
+
+* shapes, dtypes, devices and layouts (index tensors contiguous; block_size,
+  num_kv_heads and head_dim at least 1; head_dim at most 256 and num_heads a
+  positive multiple of num_kv_heads for `paged_attention`): on every call,
+  before any work, `KVContractError`;
+* the values of a `paged_attention` batch (``query_start_loc`` from 0 to
+  num_tokens and never decreasing, ``q_len <= seq_len``,
+  ``seq_len <= max_blocks_per_seq * block_size``): `KVContractError` from the
+  CPU path on every call; on CUDA, reading them would synchronize the stream,
+  so the kernel stops with a device-side assert instead, and the setting
+  ``check_cuda_indices`` checks them on the host first (for debugging);
+* slots, block ids and table entries in range: where they are read, an
+  `IndexError` before anything is written on the CPU, a device-side assert on
+  CUDA (never an out-of-bounds write);
+* no block both a source and a destination (or a destination twice) in one
+  `copy_blocks`: asserted on the CPU, trusted on CUDA. Neither path checks that
+  no slot appears twice in one `write_kv`; if one does, which token's K/V
+  lands there is unspecified.
 
 The setting ``cuda = "reference"`` (`shoal.kernels.settings`) runs the torch
 implementation on CUDA tensors too (for debugging, or where the extension cannot
@@ -84,11 +96,13 @@ implementation on CUDA tensors (the setting ``cuda = "reference"``), or the CPU 
 # The settings as the ops read them on every call (module globals: no lookups through
 # the settings object on the hot path), updated by every `configure`.
 _USE_CUDA_KERNELS = get_settings().cuda == "kernels"
+_CHECK_CUDA_INDICES = get_settings().check_cuda_indices
 
 
 def _apply(previous: KernelSettings, new: KernelSettings) -> None:
-    global _USE_CUDA_KERNELS
+    global _USE_CUDA_KERNELS, _CHECK_CUDA_INDICES
     _USE_CUDA_KERNELS = new.cuda == "kernels"
+    _CHECK_CUDA_INDICES = new.check_cuda_indices
 
 
 on_configure(_apply)
@@ -197,6 +211,14 @@ def paged_attention(
         out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc
     )
     if _on_cuda(query):
+        if _CHECK_CUDA_INDICES:  # copies the index tensors to the host: synchronizes the stream
+            contract.check_attention_batch(
+                query.shape[0],
+                key_cache.shape[1],
+                block_tables.tolist(),
+                seq_lens.tolist(),
+                query_start_loc.tolist(),
+            )
         cuda_ext.load_extension().paged_attention(
             out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, float(scale)
         )

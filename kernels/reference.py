@@ -262,10 +262,9 @@ def paged_attention(
     scale: float,
 ) -> None:
     """Varlen causal attention over the paged cache; see `shoal.kernels.ops.paged_attention`."""
-    starts = query_start_loc.tolist()
-    if starts[0] != 0 or starts[-1] != query.shape[0]:
-        raise KVContractError(f"query_start_loc must run from 0 to num_tokens={query.shape[0]}, got {starts}")
-    plan = plan_attention(key_cache, block_tables.tolist(), seq_lens.tolist(), starts)
+    plan = plan_attention(
+        key_cache, block_tables.tolist(), seq_lens.tolist(), query_start_loc.tolist(), num_tokens=query.shape[0]
+    )
     run_attention(out, query, key_cache, value_cache, plan, scale)
 
 

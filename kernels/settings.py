@@ -26,7 +26,7 @@ CpuOps = Literal["native", "torch"]
 
 
 class KernelSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
-    """How the KV-cache ops run: which implementation serves each device."""
+    """How the KV-cache ops run: which implementation serves each device, and what is checked."""
 
     cuda: CudaOps = "kernels"
     """What runs the ops on CUDA tensors. ``kernels``: Shoal's CUDA kernels, built when the
@@ -48,6 +48,15 @@ class KernelSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw
     groups (gather, then SDPA), with the native `write_kv` still on. Was
     ``SHOAL_CPU_ATTENTION``."""
 
+    check_cuda_indices: bool = False
+    """Check the index values of every `paged_attention` call on CUDA tensors on the host
+    before the launch, as the CPU path always does (``query_start_loc`` from 0 to the
+    query's rows and never decreasing, ``q_len <= seq_len``, ``seq_len`` within its block
+    table row), raising `KVContractError`. It copies the index tensors to the host, which
+    synchronizes the stream on every call and layer: for debugging. Off, the kernel stops
+    with a device-side assert on those mistakes (docs/kernels.md). New: no variable
+    before."""
+
     def __post_init__(self) -> None:
         # msgspec validates types when it decodes or converts (the config loader), not when
         # the Struct is built in code: check here so both get the same clear error.
@@ -57,6 +66,8 @@ class KernelSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw
                 raise ValueError(
                     f"kernels.{name} must be one of {', '.join(map(repr, allowed))}, got {value!r}"
                 )
+        if not isinstance(self.check_cuda_indices, bool):
+            raise ValueError(f"kernels.check_cuda_indices must be true or false, got {self.check_cuda_indices!r}")
 
 
 _CHOICES: dict[str, tuple[str, ...]] = {

@@ -4,11 +4,16 @@ from __future__ import annotations
 
 import math
 import random
+import subprocess
+import sys
+from collections.abc import Iterator
 
+import msgspec
 import pytest
 import torch
 
-from shoal.kernels import cuda_ext, ops, reference
+from shoal.kernels import contract, cuda_ext, ops, reference
+from shoal.kernels.settings import configure, get_settings
 
 pytestmark = [
     pytest.mark.gpu,
@@ -222,3 +227,122 @@ def test_kernels_run_on_the_current_stream() -> None:
         ops.copy_blocks(kv_cache, mapping.cuda())
     stream.synchronize()
     assert torch.equal(kv_cache.cpu(), expected)
+
+
+# --- the contract: the CPU path's answers (tests/unit/test_kernels_contract.py) -----
+
+
+@pytest.fixture
+def check_cuda_indices() -> Iterator[None]:
+    """The debug setting on for one test: batch values are checked on the host."""
+    previous = get_settings()
+    configure(msgspec.structs.replace(previous, check_cuda_indices=True))
+    yield
+    configure(previous)
+
+
+def small_batch(q_lens: list[int], seq_lens: list[int], head_dim: int = 32) -> list[torch.Tensor]:
+    """[out (NaN), query, key_cache, value_cache, block_tables, seq_lens, query_start_loc] on CUDA."""
+    query, *rest = attention_batch(q_lens, seq_lens, 4, 4, 2, head_dim, torch.float32, seed=0)
+    return [tensor.cuda() for tensor in (torch.full_like(query, float("nan")), query, *rest)]
+
+
+def strided(tensor: torch.Tensor) -> torch.Tensor:
+    """The same values, not contiguous."""
+    wide = torch.zeros((*tensor.shape[:-1], 2 * tensor.shape[-1]), dtype=tensor.dtype, device=tensor.device)
+    wide[..., ::2] = tensor
+    return wide[..., ::2]
+
+
+@pytest.mark.parametrize(
+    ("change", "error"),
+    [
+        (lambda b: small_batch([1, 1], [5, 3], head_dim=272), "head_dim <= 256"),
+        (lambda b: [*b[:4], strided(b[4]), *b[5:]], "block_tables must be contiguous"),
+        (lambda b: [*b[:5], strided(b[5]), b[6]], "seq_lens must be contiguous"),
+        (lambda b: [*b[:6], strided(b[6])], "query_start_loc must be contiguous"),
+        (lambda b: [*b[:4], b[4][:0], b[5][:0], b[6][:1]], "with no sequences the query must have no rows"),
+    ],
+    ids=["head_dim>256", "block_tables", "seq_lens", "query_start_loc", "rows without sequences"],
+)
+def test_shape_gaps_are_refused_before_the_launch(change, error) -> None:
+    batch = change(small_batch([2, 1], [5, 3]))
+    with pytest.raises(contract.KVContractError, match=error):
+        ops.paged_attention(*batch, 0.125)
+    assert batch[0].isnan().all()
+
+
+def test_a_cache_without_kv_heads_is_refused_not_divided_by() -> None:
+    key_cache = torch.zeros(4, 4, 0, 32, device="cuda")
+    query = torch.zeros(1, 4, 32, device="cuda")
+    index = [torch.zeros(1, 2, dtype=torch.int32), torch.ones(1, dtype=torch.int32), torch.tensor([0, 1])]
+    with pytest.raises(contract.KVContractError, match="at least 1"):
+        ops.paged_attention(query.clone(), query, key_cache, key_cache.clone(), *(t.int().cuda() for t in index), 1.0)
+    key = torch.zeros(1, 0, 32, device="cuda")
+    with pytest.raises(contract.KVContractError, match="at least 1"):
+        ops.write_kv(key, key, key_cache, key_cache.clone(), torch.zeros(1, dtype=torch.int64, device="cuda"))
+
+
+# Changes of the valid batch `small_batch([2, 1, 1], [5, 3, 2])` (4 rows): (query rows,
+# query_start_loc, the CPU path's error).
+BATCH_VALUE_GAPS = {
+    "more query rows than query_start_loc[-1]": (5, [0, 2, 3, 4], "run from 0 to num_tokens=5"),
+    "query_start_loc[0] != 0": (4, [1, 2, 3, 4], r"run from 0 to num_tokens=4 .*got 1 \.\. 4"),
+    "query_start_loc decreasing": (4, [0, 3, 2, 4], "sequence 1: q_len -1 must be in"),
+}
+
+
+def broken_batch(num_rows: int, query_start_loc: list[int]) -> list[torch.Tensor]:
+    _, query, key_cache, value_cache, block_tables, seq_lens, _ = small_batch([2, 1, 1], [5, 3, 2])
+    query = torch.cat([query, query])[:num_rows]
+    starts = torch.tensor(query_start_loc, dtype=torch.int32, device="cuda")
+    return [torch.full_like(query, float("nan")), query, key_cache, value_cache, block_tables, seq_lens, starts]
+
+
+@pytest.mark.parametrize("case", list(BATCH_VALUE_GAPS))
+def test_batch_value_gaps_are_refused_in_debug_mode_as_on_the_cpu(case, check_cuda_indices) -> None:
+    num_rows, starts, error = BATCH_VALUE_GAPS[case]
+    batch = broken_batch(num_rows, starts)
+    with pytest.raises(contract.KVContractError, match=error):
+        ops.paged_attention(*batch, 0.125)
+    assert batch[0].isnan().all()
+    cpu_batch = [tensor.cpu() for tensor in batch]
+    with pytest.raises(contract.KVContractError, match=error):
+        ops.paged_attention(*cpu_batch, 0.125)
+
+
+def test_debug_mode_leaves_valid_batches_alone(check_cuda_indices) -> None:
+    compare_attention([1, 0, 37, 1, 12], [40, 5, 37, 1, 300], 16, (8, 2), 64, torch.bfloat16, seed=7)
+
+
+_ASSERT_SCRIPT = """
+import sys
+import torch
+from shoal.kernels import ops
+num_rows, starts = int(sys.argv[1]), [int(x) for x in sys.argv[2].split(",")]
+cache = torch.randn(8, 4, 2, 32, device="cuda")
+tables = torch.tensor([[0, 1], [2, 3], [4, 5]], dtype=torch.int32, device="cuda")
+query = torch.randn(num_rows, 4, 32, device="cuda")
+ops.paged_attention(
+    torch.empty_like(query), query, cache, cache.clone(), tables,
+    torch.tensor([5, 3, 2], dtype=torch.int32, device="cuda"),
+    torch.tensor(starts, dtype=torch.int32, device="cuda"), 0.125,
+)
+torch.cuda.synchronize()
+"""
+
+
+@pytest.mark.parametrize("case", list(BATCH_VALUE_GAPS))
+def test_batch_value_gaps_stop_the_kernel_without_debug_mode(case) -> None:
+    """Without the host checks the kernel's device-side assert stops it, which leaves the
+    process's CUDA context unusable: each case runs in its own process."""
+    num_rows, starts, _ = BATCH_VALUE_GAPS[case]
+    result = subprocess.run(
+        [sys.executable, "-c", _ASSERT_SCRIPT, str(num_rows), ",".join(map(str, starts))],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert result.returncode != 0, result.stdout
+    assert "query_start_loc" in result.stderr and "device-side assert" in result.stderr, result.stderr[-2000:]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
@@ -12,7 +13,9 @@ from shoal.kernels.settings import KernelSettings, configure, get_settings, on_c
 
 
 def test_the_defaults_are_the_kernels_and_the_native_cpu_code() -> None:
-    assert KernelSettings() == KernelSettings(cuda="kernels", cpu="native", cpu_attention="native")
+    assert KernelSettings() == KernelSettings(
+        cuda="kernels", cpu="native", cpu_attention="native", check_cuda_indices=False
+    )
 
 
 @pytest.mark.parametrize(
@@ -24,16 +27,23 @@ def test_the_defaults_are_the_kernels_and_the_native_cpu_code() -> None:
     ],
 )
 def test_a_value_outside_its_set_is_refused_with_the_allowed_ones(fields, message) -> None:
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(ValueError, match=re.escape(message)):
         KernelSettings(**fields)
     with pytest.raises(msgspec.ValidationError, match=f"Invalid enum value '{next(iter(fields.values()))}'"):
         msgspec.convert(fields, KernelSettings, strict=False)
 
 
+def test_check_cuda_indices_is_a_boolean() -> None:
+    with pytest.raises(ValueError, match=r"kernels\.check_cuda_indices must be true or false, got 'yes'"):
+        KernelSettings(check_cuda_indices="yes")  # type: ignore[arg-type]
+
+
 def test_the_config_loader_decodes_strings_and_refuses_unknown_fields() -> None:
     """What the config loader does with ``[worker.kernels]`` and ``SHOAL_WORKER_KERNELS_*``."""
-    decoded = msgspec.convert({"cuda": "reference", "cpu_attention": "torch"}, KernelSettings, strict=False)
-    assert decoded == KernelSettings(cuda="reference", cpu_attention="torch")
+    decoded = msgspec.convert(
+        {"cuda": "reference", "cpu_attention": "torch", "check_cuda_indices": "true"}, KernelSettings, strict=False
+    )
+    assert decoded == KernelSettings(cuda="reference", cpu_attention="torch", check_cuda_indices=True)
     assert msgspec.toml.decode(b'cpu = "torch"\n', type=KernelSettings) == KernelSettings(cpu="torch")
     with pytest.raises(msgspec.ValidationError, match="unknown field `kernels`"):
         msgspec.convert({"kernels": "reference"}, KernelSettings, strict=False)
