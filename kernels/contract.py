@@ -1,16 +1,32 @@
-"""Argument checks for the KV-cache ops, shared by the CPU and the CUDA paths.
+"""Argument checks for the KV-cache ops: one contract, the same answer on the CPU and CUDA paths.
 
-Only shapes, dtypes and devices are checked here: reading index values would
-synchronize a CUDA stream. The CPU implementation checks values itself. The
-checks run on every call of every layer, so messages are only formatted on
-failure.
+Two kinds of checks:
+
+* shapes, dtypes, layouts and devices (`check_write_kv`, `check_paged_attention`,
+  ...): `shoal.kernels.ops` runs them on every call, on both paths, before any
+  work. They read no tensor's values.
+* the index values of a `paged_attention` batch (`check_attention_batch`), on host
+  lists: the CPU planner runs them on every batch (it reads the values anyway); on
+  CUDA tensors, reading them would synchronize the stream on every call and layer,
+  so they run only when the setting ``check_cuda_indices`` is on, and otherwise the
+  kernel stops with a device-side assert on the same mistakes.
+
+Index values that are read where they are used (slots, block ids, table entries)
+are checked there: an `IndexError` before anything is written on the CPU, a
+device-side assert on CUDA. The checks run on every call of every layer, so
+messages are only formatted on failure.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 CACHE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+MAX_HEAD_DIM = 256
+"""The largest head_dim `paged_attention` takes, on both paths: the CUDA kernel holds a
+row's head dims in registers, up to 8 per lane of a warp (csrc/kv_ops.h's kMaxHeadDim)."""
 
 
 class KVContractError(ValueError):
@@ -22,6 +38,8 @@ def _check_index(name: str, tensor: torch.Tensor, dtype: torch.dtype, ndim: int)
         raise KVContractError(
             f"{name} must be {dtype} with {ndim} dims, got {tensor.dtype} {tuple(tensor.shape)}"
         )
+    if not tensor.is_contiguous():  # the CUDA kernels index it as a flat array
+        raise KVContractError(f"{name} must be contiguous, got strides {tensor.stride()}")
 
 
 def _check_layer_caches(key_cache: torch.Tensor, value_cache: torch.Tensor) -> None:
@@ -38,6 +56,23 @@ def _check_layer_caches(key_cache: torch.Tensor, value_cache: torch.Tensor) -> N
         )
     if not (key_cache.is_contiguous() and value_cache.is_contiguous()):
         raise KVContractError("key_cache and value_cache must be contiguous")
+    _, block_size, num_kv_heads, head_dim = key_cache.shape
+    if block_size < 1 or num_kv_heads < 1 or head_dim < 1:
+        raise KVContractError(
+            f"key_cache needs block_size, num_kv_heads and head_dim of at least 1, got {tuple(key_cache.shape)}"
+        )
+
+
+def check_attention_cache(key_cache: torch.Tensor) -> None:
+    """Raises KVContractError unless `paged_attention` can read a cache of `key_cache`'s
+    geometry: block_size, num_kv_heads and head_dim at least 1, head_dim at most
+    `MAX_HEAD_DIM`. Only its shape is read (the CPU planner calls this once per batch)."""
+    shape = key_cache.shape
+    if len(shape) != 4 or shape[1] < 1 or shape[2] < 1 or not 1 <= shape[3] <= MAX_HEAD_DIM:
+        raise KVContractError(
+            f"paged_attention needs a key_cache [num_blocks, block_size >= 1, num_kv_heads >= 1, "
+            f"1 <= head_dim <= {MAX_HEAD_DIM}], got {tuple(shape)}"
+        )
 
 
 def _check_pool(name: str, cache: torch.Tensor) -> None:
@@ -57,6 +92,8 @@ def _check_block_mapping(block_mapping: torch.Tensor) -> None:
         raise KVContractError(
             f"block_mapping must be int64 [num_pairs, 2], got {block_mapping.dtype} {tuple(block_mapping.shape)}"
         )
+    if not block_mapping.is_contiguous():
+        raise KVContractError(f"block_mapping must be contiguous, got strides {block_mapping.stride()}")
 
 
 def _check_rows(name: str, tensor: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> None:
@@ -104,13 +141,14 @@ def check_paged_attention(
 ) -> None:
     """Raises KVContractError unless the arguments fit `ops.paged_attention`'s contract."""
     _check_layer_caches(key_cache, value_cache)
+    check_attention_cache(key_cache)
     if query.dim() != 3 or query.shape[2] != key_cache.shape[3]:
         raise KVContractError(
             f"query must be [num_tokens, num_heads, head_dim={key_cache.shape[3]}], got {tuple(query.shape)}"
         )
-    if query.shape[1] % key_cache.shape[2]:
+    if query.shape[1] < 1 or query.shape[1] % key_cache.shape[2]:
         raise KVContractError(
-            f"num_heads {query.shape[1]} must be a multiple of num_kv_heads {key_cache.shape[2]}"
+            f"num_heads {query.shape[1]} must be a positive multiple of num_kv_heads {key_cache.shape[2]}"
         )
     _check_rows("query", query, query.shape, key_cache.dtype)
     _check_rows("out", out, query.shape, key_cache.dtype)
@@ -123,6 +161,8 @@ def check_paged_attention(
             f"with {num_seqs} sequences block_tables needs {num_seqs} rows and query_start_loc "
             f"{num_seqs + 1} entries, got {block_tables.shape[0]} and {query_start_loc.shape[0]}"
         )
+    if num_seqs == 0 and query.shape[0]:  # query_start_loc = [0]: no row belongs to a sequence
+        raise KVContractError(f"with no sequences the query must have no rows, got {query.shape[0]}")
     _check_same_device(
         "paged_attention", out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc
     )
@@ -152,3 +192,40 @@ def check_swap_blocks(src_cache: torch.Tensor, dst_cache: torch.Tensor, block_ma
         raise KVContractError(f"pools on two CUDA devices are not supported: {cuda_devices}")
     if block_mapping.device.type != "cpu" and block_mapping.device not in cuda_devices:
         raise KVContractError("block_mapping must be on the CPU or on the pools' CUDA device")
+
+
+def check_attention_batch(
+    num_tokens: int,
+    block_size: int,
+    block_tables: Sequence[Sequence[int]],
+    seq_lens: Sequence[int],
+    query_start_loc: Sequence[int],
+) -> None:
+    """Raises KVContractError unless a `paged_attention` batch's index values fit the contract.
+
+    Every query row belongs to exactly one sequence: ``query_start_loc`` runs from 0 to
+    `num_tokens` and never decreases. Each sequence has ``0 <= q_len <= seq_len``, and its
+    row of `block_tables` lists at least the blocks ``seq_len`` needs. Block ids are not
+    checked here (see the module's docstring).
+
+    Args:
+        num_tokens: the query's rows.
+        block_size: the cache's tokens per block.
+        block_tables: each sequence's block ids (rows of any length).
+        seq_lens: each sequence's context length, including its query rows.
+        query_start_loc: num_seqs + 1 entries.
+    """
+    if query_start_loc[0] != 0 or query_start_loc[-1] != num_tokens:
+        raise KVContractError(
+            f"query_start_loc must run from 0 to num_tokens={num_tokens} (the query's rows), "
+            f"got {query_start_loc[0]} .. {query_start_loc[-1]}"
+        )
+    for seq, seq_len in enumerate(seq_lens):
+        q_len = query_start_loc[seq + 1] - query_start_loc[seq]
+        if not 0 <= q_len <= seq_len:
+            raise KVContractError(f"sequence {seq}: q_len {q_len} must be in [0, seq_len={seq_len}]")
+        num_blocks = -(-seq_len // block_size)
+        if num_blocks > len(block_tables[seq]):
+            raise KVContractError(
+                f"sequence {seq} needs {num_blocks} blocks but block_tables has {len(block_tables[seq])} columns"
+            )

@@ -64,7 +64,8 @@ def load_extension() -> ModuleType:
             _failure = KernelBuildError(
                 f"building Shoal's CUDA kernels from {CSRC_DIR} failed: {error}. "
                 "Check nvcc (CUDA_HOME) matches torch's CUDA version; run scripts/check_kernels.sh for the "
-                "compiler output, or set SHOAL_KERNELS=reference to use the torch implementation."
+                'compiler output, or set cuda = "reference" under [worker.kernels] '
+                "(SHOAL_WORKER_KERNELS_CUDA=reference) to use the torch implementation."
             )
             raise _failure from error
         return _extension

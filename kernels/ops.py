@@ -2,8 +2,8 @@
 
 Every function runs Shoal's CUDA kernels when its tensors are on a CUDA device
 (the extension is built on first use, see `shoal.kernels.cuda_ext`) and the
-vectorized torch implementation in `shoal.kernels.cpu` otherwise (whose
-`write_kv` is a small C loop, `shoal.kernels.cpu_native`, where the machine's C
+vectorized torch implementation in `shoal.kernels.reference` otherwise (whose
+`write_kv` is a small C loop, `shoal.kernels.cpu_kernels`, where the machine's C
 compiler builds it). Both follow the one contract below; docs/kernels.md says
 the same with more examples.
 
@@ -49,17 +49,30 @@ all three may be mixed in one call. GQA/MQA: ``num_heads % num_kv_heads == 0``
 and query head h reads kv head ``h // (num_heads // num_kv_heads)``. Softmax is
 accumulated in float32; the output has the query's dtype.
 
-Values the CPU path checks and the CUDA path trusts (checking them on a GPU
-would synchronize the stream): slots, block ids and table entries in range,
-``q_len <= seq_len``, ``seq_len <= max_blocks_per_seq * block_size``, and no
-block both a source and a destination (or a destination twice) in one
-`copy_blocks`. The CUDA kernels stop with a device-side assert on an
-out-of-range index instead of writing out of bounds. Neither path checks that
-no slot appears twice in one `write_kv`; if one does, which token's K/V lands
-there is unspecified.
+What is checked, and where (`shoal.kernels.contract`; one contract, the same
+answer on both paths):
 
-Set ``SHOAL_KERNELS=reference`` to run the torch implementation on CUDA
-tensors too (for debugging, or where the extension cannot be built).
+* shapes, dtypes, devices and layouts (index tensors contiguous; block_size,
+  num_kv_heads and head_dim at least 1; head_dim at most 256 and num_heads a
+  positive multiple of num_kv_heads for `paged_attention`): on every call,
+  before any work, `KVContractError`;
+* the values of a `paged_attention` batch (``query_start_loc`` from 0 to
+  num_tokens and never decreasing, ``q_len <= seq_len``,
+  ``seq_len <= max_blocks_per_seq * block_size``): `KVContractError` from the
+  CPU path on every call; on CUDA, reading them would synchronize the stream,
+  so the kernel stops with a device-side assert instead, and the setting
+  ``check_cuda_indices`` checks them on the host first (for debugging);
+* slots, block ids and table entries in range: where they are read, an
+  `IndexError` before anything is written on the CPU, a device-side assert on
+  CUDA (never an out-of-bounds write);
+* no block both a source and a destination (or a destination twice) in one
+  `copy_blocks`: asserted on the CPU, trusted on CUDA. Neither path checks that
+  no slot appears twice in one `write_kv`; if one does, which token's K/V
+  lands there is unspecified.
+
+The setting ``cuda = "reference"`` (`shoal.kernels.settings`) runs the torch
+implementation on CUDA tensors too (for debugging, or where the extension cannot
+be built).
 
 A server calls `prepare` when it starts, so the kernels are built (or fail to
 build) before the first request rather than inside its forward pass.
@@ -67,20 +80,32 @@ build) before the first request rather than inside its forward pass.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from types import ModuleType
 from typing import Literal
 
 import torch
 
-from shoal.kernels import contract, cpu, cpu_native, cuda_ext
-
-_USE_CUDA_KERNELS = os.environ.get("SHOAL_KERNELS", "cuda") != "reference"
+from shoal.kernels import contract, cpu_kernels, cuda_ext, reference
+from shoal.kernels.settings import KernelSettings, get_settings, on_configure
 
 KernelBackend = Literal["cuda", "reference", "cpu"]
 """Which implementation the ops run on a device: Shoal's CUDA kernels, the torch
-implementation on CUDA tensors (``SHOAL_KERNELS=reference``), or the CPU one."""
+implementation on CUDA tensors (the setting ``cuda = "reference"``), or the CPU one."""
+
+# The settings as the ops read them on every call (module globals: no lookups through
+# the settings object on the hot path), updated by every `configure`.
+_USE_CUDA_KERNELS = get_settings().cuda == "kernels"
+_CHECK_CUDA_INDICES = get_settings().check_cuda_indices
+
+
+def _apply(previous: KernelSettings, new: KernelSettings) -> None:
+    global _USE_CUDA_KERNELS, _CHECK_CUDA_INDICES
+    _USE_CUDA_KERNELS = new.cuda == "kernels"
+    _CHECK_CUDA_INDICES = new.check_cuda_indices
+
+
+on_configure(_apply)
 
 
 def _on_cuda(*tensors: torch.Tensor) -> bool:
@@ -96,7 +121,7 @@ def prepare(
     """Makes the ops ready to run on `device` now: on CUDA, builds and loads the kernels.
 
     On the CPU it builds (or loads from its cache) the native `write_kv`
-    (`shoal.kernels.cpu_native`, a fraction of a second of the C compiler the first
+    (`shoal.kernels.cpu_kernels`, a fraction of a second of the C compiler the first
     time on a machine), which never fails: without it the torch implementation serves, and
     the reason is logged.
 
@@ -105,15 +130,15 @@ def prepare(
     failure fails every pass while the server looks healthy. There is no silent
     fallback: a CUDA server without its kernels refuses to start, with the
     compiler's message; running the torch implementation on the GPU instead (much
-    slower: it gathers K/V per layer) is the operator's explicit choice,
-    ``SHOAL_KERNELS=reference``.
+    slower: it gathers K/V per layer) is the operator's explicit choice, the
+    setting ``cuda = "reference"``.
 
     Args:
         device: where the KV cache lives.
         load: builds and loads the extension (`cuda_ext.load_extension`; tests
             inject their own).
-        use_cuda_kernels: whether CUDA tensors go to the kernels; None reads
-            ``SHOAL_KERNELS`` as the ops do.
+        use_cuda_kernels: whether CUDA tensors go to the kernels; None for the
+            configured ``cuda`` setting, as the ops do.
 
     Returns:
         The implementation the ops run on `device`.
@@ -123,7 +148,7 @@ def prepare(
             cannot be built or loaded.
     """
     if device.type != "cuda":
-        cpu_native.try_load()
+        cpu_kernels.try_load()
         return "cpu"
     if not (_USE_CUDA_KERNELS if use_cuda_kernels is None else use_cuda_kernels):
         return "reference"
@@ -155,7 +180,7 @@ def write_kv(
     if _on_cuda(key_cache):
         cuda_ext.load_extension().write_kv(key, value, key_cache, value_cache, slot_mapping)
     else:
-        cpu.write_kv(key, value, key_cache, value_cache, slot_mapping)
+        reference.write_kv(key, value, key_cache, value_cache, slot_mapping)
 
 
 def paged_attention(
@@ -186,11 +211,19 @@ def paged_attention(
         out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc
     )
     if _on_cuda(query):
+        if _CHECK_CUDA_INDICES:  # copies the index tensors to the host: synchronizes the stream
+            contract.check_attention_batch(
+                query.shape[0],
+                key_cache.shape[1],
+                block_tables.tolist(),
+                seq_lens.tolist(),
+                query_start_loc.tolist(),
+            )
         cuda_ext.load_extension().paged_attention(
             out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, float(scale)
         )
     else:
-        cpu.paged_attention(
+        reference.paged_attention(
             out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale
         )
 
@@ -212,7 +245,7 @@ def copy_blocks(kv_cache: torch.Tensor, block_mapping: torch.Tensor) -> None:
         mapping = block_mapping.to(kv_cache.device, non_blocking=True)
         cuda_ext.load_extension().copy_blocks(kv_cache, mapping)
     else:
-        cpu.copy_blocks(kv_cache, block_mapping)
+        reference.copy_blocks(kv_cache, block_mapping)
 
 
 def swap_blocks(src_cache: torch.Tensor, dst_cache: torch.Tensor, block_mapping: torch.Tensor) -> None:
@@ -240,4 +273,4 @@ def swap_blocks(src_cache: torch.Tensor, dst_cache: torch.Tensor, block_mapping:
         mapping = block_mapping.to(device, non_blocking=True)
         cuda_ext.load_extension().swap_blocks(src_cache, dst_cache, mapping)
     else:
-        cpu.swap_blocks(src_cache, dst_cache, block_mapping)
+        reference.swap_blocks(src_cache, dst_cache, block_mapping)

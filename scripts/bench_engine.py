@@ -68,7 +68,7 @@ from transformers import (
 from transformers.generation.streamers import BaseStreamer
 
 from shoal.cli.demo_models import make_demo_models
-from shoal.kernels import cpu, ops
+from shoal.kernels import ops, reference
 from shoal.services.worker.engine.paged_engine import EngineConfig, PagedEngine
 from shoal.services.worker.generation import GenerationRequest
 from shoal.shared.messages import SamplingParams
@@ -202,12 +202,12 @@ def run_without_attention(engine: PagedEngine, prompts: list[list[int]], shapes:
 
     Both ways the engine attends are stubbed: the public ops, and the CPU functions its
     CPU path calls with a per-pass plan."""
-    saved = ops.write_kv, ops.paged_attention, cpu.write_kv, cpu.run_attention
-    ops.write_kv = ops.paged_attention = cpu.write_kv = cpu.run_attention = _no_op  # type: ignore[assignment]
+    saved = ops.write_kv, ops.paged_attention, reference.write_kv, reference.run_attention
+    ops.write_kv = ops.paged_attention = reference.write_kv = reference.run_attention = _no_op  # type: ignore[assignment]
     try:
         timings = run_shoal(engine, prompts, shapes)
     finally:
-        ops.write_kv, ops.paged_attention, cpu.write_kv, cpu.run_attention = saved
+        ops.write_kv, ops.paged_attention, reference.write_kv, reference.run_attention = saved
     return Timings(timings.seconds, timings.ttft_s, timings.last_token_s, [])
 
 

@@ -1,6 +1,7 @@
 """Bandwidth of Shoal's CPU KV-cache ops against a contiguous copy, and paged decode attention.
 
     python scripts/bench_kv_ops.py [--quick] [--repeats N] [--threads N | --cpu-time] [--decode-only]
+                                   [--cpu native|torch]
 
 For each dtype and head_dim (16-token blocks, 8 kv heads):
 
@@ -13,14 +14,14 @@ For each dtype and head_dim (16-token blocks, 8 kv heads):
 each reported in GB/s and as a fraction of ``dst.copy_(src)`` moving the same
 number of bytes between contiguous tensors, measured in the same loop, with the
 implementation that ran (``impl``: the native C kernel of
-``shoal.kernels.cpu_native`` with streaming or ordinary stores, or torch;
-``SHOAL_CPU_KERNELS=torch`` measures the torch one). Then
+``shoal.kernels.cpu_kernels`` with streaming or ordinary stores, or torch;
+``--cpu torch``, the kernels' setting ``cpu = "torch"``, measures the torch one). Then
 ``write_kv`` at the size of one layer of a decode step (32 tokens), per call
 against a copy of the same bytes: there the op's fixed cost, not bandwidth, is
 what is measured. Then ``paged_attention`` decode for 1, 8 and 32 sequences (and
 the demo models' head shapes at 32 sequences) with each decode implementation
 (``impl``: the native C kernel reading K/V from the blocks, with its code path,
-or torch's gather + SDPA; ``SHOAL_CPU_KERNELS=torch`` leaves only torch) against
+or torch's gather + SDPA; ``--cpu torch`` leaves only torch) against
 ``scaled_dot_product_attention`` over contiguous K/V of the same shapes, and the
 fixed cost per layer of a tiny decode with each.
 Repetitions of every contender are interleaved and medians reported, because
@@ -38,7 +39,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from shoal.kernels import cpu, cpu_native
+from shoal.kernels import attention_plan, cpu_kernels, reference
+from shoal.kernels.settings import KernelSettings, configure
 
 BLOCK_SIZE = 16
 NUM_KV_HEADS = 8
@@ -99,7 +101,7 @@ def bench_write_kv(dtype: torch.dtype, head_dim: int, num_tokens: int, pattern: 
     dst = torch.zeros_like(src)
     timing = interleaved_medians(
         {
-            "op": lambda: cpu.write_kv(key, value, key_cache, value_cache, slots),
+            "op": lambda: reference.write_kv(key, value, key_cache, value_cache, slots),
             "copy": lambda: dst.copy_(src),
         },
         repeats,
@@ -133,11 +135,11 @@ def bench_write_kv_step(dtype: torch.dtype, head_dim: int, num_tokens: int, repe
     def same_slots() -> None:
         slots = slot_sets[0]
         for _ in range(calls):
-            cpu.write_kv(key, value, key_cache, value_cache, slots)
+            reference.write_kv(key, value, key_cache, value_cache, slots)
 
     def fresh_slots() -> None:
         for slots in slot_sets:
-            cpu.write_kv(key, value, key_cache, value_cache, slots)
+            reference.write_kv(key, value, key_cache, value_cache, slots)
 
     def copies() -> None:
         for _ in range(calls):
@@ -199,10 +201,10 @@ def bench_gather(dtype: torch.dtype, head_dim: int, num_tokens: int, repeats: in
     num_bytes = 2 * num_seqs * seq_len * NUM_KV_HEADS * head_dim * key_cache.element_size()
     src = random_values((num_bytes // key_cache.element_size(),), dtype)
     dst = torch.zeros_like(src)
-    buffers = cpu.GatherBuffers()  # reused across calls, as inside paged_attention
+    buffers = reference.GatherBuffers()  # reused across calls, as inside paged_attention
     timing = interleaved_medians(
         {
-            "op": lambda: cpu.gather_kv(key_cache, value_cache, block_tables, seq_lens, buffers),
+            "op": lambda: reference.gather_kv(key_cache, value_cache, block_tables, seq_lens, buffers),
             "copy": lambda: dst.copy_(src),
         },
         repeats,
@@ -211,37 +213,37 @@ def bench_gather(dtype: torch.dtype, head_dim: int, num_tokens: int, repeats: in
 
 
 def write_kv_impl(num_bytes: int) -> str:
-    """Which implementation `cpu.write_kv` runs for a write of `num_bytes` (K and V) of
+    """Which implementation `reference.write_kv` runs for a write of `num_bytes` (K and V) of
     the benchmark's tensors, which the native kernel always takes when it is loaded."""
-    native = cpu_native.try_load()
+    native = cpu_kernels.try_load()
     if native is None:
         return "torch"
-    if native.has_streaming_stores and num_bytes >= cpu_native.STREAM_MIN_BYTES:
+    if native.has_streaming_stores and num_bytes >= cpu_kernels.STREAM_MIN_BYTES:
         return "C, streaming"
     return "C"
 
 
 def describe_write_kv() -> str:
     """A line saying which `write_kv` implementation this process runs."""
-    native = cpu_native.try_load()
+    native = cpu_kernels.try_load()
     if native is None:
         return (
-            f"write_kv: torch (`index_copy_`; {cpu_native.ENV_VAR}=torch, or the native kernel did not build)"
+            'write_kv: torch (`index_copy_`; the setting cpu = "torch", or the native kernel did not build)'
         )
     if not native.has_streaming_stores:
         return f"write_kv: native C kernel ({native.library_path}), ordinary stores only on this architecture"
     return (
         f"write_kv: native C kernel ({native.library_path}), streaming stores from "
-        f"{cpu_native.STREAM_MIN_BYTES / 2**20:g} MiB written"
+        f"{cpu_kernels.STREAM_MIN_BYTES / 2**20:g} MiB written"
     )
 
 
 def describe_decode_attention() -> str:
     """A line saying which decode attention `paged_attention` runs in this process."""
-    native = cpu_native.try_load()
+    native = cpu_kernels.try_load()
     if native is None or not native.decode_attention_enabled:
         return "decode attention: torch (gather + SDPA); the decode tables time the native kernel too where it loads"
-    return f"decode attention: native C kernel, {cpu_native.ISA_NAMES[native.attention_isa]} code path"
+    return f"decode attention: native C kernel, {cpu_kernels.ISA_NAMES[native.attention_isa]} code path"
 
 
 def row(
@@ -272,34 +274,34 @@ class DecodeShape:
     head_dim: int = 128
 
 
-def decode_implementations() -> dict[str, cpu_native.CpuKernels | None]:
+def decode_implementations() -> dict[str, cpu_kernels.CpuKernels | None]:
     """The decode attentions to compare, as this process's choice to run them with: the
     native kernel (where it is loaded) and torch's gather + SDPA."""
-    loaded = cpu_native.try_load()
+    loaded = cpu_kernels.try_load()
     if loaded is None:
         return {"torch (gather + SDPA)": None}
-    native = cpu_native.CpuKernels(loaded.library_path, decode_attention=True)
+    native = cpu_kernels.CpuKernels(loaded.library_path, decode_attention=True)
     return {
-        f"native C ({cpu_native.ISA_NAMES[native.attention_isa]})": native,
-        "torch (gather + SDPA)": cpu_native.CpuKernels(loaded.library_path, decode_attention=False),
+        f"native C ({cpu_kernels.ISA_NAMES[native.attention_isa]})": native,
+        "torch (gather + SDPA)": cpu_kernels.CpuKernels(loaded.library_path, decode_attention=False),
     }
 
 
-def with_choice(kernels: cpu_native.CpuKernels | None, run: Callable[[], object]) -> Callable[[], None]:
+def with_choice(kernels: cpu_kernels.CpuKernels | None, run: Callable[[], object]) -> Callable[[], None]:
     """`run` with `kernels` as the process's choice (restored after)."""
 
     def chosen() -> None:
-        previous = cpu_native.use(kernels)
+        previous = cpu_kernels.use(kernels)
         try:
             run()
         finally:
-            cpu_native.use(previous)
+            cpu_kernels.use(previous)
 
     return chosen
 
 
 def bench_decode(dtype: torch.dtype, shape: DecodeShape, repeats: int) -> list[dict]:
-    """`cpu.paged_attention` of a decode batch (its plan built per call, as `ops` does) with
+    """`reference.paged_attention` of a decode batch (its plan built per call, as `ops` does) with
     each implementation, against SDPA over contiguous K/V; all interleaved. One row per
     implementation."""
     num_seqs, seq_len, num_kv_heads, head_dim = shape.num_seqs, shape.seq_len, shape.num_kv_heads, shape.head_dim
@@ -321,7 +323,7 @@ def bench_decode(dtype: torch.dtype, shape: DecodeShape, repeats: int) -> list[d
     scale = head_dim**-0.5
 
     def paged() -> None:
-        cpu.paged_attention(out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale)
+        reference.paged_attention(out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale)
 
     implementations = decode_implementations()
     contenders: dict[str, Callable[[], object]] = {
@@ -348,7 +350,7 @@ def bench_decode(dtype: torch.dtype, shape: DecodeShape, repeats: int) -> list[d
 
 def bench_decode_call(repeats: int) -> list[dict]:
     """The fixed cost of one layer's decode attention as the engine runs it (one plan per
-    pass, `cpu.run_attention` per layer): one sequence of 16 tokens, 4/2 heads of 64, float32,
+    pass, `reference.run_attention` per layer): one sequence of 16 tokens, 4/2 heads of 64, float32,
     per call, with each implementation (the native one's plan and argument checks, and the
     ctypes call; the torch one's gathers and SDPA dispatch)."""
     calls = 200
@@ -358,15 +360,15 @@ def bench_decode_call(repeats: int) -> list[dict]:
     out = torch.empty_like(query)
     rows = []
     for name, kernels in decode_implementations().items():
-        previous = cpu_native.use(kernels)
+        previous = cpu_kernels.use(kernels)
         try:
-            plan = cpu.plan_attention(key_cache, [[2]], [16], [0, 1])
+            plan = attention_plan.plan_attention(key_cache, [[2]], [16], [0, 1])
         finally:
-            cpu_native.use(previous)
+            cpu_kernels.use(previous)
 
-        def layers(plan: cpu.AttentionPlan = plan) -> None:
+        def layers(plan: attention_plan.AttentionPlan = plan) -> None:
             for _ in range(calls):
-                cpu.run_attention(out, query, key_cache, value_cache, plan, 0.125)
+                reference.run_attention(out, query, key_cache, value_cache, plan, 0.125)
 
         seconds = interleaved_medians({"layers": layers}, repeats).seconds["layers"]
         rows.append({"impl": name, "decode attention of 1 x 16 tokens, us per layer": f"{seconds / calls * 1e6:.1f}"})
@@ -400,7 +402,14 @@ def main() -> None:
     parser.add_argument(
         "--decode-only", action="store_true", help="only the decode attention tables (no bandwidth rows)"
     )
+    parser.add_argument(
+        "--cpu",
+        choices=("native", "torch"),
+        default="native",
+        help="the kernels' `cpu` setting: the native C kernels where they build, or torch only",
+    )
     args = parser.parse_args()
+    configure(KernelSettings(cpu=args.cpu))
     if args.cpu_time:
         use_cpu_time()
     elif args.threads:

@@ -55,6 +55,8 @@ void check_index(const at::Tensor& tensor, at::ScalarType dtype, int64_t dims, c
 void check_layer_cache(const at::Tensor& cache, const at::Tensor& like, const char* name) {
   TORCH_CHECK(cache.dim() == 4, name, " must be [num_blocks, block_size, num_kv_heads, head_dim], got ",
               cache.sizes());
+  TORCH_CHECK(cache.size(1) >= 1 && cache.size(2) >= 1 && cache.size(3) >= 1, name,
+              " needs block_size, num_kv_heads and head_dim of at least 1, got ", cache.sizes());
   TORCH_CHECK(cache.is_contiguous(), name, " must be contiguous");
   TORCH_CHECK(cache.sizes() == like.sizes() && cache.scalar_type() == like.scalar_type(), name,
               " must match key_cache's shape and dtype");
@@ -114,8 +116,8 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
               key_cache.size(3));
   TORCH_CHECK(query.size(2) <= shoal::kMaxHeadDim, "head_dim ", query.size(2), " > ", shoal::kMaxHeadDim,
               " is not supported");
-  TORCH_CHECK(query.size(1) % key_cache.size(2) == 0, "num_heads ", query.size(1),
-              " must be a multiple of num_kv_heads ", key_cache.size(2));
+  TORCH_CHECK(query.size(1) >= 1 && query.size(1) % key_cache.size(2) == 0, "num_heads ", query.size(1),
+              " must be a positive multiple of num_kv_heads ", key_cache.size(2));
   TORCH_CHECK(query.numel() == 0 || (query.stride(2) == 1 && out.stride(2) == 1),
               "query's and out's last dims must be contiguous");
   check_index(block_tables, at::kInt, 2, "block_tables");
@@ -124,6 +126,7 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
   const int64_t num_seqs = seq_lens.size(0);
   TORCH_CHECK(block_tables.size(0) == num_seqs, "block_tables must have num_seqs rows");
   TORCH_CHECK(query_start_loc.size(0) == num_seqs + 1, "query_start_loc must have num_seqs + 1 entries");
+  TORCH_CHECK(num_seqs > 0 || query.size(0) == 0, "with no sequences the query must have no rows");
   check_on(out, device, "out");
   check_on(key_cache, device, "key_cache");
   check_on(value_cache, device, "value_cache");

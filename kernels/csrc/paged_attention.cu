@@ -27,8 +27,11 @@ constexpr int kNumWarps = 4;
 constexpr int kThreads = kWarpSize * kNumWarps;
 constexpr int kMaxGroup = 8;  // query heads per thread block
 constexpr int kUnroll = 2;    // context positions a warp loads before using them
-// Context slices shorter than this cost more to merge than they gain.
-constexpr int64_t kMinPartitionLength = 256;
+// The context is cut into at most ceil(width / kPartitionUnit) partitions, width being
+// the block table's (max_blocks_per_seq * block_size): slices of this order cost more
+// to merge than they gain. A partition is ceil(width / num_partitions) positions, so
+// between ~129 and 256 positions when the cap applies (see paged_attention_plan).
+constexpr int64_t kPartitionUnit = 256;
 
 __device__ __forceinline__ float to_float(float x) { return x; }
 __device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
@@ -73,17 +76,25 @@ __device__ int find_sequence(const int32_t* query_start_loc, int num_seqs, int64
 }
 
 struct QueryRow {
-  bool valid;     // false for a row past the last sequence's queries
+  bool valid;     // false for a row no sequence owns (a broken query_start_loc)
   int seq;
   int num_seen;   // context positions this row attends to: [0, num_seen)
 };
 
 __device__ QueryRow locate_row(const PagedAttentionArgs& args, int64_t token) {
+  // The contract's batch checks (shoal.kernels.contract.check_attention_batch), which the
+  // host runs on CUDA only in debug mode: every row belongs to exactly one sequence.
+  // Without them a row past query_start_loc[-1] would be left unwritten, and one before
+  // query_start_loc[0] would read before its sequence's first position.
+  assert(args.query_start_loc[0] == 0 && "paged_attention: query_start_loc[0] != 0");
+  assert(args.query_start_loc[args.num_seqs] == args.num_tokens &&
+         "paged_attention: query_start_loc[-1] != the query's rows");
   const int seq = find_sequence(args.query_start_loc, static_cast<int>(args.num_seqs), token);
   const int q_start = args.query_start_loc[seq];
   const int q_end = args.query_start_loc[seq + 1];
-  if (token >= q_end) {
-    return {false, seq, 0};
+  assert(q_start <= token && token < q_end && "paged_attention: query_start_loc decreases");
+  if (token < q_start || token >= q_end) {
+    return {false, seq, 0};  // only where asserts are compiled out: the row stays unwritten
   }
   // Row token - q_start is position seq_len - q_len + (token - q_start) and sees
   // every position up to and including itself.
@@ -137,6 +148,14 @@ __global__ void __launch_bounds__(kThreads) paged_attention_kernel(const PagedAt
   const int lane = threadIdx.x % kWarpSize;
   const int warp = threadIdx.x / kWarpSize;
 
+  if (blockIdx.x == 0 && blockIdx.y == 0 && blockIdx.z == 0) {
+    // One block checks that query_start_loc never decreases (a sequence with a negative
+    // q_len owns no row, so no row's own checks would see it).
+    for (int64_t seq = threadIdx.x; seq < args.num_seqs; seq += kThreads) {
+      assert(args.query_start_loc[seq] <= args.query_start_loc[seq + 1] &&
+             "paged_attention: query_start_loc decreases");
+    }
+  }
   const QueryRow row = locate_row(args, token);
   const int64_t length = partition_length(args);
   const int start = static_cast<int>(partition * length);
@@ -346,7 +365,8 @@ cudaError_t paged_attention_plan(const PagedAttentionArgs& args, PagedAttentionP
     return error;
   }
   // Aim for about two thread blocks per SM; a long context is split only as far
-  // as that needs, and never into slices shorter than kMinPartitionLength.
+  // as that needs, and into at most ceil(width / kPartitionUnit) partitions of
+  // ceil(width / partitions) positions each (width: the block table's).
   const int64_t wanted_blocks = 2 * static_cast<int64_t>(num_sms);
   const int64_t blocks = args.num_tokens * args.num_kv_heads * head_chunks(args);
   if (blocks == 0 || blocks >= wanted_blocks) {
@@ -354,7 +374,7 @@ cudaError_t paged_attention_plan(const PagedAttentionArgs& args, PagedAttentionP
   }
   const int64_t max_context = args.max_blocks_per_seq * args.block_size;
   int64_t partitions = (wanted_blocks + blocks - 1) / blocks;
-  partitions = std::min(partitions, (max_context + kMinPartitionLength - 1) / kMinPartitionLength);
+  partitions = std::min(partitions, (max_context + kPartitionUnit - 1) / kPartitionUnit);
   partitions = std::min(partitions, 65535 / head_chunks(args));  // gridDim.z
   if (partitions > 1) {
     PagedAttentionArgs split = args;

@@ -107,15 +107,23 @@ def test_compose_shows_the_virtual_gpu_alternative() -> None:
     assert "--gpus virtual:2x16GiB" in (REPO_ROOT / "compose.yaml").read_text()
 
 
-def test_dockerfile_installs_cpu_torch_then_shoal() -> None:
+def test_dockerfile_installs_torch_then_shoal_in_each_variant() -> None:
+    """The cpu variant (the default) on python:3.11-slim with CPU torch; the cuda variant on a
+    CUDA devel image (nvcc) with CUDA torch and the `cuda` extra (ninja), which is what
+    building Shoal's KV kernels needs."""
     dockerfile = (REPO_ROOT / "Dockerfile").read_text()
-    assert re.search(r"^FROM python:3\.11-slim$", dockerfile, re.MULTILINE)
+    assert re.search(r"^ARG VARIANT=cpu$", dockerfile, re.MULTILINE)
+    assert re.search(r"^FROM python:3\.11-slim AS base-cpu$", dockerfile, re.MULTILINE)
+    assert re.search(r"^ARG CUDA_IMAGE=nvidia/cuda:[0-9.]+-devel-", dockerfile, re.MULTILINE)
+    assert re.search(r"^FROM \$\{CUDA_IMAGE\} AS base-cuda$", dockerfile, re.MULTILINE)
+    assert re.search(r"^FROM base-\$\{VARIANT\}$", dockerfile, re.MULTILINE)
     assert re.search(r"^ARG TORCH_VERSION=2\.13\.0$", dockerfile, re.MULTILINE)
-    cpu_index = r"^ARG TORCH_INDEX_URL=https://download\.pytorch\.org/whl/cpu$"
-    assert re.search(cpu_index, dockerfile, re.MULTILINE)
-    run_lines = [line for line in dockerfile.splitlines() if line.startswith("RUN ")]
-    assert run_lines[0] == 'RUN pip install "torch==${TORCH_VERSION}" --index-url "${TORCH_INDEX_URL}"'
-    assert run_lines[1].startswith("RUN pip install . "), "torch first, so pip keeps the CPU wheel"
+    lines = dockerfile.splitlines()
+    torch_line = next(i for i, line in enumerate(lines) if 'pip install "torch==${TORCH_VERSION}"' in line)
+    shoal_line = next(i for i, line in enumerate(lines) if 'pip install ".[cuda]"' in line)
+    assert torch_line < shoal_line, "torch first, so pip keeps the wheel of the variant's index"
+    assert 'index="https://download.pytorch.org/whl/cpu"' in dockerfile
+    assert 'then pip install ".[cuda]"; else pip install .; fi' in lines[shoal_line]
 
 
 def test_dockerfile_runs_shoal_as_a_non_root_user() -> None:

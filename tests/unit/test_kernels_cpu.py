@@ -1,7 +1,7 @@
 """The CPU KV-cache ops against naive references written here with per-token loops.
 
 Attention is checked with both decode implementations: the torch groups and, where the
-native library builds, the C kernel (`shoal.kernels.cpu_native`); prefill rows are torch
+native library builds, the C kernel (`shoal.kernels.cpu_kernels`); prefill rows are torch
 in both."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shoal.kernels import contract, cpu, cpu_native, ops
+from shoal.kernels import attention_plan, contract, cpu_kernels, ops, reference
 
 BLOCK_SIZES = (1, 8, 16, 32)
 HEAD_DIMS = (32, 64, 128)
@@ -112,10 +112,10 @@ def build_batch(
     )
 
 
-def attention_implementations() -> list[cpu_native.CpuKernels | None]:
+def attention_implementations() -> list[cpu_kernels.CpuKernels | None]:
     """The process's choices to run attention with: None (torch), and the native library
     where it builds."""
-    native = cpu_native.try_load()
+    native = cpu_kernels.try_load()
     return [None] if native is None else [None, native]
 
 
@@ -131,12 +131,12 @@ def check_attention(
     scale = head_dim**-0.5
     expected = naive_paged_attention(query, key_cache, value_cache, block_tables, lens, starts, scale)
     for kernels in attention_implementations():
-        previous = cpu_native.use(kernels)
+        previous = cpu_kernels.use(kernels)
         try:
             out = torch.full_like(query, float("nan"))
             ops.paged_attention(out, query, key_cache, value_cache, block_tables, lens, starts, scale)
         finally:
-            cpu_native.use(previous)
+            cpu_kernels.use(previous)
         torch.testing.assert_close(out.double(), expected, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
 
 
@@ -195,7 +195,7 @@ def test_write_kv_copies_bits_exactly() -> None:
 def test_write_kv_with_unaligned_rows_falls_back_to_narrow_elements(slots) -> None:
     wide = torch.randn(5, 3, 33)
     key = wide[:, :, 1:]  # storage offset 1: only 4-byte elements fit, in the cache too
-    assert cpu._as_wide(key)[0].dtype == torch.float32
+    assert reference._as_wide(key)[0].dtype == torch.float32
     key_cache = torch.zeros(3, 4, 3, 32)
     value_cache = torch.zeros_like(key_cache)
     slot_mapping = torch.tensor(slots)
@@ -220,7 +220,7 @@ def test_gather_kv_lays_each_sequence_out_in_order() -> None:
     _, key_cache, value_cache, block_tables, lens, _ = build_batch(
         [0, 0, 0, 0], seq_lens, 4, 2, 2, 32, torch.float32, seed=3
     )
-    keys, values = cpu.gather_kv(key_cache, value_cache, block_tables, lens)
+    keys, values = reference.gather_kv(key_cache, value_cache, block_tables, lens)
     assert keys.shape == values.shape == (4, 20, 2, 32)
     for seq, seq_len in enumerate(seq_lens):
         for position in range(seq_len):
@@ -282,11 +282,11 @@ def test_random_batches(data, block_size, heads, head_dim, dtype, seed) -> None:
 def test_decode_sequences_are_grouped_by_length_and_chunked(monkeypatch) -> None:
     seq_lens = [3, 70, 5, 66, 130, 4, 69, 1, 140, 7, 65, 6]
     # 3 blocks of K and V (the limit is per torch thread)
-    monkeypatch.setattr(cpu, "MAX_GROUP_BYTES", 3 * 2 * 16 * 2 * 64 * 4 // torch.get_num_threads())
+    monkeypatch.setattr(attention_plan, "MAX_GROUP_BYTES", 3 * 2 * 16 * 2 * 64 * 4 // torch.get_num_threads())
     _, key_cache, _, block_tables, lens, starts = build_batch(
         [1] * len(seq_lens), seq_lens, 16, 4, 2, 64, torch.float32, seed=0
     )
-    plan = cpu.plan_attention(key_cache, block_tables.tolist(), lens.tolist(), starts.tolist())
+    plan = attention_plan.plan_attention(key_cache, block_tables.tolist(), lens.tolist(), starts.tolist())
     groups = [(group.num_seqs, group.num_blocks) for group in plan.decode]
     # short (1 block: 6 seqs, 3 per chunk), medium (5 blocks: 4 seqs), long (9 blocks: 2 seqs)
     assert groups == [(3, 1), (3, 1), (1, 5), (1, 5), (1, 5), (1, 5), (1, 9), (1, 9)]
@@ -297,13 +297,13 @@ def test_decode_sequences_are_grouped_by_length_and_chunked(monkeypatch) -> None
     _, key_cache, _, block_tables, lens, starts = build_batch(
         [1] * len(seq_lens), by_length, 16, 4, 2, 64, torch.float32, seed=0
     )
-    plan = cpu.plan_attention(key_cache, block_tables.tolist(), lens.tolist(), starts.tolist())
+    plan = attention_plan.plan_attention(key_cache, block_tables.tolist(), lens.tolist(), starts.tolist())
     assert [group.rows for group in plan.decode] == [None] * len(plan.decode)
     assert [row for group in plan.decode for row in _rows(group)] == list(range(len(seq_lens)))
     check_attention([1] * len(seq_lens), by_length, 16, (4, 2), 64, torch.float32, seed=0)
 
 
-def _rows(group: cpu.DecodeGroup) -> list[int]:
+def _rows(group: attention_plan.DecodeGroup) -> list[int]:
     if group.rows is None:
         return list(range(group.first_row, group.first_row + group.num_seqs))
     return group.rows.tolist()
@@ -317,7 +317,7 @@ def test_a_mixed_batch_with_many_decodes_matches_naive(heads) -> None:
 
 
 def test_a_long_prefill_uses_the_fused_kernel(monkeypatch) -> None:
-    monkeypatch.setattr(cpu, "MAX_MATH_PREFILL_SCORES", 100)
+    monkeypatch.setattr(attention_plan, "MAX_MATH_PREFILL_SCORES", 100)
     check_attention([30, 12, 1], [30, 40, 9], 8, (8, 2), 32, torch.float32, seed=9)
 
 
@@ -339,9 +339,9 @@ def test_run_attention_reads_a_fresh_prefill_from_the_new_rows(dtype) -> None:
     ops.write_kv(new_key, new_value, key_cache, value_cache, torch.tensor(slots))
     expected = torch.empty_like(query)
     ops.paged_attention(expected, query, key_cache, value_cache, block_tables, lens, starts, 0.125)
-    plan = cpu.plan_attention(key_cache, block_tables.tolist(), lens.tolist(), starts.tolist())
+    plan = attention_plan.plan_attention(key_cache, block_tables.tolist(), lens.tolist(), starts.tolist())
     out = torch.full_like(query, float("nan"))
-    cpu.run_attention(
+    reference.run_attention(
         out, query, key_cache, value_cache, plan, 0.125, transposed(new_key), transposed(new_value)
     )
     assert torch.equal(out, expected)

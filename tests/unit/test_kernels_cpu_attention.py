@@ -15,22 +15,23 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from structlog.testing import capture_logs
 
-from shoal.kernels import cpu, cpu_native, ops
+from shoal.kernels import attention_plan, cpu_build, cpu_kernels, ops, reference
+from shoal.kernels.settings import KernelSettings
 
 TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 
-def isas(native: cpu_native.CpuKernels) -> list[int]:
+def isas(native: cpu_kernels.CpuKernels) -> list[int]:
     """The kernel's code paths this CPU runs."""
-    if native.attention_isa == cpu_native.ISA_AVX2:
-        return [cpu_native.ISA_BASELINE, cpu_native.ISA_AVX2]
-    return [cpu_native.ISA_BASELINE]
+    if native.attention_isa == cpu_kernels.ISA_AVX2:
+        return [cpu_kernels.ISA_BASELINE, cpu_kernels.ISA_AVX2]
+    return [cpu_kernels.ISA_BASELINE]
 
 
-@pytest.fixture(params=[cpu_native.ISA_BASELINE, cpu_native.ISA_AVX2], ids=["baseline", "avx2"])
-def isa(request: pytest.FixtureRequest, native: cpu_native.CpuKernels) -> int:
+@pytest.fixture(params=[cpu_kernels.ISA_BASELINE, cpu_kernels.ISA_AVX2], ids=["baseline", "avx2"])
+def isa(request: pytest.FixtureRequest, native: cpu_kernels.CpuKernels) -> int:
     """Each code path of the kernel (AVX2 skipped on a CPU without it)."""
     if request.param not in isas(native):
         pytest.skip("this CPU has no AVX2")
@@ -40,9 +41,9 @@ def isa(request: pytest.FixtureRequest, native: cpu_native.CpuKernels) -> int:
 @pytest.fixture
 def process_choice() -> Iterator[None]:
     """Restores this process's choice of implementation after a test that changes it."""
-    previous = cpu_native.try_load()
+    previous = cpu_kernels.try_load()
     yield
-    cpu_native.use(previous)
+    cpu_kernels.use(previous)
 
 
 # --- a batch and its float64 reference ----------------------------------------------------
@@ -94,7 +95,7 @@ def make_batch(
     return Batch(query, key_cache, value_cache, tables, seq_lens, rows)
 
 
-def reference(batch: Batch, scale: float) -> torch.Tensor:
+def naive_attention(batch: Batch, scale: float) -> torch.Tensor:
     """Each sequence's row attended over its context, in float64 (other rows zero)."""
     out = torch.zeros(batch.query.shape, dtype=torch.float64)
     block_size, num_kv_heads = batch.key_cache.shape[1], batch.key_cache.shape[2]
@@ -111,7 +112,7 @@ def reference(batch: Batch, scale: float) -> torch.Tensor:
 
 
 def run_native(
-    kernels: cpu_native.CpuKernels, batch: Batch, scale: float, isa: int = cpu_native.ISA_BEST
+    kernels: cpu_kernels.CpuKernels, batch: Batch, scale: float, isa: int = cpu_kernels.ISA_BEST
 ) -> torch.Tensor:
     plan = kernels.plan_decode(batch.key_cache, batch.block_tables, batch.seq_lens, batch.rows)
     assert plan is not None
@@ -120,12 +121,12 @@ def run_native(
     return out
 
 
-def check(kernels: cpu_native.CpuKernels, batch: Batch, isa: int, scale: float | None = None) -> None:
+def check(kernels: cpu_kernels.CpuKernels, batch: Batch, isa: int, scale: float | None = None) -> None:
     """The native result against the reference; rows that do not decode stay untouched."""
     head_dim = batch.query.shape[2]
     scale = head_dim**-0.5 if scale is None else scale
     out = run_native(kernels, batch, scale, isa)
-    expected = reference(batch, scale)
+    expected = naive_attention(batch, scale)
     tolerance = TOLERANCE[batch.query.dtype]
     torch.testing.assert_close(out[batch.rows].double(), expected[batch.rows], atol=tolerance, rtol=tolerance)
     idle = [row for row in range(out.shape[0]) if row not in batch.rows]
@@ -164,7 +165,7 @@ def test_groups_that_split_into_subgroups(native, heads, isa) -> None:
 @pytest.mark.parametrize("layout", ["head_major", "token_strided"])
 def test_strided_queries(native, layout) -> None:
     batch = make_batch([5, 90], 16, 8, 2, 64, torch.bfloat16, seed=3, query_layout=layout)
-    check(native, batch, cpu_native.ISA_BEST)
+    check(native, batch, cpu_kernels.ISA_BEST)
 
 
 def test_scores_far_apart_stay_finite(native) -> None:
@@ -198,11 +199,11 @@ def test_random_batches(native, data, block_size, num_kv_heads, group, head_dim,
 
 def test_both_code_paths_agree_closely(native) -> None:
     """The AVX2 path fuses products and sums, the baseline does not: last bits only."""
-    if cpu_native.ISA_AVX2 not in isas(native):
+    if cpu_kernels.ISA_AVX2 not in isas(native):
         pytest.skip("this CPU has no AVX2")
     batch = make_batch([3, 200, 1000], 16, 16, 4, 128, torch.float32, seed=9)
-    baseline = run_native(native, batch, 0.1, cpu_native.ISA_BASELINE)
-    avx2 = run_native(native, batch, 0.1, cpu_native.ISA_AVX2)
+    baseline = run_native(native, batch, 0.1, cpu_kernels.ISA_BASELINE)
+    avx2 = run_native(native, batch, 0.1, cpu_kernels.ISA_AVX2)
     torch.testing.assert_close(avx2[batch.rows], baseline[batch.rows], atol=1e-6, rtol=1e-5)
 
 
@@ -216,7 +217,7 @@ def test_one_plan_serves_every_layer(native) -> None:
         batch.key_cache, batch.value_cache = pool[layer, 0], pool[layer, 1]
         out = torch.full_like(batch.query, float("nan"))
         assert plan.run(out, batch.query, batch.key_cache, batch.value_cache, 0.125)
-        expected = reference(batch, 0.125)[batch.rows]
+        expected = naive_attention(batch, 0.125)[batch.rows]
         torch.testing.assert_close(out[batch.rows].double(), expected, atol=2e-5, rtol=2e-5)
 
 
@@ -274,11 +275,11 @@ def test_caches_and_tensors_it_does_not_take(native) -> None:
 
 
 def test_a_code_path_this_cpu_lacks_is_refused(native) -> None:
-    if cpu_native.ISA_AVX2 in isas(native):
+    if cpu_kernels.ISA_AVX2 in isas(native):
         pytest.skip("this CPU runs every code path")
     batch = make_batch([5], 4, 4, 2, 32, torch.float32, seed=2)
     with pytest.raises(ValueError, match="not available"):
-        run_native(native, batch, 0.1, cpu_native.ISA_AVX2)
+        run_native(native, batch, 0.1, cpu_kernels.ISA_AVX2)
 
 
 # --- wired into the CPU path ------------------------------------------------------------------
@@ -312,15 +313,15 @@ def paged_attention(batch_q_lens: list[int], seq_lens: list[int], dtype: torch.d
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_paged_attention_runs_native_decodes_and_torch_prefills(native, process_choice, dtype) -> None:
     """The same batch with the native decode attention, with the torch one
-    (``SHOAL_CPU_ATTENTION=torch``) and with no native library at all: decode rows agree
+    (the setting ``cpu_attention = "torch"``) and with no native library at all: decode rows agree
     within the tolerance, prefill rows (torch in every case) bit for bit."""
     q_lens = [1, 12, 1, 0, 5, 1]
     seq_lens = [40, 12, 3, 9, 30, 200]
     run = paged_attention(q_lens, seq_lens, dtype, seed=1)
     results = []
-    torch_attention = cpu_native.CpuKernels(native.library_path, decode_attention=False)
+    torch_attention = cpu_kernels.CpuKernels(native.library_path, decode_attention=False)
     for kernels in (native, torch_attention, None):
-        cpu_native.use(kernels)
+        cpu_kernels.use(kernels)
         results.append(run())
     decode_rows = [0, 13, 19]
     prefill_rows = [row for row in range(sum(q_lens)) if row not in decode_rows]
@@ -334,17 +335,17 @@ def test_paged_attention_runs_native_decodes_and_torch_prefills(native, process_
 def test_the_plan_carries_the_native_decode_only_where_it_runs(native, process_choice) -> None:
     key_cache = torch.zeros(6, 4, 2, 32)
     tables, lens, starts = [[0, 1], [2, 3, 4]], [5, 9], [0, 1, 2]
-    cpu_native.use(native)
-    plan = cpu.plan_attention(key_cache, tables, lens, starts)
+    cpu_kernels.use(native)
+    plan = attention_plan.plan_attention(key_cache, tables, lens, starts)
     assert plan.native_decode is not None and plan.native_decode.num_seqs == 2
     assert "decode" not in vars(plan), "the torch groups are built only when needed"
     assert sum(group.num_seqs for group in plan.decode) == 2  # still there for a fallback
-    assert cpu.plan_attention(torch.zeros(6, 4, 2, 24), tables, lens, starts).native_decode is None
-    assert cpu.plan_attention(key_cache, tables, lens, [0, 3, 5]).native_decode is None  # prefills only
-    cpu_native.use(cpu_native.CpuKernels(native.library_path, decode_attention=False))
-    assert cpu.plan_attention(key_cache, tables, lens, starts).native_decode is None
-    cpu_native.use(None)
-    assert cpu.plan_attention(key_cache, tables, lens, starts).native_decode is None
+    assert attention_plan.plan_attention(torch.zeros(6, 4, 2, 24), tables, lens, starts).native_decode is None
+    assert attention_plan.plan_attention(key_cache, tables, lens, [0, 3, 5]).native_decode is None  # prefills only
+    cpu_kernels.use(cpu_kernels.CpuKernels(native.library_path, decode_attention=False))
+    assert attention_plan.plan_attention(key_cache, tables, lens, starts).native_decode is None
+    cpu_kernels.use(None)
+    assert attention_plan.plan_attention(key_cache, tables, lens, starts).native_decode is None
 
 
 def test_a_failed_build_leaves_decode_attention_to_torch(tmp_path, process_choice) -> None:
@@ -354,26 +355,35 @@ def test_a_failed_build_leaves_decode_attention_to_torch(tmp_path, process_choic
     script.write_text('#!/bin/sh\nif [ "$1" = --version ]; then echo fake-cc 1.0; exit 0; fi\nexit 1\n')
     script.chmod(0o755)
     with capture_logs() as logs:
-        kernels = cpu_native.select({}, [str(script)], [tmp_path / "cache"])
+        kernels = cpu_kernels.select(KernelSettings(), [str(script)], [tmp_path / "cache"])
     assert kernels is None and logs[0]["event"] == "kernels.cpu_native_unavailable"
-    cpu_native.use(kernels)
+    cpu_kernels.use(kernels)
     batch = make_batch([3, 50], 8, 8, 2, 64, torch.float32, seed=6)
-    plan = cpu.plan_attention(batch.key_cache, batch.block_tables, batch.seq_lens, [0, 1, 2])  # rows 0, 1
+    plan = attention_plan.plan_attention(batch.key_cache, batch.block_tables, batch.seq_lens, [0, 1, 2])  # rows 0, 1
     assert plan.native_decode is None
     out = torch.full_like(batch.query, float("nan"))
-    cpu.run_attention(out, batch.query, batch.key_cache, batch.value_cache, plan, 0.125)
+    reference.run_attention(out, batch.query, batch.key_cache, batch.value_cache, plan, 0.125)
     batch.rows = [0, 1]
-    torch.testing.assert_close(out[:2].double(), reference(batch, 0.125)[:2], atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(out[:2].double(), naive_attention(batch, 0.125)[:2], atol=2e-5, rtol=2e-5)
 
 
-def test_the_attention_choice_is_read_from_the_environment(native, tmp_path) -> None:
-    compiler = cpu_native.default_compiler()
+def test_the_attention_choice_is_a_setting(native, tmp_path) -> None:
+    compiler = cpu_build.default_compiler()
     cache = [tmp_path / "cache"]
-    chosen = cpu_native.select({}, compiler, cache)
+    chosen = cpu_kernels.select(KernelSettings(), compiler, cache)
     assert chosen is not None and chosen.decode_attention_enabled
-    torch_attention = cpu_native.select({cpu_native.ATTENTION_ENV_VAR: "torch"}, compiler, cache)
+    torch_attention = cpu_kernels.select(KernelSettings(cpu_attention="torch"), compiler, cache)
     assert torch_attention is not None and not torch_attention.decode_attention_enabled
-    with capture_logs() as logs:
-        unknown = cpu_native.select({cpu_native.ATTENTION_ENV_VAR: "fast"}, compiler, cache)
-    assert unknown is not None and not unknown.decode_attention_enabled
-    assert "expected 'native' or 'torch'" in logs[0]["error"]
+
+
+def test_configure_switches_the_decode_attention_of_the_next_plan(native, kernel_settings) -> None:
+    """`configure` drops the process's choice; the next plan is made with the new settings."""
+    batch = make_batch([3, 50], 8, 8, 2, 64, torch.float32, seed=7)
+    kernel_settings(cpu_attention="torch")
+    torch_plan = attention_plan.plan_attention(batch.key_cache, batch.block_tables, batch.seq_lens, [0, 1, 2])
+    kernels = cpu_kernels.try_load()
+    assert kernels is not None and not kernels.decode_attention_enabled
+    assert torch_plan.native_decode is None
+    kernel_settings(cpu_attention="native")
+    native_plan = attention_plan.plan_attention(batch.key_cache, batch.block_tables, batch.seq_lens, [0, 1, 2])
+    assert native_plan.native_decode is not None

@@ -16,7 +16,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from structlog.testing import capture_logs
 
-from shoal.kernels import cpu, cpu_native, ops
+from shoal.kernels import cpu_build, cpu_kernels, ops, reference
+from shoal.kernels.settings import KernelSettings
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _BITS = {4: torch.int32, 2: torch.int16}
@@ -27,9 +28,9 @@ NEVER_STREAM = 1 << 62
 @pytest.fixture
 def process_choice() -> Iterator[None]:
     """Restores this process's choice of implementation after a test that changes it."""
-    previous = cpu_native.try_load()
+    previous = cpu_kernels.try_load()
     yield
-    cpu_native.use(previous)
+    cpu_kernels.use(previous)
 
 
 def random_bits(shape: tuple[int, ...], dtype: torch.dtype, generator: torch.Generator) -> torch.Tensor:
@@ -81,7 +82,7 @@ LAYOUTS = {
 
 
 def check_against_torch(
-    native: cpu_native.CpuKernels,
+    native: cpu_kernels.CpuKernels,
     *,
     block_size: int,
     num_heads: int,
@@ -93,7 +94,7 @@ def check_against_torch(
     stream_min_bytes: int | None,
     seed: int,
 ) -> None:
-    """The native kernel's write against `cpu.write_kv_torch`'s, both on random bits.
+    """The native kernel's write against `reference.write_kv_torch`'s, both on random bits.
 
     Args:
         layout: how key and value are laid out (`LAYOUTS`); "unaligned" misaligns the
@@ -113,7 +114,7 @@ def check_against_torch(
     slots[torch.rand(num_tokens, generator=generator) < padding] = -1
 
     wrote = native.write_kv(key, value, key_cache, value_cache, slots, stream_min_bytes=stream_min_bytes)
-    cpu.write_kv_torch(key, value, expected_key, expected_value, slots)
+    reference.write_kv_torch(key, value, expected_key, expected_value, slots)
 
     assert wrote
     assert same_bits(key_cache, expected_key)
@@ -170,7 +171,7 @@ def test_every_layout_and_store_path(native, dtype, layout, streaming) -> None:
 def test_writes_on_both_sides_of_the_default_threshold(native) -> None:
     """`STREAM_MIN_BYTES` itself picks the store path: a decode step's few rows, and a write just past it."""
     row_bytes = 8 * 128 * 2
-    for num_tokens in (16, cpu_native.STREAM_MIN_BYTES // (2 * row_bytes) + 1):
+    for num_tokens in (16, cpu_kernels.STREAM_MIN_BYTES // (2 * row_bytes) + 1):
         check_against_torch(
             native,
             block_size=16,
@@ -219,7 +220,7 @@ def test_cpu_write_kv_runs_the_native_kernel_or_torch_with_the_same_results(nati
     slots[::7] = -1
     results = []
     for choice in (native, None):
-        cpu_native.use(choice)
+        cpu_kernels.use(choice)
         key_cache, value_cache = (
             torch.zeros(shape, dtype=torch.bfloat16),
             torch.zeros(shape, dtype=torch.bfloat16),
@@ -242,7 +243,7 @@ def fake_compiler(directory: Path, body: str) -> list[str]:
 
 def counting_compiler(directory: Path) -> tuple[list[str], Path]:
     """The machine's compiler behind a script that counts compiles (not --version calls)."""
-    real = cpu_native.default_compiler()
+    real = cpu_build.default_compiler()
     count = directory / "compiles"
     command = fake_compiler(directory, f'echo compile >> "{count}"\nexec {" ".join(real)} "$@"')
     return command, count
@@ -255,15 +256,15 @@ def num_compiles(count: Path) -> int:
 def test_a_second_load_reuses_the_cached_build(native, tmp_path) -> None:
     compiler, count = counting_compiler(tmp_path)
     cache = tmp_path / "cache"
-    first = cpu_native.build(compiler, [cache])
-    second = cpu_native.build(compiler, [cache])
+    first = cpu_build.build(compiler, [cache])
+    second = cpu_build.build(compiler, [cache])
     assert first == second and num_compiles(count) == 1
     assert stat.S_IMODE(cache.stat().st_mode) == 0o700
-    assert cpu_native.CpuKernels(second).has_streaming_stores == native.has_streaming_stores
+    assert cpu_kernels.CpuKernels(second).has_streaming_stores == native.has_streaming_stores
     # Another source (either of the two) is another build next to it.
     changed = tmp_path / "changed.c"
-    changed.write_text(cpu_native.ATTENTION_SOURCE.read_text() + "\n/* changed */\n")
-    assert cpu_native.build(compiler, [cache], [cpu_native.SOURCE, changed]) != first
+    changed.write_text(cpu_build.ATTENTION_SOURCE.read_text() + "\n/* changed */\n")
+    assert cpu_build.build(compiler, [cache], [cpu_build.SOURCE, changed]) != first
     assert num_compiles(count) == 2
 
 
@@ -273,26 +274,26 @@ def test_a_directory_others_can_write_is_not_used(native, tmp_path) -> None:
     shared.mkdir()
     shared.chmod(0o777)
     private = tmp_path / "private"
-    assert cpu_native.build(compiler, [shared, private]).parent == private
+    assert cpu_build.build(compiler, [shared, private]).parent == private
     assert not list(shared.iterdir())
 
 
 def test_a_failed_build_falls_back_to_torch_and_says_why(tmp_path, process_choice) -> None:
     compiler = fake_compiler(tmp_path, 'echo "fake-cc: error: out of luck" >&2\nexit 1')
     with capture_logs() as logs:
-        kernels = cpu_native.select({}, compiler, [tmp_path / "cache"])
+        kernels = cpu_kernels.select(KernelSettings(), compiler, [tmp_path / "cache"])
     assert kernels is None
     (event,) = logs
     assert event["event"] == "kernels.cpu_native_unavailable" and event["log_level"] == "warning"
     assert "out of luck" in event["error"]
     assert not [path for path in (tmp_path / "cache").iterdir()], "no partial library is left behind"
 
-    cpu_native.use(kernels)
+    cpu_kernels.use(kernels)
     key_cache = torch.zeros(3, 4, 2, 32)
     value_cache = torch.zeros_like(key_cache)
     key = torch.randn(5, 2, 32)
     slots = torch.tensor([3, -1, 11, 0, 7])
-    cpu.write_kv(key, key, key_cache, value_cache, slots)
+    reference.write_kv(key, key, key_cache, value_cache, slots)
     for token, slot in enumerate(slots.tolist()):
         if slot >= 0:
             assert torch.equal(key_cache.view(12, 2, 32)[slot], key[token])
@@ -300,17 +301,29 @@ def test_a_failed_build_falls_back_to_torch_and_says_why(tmp_path, process_choic
 
 def test_a_missing_compiler_or_the_torch_choice_selects_torch(tmp_path) -> None:
     with capture_logs() as logs:
-        assert cpu_native.select({}, [str(tmp_path / "no-such-cc")], [tmp_path]) is None
+        assert cpu_kernels.select(KernelSettings(), [str(tmp_path / "no-such-cc")], [tmp_path]) is None
     assert "does not run" in logs[0]["error"]
     with capture_logs() as logs:
-        assert cpu_native.select({cpu_native.ENV_VAR: "torch"}, [str(tmp_path / "no-such-cc")]) is None
+        assert cpu_kernels.select(KernelSettings(cpu="torch"), [str(tmp_path / "no-such-cc")]) is None
     assert logs == []
-    with capture_logs() as logs:
-        assert cpu_native.select({cpu_native.ENV_VAR: "fast"}, [str(tmp_path / "no-such-cc")]) is None
-    assert "expected 'native' or 'torch'" in logs[0]["error"]
+
+
+def test_the_torch_setting_writes_with_torch_and_builds_nothing(native, kernel_settings) -> None:
+    """``cpu = "torch"`` (configured): the process's choice is the torch implementation, and
+    `reference.write_kv` gives what `write_kv_torch` gives; back to ``native``, the library."""
+    kernel_settings(cpu="torch")
+    assert cpu_kernels.try_load() is None
+    key = torch.randn(5, 2, 32)
+    slots = torch.tensor([3, -1, 11, 0, 7])
+    key_cache, expected = torch.zeros(3, 4, 2, 32), torch.zeros(3, 4, 2, 32)
+    reference.write_kv(key, key, key_cache, key_cache.clone(), slots)
+    reference.write_kv_torch(key, key, expected, expected.clone(), slots)
+    assert torch.equal(key_cache, expected)
+    kernel_settings(cpu="native")
+    assert isinstance(cpu_kernels.try_load(), cpu_kernels.CpuKernels)
 
 
 def test_cc_from_the_environment_is_split_like_a_shell_would() -> None:
-    assert cpu_native.default_compiler({"CC": "ccache gcc -m64"}) == ["ccache", "gcc", "-m64"]
+    assert cpu_build.default_compiler({"CC": "ccache gcc -m64"}) == ["ccache", "gcc", "-m64"]
     if shutil.which("cc") or shutil.which("gcc"):
-        assert Path(cpu_native.default_compiler({})[0]).name in ("cc", "gcc")
+        assert Path(cpu_build.default_compiler({})[0]).name in ("cc", "gcc")

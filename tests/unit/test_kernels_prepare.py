@@ -54,3 +54,12 @@ def test_the_cpu_needs_no_kernels() -> None:
 def test_the_real_loader_refuses_a_machine_without_cuda() -> None:
     with pytest.raises(KernelBuildError, match="CUDA is not available"):
         ops.prepare(torch.device("cuda"), use_cuda_kernels=True)
+
+
+def test_the_configured_cuda_setting_decides_when_not_passed(kernel_settings) -> None:
+    kernel_settings(cuda="reference")
+    assert ops.prepare(torch.device("cuda"), load=Loader(KernelBuildError("must not be called"))) == "reference"
+    kernel_settings(cuda="kernels")
+    load = Loader()
+    assert ops.prepare(torch.device("cuda"), load=load) == "cuda"
+    assert load.num_calls == 1

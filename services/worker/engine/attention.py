@@ -11,8 +11,8 @@ scheduled tokens of all sequences flattened into one row, and each layer
    (`ops.paged_attention`, by block table), which covers decode, prefill and prefill over
    a cached prefix in one call.
 
-On the CPU the batch instead carries a `cpu.AttentionPlan`, the same metadata built once
-per pass by the runner, and each layer runs `cpu.write_kv` and `cpu.run_attention` with
+On the CPU the batch instead carries an `AttentionPlan`, the same metadata built once
+per pass by the runner, and each layer runs `reference.write_kv` and `reference.run_attention` with
 it: the CPU implementation of the same two ops, without rebuilding the plan per layer.
 
 No attention mask is registered for the name on purpose: transformers then skips building
@@ -29,7 +29,8 @@ from typing import Any
 import torch
 from transformers import AttentionInterface
 
-from shoal.kernels import cpu, ops
+from shoal.kernels import ops, reference
+from shoal.kernels.attention_plan import AttentionPlan
 
 ATTN_IMPLEMENTATION = "shoal_paged"
 BATCH_KWARG = "shoal_batch"
@@ -49,10 +50,10 @@ class PagedBatch:
     """int32 [num_seqs]: context length including this pass's tokens."""
     query_start_loc: torch.Tensor | None = None
     """int32 [num_seqs + 1]: each sequence's first row in the flattened batch."""
-    cpu_plan: cpu.AttentionPlan | None = None
+    cpu_plan: AttentionPlan | None = None
     """Instead of the three tensors above when the cache is on the CPU: the batch as
     host-side metadata, built once per pass, with which every layer runs
-    `cpu.run_attention` (no per-layer `tolist`, masks or block counts)."""
+    `reference.run_attention` (no per-layer `tolist`, masks or block counts)."""
 
 
 def paged_attention_forward(
@@ -88,8 +89,8 @@ def paged_attention_forward(
     if batch.cpu_plan is not None:
         # The runner's own tensors, the kernels' layouts by construction: the CPU functions
         # directly, without the public ops' argument checks and padding scan.
-        cpu.write_kv(key_rows, value_rows, key_cache, value_cache, batch.slot_mapping, may_pad=False)
-        cpu.run_attention(
+        reference.write_kv(key_rows, value_rows, key_cache, value_cache, batch.slot_mapping, may_pad=False)
+        reference.run_attention(
             out, query_rows, key_cache, value_cache, batch.cpu_plan, scale, key_rows, value_rows
         )
     else:

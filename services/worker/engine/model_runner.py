@@ -13,7 +13,8 @@ from typing import Any
 
 import torch
 
-from shoal.kernels import cpu, ops
+from shoal.kernels import ops
+from shoal.kernels.attention_plan import plan_attention
 from shoal.services.worker.engine.attention import BATCH_KWARG, PagedBatch
 from shoal.services.worker.engine.batch_scheduler import StepPlan
 from shoal.shared.kv_cache.manager import KVCacheManager
@@ -110,7 +111,7 @@ class ModelRunner:
             batch = PagedBatch(
                 layer_caches=self.layer_caches,
                 slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64),
-                cpu_plan=cpu.plan_attention(self.kv_cache[0, 0], block_tables, seq_lens, query_start_loc),
+                cpu_plan=plan_attention(self.kv_cache[0, 0], block_tables, seq_lens, query_start_loc),
             )
         else:
             num_table_blocks = max(len(block_ids) for block_ids in block_tables)

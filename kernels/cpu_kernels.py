@@ -1,8 +1,9 @@
-"""Shoal's native CPU kernels (kernels/csrc/*.c): built on first use, loaded with ctypes.
+"""Shoal's native CPU kernels (kernels/csrc/*.c), loaded with ctypes: the bindings, and
+this process's choice of implementation.
 
-Two kernels, one library:
+Two kernels, one library (built by `shoal.kernels.cpu_build`):
 
-* ``write_kv`` (`cpu_cache_ops.c`): the torch version (`shoal.kernels.cpu`) moves
+* ``write_kv`` (`cpu_cache_ops.c`): the torch version (`shoal.kernels.reference`) moves
   scattered rows with ordinary stores, and a store to a line that is not in the
   cache reads the line first, so a large write to scattered slots runs at a third
   to a half of a contiguous copy; this C loop can use streaming (non-temporal)
@@ -12,59 +13,30 @@ Two kernels, one library:
   version first gathers every sequence's blocks into a contiguous copy. Its
   metadata is a `DecodePlan`, built once per forward pass and used by every layer.
 
-Plain C without torch headers: the system C compiler (``$CC``, else ``cc``, else
-``gcc``) builds it in a few seconds, the first time a process needs it, into a
-per-user cache directory keyed by a hash of the sources, the flags and the
-compiler, so later processes load it without compiling. No ``-march``: the
-cached library may be used on another machine of the same architecture (the
-attention kernel picks its AVX2 code at run time).
-
-Where it cannot be built or loaded (no compiler, a failed compile, no private
+Where the library cannot be built or loaded (no compiler, a failed compile, no private
 directory to build in), the torch implementation runs instead, with the same
-results, and the reason is logged once. ``SHOAL_CPU_KERNELS=torch`` forces the
-torch implementation of both; ``SHOAL_CPU_ATTENTION=torch`` that of the
-attention only.
+results, and the reason is logged once. The settings (`shoal.kernels.settings`)
+choose: ``cpu = "torch"`` forces the torch implementation of both;
+``cpu_attention = "torch"`` that of the attention only.
 """
 
 from __future__ import annotations
 
 import array
-import contextlib
 import ctypes
-import hashlib
-import os
-import platform
-import shlex
-import shutil
-import stat
-import subprocess
-import tempfile
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import structlog
 import torch
 
-log = structlog.get_logger(__name__)
+from shoal.kernels import cpu_build
+from shoal.kernels.cpu_build import ABI_VERSION, NativeBuildError
+from shoal.kernels.settings import KernelSettings, get_settings, on_configure
 
-_CSRC = Path(__file__).resolve().parent / "csrc"
-SOURCE = _CSRC / "cpu_cache_ops.c"
-ATTENTION_SOURCE = _CSRC / "cpu_attention.c"
-SOURCES = (SOURCE, ATTENTION_SOURCE)
-"""What the library is compiled from (and its cache key hashes)."""
-LIBRARY_STEM = "shoal_cpu_kernels"
-"""The built library is ``<stem>-<hash>.so`` in the cache directory."""
-ABI_VERSION = 2
-"""What ``shoal_cpu_kernels_abi()`` must return: the C signatures this module calls."""
-COMPILE_FLAGS = ("-O3", "-std=c11", "-fPIC", "-shared", "-ffp-contract=fast")
-"""``-ffp-contract=fast`` lets the attention kernel's AVX2 code fuse its products and sums
-(FMA); ``-std=c11`` alone turns that off. Nothing else in the library computes on floats."""
-ENV_VAR = "SHOAL_CPU_KERNELS"
-"""``torch`` runs the torch implementation even where the native kernels build."""
-ATTENTION_ENV_VAR = "SHOAL_CPU_ATTENTION"
-"""``torch`` runs the torch decode attention while the native ``write_kv`` still runs."""
+log = structlog.get_logger(__name__)
 
 STREAM_MIN_BYTES = 1024 * 1024
 """A write of at least this many bytes (K and V, padding included) uses streaming stores,
@@ -74,7 +46,6 @@ the cache for the attention that reads it next. About the L2 size: on the 2-core
 was measured on (1 MB L2 per core, 32 MB L3), streaming is as fast as ordinary stores at
 512 KB even into rows already in L3, and faster from 1 MB on (docs/kernels.md)."""
 
-COMPILE_TIMEOUT_S = 120
 
 # The element sizes of the contract's dtypes; the C loop moves bytes and needs only these.
 _ELEMENT_BYTES = {torch.float32: 4, torch.float16: 2, torch.bfloat16: 2}
@@ -145,10 +116,6 @@ class DecodePlan:
         return self.kernels.decode_attention(self, out, query, key_cache, value_cache, scale, isa=isa)
 
 
-class NativeBuildError(RuntimeError):
-    """The native CPU kernel could not be built or loaded; the torch implementation serves."""
-
-
 class CpuKernels:
     """The loaded library: `write_kv` and decode attention on raw pointers and strides."""
 
@@ -156,8 +123,8 @@ class CpuKernels:
         """Loads a built library.
 
         Args:
-            decode_attention: whether `shoal.kernels.cpu` runs the native decode attention
-                (False: the torch one; ``SHOAL_CPU_ATTENTION=torch``).
+            decode_attention: whether `shoal.kernels.reference` runs the native decode
+                attention (False: the torch one; the setting ``cpu_attention = "torch"``).
 
         Raises:
             NativeBuildError: it cannot be loaded or was built from another signature.
@@ -185,7 +152,7 @@ class CpuKernels:
         self.has_streaming_stores = bool(streaming())
         """False where the build has no streaming stores (not x86-64): every write uses memcpy."""
         self.decode_attention_enabled = decode_attention
-        """Whether `shoal.kernels.cpu` plans decode attention for this library."""
+        """Whether `shoal.kernels.attention_plan` plans decode attention for this library."""
         self.attention_isa = int(attention_isa())
         """The attention kernel's code path on this CPU: `ISA_AVX2` or `ISA_BASELINE`."""
         self._write_kv = write_kv
@@ -424,148 +391,6 @@ class CpuKernels:
         raise AssertionError(f"decode attention: the plan's geometry was refused ({status})")
 
 
-def default_compiler(environ: Mapping[str, str] = os.environ) -> list[str]:
-    """``$CC`` split like a shell would, else ``cc``, else ``gcc``.
-
-    Raises:
-        NativeBuildError: none is set or on PATH.
-    """
-    if environ.get("CC", "").strip():
-        return shlex.split(environ["CC"])
-    for name in ("cc", "gcc"):
-        found = shutil.which(name)
-        if found:
-            return [found]
-    raise NativeBuildError("no C compiler: set CC or put cc or gcc on PATH")
-
-
-def default_cache_dirs(environ: Mapping[str, str] = os.environ) -> list[Path]:
-    """Where built libraries are kept, in order of preference: ``$XDG_CACHE_HOME/shoal``
-    (else ``~/.cache/shoal``), then ``shoal-<uid>`` in the temp directory."""
-    dirs = []
-    if environ.get("XDG_CACHE_HOME"):
-        dirs.append(Path(environ["XDG_CACHE_HOME"]) / "shoal")
-    else:
-        with contextlib.suppress(RuntimeError):  # no home directory
-            dirs.append(Path.home() / ".cache" / "shoal")
-    dirs.append(Path(tempfile.gettempdir()) / f"shoal-{os.getuid()}")
-    return dirs
-
-
-def _is_private(path: Path, *, directory: bool) -> bool:
-    """Whether only this user can have written `path`: owned by us, no group or other write bit."""
-    info = path.stat()
-    kind_ok = stat.S_ISDIR(info.st_mode) if directory else stat.S_ISREG(info.st_mode)
-    return kind_ok and info.st_uid == os.getuid() and not info.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
-
-
-def _private_dir(candidates: Sequence[Path]) -> Path:
-    """The first candidate that exists or can be made and that only this user can write to.
-
-    Raises:
-        NativeBuildError: none is.
-    """
-    refused = []
-    for candidate in candidates:
-        try:
-            candidate.mkdir(mode=0o700, parents=True, exist_ok=True)
-            if _is_private(candidate, directory=True) and os.access(candidate, os.W_OK):
-                return candidate
-            refused.append(f"{candidate} (not a directory only this user can write)")
-        except OSError as error:
-            refused.append(f"{candidate} ({error})")
-    raise NativeBuildError(f"no private directory to build in: {', '.join(refused)}")
-
-
-def _compiler_identity(compiler: Sequence[str]) -> str:
-    """The compiler's resolved path and ``--version`` output, for the cache key.
-
-    Raises:
-        NativeBuildError: it does not run.
-    """
-    try:
-        result = subprocess.run(
-            [*compiler, "--version"], capture_output=True, text=True, timeout=30, check=False
-        )
-    except (OSError, subprocess.TimeoutExpired) as error:
-        raise NativeBuildError(f"C compiler {shlex.join(compiler)} does not run: {error}") from error
-    if result.returncode != 0:
-        raise NativeBuildError(
-            f"C compiler {shlex.join(compiler)} --version failed: {result.stderr.strip() or result.returncode}"
-        )
-    return f"{shutil.which(compiler[0]) or compiler[0]}\n{shlex.join(compiler)}\n{result.stdout}"
-
-
-def build(compiler: Sequence[str], cache_dirs: Sequence[Path], sources: Sequence[Path] = SOURCES) -> Path:
-    """The library built from `sources` by `compiler`, compiled only when not already cached.
-
-    The file name carries a hash of the sources, the flags, the compiler and the
-    platform, so a changed source or compiler builds anew. A compile writes a
-    temporary file in the cache directory and renames it into place, so
-    processes building at the same time each load a complete library.
-
-    Args:
-        compiler: the compiler command (a list of words).
-        cache_dirs: candidate cache directories (`default_cache_dirs`).
-        sources: the C sources, compiled into one library.
-
-    Returns:
-        The path of the built library.
-
-    Raises:
-        NativeBuildError: no compiler, no private cache directory, or the compile failed.
-    """
-    digest = hashlib.sha256()
-    for source in sources:
-        try:
-            digest.update(hashlib.sha256(source.read_bytes()).digest())
-        except OSError as error:
-            raise NativeBuildError(f"cannot read the source: {error}") from error
-    for part in (
-        str(ABI_VERSION),
-        shlex.join(COMPILE_FLAGS),
-        _compiler_identity(compiler),
-        platform.machine(),
-    ):
-        digest.update(b"\0" + part.encode())
-    directory = _private_dir(cache_dirs)
-    library = directory / f"{LIBRARY_STEM}-{digest.hexdigest()[:20]}.so"
-    if library.exists() and _is_private(library, directory=False):
-        return library
-    try:
-        _compile(compiler, sources, directory, library)
-    except OSError as error:  # the cache directory's file operations
-        raise NativeBuildError(f"building {library}: {error}") from error
-    log.info("kernels.cpu_native_built", library=str(library))
-    return library
-
-
-def _compile(compiler: Sequence[str], sources: Sequence[Path], directory: Path, library: Path) -> None:
-    """Compiles into a temporary file of `directory`, then renames it to `library`.
-
-    Raises:
-        NativeBuildError: the compiler did not run or failed.
-    """
-    fd, temporary = tempfile.mkstemp(prefix=f".{LIBRARY_STEM}-", suffix=".so", dir=directory)
-    os.close(fd)
-    command = [*compiler, *COMPILE_FLAGS, "-o", temporary, *map(str, sources)]
-    try:
-        try:
-            result = subprocess.run(
-                command, capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S, check=False
-            )
-        except (OSError, subprocess.TimeoutExpired) as error:
-            raise NativeBuildError(f"{shlex.join(command)}: {error}") from error
-        if result.returncode != 0:
-            raise NativeBuildError(
-                f"{shlex.join(command)} exited {result.returncode}: {result.stderr.strip()[-2000:]}"
-            )
-        os.chmod(temporary, 0o700)
-        os.replace(temporary, library)
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(temporary)
-
 
 def build_and_load(
     compiler: Sequence[str] | None = None,
@@ -576,50 +401,38 @@ def build_and_load(
     """Builds (unless cached) and loads the native kernels.
 
     Args:
-        compiler: the compiler command; None for `default_compiler`.
-        cache_dirs: candidate cache directories; None for `default_cache_dirs`.
+        compiler: the compiler command; None for `cpu_build.default_compiler`.
+        cache_dirs: candidate cache directories; None for `cpu_build.default_cache_dirs`.
         decode_attention: as `CpuKernels`.
 
     Raises:
         NativeBuildError: it cannot be built or loaded.
     """
     if compiler is None:
-        compiler = default_compiler()
+        compiler = cpu_build.default_compiler()
     if cache_dirs is None:
-        cache_dirs = default_cache_dirs()
-    return CpuKernels(build(compiler, cache_dirs), decode_attention=decode_attention)
+        cache_dirs = cpu_build.default_cache_dirs()
+    return CpuKernels(cpu_build.build(compiler, cache_dirs), decode_attention=decode_attention)
 
 
 def select(
-    environ: Mapping[str, str] = os.environ,
+    settings: KernelSettings | None = None,
     compiler: Sequence[str] | None = None,
     cache_dirs: Sequence[Path] | None = None,
 ) -> CpuKernels | None:
     """The native kernels, or None for the torch implementation (logged when not by choice).
 
     Args:
-        environ: where ``SHOAL_CPU_KERNELS`` and ``SHOAL_CPU_ATTENTION`` are read.
-        compiler: as `build_and_load`; None reads ``$CC`` from `environ`.
-        cache_dirs: as `build_and_load`; None derives them from `environ`.
+        settings: the choice (its `cpu` and `cpu_attention`); None for the configured one
+            (`shoal.kernels.settings.get_settings`).
+        compiler: as `build_and_load`.
+        cache_dirs: as `build_and_load`.
     """
-    choice = environ.get(ENV_VAR, "native")
-    if choice == "torch":
+    chosen = get_settings() if settings is None else settings
+    if chosen.cpu == "torch":
         return None
-    attention = environ.get(ATTENTION_ENV_VAR, "native")
-    if attention not in ("native", "torch"):
-        log.warning(
-            "kernels.cpu_native_attention_choice",
-            error=f"{ATTENTION_ENV_VAR}={attention!r}: expected 'native' or 'torch'",
-            using="torch",
-        )
     try:
-        if choice != "native":
-            raise NativeBuildError(f"{ENV_VAR}={choice!r}: expected 'native' or 'torch'")
-        return build_and_load(
-            default_compiler(environ) if compiler is None else compiler,
-            default_cache_dirs(environ) if cache_dirs is None else cache_dirs,
-            decode_attention=attention == "native",
-        )
+        return build_and_load(compiler, cache_dirs, decode_attention=chosen.cpu_attention == "native")
     except NativeBuildError as error:
         log.warning("kernels.cpu_native_unavailable", error=str(error), using="torch")
         return None
@@ -633,7 +446,8 @@ def try_load() -> CpuKernels | None:
     """This process's choice: the native kernel, or None (the torch implementation).
 
     Made once, by the first call (`select`: builds or loads the library, or logs why
-    not); later calls return it at the cost of a global lookup.
+    not), and again after a `configure` that changes the CPU settings; later calls
+    return it at the cost of a global lookup.
     """
     global _selected
     if _selected is None:
@@ -653,3 +467,14 @@ def use(kernels: CpuKernels | None) -> CpuKernels | None:
     with _lock:
         _selected = (kernels,)
     return previous
+
+
+def _forget_choice(previous: KernelSettings, new: KernelSettings) -> None:
+    """Drops the choice when the CPU settings change: the next op makes it anew."""
+    global _selected
+    if (previous.cpu, previous.cpu_attention) != (new.cpu, new.cpu_attention):
+        with _lock:
+            _selected = None
+
+
+on_configure(_forget_choice)
