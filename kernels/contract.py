@@ -23,13 +23,15 @@ from collections.abc import Sequence
 
 import torch
 
+from shoal.shared.errors import ShoalError
+
 CACHE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MAX_HEAD_DIM = 256
 """The largest head_dim `paged_attention` takes, on both paths: the CUDA kernel holds a
 row's head dims in registers, up to 8 per lane of a warp (csrc/kv_ops.h's kMaxHeadDim)."""
 
 
-class KVContractError(ValueError):
+class KVContractError(ShoalError, ValueError):
     """An argument of a KV-cache op breaks the documented contract."""
 
 

@@ -28,6 +28,8 @@ from pathlib import Path
 
 import structlog
 
+from shoal.shared.errors import ShoalError
+
 log = structlog.get_logger(__name__)
 
 _CSRC = Path(__file__).resolve().parent / "csrc"
@@ -46,7 +48,7 @@ COMPILE_FLAGS = ("-O3", "-std=c11", "-fPIC", "-shared", "-ffp-contract=fast")
 COMPILE_TIMEOUT_S = 120
 
 
-class NativeBuildError(RuntimeError):
+class NativeBuildError(ShoalError, RuntimeError):
     """The native CPU kernel could not be built or loaded; the torch implementation serves."""
 
 

@@ -15,12 +15,14 @@ from types import ModuleType
 
 import torch
 
+from shoal.shared.errors import ShoalError
+
 CSRC_DIR = Path(__file__).resolve().parent / "csrc"
 SOURCES = ("bindings.cpp", "cache_ops.cu", "paged_attention.cu")
 EXTENSION_NAME = "shoal_kv_ops"
 
 
-class KernelBuildError(RuntimeError):
+class KernelBuildError(ShoalError, RuntimeError):
     """Shoal's CUDA kernels could not be built or loaded on this machine."""
 
 

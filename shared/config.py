@@ -22,6 +22,7 @@ from typing import Any, Literal
 import msgspec
 from msgspec import Struct, field
 
+from shoal.kernels.settings import KernelSettings
 from shoal.shared.errors import ShoalError
 from shoal.shared.model_memory import DEFAULT_RUNTIME_OVERHEAD_BYTES
 from shoal.shared.model_settings import ModelSettings
@@ -140,6 +141,8 @@ class WorkerConfig(Struct, forbid_unknown_fields=True, kw_only=True):
     runtime_overhead_bytes: int = DEFAULT_RUNTIME_OVERHEAD_BYTES
     """CUDA context and allocator slack a replica holds besides weights, activations and KV
     (real GPUs only); part of the memory estimate made from a model's config."""
+    kernels: KernelSettings = field(default_factory=KernelSettings)
+    """Which KV-cache kernel implementations the worker runs (``[worker.kernels]``, docs/kernels.md)."""
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
@@ -201,6 +204,12 @@ def default_node_id() -> str:
 
 
 _TOP_LEVEL_SCALARS = {"state_dir", "demo_models"}
+RETIRED_ENV_VARS = {
+    "SHOAL_KERNELS": "SHOAL_WORKER_KERNELS_CUDA (kernels | reference)",
+    "SHOAL_CPU_KERNELS": "SHOAL_WORKER_KERNELS_CPU (native | torch)",
+    "SHOAL_CPU_ATTENTION": "SHOAL_WORKER_KERNELS_CPU_ATTENTION (native | torch)",
+}
+"""Environment variables older versions read directly; now settings like every other."""
 
 
 def _env_overrides(environ: Mapping[str, str]) -> dict[str, Any]:
@@ -214,6 +223,8 @@ def _env_overrides(environ: Mapping[str, str]) -> dict[str, Any]:
     for name, value in environ.items():
         if not name.startswith(ENV_PREFIX) or name in ("SHOAL_CONFIG",):
             continue
+        if name in RETIRED_ENV_VARS:
+            raise ConfigError(f"{name} is no longer read: set {RETIRED_ENV_VARS[name]} instead")
         rest = name.removeprefix(ENV_PREFIX).lower()
         if rest in _TOP_LEVEL_SCALARS:
             overrides[rest] = value

@@ -17,6 +17,7 @@ import structlog
 import torch
 
 from shoal.kernels.cuda_ext import KernelBuildError
+from shoal.kernels.settings import configure as configure_kernels
 from shoal.services.worker.control import ReplicaRuntime, serve_control
 from shoal.services.worker.engine.paged_engine import KVPoolTooSmall
 from shoal.services.worker.generation import Engine
@@ -143,6 +144,7 @@ async def serve(launch: WorkerLaunch) -> int:
 def run_worker(ns: argparse.Namespace) -> int:
     launch = read_launch(ns.launch)
     configure_logging(launch.logging.format, launch.logging.level, service="worker")
+    configure_kernels(launch.worker.kernels)
     if launch.worker.torch_threads > 0:
         torch.set_num_threads(launch.worker.torch_threads)
     return asyncio.run(serve(launch))

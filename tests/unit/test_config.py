@@ -135,3 +135,12 @@ def test_a_model_spec_is_derived_from_the_models_settings() -> None:
         assert getattr(spec, name) == getattr(settings, name), name
     assert (spec.desired_replicas, spec.source, spec.registered_at) == (3, "config", 12.0)
     assert set(ModelSpec.__struct_fields__) >= set(ModelSettings.__struct_fields__)
+
+
+def test_kernel_settings_are_worker_settings_and_the_old_variables_say_where_they_went() -> None:
+    config = load_config(None, environ={"SHOAL_WORKER_KERNELS_CPU_ATTENTION": "torch"})
+    assert config.worker.kernels.cpu_attention == "torch"
+    with pytest.raises(ConfigError, match=r"SHOAL_CPU_ATTENTION is no longer read: set SHOAL_WORKER_KERNELS_CPU_ATTENTION"):
+        load_config(None, environ={"SHOAL_CPU_ATTENTION": "torch"})
+    with pytest.raises(ConfigError, match=r"cpu_attention"):
+        load_config(None, environ={"SHOAL_WORKER_KERNELS_CPU_ATTENTION": "fast"})
