@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from typing import Any, TextIO
 
 import msgspec
@@ -103,11 +104,31 @@ def _bar(used: int, total: int) -> str:
     return "[" + "#" * min(filled, BAR_WIDTH) + "." * max(0, BAR_WIDTH - filled) + "]"
 
 
+def _ago(at: float, now: float) -> str:
+    return "never" if not at else f"{max(0.0, now - at):.0f}s ago"
+
+
+def replica_state_label(record: ReplicaRecord) -> str:
+    """What an operator calls the state: serving, draining, sleeping, waking (a WARM replica
+    on its way back), loading (a new one), or the record's own state."""
+    if record.serving:
+        return "serving"
+    if record.state == "draining":
+        return f"draining->{(record.leaving_to or 'WARM').lower()}"
+    if record.level == "WARM":
+        return "sleeping"
+    if record.state in ("pending", "loading") and record.ready_at is not None:
+        return "waking"
+    return record.state
+
+
 def render_status(nodes: dict[str, Any], gpus: dict[str, GpuRecord], replicas: list[ReplicaRecord],
-                  models: list[ModelSpec], out: TextIO, *, config: PlacementConfig | None = None) -> None:
+                  models: list[ModelSpec], out: TextIO, *, config: PlacementConfig | None = None,
+                  now: float | None = None) -> None:
     """Write the cluster view; memory figures are computed with `config` (the scheduler's
     placement knobs; default the policy's defaults)."""
     config = config or PlacementConfig()
+    now = time.time() if now is None else now
     out.write(f"Nodes ({len(nodes)}):\n")
     for node_id in sorted(nodes):
         node = nodes[node_id]
@@ -123,16 +144,29 @@ def render_status(nodes: dict[str, Any], gpus: dict[str, GpuRecord], replicas: l
         out.write(f"  {key:<22} {_bar(used, gpu.total_bytes)} {_gib(used)} / {_gib(gpu.total_bytes)} "
                   f"({pct:.0f}%){warning}\n")
         for occupant in gpu.occupants:
-            out.write(f"      {occupant.model:<28} {occupant.replica_id[:12]} {_gib(occupant.num_bytes):>11} "
-                      f"{occupant.state}\n")
+            held = occupant.residual_bytes if occupant.state == "sleeping" else occupant.num_bytes
+            residue = " (residue)" if occupant.state == "sleeping" and held else ""
+            out.write(f"      {occupant.model:<28} {occupant.replica_id[:12]} {_gib(held):>11} "
+                      f"{occupant.state}{residue}\n")
+        for intent in gpu.intents:
+            lapsed = " (lapsed)" if intent.expires_at <= now else ""
+            out.write(f"      intent: {intent.model} needs {_gib(intent.num_bytes)}, waiting since "
+                      f"{_ago(intent.since, now)} (scheduler {intent.owner}){lapsed}\n")
+        if gpu.wake_lock is not None and gpu.wake_lock.expires_at > now:
+            out.write(f"      wake lock: {gpu.wake_lock.holder}, taken {_ago(gpu.wake_lock.acquired_at, now)}\n")
     out.write(f"\nReplicas ({len(replicas)}):\n")
     for record in sorted(replicas, key=lambda r: (r.model, r.created_at)):
         gpus_text = ",".join(f"{record.node_id}.{i}" for i in sorted(record.gpu_bytes)) or "-"
-        out.write(f"  {record.name:<60} {record.level:<4} {record.state:<9} on {gpus_text}\n")
+        in_flight = f", {record.num_in_flight} in flight" if record.num_in_flight else ""
+        out.write(f"  {record.name:<60} {record.level:<4} {replica_state_label(record):<14} on {gpus_text:<14} "
+                  f"last access {_ago(record.last_request_at, now)}{in_flight}\n")
     out.write(f"\nModels ({len(models)}):\n")
     for spec in sorted(models, key=lambda m: m.key):
         figure, source = _memory_figure(spec, config)
-        out.write(f"  {spec.key:<28} desired={spec.desired_replicas} memory={figure} ({source})\n")
+        flags = " popular" if spec.fairness.popular else ""
+        blocked = (f" wake blocked ({spec.wake_blocked_reason})"
+                   if spec.wake_blocked_until is not None and spec.wake_blocked_until > now else "")
+        out.write(f"  {spec.key:<28} desired={spec.desired_replicas} memory={figure} ({source}){flags}{blocked}\n")
 
 
 def _memory_figure(spec: ModelSpec, config: PlacementConfig) -> tuple[str, str]:

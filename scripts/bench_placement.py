@@ -25,7 +25,7 @@ same in every run: every random choice is seeded). On a machine shared with othe
 time spent waiting for a core.
 
 Part 2, packing. The same GPUs, the same model mix, placed round robin (no evictions:
-every replica dedicated) until no model fits anywhere, once with seed 000's guess (3 x
+every replica popular: never evicted) until no model fits anywhere, once with seed 000's guess (3 x
 weight bytes, whole GPU when weights fit but 3x does not) and once with a modelled figure
 (weights + KV budget + 1 GiB runtime overhead, computed from public model configs, not
 measured on a GPU). See MODEL_MIX for the numbers assumed.
@@ -115,7 +115,7 @@ def make_demands(num_models: int, *, guessed: bool) -> list[ModelDemand]:
             figure = get_memory_figure(weight_bytes=arch.weight_bytes, config=CONFIG)
         else:
             figure = MemoryFigure(arch.modelled_bytes(kv_tokens), arch.weight_bytes, "estimate")
-        demands.append(ModelDemand(f"{arch.name}-{index:03d}", figure, desired_replicas=1, dedicated=guessed))
+        demands.append(ModelDemand(f"{arch.name}-{index:03d}", figure, desired_replicas=1, popular=guessed))
     return demands
 
 
@@ -358,7 +358,7 @@ def bench_packing(quick: bool) -> None:
         ("modelled (weights + KV + overhead)", False),
     ):
         demands = make_demands(num_models, guessed=guessed)
-        demands = [ModelDemand(d.model, d.figure, 1, dedicated=True) for d in demands]
+        demands = [ModelDemand(d.model, d.figure, 1, popular=True) for d in demands]
         results[label] = pack(num_nodes, demands)
     print()
     header = " | ".join(a.name for a in MODEL_MIX)

@@ -25,7 +25,7 @@ from msgspec import Struct, field
 from shoal.kernels.settings import KernelSettings
 from shoal.shared.errors import ShoalError
 from shoal.shared.model_memory import DEFAULT_RUNTIME_OVERHEAD_BYTES
-from shoal.shared.model_settings import ModelSettings
+from shoal.shared.model_settings import FairnessSettings, ModelSettings, SleepSettings
 from shoal.shared.placement.config import PlacementConfig
 from shoal.shared.subjects import validate_node_id
 
@@ -136,8 +136,6 @@ class WorkerConfig(Struct, forbid_unknown_fields=True, kw_only=True):
     """Token budget of one forward pass (longer prompts are prefilled in chunks)."""
     torch_threads: int = 0
     """Intra-op threads of each worker. 0: torch's default."""
-    drain_timeout_s: float = 30.0
-    """Before a worker stops or sleeps, in-flight requests may finish for this long."""
     runtime_overhead_bytes: int = DEFAULT_RUNTIME_OVERHEAD_BYTES
     """CUDA context and allocator slack a replica holds besides weights, activations and KV
     (real GPUs only); part of the memory estimate made from a model's config."""
@@ -147,13 +145,24 @@ class WorkerConfig(Struct, forbid_unknown_fields=True, kw_only=True):
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("worker.block_size, max_num_seqs and max_num_batched_tokens must be >= 1")
-        if self.torch_threads < 0 or self.drain_timeout_s < 0 or self.runtime_overhead_bytes < 0:
-            raise ValueError("worker.torch_threads, drain_timeout_s and runtime_overhead_bytes must be >= 0")
+        if self.torch_threads < 0 or self.runtime_overhead_bytes < 0:
+            raise ValueError("worker.torch_threads and runtime_overhead_bytes must be >= 0")
+
+
+class FairnessConfig(FairnessSettings, forbid_unknown_fields=True, kw_only=True):
+    """`FairnessSettings` with unknown keys refused (a typo in shoal.toml is an error)."""
+
+
+class SleepConfig(SleepSettings, forbid_unknown_fields=True, kw_only=True):
+    """`SleepSettings` with unknown keys refused."""
 
 
 class ModelConfig(ModelSettings, forbid_unknown_fields=True, kw_only=True):
     """A ``[[models]]`` entry of shoal.toml, or the body of POST /admin/models: the fields of
     `ModelSettings`, with unknown keys refused."""
+
+    fairness: FairnessConfig = field(default_factory=FairnessConfig)
+    sleep: SleepConfig = field(default_factory=SleepConfig)
 
 
 class LoggingConfig(Struct, forbid_unknown_fields=True, kw_only=True):

@@ -173,6 +173,9 @@ class ModelSpec(ModelSettings, kw_only=True, omit_defaults=True):
     last_error: str | None = None
     hold_until: float | None = None
     """After repeated failures, no new replica is placed before this time."""
+    wake_blocked_until: float | None = None
+    """A wake found no eligible victim (`wake_blocked_reason`): requests get 503 until then."""
+    wake_blocked_reason: str | None = None
     source: Literal["config", "admin"] = "config"
     """Where it was registered from: shoal.toml or the admin API."""
     registered_at: float = 0.0
@@ -190,20 +193,57 @@ class ModelSpec(ModelSettings, kw_only=True, omit_defaults=True):
 
 
 class Occupant(Struct, omit_defaults=True):
-    """One replica's share of one GPU, inside a `GpuRecord`."""
+    """One replica's share of one GPU, inside a `GpuRecord`.
+
+    States: ``reserved`` (placed, its worker not started), ``loading``, ``serving``,
+    ``draining`` (leaving: it drains and parks or stops, and holds its bytes until its node
+    agent confirms it has), ``sleeping`` (parked WARM: holds only `residual_bytes`).
+    """
 
     replica_id: str
     model: str
     num_bytes: int
-    """GPU bytes it holds on this GPU (sleeping occupants hold none, whatever this says)."""
+    """GPU bytes it holds on this GPU while not sleeping (its size when it wakes)."""
     state: OccupantState
     since: float
+    """When it entered `state` (for ``serving``: when it started serving, the min-runtime clock)."""
     last_accessed: float = 0.0
-    dedicated: bool = False
+    residual_bytes: int = 0
+    """Sleeping: what its parked worker still holds on this GPU, measured after the park
+    (a CUDA context, allocator slack); counted as taken."""
     owner: str | None = None
     """The scheduler that reserved it."""
     expires_at: float | None = None
     """A reservation not yet backed by a replica record lapses after this time."""
+
+
+class PreemptionIntent(Struct, kw_only=True, omit_defaults=True):
+    """A waking model's claim-in-waiting on one GPU (seed 001): the memory it needs there.
+
+    Intents are served first come, first served (`shoal.shared.placement.fairness`): until
+    its waker claims the memory, other placements see these bytes as taken."""
+
+    model: str
+    num_bytes: int
+    since: float
+    """When the wake wrote it: its fairness wait runs from here."""
+    owner: str
+    """The scheduler driving the wake; it refreshes `expires_at` while it lives."""
+    expires_at: float
+    """A crashed owner's intent lapses here."""
+    interest_until: float = 0.0
+    """Requests still wait for the model until then (any scheduler a gateway asks refreshes
+    it); a wake nobody waits for any more is cancelled."""
+
+
+class WakeLock(Struct, kw_only=True):
+    """Held on each GPU a waker claims memory on, for the claim and the wake (seed 001)."""
+
+    holder: str
+    """``<scheduler id>/<model>``."""
+    acquired_at: float
+    expires_at: float
+    """A crashed holder's lock lapses here."""
 
 
 class GpuRecord(Struct, kw_only=True, omit_defaults=True):
@@ -215,12 +255,14 @@ class GpuRecord(Struct, kw_only=True, omit_defaults=True):
     name: str = ""
     virtual: bool = False
     occupants: list[Occupant] = field(default_factory=list)
+    intents: list[PreemptionIntent] = field(default_factory=list)
+    wake_lock: WakeLock | None = None
     updated_at: float = 0.0
 
     @property
     def reserved_bytes(self) -> int:
-        """Bytes held by occupants that hold GPU memory (sleeping ones hold none)."""
-        return sum(o.num_bytes for o in self.occupants if o.state != "sleeping")
+        """Bytes taken on this GPU: every occupant's, and sleeping ones' residue."""
+        return sum(o.residual_bytes if o.state == "sleeping" else o.num_bytes for o in self.occupants)
 
     @property
     def available_bytes(self) -> int:
@@ -242,7 +284,8 @@ class ReplicaRecord(Struct, kw_only=True, omit_defaults=True):
     """Single-GPU replicas: the fraction of the GPU they may use; None for multi-GPU."""
     level: Level = "HOT"
     state: ReplicaState = "pending"
-    dedicated: bool = False
+    leaving_to: Literal["WARM", "COLD"] | None = None
+    """While ``draining``: where it goes once drained (parked WARM, or stopped)."""
     cpu_bytes: int = 0
     """Host RAM the replica's weights take when parked WARM."""
     created_at: float = 0.0
@@ -253,6 +296,10 @@ class ReplicaRecord(Struct, kw_only=True, omit_defaults=True):
     measured_bytes: int | None = None
     ready_at: float | None = None
     """When it first served; a replica that fails before that never came up."""
+    last_request_at: float = 0.0
+    """When a request last started or finished on it (its worker writes it, at most once a second)."""
+    num_in_flight: int = 0
+    """Requests it was running at `last_request_at` (a stream counts until its last byte)."""
 
     @property
     def name(self) -> str:
@@ -338,10 +385,15 @@ SCHEDULER_COMMANDS: dict[str, type[SchedulerCommand]] = {
 }
 """Each scheduler verb (``shoal.scheduler.<verb>``) and the one command type it takes."""
 
-SchedulerStatus = Literal["ok", "placed", "serving", "cant_accommodate", "contended", "failing"]
+SchedulerStatus = Literal[
+    "ok", "placed", "serving", "waking", "cant_accommodate", "no_victim", "contended", "failing",
+]
 """``ok``: done; ``placed``: replicas were placed (loading); ``serving``: a replica serves;
-``cant_accommodate``: no room, even with evictions; ``contended``: placement kept losing CAS
+``waking``: the model waits for GPU memory (its fairness wait, a preemption, or the claim);
+``cant_accommodate``: no room, even with evictions; ``no_victim``: memory is short and no
+occupant may be preempted (the message says why); ``contended``: placement kept losing CAS
 races; ``failing``: the model's replicas keep failing and placement backs off."""
+FAILED_STATUSES: tuple[SchedulerStatus, ...] = ("cant_accommodate", "no_victim", "contended", "failing")
 
 
 class SchedulerReply(Struct, omit_defaults=True):
@@ -409,6 +461,9 @@ class WorkerReply(Struct, omit_defaults=True):
     ok: bool
     message: str = ""
     measured_bytes: int | None = None
+    """After a restore: what the replica holds now."""
+    residual_bytes: int | None = None
+    """After a park: what the worker still holds on its GPUs (0 on virtual GPUs)."""
 
 
 class WorkerEvent(Struct, tag="worker_event", tag_field="type", omit_defaults=True):
@@ -425,6 +480,8 @@ class WorkerEvent(Struct, tag="worker_event", tag_field="type", omit_defaults=Tr
 EventKind = Literal[
     "model_registered", "model_removed",
     "replica_placed", "replica_evicted", "replica_ready", "replica_cached", "replica_stopped", "replica_failed",
+    "replica_preempted", "replica_slept", "preemption_intent", "wake_lock_taken", "wake_lock_released",
+    "wake_started", "wake_done", "wake_failed", "wake_cancelled",
 ]
 
 

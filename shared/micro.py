@@ -10,6 +10,7 @@ error bytes.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
@@ -61,16 +62,38 @@ class RequestError(ShoalError):
         self.code = code
 
 
+MAX_CONCURRENT_REQUESTS = 64
+"""Requests one endpoint handles at once; more wait for a slot (nats-py calls a
+subscription's handler one message at a time, so each request runs in its own task)."""
+
+
 async def add_json_endpoint(
     service: Service,
     name: str,
     subject: str,
     decode: Callable[[bytes], C],
     handle: Callable[[C], Awaitable[msgspec.Struct]],
+    *,
+    max_concurrent: int = MAX_CONCURRENT_REQUESTS,
 ) -> None:
-    """Serve `subject`: decode -> `handle` -> JSON reply, errors as micro error codes."""
+    """Serve `subject`: decode -> `handle` -> JSON reply, errors as micro error codes.
+
+    Requests are handled concurrently, at most `max_concurrent` at a time: a slow one (a
+    restore that takes minutes) never holds up the next (another model's cold start)."""
+    slots = asyncio.Semaphore(max_concurrent)
+    running: set[asyncio.Task[None]] = set()
 
     async def handler(request: Request) -> None:
+        await slots.acquire()  # backpressure: the subscription waits while every slot is busy
+        task = asyncio.create_task(process(request))
+        running.add(task)
+        task.add_done_callback(finished)
+
+    def finished(task: asyncio.Task[None]) -> None:
+        running.discard(task)
+        slots.release()
+
+    async def process(request: Request) -> None:
         try:
             command = decode(request.data)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:

@@ -17,17 +17,54 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from msgspec import Struct
+from msgspec import Struct, field
 
 from shoal.shared.errors import ShoalError
 from shoal.shared.subjects import InvalidModelKey, validate_model_key
 
 Dtype = Literal["auto", "float32", "float16", "bfloat16"]
+SleepLevel = Literal["warm", "cold"]
 DEFAULT_KV_CACHE_TOKENS = 4096
 
 
 class InvalidModelPath(ShoalError, ValueError):
     """A model path that is absolute, climbs out of the models root, or resolves outside it."""
+
+
+class FairnessSettings(Struct, kw_only=True, omit_defaults=True):
+    """``[models.fairness]``: who may take this model's GPU memory, and when (seed 001)."""
+
+    min_runtime_s: float = 10.0
+    """A replica serves at least this long after it starts or wakes before it can be preempted
+    (no sleep/wake thrashing)."""
+    max_wait_s: float = 5.0
+    """A request for this model, asleep and short of memory, waits this long for memory to free
+    up by itself (an idle model going to sleep) before it preempts another model."""
+    popular: bool = False
+    """Never preempted nor evicted under memory pressure: it stays on its GPUs until an
+    operator scales it down or evicts it. (Formerly ``dedicated``.)"""
+
+    def __post_init__(self) -> None:
+        if self.min_runtime_s < 0 or self.max_wait_s < 0:
+            raise ValueError("fairness.min_runtime_s and fairness.max_wait_s must be >= 0")
+
+
+class SleepSettings(Struct, kw_only=True, omit_defaults=True):
+    """``[models.sleep]``: when this model sleeps, how it drains, and where its weights go."""
+
+    idle_timeout_s: float = 0.0
+    """A replica with no request for this long sleeps by itself; 0: never (the default)."""
+    drain_timeout_s: float = 30.0
+    """Before a replica sleeps or stops, its in-flight requests may finish for this long;
+    those still running then go back to the queue (served again after the wake, or by
+    another replica), none is failed."""
+    level: SleepLevel = "warm"
+    """``warm``: weights to CPU RAM (pinned on CUDA), a fast wake. ``cold``: weights dropped,
+    the wake reloads them from disk (no CPU RAM held)."""
+
+    def __post_init__(self) -> None:
+        if self.idle_timeout_s < 0 or self.drain_timeout_s < 0:
+            raise ValueError("sleep.idle_timeout_s and sleep.drain_timeout_s must be >= 0")
 
 
 class ModelSettings(Struct, kw_only=True, omit_defaults=True):
@@ -48,13 +85,13 @@ class ModelSettings(Struct, kw_only=True, omit_defaults=True):
     In shoal.toml a size string works too (``"24GiB"``)."""
     num_gpus: int = 1
     """GPUs per replica when the model's memory figure is unknown (seed 000)."""
-    dedicated: bool = False
-    """Dedicated replicas are never evicted under memory pressure."""
     min_replicas: int = 0
     """Replicas placed at registration; 0 places the model on its first request."""
     max_queue: int | None = None
     """Requests for this model waiting or running in one gateway before 429; None: the gateway's
     ``max_queue_per_model``."""
+    fairness: FairnessSettings = field(default_factory=FairnessSettings)
+    sleep: SleepSettings = field(default_factory=SleepSettings)
 
     def __post_init__(self) -> None:
         try:

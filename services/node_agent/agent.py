@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import functools
 import socket
+import time
 from collections.abc import Coroutine
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,6 +28,7 @@ from nats.micro.service import Service
 from shoal.services.node_agent.gpus import NodeGpus, host_ram_bytes, nvml_process_bytes
 from shoal.services.node_agent.model_files import ModelInspectionError, inspect_model
 from shoal.services.node_agent.processes import WorkerProcess, spawn_worker, tail_log
+from shoal.services.node_agent.release import record_parked, record_stopped
 from shoal.services.worker.launch import WorkerLaunch
 from shoal.shared import subjects
 from shoal.shared.bus import Bus, cas_update, publish_event
@@ -66,6 +68,8 @@ log = structlog.get_logger(__name__)
 MAX_ASSERT_RESTARTS = 3
 DEVICE_ASSERT_MARKER = "device-side assert triggered"
 WORKER_CONTROL_TIMEOUT_S = 120.0
+STOP_GRACE_S = 10.0
+"""A stopping worker is killed this long after its model's drain timeout (it should exit by then)."""
 
 
 @dataclass
@@ -108,6 +112,7 @@ class NodeAgent:
         self._logging = logging
         self._nats_url = nats_url
         self._log_dir = log_dir
+        self._inspecting = asyncio.Lock()
         self._replicas: dict[str, _Replica] = {}
         self._tasks: set[asyncio.Task[object]] = set()
         self._service: Service | None = None
@@ -115,6 +120,10 @@ class NodeAgent:
         registry = metrics or Registry()
         self._workers_gauge = registry.gauge("shoal_node_workers", "Worker processes running", ["node"])
         self._failures = registry.counter("shoal_node_worker_failures_total", "Workers that died unasked", ["node"])
+        self._sleep_seconds = registry.histogram("shoal_node_sleep_duration_seconds",
+                                                 "A park: drain, engine closed, weights to CPU RAM", ["model"])
+        self._restore_seconds = registry.histogram("shoal_node_restore_duration_seconds",
+                                                   "A restore: weights back on the GPU, engine rebuilt", ["model"])
 
     @property
     def node_id(self) -> str:
@@ -221,9 +230,12 @@ class NodeAgent:
 
     async def _on_inspect(self, command: InspectModel) -> ModelFacts:
         try:
-            return await asyncio.to_thread(
-                inspect_model, self._node.models_root, command, self._worker.runtime_overhead_bytes
-            )
+            # One at a time: inspections are cheap, and transformers' lazy first import is not
+            # safe from several threads at once.
+            async with self._inspecting:
+                return await asyncio.to_thread(
+                    inspect_model, self._node.models_root, command, self._worker.runtime_overhead_bytes
+                )
         except ModelInspectionError as exc:
             raise RequestError(404, str(exc)) from exc
 
@@ -265,11 +277,14 @@ class NodeAgent:
         self._spawn_task(self._start_deadline(replica, replica.process))
 
     async def _stop_replica(self, replica_id: str, reason: str) -> NodeReply:
+        """Stop a worker (it drains first). A replica evicted to COLD (its record ``draining``,
+        leaving to COLD) leaves its GPUs and the records only now, once its process is gone."""
         replica = self._replicas.pop(replica_id, None)
         if replica is None or replica.process is None:
             return NodeReply(ok=True, message="not running")
         log.info("worker_stopping", replica=replica_id, reason=reason)
-        code = await replica.process.stop(self._worker.drain_timeout_s)
+        code = await replica.process.stop(replica.spec.sleep.drain_timeout_s + STOP_GRACE_S)
+        await record_stopped(self._bus, replica.record)
         await publish_event(self._bus.js, Event("replica_stopped", now(), reason, replica.record.model, replica_id,
                                                 self.node_id, data={"exit_code": code}))
         return NodeReply(ok=True, message=f"stopped (exit {code})", pid=replica.process.pid)
@@ -283,15 +298,36 @@ class NodeAgent:
     async def _to_cache(self, replica_id: str) -> NodeReply:
         """Park a replica WARM: its worker drains, drops its KV pool, moves its weights to CPU RAM."""
         replica = self._running(replica_id)
+        started = time.monotonic()
         try:
             reply = await request_json(self._bus.nc, subjects.worker_subject(replica_id, "to_cache"),
                                        CacheReplica(replica_id), worker_reply_decoder, timeout_s=WORKER_CONTROL_TIMEOUT_S)
         except ServiceCallError as exc:
             raise RequestError(502, f"worker of {replica_id} did not park: {exc}") from exc
-        replica.record = msgspec.structs.replace(replica.record, level="WARM", gpu_bytes={}, gpu_memory_fraction=None)
+        self._sleep_seconds.observe(time.monotonic() - started, model=replica.record.model)
+        pid = replica.process.pid if replica.process else None
+        residual_by_gpu = self._measure_residue(replica.record, pid, reply.residual_bytes)
+        await record_parked(self._bus, replica.record, residual_by_gpu)
+        replica.record = msgspec.structs.replace(replica.record, level="WARM", state="sleeping", gpu_bytes={},
+                                                 gpu_memory_fraction=None, leaving_to=None)
+        residual_bytes = sum(residual_by_gpu.values())
+        if residual_bytes:
+            log.warning("sleep_left_gpu_memory", replica=replica_id, residual_bytes=residual_bytes)
         await publish_event(self._bus.js, Event("replica_cached", now(), model=replica.record.model,
-                                                replica_id=replica_id, node_id=self.node_id))
-        return NodeReply(ok=True, message=reply.message, pid=replica.process.pid if replica.process else None)
+                                                replica_id=replica_id, node_id=self.node_id,
+                                                data={"residual_bytes": residual_bytes}))
+        return NodeReply(ok=True, message=reply.message, pid=pid)
+
+    def _measure_residue(self, record: ReplicaRecord, pid: int | None, reported_bytes: int | None) -> dict[int, int]:
+        """What a parked worker still holds on each of its GPUs: NVML per process on real GPUs
+        (its CUDA context included), else what the worker reported (nothing on virtual GPUs)."""
+        indices = sorted(record.gpu_bytes)
+        if not self._gpus.virtual and pid:
+            per_gpu = {i: nvml_process_bytes(pid, [i]) for i in indices}
+            if all(v is not None for v in per_gpu.values()):
+                return {i: int(v or 0) for i, v in per_gpu.items()}
+        share = (reported_bytes or 0) // max(1, len(indices))
+        return {i: share for i in indices}
 
     async def _from_cache(self, record: ReplicaRecord) -> NodeReply:
         """Bring a WARM replica back on its new allocation; it serves again once restored.
@@ -302,12 +338,14 @@ class NodeAgent:
         replica = self._running(record.replica_id)
         replica.record = record
         await self._set_state(record, "loading")
+        started = time.monotonic()
         try:
             reply = await request_json(self._bus.nc, subjects.worker_subject(record.replica_id, "from_cache"),
                                        RestoreReplica(record), worker_reply_decoder, timeout_s=WORKER_CONTROL_TIMEOUT_S)
         except ServiceCallError as exc:
             await self._fail(replica, f"restore failed: {exc}", tell_scheduler=False)
             raise RequestError(502, f"worker of {record.replica_id} did not restore: {exc}") from exc
+        self._restore_seconds.observe(time.monotonic() - started, model=record.model)
         pid = replica.process.pid if replica.process else None
         measured = self._measure(record, pid, reply.measured_bytes)
         await self._became_ready(replica, measured, None, restored=True)

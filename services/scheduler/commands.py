@@ -1,7 +1,8 @@
 """The placement commands: ensure, scale, evict, each one placement pass, and their replies.
 
-    ensure   at least N HOT replicas (the gateway, for a model with none on its way;
-             the reconciler, for a model short of its desired count)
+    ensure   at least N HOT replicas (the gateway, for a model with none on its way:
+             what fits is placed, the rest is woken fairly by wakes.py; the reconciler,
+             for a model short of its desired count: only what fits)
     scale    exactly N replicas (desired count N)
     evict    one replica (desired count - 1) or all of a model's (desired 0)
 
@@ -13,17 +14,34 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import structlog
+
 from shoal.services.scheduler import backoff, records
 from shoal.services.scheduler.passes import PassOutcome, PlacementPasses
 from shoal.services.scheduler.registry import ModelRegistry
 from shoal.services.scheduler.store import ClusterStore
+from shoal.services.scheduler.wakes import WakeCoordinator
 from shoal.shared import subjects
-from shoal.shared.bus import Bus
-from shoal.shared.messages import ModelSpec, SchedulerReply, SchedulerStatus
+from shoal.shared.bus import Bus, publish_event
+from shoal.shared.messages import (
+    FAILED_STATUSES,
+    Event,
+    ModelSpec,
+    ReplicaRecord,
+    SchedulerReply,
+    SchedulerStatus,
+)
+from shoal.shared.metrics import Registry
 from shoal.shared.micro import RequestError
 from shoal.shared.placement.config import PlacementConfig
 from shoal.shared.placement.memory_figure import UnknownModelMemory
 from shoal.shared.placement.planner import ClusterPlanner
+
+OPERATOR_INTEREST_S = 300.0
+"""How long a scale-up that needs preemption stays wanted without anyone asking again."""
+
+
+log = structlog.get_logger(__name__)
 
 
 class PlacementCommands:
@@ -35,23 +53,31 @@ class PlacementCommands:
         store: ClusterStore,
         registry: ModelRegistry,
         passes: PlacementPasses,
+        wakes: WakeCoordinator,
         *,
         policy_config: PlacementConfig,
+        metrics: Registry,
         clock: Callable[[], float],
     ) -> None:
         self._bus = bus
         self._store = store
         self._registry = registry
         self._passes = passes
+        self._wakes = wakes
         self._policy_config = policy_config
         self._clock = clock
+        self._sleeps = metrics.counter("shoal_scheduler_sleeps_total", "Replicas put to sleep, by reason",
+                                       ["model", "reason"])
 
     async def ensure(self, model: str, min_replicas: int = 1, *, allow_evictions: bool = True) -> SchedulerReply:
         """At least `min_replicas` HOT replicas (the gateway's call for a model with none).
 
-        `allow_evictions=False` (the reconciler refilling a model short of replicas) places
-        only where there is room without evicting and keeps the desired count. Refused
-        (status ``failing``) while the model backs off after failures (backoff.py)."""
+        What fits without evicting is placed now. With `allow_evictions` (a request waits),
+        the rest is woken by fair preemption in the background (wakes.py): the reply says
+        ``waking`` (the gateway asks again every second while requests wait: that keeps the
+        wake alive) or ``no_victim`` with why and when to retry. Without (the reconciler
+        refilling a model short of replicas) it stops at what fits and keeps the desired
+        count. Refused (``failing``) while the model backs off after failures (backoff.py)."""
         spec = await self._registry.inspect(await self._registry.require(model))
         if (held := backoff.get_held_reply(spec, self._clock())) is not None:
             return held
@@ -59,28 +85,45 @@ class PlacementCommands:
             records.build_demand(spec, config=self._policy_config)
         except UnknownModelMemory as exc:
             return await self._reply(model, "cant_accommodate", f"{model}: {exc}; no node agent could inspect it")
+        if allow_evictions and self._wakes.phase_of(model) is not None:
+            return await self._wake_reply(spec, min_replicas)  # a heartbeat of the running wake
 
         def operate(planner: ClusterPlanner, specs: dict[str, ModelSpec]) -> None:
             current = specs[model]
             desired = max(current.desired_replicas, min_replicas)
             planner.ensure(records.build_demand(current, config=self._policy_config, desired_replicas=desired),
-                           allow_evictions=allow_evictions)
+                           allow_evictions=False)
 
-        return await self._placement_reply(model, await self._passes.run(operate))
+        outcome = await self._passes.run(operate, claimant=model if allow_evictions else None)
+        if allow_evictions and outcome.committed and any(u.model == model for u in outcome.plan.unplaced):
+            return await self._wake_reply(spec, min_replicas)
+        return await self._placement_reply(model, outcome)
+
+    async def _wake_reply(self, spec: ModelSpec, num_replicas: int, *, interest_s: float | None = None
+                          ) -> SchedulerReply:
+        state, detail, retry_after_s = await self._wakes.request(spec, num_replicas, interest_s=interest_s)
+        if state == "blocked":
+            return await self._reply(spec.key, "no_victim", detail, retry_after_s=max(1.0, retry_after_s))
+        return await self._reply(spec.key, "waking", f"waiting for GPU memory ({detail})")
 
     async def scale(self, model: str, num_replicas: int) -> SchedulerReply:
         """Exactly `num_replicas` replicas (extra ones removed, missing ones placed)."""
         if num_replicas < 0:
             raise RequestError(400, "replicas must be >= 0")
-        await self._registry.inspect(await self._registry.require(model))
+        spec = await self._registry.inspect(await self._registry.require(model))
 
         def operate(planner: ClusterPlanner, specs: dict[str, ModelSpec]) -> None:
             planner.scale_down(model, num_replicas)
             if num_replicas:
                 planner.ensure(records.build_demand(specs[model], config=self._policy_config,
-                                                    desired_replicas=num_replicas))
+                                                    desired_replicas=num_replicas), allow_evictions=False)
 
-        return await self._placement_reply(model, await self._passes.run(operate))
+        outcome = await self._passes.run(operate, claimant=model)
+        if num_replicas and outcome.committed and any(u.model == model for u in outcome.plan.unplaced):
+            # The rest needs memory others hold: woken fairly, as a request would (an operator's
+            # wish stays wanted for OPERATOR_INTEREST_S, with nobody asking again).
+            return await self._wake_reply(spec, num_replicas, interest_s=OPERATOR_INTEREST_S)
+        return await self._placement_reply(model, outcome)
 
     async def evict(self, model: str, replica_id: str | None) -> SchedulerReply:
         """Evict one replica (desired count - 1) or every replica of `model` (desired 0)."""
@@ -99,6 +142,25 @@ class PlacementCommands:
             raise RequestError(404, f"replica {replica_id} of {model!r} not found")
         return await self._reply(model, "ok" if outcome.committed else "contended", outcome.message)
 
+    async def sleep_idle(self, idle: list[ReplicaRecord]) -> PassOutcome:
+        """Put idle replicas to sleep, one pass: parked WARM or dropped COLD (their model's
+        ``sleep.level``), each model's desired count lowered (the next request wakes it)."""
+        levels = {spec.key: spec.sleep.level for spec in
+                  (e.value for e in (await self._bus.models.get_all()).values())}
+
+        def operate(planner: ClusterPlanner, _: dict[str, ModelSpec]) -> None:
+            for record in idle:
+                planner.sleep_replica(record.model, record.replica_id, reason="idle",
+                                      park=levels.get(record.model, "warm") == "warm")
+
+        outcome = await self._passes.run(operate)
+        for record in idle:
+            log.info("replica_idle_sleep", model=record.model, replica=record.replica_id)
+            self._sleeps.inc(model=record.model, reason="idle")
+            await publish_event(self._bus.js, Event("replica_slept", self._clock(), "idle", record.model,
+                                                    record.replica_id, record.node_id))
+        return outcome
+
     async def _placement_reply(self, model: str, outcome: PassOutcome) -> SchedulerReply:
         unplaced = [u for u in outcome.plan.unplaced if u.model == model]
         if not outcome.committed:
@@ -114,5 +176,5 @@ class PlacementCommands:
         spec = await self._store.get_model(model)
         if status in ("ok", "placed") and any(r.serving for r in replicas):
             status = "serving"
-        ok = status not in ("cant_accommodate", "contended", "failing")
+        ok = status not in FAILED_STATUSES
         return SchedulerReply(ok=ok, status=status, message=message, model=spec, replicas=replicas, **extra)

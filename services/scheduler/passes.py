@@ -92,24 +92,39 @@ class PlacementPasses:
         """Cancel the node steps still running (shutdown)."""
         await self._steps.stop()
 
-    async def run(self, operate: Operation) -> PassOutcome:
+    async def run(self, operate: Operation, *, claimant: str | None = None) -> PassOutcome:
         """Plan on a fresh snapshot and commit it, re-planning on any lost race, under the
-        pass lock; then wait, outside the lock, for the plan's own node steps."""
+        pass lock; then wait, outside the lock, for the plan's own node steps.
+
+        Args:
+            claimant: the model a wake places (the memory its own preemption intents keep is
+                free for it: `records.build_snapshot`)."""
         async with self._lock:
-            outcome, steps = await self._plan_and_commit(operate)
+            outcome, steps = await self._plan_and_commit(operate, claimant)
         if steps is None:
             return outcome
         results = await asyncio.shield(steps)  # a caller that gives up does not cancel the steps
         return dataclasses.replace(outcome, steps=tuple(results))
 
-    async def _plan_and_commit(self, operate: Operation) -> tuple[PassOutcome, asyncio.Task[list[StepResult]] | None]:
+    async def plan(self, operate: Operation, *, claimant: str | None = None) -> tuple[StoredCluster, PlacementPlan]:
+        """What a pass would decide now, committing nothing, with the memory of replicas already
+        draining away counted free (a wake looking for its target)."""
+        snapshot = await self._store.snapshot()
+        return snapshot, self._plan(snapshot, operate, claimant, leaving_is_free=True)
+
+    def _plan(self, snapshot: StoredCluster, operate: Operation, claimant: str | None, *,
+              leaving_is_free: bool = False) -> PlacementPlan:
+        specs = {v.value.key: v.value for v in snapshot.models.values()}
+        planner = ClusterPlanner(self._policy_snapshot(snapshot, claimant, leaving_is_free),
+                                 config=self._policy_config, rng=self._rng, clock=self._clock)
+        operate(planner, specs)
+        return planner.finish()
+
+    async def _plan_and_commit(self, operate: Operation, claimant: str | None
+                               ) -> tuple[PassOutcome, asyncio.Task[list[StepResult]] | None]:
         for _ in range(MAX_REPLANS):
             snapshot = await self._store.snapshot()
-            specs = {v.value.key: v.value for v in snapshot.models.values()}
-            planner = ClusterPlanner(self._policy_snapshot(snapshot), config=self._policy_config,
-                                     rng=self._rng, clock=self._clock)
-            operate(planner, specs)
-            plan = planner.finish()
+            plan = self._plan(snapshot, operate, claimant)
             if plan.is_empty:
                 self._passes.inc(scheduler=self._scheduler_id, outcome="no_change")
                 return PassOutcome(plan, committed=True), None
@@ -121,7 +136,8 @@ class PlacementPasses:
         self._passes.inc(scheduler=self._scheduler_id, outcome="contended")
         return PassOutcome(PlacementPlan(), committed=False, message="placement kept losing races; try again"), None
 
-    def _policy_snapshot(self, snapshot: StoredCluster) -> ClusterSnapshot:
+    def _policy_snapshot(self, snapshot: StoredCluster, claimant: str | None, leaving_is_free: bool
+                         ) -> ClusterSnapshot:
         return records.build_snapshot(
             snapshot.nodes.values(),
             [v.value for v in snapshot.gpus.values()],
@@ -129,6 +145,8 @@ class PlacementPasses:
             [v.value for v in snapshot.models.values()],
             config=self._policy_config,
             now=self._clock(),
+            claimant=claimant,
+            leaving_is_free=leaving_is_free,
         )
 
     async def _commit(self, snapshot: StoredCluster, plan: PlacementPlan) -> asyncio.Task[list[StepResult]] | None:

@@ -9,6 +9,8 @@ node steps leave behind, and refill models short of HOT replicas where there is 
     a live record on a node that is gone          failed: freed, counted, replaced
     a model with fewer HOT replicas than desired  `ensure(..., allow_evictions=False)`,
                                                   unless it backs off after failures
+    a serving replica idle for its model's        put to sleep (parked WARM, or COLD by its
+      ``sleep.idle_timeout_s``                    ``sleep.level``); its desired count drops
 
 Refills never evict: a pressure eviction keeps its victim's desired count, and the model
 comes back when room returns or a request asks (docs/placement.md, departure 10).
@@ -24,15 +26,19 @@ import structlog
 from shoal.services.scheduler import records
 from shoal.services.scheduler.executor import STOP_TIMEOUT_S, send_node_command
 from shoal.services.scheduler.failures import FailureHandler
-from shoal.services.scheduler.store import ClusterStore
+from shoal.services.scheduler.store import ClusterStore, StoredCluster
+from shoal.shared import subjects
 from shoal.shared.bus import Bus
 from shoal.shared.messages import ReplicaRecord, StopReplica
 from shoal.shared.micro import ServiceCallError
+from shoal.shared.placement.fairness import is_idle
 
 log = structlog.get_logger(__name__)
 
 Refill = Callable[[str, int], Awaitable[object]]
 """ensure(model, num_replicas) without evictions."""
+SleepIdle = Callable[[list[ReplicaRecord]], Awaitable[object]]
+"""Puts these idle replicas to sleep (one pass)."""
 
 
 class Reconciler:
@@ -43,6 +49,7 @@ class Reconciler:
         failures: FailureHandler,
         *,
         refill: Refill,
+        sleep_idle: SleepIdle,
         interval_s: float,
         clock: Callable[[], float],
     ) -> None:
@@ -54,6 +61,7 @@ class Reconciler:
         self._store = store
         self._failures = failures
         self._refill = refill
+        self._sleep_idle = sleep_idle
         self._interval_s = interval_s
         self._clock = clock
 
@@ -81,11 +89,36 @@ class Reconciler:
             elif record.node_id not in snapshot.nodes and record.is_active:
                 await self._failures.on_replica_failed(record.model, record.replica_id,
                                                        f"node {record.node_id} is gone")
+        if idle := self._find_idle(snapshot):
+            await self._sleep_idle(idle)
         for model_entry in snapshot.models.values():
             spec = model_entry.value
             hot = [r for r in snapshot.replicas_of(spec.key) if r.level == "HOT" and r.is_active]
             if len(hot) < spec.desired_replicas and not spec.is_held(self._clock()):
                 await self._refill(spec.key, spec.desired_replicas)
+
+    def _find_idle(self, snapshot: StoredCluster) -> list[ReplicaRecord]:
+        """Serving replicas with no request for their model's idle timeout (none in flight). The
+        idle clock runs from the later of its last request and its start of serving; only
+        requests reach a worker, so health checks and metrics never keep it awake."""
+        now = self._clock()
+        serving_since: dict[str, float] = {}
+        for gpu_entry in snapshot.gpus.values():
+            for occupant in gpu_entry.value.occupants:
+                if occupant.state == "serving":
+                    serving_since[occupant.replica_id] = max(occupant.since,
+                                                             serving_since.get(occupant.replica_id, 0.0))
+        idle = []
+        for entry in snapshot.replicas.values():
+            record = entry.value
+            spec_entry = snapshot.models.get(subjects.model_token(record.model))
+            if spec_entry is None or not record.serving or record.replica_id not in serving_since:
+                continue
+            last_accessed = max(record.last_request_at, serving_since[record.replica_id])
+            if is_idle(last_accessed=last_accessed, num_in_flight=record.num_in_flight,
+                       idle_timeout_s=spec_entry.value.sleep.idle_timeout_s, now=now):
+                idle.append(record)
+        return idle
 
     async def reap_held_replica(self, record: ReplicaRecord, *, node_alive: bool) -> bool:
         """Free a replica held after a failed to_cache or stop (``stopping``) once its node

@@ -14,13 +14,25 @@ No I/O: the scheduler reads the buckets, calls these, and writes the results.
 How records read (the GPU records are the truth for memory, since every change to them
 is a CAS; replica records say what the memory is for):
 
-* an occupant whose replica record is HOT on the same node, and not failed or stopping,
-  is that replica's reservation on that GPU;
-* a ``sleeping`` occupant holds no memory; its replica is WARM;
-* any other occupant (a reservation whose replica record is not written yet, a failed or
-  stopping replica, a record that disagrees) is pinned: it counts, nothing evicts it;
-  except a reservation without a replica record whose ``expires_at`` has passed (a
-  scheduler died between the two writes), which counts for nothing.
+* an occupant whose replica record is HOT on the same node, and not failed, stopping or
+  draining, is that replica's reservation on that GPU; pressure may evict it only if
+  fairness allows (serving, not popular, past its min runtime: `fairness.is_protected`);
+* a ``sleeping`` occupant holds only its residue (pinned); its replica is WARM;
+* any other occupant (a reservation whose replica record is not written yet, a failed,
+  stopping or draining replica, a record that disagrees) is pinned: it counts, nothing
+  evicts it; except a reservation without a replica record whose ``expires_at`` has
+  passed (a scheduler died between the two writes), which counts for nothing;
+* preemption intents keep their bytes for their wakers, first come first served
+  (`fairness.get_pinned_intent_bytes`): pinned for every placement but their own
+  waker's and older wakers'.
+
+A replica's last access is the latest of its occupants' ``last_accessed`` and its
+record's ``last_request_at`` (written by its worker), or now while a request is in flight.
+
+Evictions are two-phase: a plan that evicts marks its victims ``draining`` (record and
+occupants, bytes still counted); the node agent parks or stops the worker and only then
+releases the memory (`gpu_state.mark_parked` / `remove_occupant`). A plan never places on
+memory its own evictions free: the waker claims it in a later pass.
 
 A GPU whose occupants exceed its total (a node re-registered with smaller GPUs) is read
 as it is, not clamped: the policy treats it as having no room until evictions cover the
@@ -35,15 +47,18 @@ from dataclasses import dataclass, field
 import msgspec
 
 from shoal.shared.messages import GpuRecord, ModelSpec, NodeRecord, Occupant, ReplicaRecord
+from shoal.shared.model_settings import FairnessSettings
 from shoal.shared.placement.config import PlacementConfig
+from shoal.shared.placement.fairness import IntentView, OccupantView, get_pinned_intent_bytes, is_protected
 from shoal.shared.placement.memory_figure import get_memory_figure
 from shoal.shared.placement.plan import PlacementPlan
 from shoal.shared.placement.replicas import ReplicaLocation
 from shoal.shared.placement.snapshot import ClusterSnapshot, ModelDemand, NodeSnapshot, ReplicaSnapshot
 from shoal.shared.subjects import gpu_kv_key, replica_kv_key
 
-_NOT_HOLDING = ("failed", "stopping")
+_NOT_HOLDING = ("failed", "stopping", "draining")
 """Replica states whose GPU memory is still held but no longer serves (pinned, not evictable)."""
+_DEFAULT_FAIRNESS = FairnessSettings()
 
 
 # --------------------------------------------------------------------------- records -> policy
@@ -57,6 +72,8 @@ def build_snapshot(
     *,
     config: PlacementConfig,
     now: float,
+    claimant: str | None = None,
+    leaving_is_free: bool = False,
 ) -> ClusterSnapshot:
     """The policy's view of the cluster, from the four buckets' current values.
 
@@ -67,66 +84,104 @@ def build_snapshot(
         models: every model spec (desired replica counts; its weight bytes stand in for
             a replica record's CPU bytes when the record has none).
         config: supplies the share of CPU RAM WARM replicas may hold.
-        now: clock time, to let lapsed reservations go.
+        now: clock time, to let lapsed reservations go and for fairness.
+        claimant: the model a waking pass places (its own and younger intents do not pin
+            memory for it); None for any other pass.
+        leaving_is_free: count the bytes of replicas draining away (evicted, parking or
+            stopping) as free: where a wake could go once they are released (never for a
+            pass that commits: nothing is placed on memory still held).
 
     Returns:
         Nodes in node id order (so a seeded plan does not depend on read order).
     """
     gpu_by_key = {gpu_kv_key(g.node_id, g.index): g for g in gpus}
     replica_by_id = {r.replica_id: r for r in replicas}
-    specs = list(models)
-    weight_bytes_by_model = {spec.key: spec.weight_bytes or 0 for spec in specs}
+    specs = {spec.key: spec for spec in models}
     snapshots = [
-        _build_node(node, gpu_by_key, replica_by_id, weight_bytes_by_model, config, now)
+        _build_node(node, gpu_by_key, replica_by_id, specs, config, now, claimant, leaving_is_free)
         for node in sorted(nodes, key=lambda n: n.node_id)
     ]
-    desired = {spec.key: spec.desired_replicas for spec in specs}
+    desired = {spec.key: spec.desired_replicas for spec in specs.values()}
     return ClusterSnapshot(tuple(snapshots), desired)
+
+
+def get_last_accessed(occupant_accessed: float, replica: ReplicaRecord | None, now: float) -> float:
+    """A replica's last access: see the module doc."""
+    if replica is None:
+        return occupant_accessed
+    if replica.num_in_flight > 0:
+        return now
+    return max(occupant_accessed, replica.last_request_at)
 
 
 def _build_node(
     node: NodeRecord,
     gpu_by_key: Mapping[str, GpuRecord],
     replica_by_id: Mapping[str, ReplicaRecord],
-    weight_bytes_by_model: Mapping[str, int],
+    specs: Mapping[str, ModelSpec],
     config: PlacementConfig,
     now: float,
+    claimant: str | None,
+    leaving_is_free: bool,
 ) -> NodeSnapshot:
     total_bytes_by_gpu: dict[int, int] = {}
     pinned_bytes_by_gpu: dict[int, int] = {}
     hot_bytes_by_id: dict[str, dict[int, int]] = {}
     last_accessed_by_id: dict[str, float] = {}
+    serving_since_by_id: dict[str, float] = {}
     sleeping_ids: set[str] = set()
+
+    def pin(gpu_index: int, num_bytes: int) -> None:
+        if num_bytes:
+            pinned_bytes_by_gpu[gpu_index] = pinned_bytes_by_gpu.get(gpu_index, 0) + num_bytes
+
     for info in node.gpus:
         record = gpu_by_key.get(gpu_kv_key(node.node_id, info.index))
         total_bytes_by_gpu[info.index] = record.total_bytes if record is not None else info.total_bytes
-        for occupant in record.occupants if record is not None else ():
+        if record is None:
+            continue
+        for occupant in record.occupants:
             replica = replica_by_id.get(occupant.replica_id)
             last_accessed_by_id[occupant.replica_id] = max(
-                occupant.last_accessed, last_accessed_by_id.get(occupant.replica_id, 0.0)
+                get_last_accessed(occupant.last_accessed, replica, now),
+                last_accessed_by_id.get(occupant.replica_id, 0.0),
             )
             if occupant.state == "sleeping":
                 sleeping_ids.add(occupant.replica_id)
+                pin(info.index, occupant.residual_bytes)
             elif _is_reservation_of(replica, node.node_id):
                 by_gpu = hot_bytes_by_id.setdefault(occupant.replica_id, {})
                 by_gpu[info.index] = by_gpu.get(info.index, 0) + occupant.num_bytes
+                if occupant.state == "serving":
+                    serving_since_by_id[occupant.replica_id] = occupant.since
+            elif leaving_is_free and occupant.state == "draining" and replica is not None \
+                    and replica.state == "draining":
+                continue
             elif replica is not None or occupant.expires_at is None or occupant.expires_at > now:
-                pinned_bytes_by_gpu[info.index] = pinned_bytes_by_gpu.get(info.index, 0) + occupant.num_bytes
+                pin(info.index, occupant.num_bytes)
+        intents = [IntentView(i.model, i.num_bytes, i.since, i.expires_at) for i in record.intents]
+        pin(info.index, get_pinned_intent_bytes(intents, claimant, now))
     replica_snapshots = []
     for replica in sorted(replica_by_id.values(), key=lambda r: r.replica_id):
         if replica.node_id != node.node_id or replica.level == "COLD" or replica.state in _NOT_HOLDING:
             continue
+        spec = specs.get(replica.model)
+        fairness = spec.fairness if spec is not None else _DEFAULT_FAIRNESS
         gpu_bytes = hot_bytes_by_id.get(replica.replica_id, {})
         is_hot = replica.level == "HOT" and (gpu_bytes or replica.replica_id not in sleeping_ids)
+        serving_since = serving_since_by_id.get(replica.replica_id)
+        protected = (is_protected(fairness, serving=replica.serving and serving_since is not None,
+                                  serving_since=serving_since or 0.0, now=now)
+                     if is_hot else fairness.popular)
         replica_snapshots.append(
             ReplicaSnapshot(
                 replica_id=replica.replica_id,
                 model=replica.model,
                 level="HOT" if is_hot else "WARM",
                 gpu_bytes=gpu_bytes if is_hot else {},
-                cpu_bytes=replica.cpu_bytes or weight_bytes_by_model.get(replica.model, 0),
-                dedicated=replica.dedicated,
-                last_accessed=last_accessed_by_id.get(replica.replica_id, 0.0),
+                cpu_bytes=replica.cpu_bytes or (spec.weight_bytes or 0 if spec is not None else 0),
+                protected=protected,
+                last_accessed=last_accessed_by_id.get(replica.replica_id, replica.last_request_at),
             )
         )
     return NodeSnapshot(
@@ -138,13 +193,38 @@ def _build_node(
     )
 
 
+def get_occupant_views(
+    gpus: Iterable[GpuRecord], replicas: Iterable[ReplicaRecord], models: Iterable[ModelSpec], *, now: float
+) -> list[OccupantView]:
+    """Every occupant of `gpus` as fair preemption sees it (`fairness.select_victims`)."""
+    replica_by_id = {r.replica_id: r for r in replicas}
+    fairness_by_model = {spec.key: spec.fairness for spec in models}
+    views = []
+    for gpu in gpus:
+        for occupant in gpu.occupants:
+            replica = replica_by_id.get(occupant.replica_id)
+            serving = (occupant.state == "serving" and replica is not None and replica.serving
+                       and _is_reservation_of(replica, gpu.node_id))
+            views.append(OccupantView(
+                replica_id=occupant.replica_id,
+                model=occupant.model,
+                gpu_key=gpu_kv_key(gpu.node_id, gpu.index),
+                num_bytes=occupant.residual_bytes if occupant.state == "sleeping" else occupant.num_bytes,
+                serving=serving,
+                serving_since=occupant.since,
+                last_accessed=get_last_accessed(occupant.last_accessed, replica, now),
+                fairness=fairness_by_model.get(occupant.model, _DEFAULT_FAIRNESS),
+            ))
+    return views
+
+
 def find_over_committed(gpus: Iterable[GpuRecord]) -> dict[str, int]:
     """GPU keys whose occupants hold more than the GPU's total, with the excess bytes.
 
     Happens when a node re-registers with smaller GPUs (its agent updates the total and
     keeps the occupants). Nothing here is an error: `build_snapshot` reads such a GPU
     as it is, and the policy gives it no room (a placement there must first evict enough
-    to cover the excess; dedicated replicas are never evicted). The scheduler reports
+    to cover the excess; protected replicas are never evicted). The scheduler reports
     these (log, ``shoal status``) so an operator can move what no longer fits.
     """
     excess_by_key = {}
@@ -188,7 +268,7 @@ def build_demand(
         model=spec.key,
         figure=figure,
         desired_replicas=spec.desired_replicas if desired_replicas is None else desired_replicas,
-        dedicated=spec.dedicated,
+        popular=spec.fairness.popular,
         min_num_gpus=spec.num_gpus,
     )
 
@@ -239,8 +319,9 @@ def plan_to_records(
     """The GPU-key and replica-record writes of a plan.
 
     Placements become ``reserved`` occupants owned by `scheduler_id` that lapse after
-    `reservation_ttl_s` unless their replica record is written; replicas parked WARM stay
-    on their GPUs as ``sleeping`` occupants (holding nothing); deleted ones leave.
+    `reservation_ttl_s` unless their replica record is written; evicted HOT replicas become
+    ``draining`` (holding their bytes) with ``leaving_to`` WARM or COLD, for their node agent
+    to park or stop; evicted WARM replicas' records are deleted.
 
     Args:
         plan: the policy's decision.
@@ -268,26 +349,23 @@ def plan_to_records(
         if eviction.replica_id in placed_ids:
             continue  # left its old place and was placed again: the placement says where it is
         key = replica_kv_key(eviction.model, eviction.replica_id)
-        if eviction.to_level == "COLD":
-            delete_keys.append(key)
-            continue
         old = replicas.get(eviction.replica_id)
-        assert old is not None, f"replica {eviction.replica_id} parked WARM but has no record"
+        if eviction.from_level == "WARM" or old is None:
+            delete_keys.append(key)  # dropped from the CPU cache: no GPU memory to wait for
+            continue
+        # Two-phase (module doc): the victim drains holding its bytes; its node agent frees them.
         for gpu_id, num_bytes in eviction.freed_gpu_bytes.items():
             additions.setdefault(gpu_kv_key(eviction.node_id, gpu_id), []).append(
                 Occupant(
                     replica_id=eviction.replica_id,
                     model=eviction.model,
                     num_bytes=num_bytes,
-                    state="sleeping",
+                    state="draining",
                     since=at,
                     last_accessed=last_accessed_by_id.get(eviction.replica_id, 0.0),
-                    dedicated=old.dedicated,
                 )
             )
-        puts[key] = msgspec.structs.replace(
-            old, level="WARM", state="sleeping", gpu_bytes={}, gpu_memory_fraction=None, updated_at=at
-        )
+        puts[key] = msgspec.structs.replace(old, state="draining", leaving_to=eviction.to_level, updated_at=at)
     for placement in plan.placements:
         for gpu_id, num_bytes in placement.gpu_bytes.items():
             additions.setdefault(gpu_kv_key(placement.node_id, gpu_id), []).append(
@@ -298,7 +376,6 @@ def plan_to_records(
                     state="reserved",
                     since=at,
                     last_accessed=at,
-                    dedicated=placement.dedicated,
                     owner=scheduler_id,
                     expires_at=at + reservation_ttl_s,
                 )
@@ -314,7 +391,6 @@ def plan_to_records(
             gpu_memory_fraction=placement.gpu_memory_fraction,
             level="HOT",
             state="pending",
-            dedicated=placement.dedicated,
             cpu_bytes=placement.cpu_bytes,
             created_at=restored.created_at if restored is not None else at,
             updated_at=at,
@@ -334,19 +410,21 @@ def apply_gpu_change(record: GpuRecord, change: GpuChange, *, now: float) -> Gpu
     """The GPU record after `change`, or None when the change would add bytes beyond the
     GPU's total (the record moved on since the plan was made: re-read and re-plan).
 
-    A change that only gives memory back (removals, replicas parked as ``sleeping``
-    occupants) applies whenever it does not increase the bytes held, even on an
+    A change that does not bring a new occupant onto the GPU (removals, victims marked
+    ``draining``) applies whenever it does not increase the bytes held, even on an
     over-committed GPU (a node re-registered with smaller GPUs): evicting there lowers the
     excess. A change that adds a memory-holding occupant must leave the GPU within its
     total: a new replica never starts on memory that is already held.
     """
     removed = set(change.remove_replica_ids)
+    present = {o.replica_id for o in record.occupants}
     occupants = [o for o in record.occupants if o.replica_id not in removed]
     occupants.extend(change.add)
     updated = msgspec.structs.replace(record, occupants=occupants, updated_at=now)
     if updated.reserved_bytes <= updated.total_bytes:
         return updated
-    adds_bytes = any(o.num_bytes > 0 and o.state != "sleeping" for o in change.add)
-    if adds_bytes or updated.reserved_bytes > record.reserved_bytes:
+    adds_newcomer = any(o.replica_id not in present and o.state != "sleeping" and o.num_bytes > 0
+                        for o in change.add)
+    if adds_newcomer or updated.reserved_bytes > record.reserved_bytes:
         return None
     return updated

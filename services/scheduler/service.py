@@ -34,6 +34,7 @@ from shoal.services.scheduler.passes import PlacementPasses
 from shoal.services.scheduler.reconciler import Reconciler
 from shoal.services.scheduler.registry import ModelRegistry
 from shoal.services.scheduler.store import ClusterStore
+from shoal.services.scheduler.wakes import WakeCoordinator
 from shoal.shared import subjects
 from shoal.shared.bus import Bus
 from shoal.shared.config import SchedulerConfig
@@ -101,9 +102,13 @@ class SchedulerService:
         )
         self._registry = ModelRegistry(bus, self.store, self._passes, place=self.ensure,
                                        background=self._background, clock=clock)
-        self._commands = PlacementCommands(bus, self.store, self._registry, self._passes,
-                                           policy_config=policy_config, clock=clock)
+        self.wakes = WakeCoordinator(bus, self.store, self._passes, scheduler_id=self.scheduler_id,
+                                     policy_config=policy_config, metrics=self.metrics,
+                                     background=self._background, clock=clock)
+        self._commands = PlacementCommands(bus, self.store, self._registry, self._passes, self.wakes,
+                                           policy_config=policy_config, metrics=self.metrics, clock=clock)
         self._reconciler = Reconciler(bus, self.store, self._failures, refill=self._refill,
+                                      sleep_idle=self._commands.sleep_idle,
                                       interval_s=config.reconcile_interval_s, clock=clock)
         self._service: Service | None = None
         self._reconciling: asyncio.Task[None] | None = None

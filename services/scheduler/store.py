@@ -180,7 +180,7 @@ class ClusterStore:
                 before = current.find(record.replica_id)
                 occupant = Occupant(
                     replica_id=record.replica_id, model=record.model, num_bytes=num_bytes, state="draining",
-                    since=stamp, last_accessed=before.last_accessed if before else 0.0, dedicated=record.dedicated,
+                    since=stamp, last_accessed=before.last_accessed if before else 0.0,
                 )
                 occupants = [o for o in current.occupants if o.replica_id != record.replica_id] + [occupant]
                 return msgspec.structs.replace(current, occupants=occupants, updated_at=stamp)

@@ -47,6 +47,16 @@ EngineFactory = Callable[[LoadedModel], tuple[Engine, int]]
 """Builds an engine for the loaded model's current allocation; returns it and the bytes it holds."""
 
 
+def measure_residual_bytes(loaded: LoadedModel) -> int:
+    """What a parked replica still holds on its GPU as torch sees it (its node agent adds the
+    CUDA context with NVML); nothing on a virtual GPU, whose tensors live in host RAM."""
+    if loaded.device.type != "cuda":
+        return 0
+    import torch
+
+    return int(torch.cuda.memory_reserved(loaded.device))
+
+
 @dataclass
 class ReplicaRuntime:
     """What a serving replica holds, and how it parks and comes back."""
@@ -68,8 +78,9 @@ class ReplicaRuntime:
         engine, self.engine = self.engine, None
         await engine.close()
         await asyncio.to_thread(park_weights, self.loaded, self.replica)
-        log.info("replica_parked")
-        return WorkerReply(ok=True, message="parked")
+        residual_bytes = measure_residual_bytes(self.loaded)
+        log.info("replica_parked", residual_bytes=residual_bytes)
+        return WorkerReply(ok=True, message="parked", residual_bytes=residual_bytes)
 
     async def from_cache(self, replica: ReplicaRecord) -> WorkerReply:
         if self.engine is not None:

@@ -117,7 +117,7 @@ async def serve(launch: WorkerLaunch) -> int:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
         runtime = ReplicaRuntime(replica, loaded, engine, service, lambda model: build_engine(launch, model),
-                                 measure_replica_bytes, launch.worker.drain_timeout_s,
+                                 measure_replica_bytes, launch.model.sleep.drain_timeout_s,
                                  min_engine_bytes=get_min_engine_bytes(launch))
         control = await serve_control(bus, runtime)
         run_task = asyncio.create_task(service.run())
@@ -130,7 +130,7 @@ async def serve(launch: WorkerLaunch) -> int:
         stop_task = asyncio.create_task(stop.wait())
         await asyncio.wait([run_task, stop_task], return_when=asyncio.FIRST_COMPLETED)
         await control.stop()
-        await service.stop(launch.worker.drain_timeout_s)
+        await service.stop(launch.model.sleep.drain_timeout_s)
         run_task.cancel()
         await asyncio.gather(run_task, return_exceptions=True)
         if runtime.engine is not None:

@@ -22,6 +22,7 @@ import structlog
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
+from shoal.services.worker.activity import ActivityReporter
 from shoal.services.worker.generation import Engine, GenerationRequest, RequestRejected
 from shoal.services.worker.prompts import prompt_token_ids
 from shoal.shared import subjects
@@ -99,8 +100,14 @@ class WorkerService:
         self._serving = asyncio.Event()
         self._serving.set()
         self.num_requests_by_outcome: collections.Counter[str] = collections.Counter()
-        """Requests this replica finished, by outcome (ok, cancelled, rejected, error, expired)."""
+        """Requests this replica finished, by outcome (ok, cancelled, rejected, error, expired,
+        handed_back)."""
         self.num_generated_tokens = 0
+        self.last_request_at = 0.0
+        """When a request last started or finished here (wall clock)."""
+        self._handing_back = False
+        self._activity = ActivityReporter(bus, identity.model, identity.replica_id,
+                                          lambda: (self.last_request_at, len(self._tasks)))
 
     @property
     def num_in_flight(self) -> int:
@@ -113,15 +120,18 @@ class WorkerService:
         durable = await ensure_model_consumer(js, model, ack_wait_s=self._ack_wait_s)
         pull = await js.pull_subscribe_bind(durable=durable, stream=subjects.REQUESTS_STREAM)
         cancels = await self._bus.nc.subscribe(subjects.cancel_subject(model), cb=self._on_cancel)
+        reporting = asyncio.create_task(self._activity.run())
         log.info("worker_serving", consumer=durable)
         try:
             await self._fetch_loop(pull)
         finally:
+            reporting.cancel()
             await pull.unsubscribe()
             await cancels.unsubscribe()
 
     async def stop(self, drain_timeout_s: float = 30.0) -> None:
-        """Stop taking requests; wait up to `drain_timeout_s` for in-flight ones, cancel the rest."""
+        """Stop taking requests; wait up to `drain_timeout_s` for in-flight ones, hand the rest
+        back to the queue (see `pause`)."""
         self._stopping.set()
         self._slot_freed.set()
         self._serving.set()
@@ -130,7 +140,9 @@ class WorkerService:
     async def pause(self, drain_timeout_s: float = 30.0) -> None:
         """The barrier before sleep: take no new requests (they wait in the stream for
         another replica or for this one's return), let in-flight ones finish for up to
-        `drain_timeout_s`, then cancel what is left."""
+        `drain_timeout_s`, then hand what is left back to the queue: no error goes to its
+        client; another replica (or this one, after its wake) runs it again, and the gateway
+        restarts or resumes it (a stream that can be neither ends with a clear error)."""
         self._serving.clear()
         await self._drain(drain_timeout_s)
 
@@ -140,13 +152,17 @@ class WorkerService:
         self._serving.set()
 
     async def _drain(self, timeout_s: float) -> None:
-        if not self._tasks:
-            return
-        _, pending = await asyncio.wait(list(self._tasks), timeout=timeout_s)
-        for task in pending:
-            task.cancel()
-        if pending:
-            await asyncio.wait(pending, timeout=5.0)
+        if self._tasks:
+            _, pending = await asyncio.wait(list(self._tasks), timeout=timeout_s)
+            self._handing_back = True
+            try:
+                for task in pending:
+                    task.cancel()
+                if pending:
+                    await asyncio.wait(pending, timeout=5.0)
+            finally:
+                self._handing_back = False
+        await self._activity.flush()
 
     async def _fetch_loop(self, pull: JetStreamContext.PullSubscription) -> None:
         while not self._stopping.is_set():
@@ -211,10 +227,18 @@ class WorkerService:
             await msg.term()
             return
         ticker = asyncio.create_task(self._keep_in_progress(msg))
+        self.last_request_at = now()
         try:
             outcome = await self._generate(request, replier, logger)
+        except asyncio.CancelledError:
+            if self._handing_back:
+                logger.info("request_handed_back")
+                self.num_requests_by_outcome["handed_back"] += 1
+                await asyncio.shield(self._nak(msg))
+            raise
         finally:
             ticker.cancel()
+            self.last_request_at = now()
         self.num_requests_by_outcome[outcome] += 1
         if outcome in ("ok", "cancelled"):
             await msg.ack()
@@ -250,7 +274,8 @@ class WorkerService:
             return "rejected"
         except asyncio.CancelledError:
             self._engine.cancel(request.request_id)
-            await replier.error(503, "the replica stopped before the request finished", "unavailable")
+            if not self._handing_back:
+                await replier.error(503, "the replica stopped before the request finished", "unavailable")
             raise
         except Exception:
             logger.exception("request_failed")
@@ -279,6 +304,13 @@ class WorkerService:
             finish_reason=output.finish_reason,
         )
         return "ok"
+
+    @staticmethod
+    async def _nak(msg: Msg) -> None:
+        try:
+            await msg.nak()
+        except nats.errors.Error as exc:  # it comes back after ack_wait anyway
+            log.warning("hand_back_failed", error=str(exc))
 
     async def _keep_in_progress(self, msg: Msg) -> None:
         interval = max(1.0, self._ack_wait_s / 3)

@@ -285,7 +285,7 @@ class ClusterIndex:
                     gpu_bytes = replica.gpu_bytes  # empty for WARM replicas
                     if len(gpu_bytes) > 1:
                         self._spanning_positions.add(pos)
-                    if not replica.dedicated:
+                    if not replica.protected:
                         for gpu_id in gpu_bytes:
                             if gpu_bytes[gpu_id] > 0:
                                 evictable[slot_by_gpu[gpu_id]].append(gpu_bytes[gpu_id])

@@ -240,7 +240,7 @@ class GpuRoom(NamedTuple):
     available_bytes: int
     """Free now (negative: the input over-committed it)."""
     evictable_bytes: tuple[int, ...]
-    """Bytes of each replica pressure may evict there (not dedicated, not placed by this
+    """Bytes of each replica pressure may evict there (not protected, not placed by this
     pass), ascending."""
 
     @property

@@ -22,7 +22,7 @@ Multi-GPU shape: whole GPUs whose totals add up to R (a guessed figure: to the w
 bytes, plus ``unknown_extra_gpus`` more, seed 000's ``ceil(size / gpu) + 1``), and at
 least the model's ``min_num_gpus``.
 
-Only HOT, non-dedicated replicas of other models that this plan did not place are evicted.
+Only HOT, non-protected replicas of other models that this plan did not place are evicted.
 A FREE option always beats a FULL one, so a replica that fits somewhere without evictions
 is never given a placement that evicts.
 """

@@ -23,11 +23,13 @@ from shoal.shared.placement.resources import CpuCacheResources, GpuResources
 from shoal.shared.placement.snapshot import NodeSnapshot
 
 Level = Literal["HOT", "WARM", "COLD"]
-EvictionReason = Literal["pressure", "cpu_pressure", "moved", "scale_down", "explicit"]
+EvictionReason = Literal["pressure", "cpu_pressure", "moved", "scale_down", "explicit", "preempted", "idle"]
 """Why a replica left the GPU or the CPU cache:
 pressure: evicted to make room for another placement; cpu_pressure: a WARM copy dropped
 to make CPU room for another parked replica; moved: a WARM copy superseded by a HOT copy
-of the same replica on another node; scale_down / explicit: asked for."""
+of the same replica on another node; scale_down / explicit: asked for; preempted: chosen
+by fair preemption for a waking model (seed 001); idle: no request for its model's idle
+timeout."""
 
 
 @dataclass(slots=True)
@@ -40,7 +42,7 @@ class WorkReplica:
     level: Level
     gpu_bytes: dict[int, int] = field(default_factory=dict)
     cpu_bytes: int = 0
-    dedicated: bool = False
+    protected: bool = False
     last_accessed: float = 0.0
     locked: bool = False
     """Placed by this plan: not evicted again by the same plan (no thrashing inside one plan)."""
@@ -98,7 +100,7 @@ class NodeWork:
                 level=replica.level,
                 gpu_bytes=dict(replica.gpu_bytes),
                 cpu_bytes=replica.cpu_bytes,
-                dedicated=replica.dedicated,
+                protected=replica.protected,
                 last_accessed=replica.last_accessed,
             )
             if replica.level == "HOT":
@@ -116,21 +118,21 @@ class NodeWork:
 
     def get_evictable_on_gpu(self, gpu_id: int, model: str) -> list[WorkReplica]:
         """HOT replicas on `gpu_id` that pressure may evict to place `model`: not
-        dedicated, not placed by this plan, and not replicas of `model` itself."""
+        protected, not placed by this plan, and not replicas of `model` itself."""
         evictable = []
         for replica_id in self.hot_ids_by_gpu[gpu_id]:
             replica = self.hot[replica_id]
-            if not (replica.dedicated or replica.locked or replica.model == model):
+            if not (replica.protected or replica.locked or replica.model == model):
                 evictable.append(replica)
         return evictable
 
     def get_evictable_sizes(self, gpu_id: int) -> list[int]:
         """Bytes on `gpu_id` of each HOT replica pressure may evict for a model with no
-        replica there (not dedicated, not placed by this plan), ascending."""
+        replica there (not protected, not placed by this plan), ascending."""
         sizes = []
         for replica_id in self.hot_ids_by_gpu[gpu_id]:
             replica = self.hot[replica_id]
-            if not (replica.dedicated or replica.locked):
+            if not (replica.protected or replica.locked):
                 sizes.append(replica.gpu_bytes[gpu_id])
         sizes.sort()
         return sizes
@@ -225,7 +227,7 @@ class NodeWork:
         if num_bytes <= self.cpu_cache.free_bytes:
             return []
         droppable = sorted(
-            (r for r in self.warm.values() if not r.dedicated and r.replica_id not in keep_warm_ids),
+            (r for r in self.warm.values() if not r.protected and r.replica_id not in keep_warm_ids),
             key=lambda r: (r.cpu_bytes, r.replica_id),
         )
         headroom_bytes = self.cpu_cache.capacity_bytes - self.cpu_cache.used_bytes

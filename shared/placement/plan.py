@@ -35,7 +35,6 @@ class Placement:
     """Where the figure the reservation is based on came from."""
     cpu_bytes: int
     """Host RAM its weights take if it is parked WARM later."""
-    dedicated: bool
     eviction_ids: tuple[str, ...] = ()
     """Replicas evicted to make room for this one (each also listed as an `Eviction`)."""
 

@@ -247,7 +247,7 @@ class ClusterPlanner:
         else:
             replica = self._node(where[0]).take_warm(replica_id)  # CPU RAM only: no index moves
         self._touch(replica)
-        replica.dedicated = demand.dedicated
+        replica.protected = demand.popular
         node.place(replica, offer.gpu_bytes, whole_gpus=offer.kind != "fractional")
         self._where[replica_id] = (pos, "HOT")
         self._get_ids(demand.model).add(replica_id)
@@ -329,6 +329,22 @@ class ClusterPlanner:
             self._desired[model] = max(0, self._desired.get(model, 0) - 1)
         return True
 
+    def sleep_replica(self, model: str, replica_id: str, *, reason: EvictionReason, park: bool) -> bool:
+        """Put one HOT replica to sleep: parked WARM (`park`, where CPU RAM allows) or dropped to
+        COLD. A preempted replica keeps its model's desired count (it comes back when room
+        returns); one that sleeps because it is idle lowers it by one (it comes back on the
+        next request).
+
+        Returns:
+            False when `model` has no such HOT replica.
+        """
+        if replica_id not in self._get_ids(model) or self._where[replica_id][1] != "HOT":
+            return False
+        self._remove(replica_id, reason, park=park)
+        if reason == "idle":
+            self._desired[model] = max(0, self._desired.get(model, 0) - 1)
+        return True
+
     # ------------------------------------------------------------------ result
 
     def finish(self) -> PlacementPlan:
@@ -377,7 +393,6 @@ class ClusterPlanner:
             candidate_level=offer.level,
             memory_source=demand.figure.source,
             cpu_bytes=replica.cpu_bytes,
-            dedicated=replica.dedicated,
             eviction_ids=offer.eviction_ids,
         )
 
@@ -494,9 +509,9 @@ class _TakenIds(Collection[str]):
 
 
 def order_demands(demands: Sequence[ModelDemand]) -> list[ModelDemand]:
-    """Placement order of one pass: dedicated models first, then the largest figures first
+    """Placement order of one pass: popular models first, then the largest figures first
     (first-fit decreasing packs tighter), then by model key."""
-    return sorted(demands, key=lambda d: (not d.dedicated, -d.figure.required_bytes, d.model))
+    return sorted(demands, key=lambda d: (not d.popular, -d.figure.required_bytes, d.model))
 
 
 def plan_placements(

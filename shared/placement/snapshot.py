@@ -39,7 +39,7 @@ class CandidateLevel(IntEnum):
     CACHED_AND_FULL = 3
     """The node holds the replica WARM but needs evictions to take it back."""
     FULL = 4
-    """Needs evictions of non-dedicated replicas."""
+    """Needs evictions of unprotected replicas."""
     CANT_ACCOMMODATE = 5
     """No room, even after every allowed eviction."""
 
@@ -55,8 +55,9 @@ class ReplicaSnapshot:
     """HOT: bytes reserved per GPU index of its node. WARM: empty."""
     cpu_bytes: int = 0
     """Host RAM its weights take while WARM (and would take if parked)."""
-    dedicated: bool = False
-    """Never evicted under memory pressure."""
+    protected: bool = False
+    """Never evicted under memory pressure: its model is popular, or it is inside its minimum
+    runtime (seed 001; the scheduler decides, `fairness.is_protected`)."""
     last_accessed: float = 0.0
     """Clock time of its last request; least recently used replicas go first."""
 
@@ -115,7 +116,8 @@ class ModelDemand:
     model: str
     figure: MemoryFigure
     desired_replicas: int
-    dedicated: bool = False
+    popular: bool = False
+    """Its replicas are never evicted under pressure, and it is placed first in a pass."""
     min_num_gpus: int = 1
     """At least this many whole GPUs per replica (tensor parallel); 1 lets it share a GPU."""
 

@@ -15,6 +15,7 @@ import msgspec
 import pytest
 from nats.micro import add_service
 
+from shoal.services.node_agent.release import record_parked, record_stopped
 from shoal.services.scheduler.service import SchedulerService
 from shoal.shared import subjects
 from shoal.shared.bus import Bus
@@ -36,6 +37,7 @@ from shoal.shared.messages import (
     now,
 )
 from shoal.shared.micro import RequestError, add_json_endpoint
+from shoal.shared.model_settings import FairnessSettings
 
 GIB = 1 << 30
 NODE = "n0"
@@ -91,9 +93,19 @@ class StandInNode:
             await self.gate.wait()
         if (verb, replica_id) in self.failing or (verb, "*") in self.failing:
             raise RequestError(502, f"stand-in refuses {verb} of {replica_id}")
+        if verb in ("to_cache", "stop"):  # what the node agent writes once the worker parked or stopped
+            await self._release(verb, replica_id)
         if verb == "to_cache":
             self.log.append(("to_cache_done", replica_id))
         return NodeReply(ok=True)
+
+    async def _release(self, verb: str, replica_id: str) -> None:
+        entries = await self._bus.replicas.get_all(f"*.{replica_id}")
+        for entry in entries.values():
+            if verb == "to_cache":
+                await record_parked(self._bus, entry.value, {i: 0 for i in entry.value.gpu_bytes})
+            else:
+                await record_stopped(self._bus, entry.value)
 
     async def _beat(self) -> None:
         await self._bus.nodes.put(NODE, NodeRecord(node_id=NODE, hostname="test", gpus=self._gpus,
@@ -133,9 +145,14 @@ async def _serving(bus: Bus, model: str, replica_id: str, gpu_bytes: dict[int, i
         ready_at=now(), created_at=now()))
 
 
+IMPATIENT = FairnessSettings(min_runtime_s=0.0, max_wait_s=0.0)
+"""Preempted at once, and preempting at once: the node-step tests are not about fairness."""
+
+
 async def _model(bus: Bus, key: str, gib: int, desired: int = 0) -> None:
     await bus.models.put(subjects.model_token(key), ModelSpec(
-        key=key, path=key, weight_bytes=GIB, measured_serving_bytes=gib * GIB, desired_replicas=desired))
+        key=key, path=key, weight_bytes=GIB, measured_serving_bytes=gib * GIB, desired_replicas=desired,
+        fairness=IMPATIENT))
 
 
 async def _gpu(bus: Bus, index: int) -> GpuRecord:
@@ -182,28 +199,37 @@ async def test_a_failed_to_cache_keeps_the_memory_until_the_worker_is_stopped(
         bus: Bus, node: StandInNode, scheduler: SchedulerService) -> None:
     await node.start()
     await _model(bus, "org/x", 11, desired=1)  # measured since x1 was placed: x fits no GPU now
-    await _model(bus, "org/m", 6)  # more than GPU 1 (5 GiB): m must evict x1 on GPU 0
+    await _model(bus, "org/m", 6)  # more than GPU 1 (5 GiB): m must preempt x1 on GPU 0
     await _serving(bus, "org/x", "x1", {0: 8 * GIB})
     node.failing.add(("to_cache", "x1"))
 
     reply = await scheduler.ensure("org/m")
+    assert reply.status == "waking", reply
 
-    # x1's worker may still hold its memory: it stays accounted (pinned), the create that
-    # would have used it is skipped and rolled back.
-    assert "skipped" in reply.message, reply.message
-    (held,) = (await _replicas(bus, "org/x")).values()
-    assert (held.replica_id, held.level, held.state, held.gpu_bytes) == ("x1", "HOT", "stopping", {0: 8 * GIB})
+    async def held() -> bool:
+        return any(r.state == "stopping" for r in (await _replicas(bus, "org/x")).values())
+
+    await _until(held, "x1 held after its failed park")
+    # x1's worker may still hold its memory: it stays accounted, and m is not placed on it.
+    (x1,) = (await _replicas(bus, "org/x")).values()
+    assert (x1.replica_id, x1.level, x1.state, x1.gpu_bytes) == ("x1", "HOT", "stopping", {0: 8 * GIB})
     gpu = await _gpu(bus, 0)
     assert [(o.replica_id, o.num_bytes, o.state) for o in gpu.occupants] == [("x1", 8 * GIB, "draining")]
     assert await _replicas(bus, "org/m") == {}
     assert [verb for verb, _ in node.log] == ["to_cache"]
-    assert (await _spec(bus, "org/x")).desired_replicas == 1, "a pressure eviction keeps the desired count"
+    assert (await _spec(bus, "org/x")).desired_replicas == 1, "a preemption keeps the desired count"
 
-    # The reconciler frees x1 once the node confirms its worker stopped, then places m on
-    # the freed memory; x stays short of a replica (no room), its desired count kept.
+    # The reconciler frees x1 once the node confirms its worker stopped; the wake, still
+    # waiting for the memory (a request keeps asking), places m on it.
     await scheduler.reconcile()
     assert ("stop", "x1") in node.log
     assert await _replicas(bus, "org/x") == {}
+    await scheduler.ensure("org/m")  # the waiting request's heartbeat
+
+    async def m_placed() -> bool:
+        return bool(await _replicas(bus, "org/m"))
+
+    await _until(m_placed, "m placed on the freed memory")
     (placed,) = (await _replicas(bus, "org/m")).values()
     assert placed.gpu_bytes == {0: 6 * GIB}
     assert node.log[-1] == ("create", placed.replica_id)
@@ -249,18 +275,23 @@ async def test_node_steps_run_outside_the_pass_lock_and_in_order_per_gpu(
     assert y.gpu_bytes == {1: 3 * GIB} and ("create", y.replica_id) in node.log
     assert not evicting.done()
 
-    # z only fits on GPU 0, whose memory x1 is still giving back: z's create waits for it.
-    placing = asyncio.create_task(scheduler.ensure("org/z"))
+    # z only fits on GPU 0, whose memory x1 is still giving back: z waits for it (no one else
+    # is preempted for memory already on its way back) and is placed once x1 has parked.
+    reply = await scheduler.ensure("org/z")
+    assert reply.status == "waking", reply
+    assert await _replicas(bus, "org/z") == {}
+    node.gate.set()
+    assert (await evicting).ok
 
-    async def z_committed() -> bool:
+    async def z_placed() -> bool:
+        await scheduler.ensure("org/z")  # the waiting request's heartbeat
         return bool(await _replicas(bus, "org/z"))
 
-    await _until(z_committed, "z's plan to be committed")
+    await _until(z_placed, "z placed once x1 parked")
     (z,) = (await _replicas(bus, "org/z")).values()
     assert z.gpu_bytes == {0: 6 * GIB}
-    node.gate.set()
-    assert (await evicting).ok and (await placing).ok
     assert node.log.index(("to_cache_done", "x1")) < node.log.index(("create", z.replica_id))
+    assert [verb for verb, rid in node.log if rid == "x1"] == ["to_cache", "to_cache_done"], "only x1 was evicted"
 
 
 class KvWrites:
@@ -353,7 +384,12 @@ async def test_a_held_replicas_memory_is_given_back_before_its_record_goes(
     await _model(bus, "org/m", 6)
     await _serving(bus, "org/x", "x1", {0: 8 * GIB})
     node.failing.add(("to_cache", "x1"))
-    await scheduler.ensure("org/m")  # x1's to_cache fails: x1 is held ("stopping")
+    await scheduler.ensure("org/m")  # m's wake preempts x1, whose to_cache fails: x1 is held ("stopping")
+
+    async def held() -> bool:
+        return any(r.state == "stopping" for r in (await _replicas(bus, "org/x")).values())
+
+    await _until(held, "x1 held after its failed park")
     kv = KvWrites()
     await kv.start(bus)
 

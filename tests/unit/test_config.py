@@ -51,6 +51,10 @@ def test_file_then_env_then_overrides(tmp_path: Path) -> None:
         ("[[models]]\nkey = \"m\"\npath = \"m\"\nmemory_override_bytes = \"lots\"\n",
          "not a byte size: 'lots' (examples: 512MiB, 16GiB, 80GB, 1073741824) - at `$.models[0].memory_override_bytes`"),
         ("[node]\ncpu_ram_bytes = -1\n", "cpu_ram_bytes >= 0"),
+        ("[[models]]\nkey = \"m\"\npath = \"m\"\n[models.fairness]\nmin_runtim_s = 3\n",
+         "unknown field `min_runtim_s` - at `$.models[0].fairness`"),
+        ("[[models]]\nkey = \"m\"\npath = \"m\"\n[models.sleep]\nlevel = \"frozen\"\n", "models[0].sleep.level"),
+        ("[[models]]\nkey = \"m\"\npath = \"m\"\n[models.sleep]\nidle_timeout_s = -1\n", "idle_timeout_s"),
         ("not toml = = 1", "not valid TOML"),
     ],
 )
@@ -127,7 +131,8 @@ def test_a_model_spec_is_derived_from_the_models_settings() -> None:
     the spec adds only what the cluster learns."""
     config = load_config(None, environ={}, overrides={"models": [{
         "key": "org/m", "path": "m", "dtype": "bfloat16", "max_model_len": 512, "kv_cache_tokens": 100,
-        "memory_override_bytes": "1GiB", "num_gpus": 2, "dedicated": True, "min_replicas": 3, "max_queue": 9,
+        "memory_override_bytes": "1GiB", "num_gpus": 2, "min_replicas": 3, "max_queue": 9,
+        "fairness": {"popular": True, "min_runtime_s": 30}, "sleep": {"idle_timeout_s": 120, "level": "cold"},
     }]})
     settings = config.models[0]
     spec = ModelSpec.from_settings(settings, source="config", registered_at=12.0)

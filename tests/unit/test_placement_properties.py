@@ -1,5 +1,5 @@
 """Invariants of the placement policy over random clusters (1-6 nodes x 1-8 GPUs of mixed
-sizes, HOT / WARM / dedicated / multi-GPU replicas, pinned bytes) and random model mixes,
+sizes, HOT / WARM / protected / multi-GPU replicas, pinned bytes) and random model mixes,
 and of the indexes that answer for the whole cluster (`gpu_index`, `cluster_index`)."""
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ def clusters(draw: st.DrawFn, *, uniform: bool = False, over_commit: bool = Fals
                         level="HOT",
                         gpu_bytes={gpu_id: num_gib * GiB},
                         cpu_bytes=draw(st.integers(1, 8)) * GiB,
-                        dedicated=draw(st.integers(0, 4)) == 0,
+                        protected=draw(st.integers(0, 4)) == 0,
                         last_accessed=draw(st.integers(0, 100)),
                     )
                 )
@@ -83,7 +83,7 @@ def clusters(draw: st.DrawFn, *, uniform: bool = False, over_commit: bool = Fals
                     "HOT",
                     {g: gpu_gib[g] * GiB for g in pair},
                     8 * GiB,
-                    dedicated=draw(st.booleans()),
+                    protected=draw(st.booleans()),
                 )
             )
         cpu_cache_gib = draw(st.integers(0, 48))
@@ -98,7 +98,7 @@ def clusters(draw: st.DrawFn, *, uniform: bool = False, over_commit: bool = Fals
                         draw(st.sampled_from(MODELS)),
                         "WARM",
                         cpu_bytes=num_gib * GiB,
-                        dedicated=draw(st.integers(0, 4)) == 0,
+                        protected=draw(st.integers(0, 4)) == 0,
                         last_accessed=draw(st.integers(0, 100)),
                     )
                 )
@@ -137,7 +137,7 @@ def demands(draw: st.DrawFn) -> list[ModelDemand]:
                 model,
                 figure,
                 desired_replicas=draw(st.integers(0, 4)),
-                dedicated=draw(st.integers(0, 4)) == 0,
+                popular=draw(st.integers(0, 4)) == 0,
                 min_num_gpus=draw(st.sampled_from((1, 1, 1, 2))),
             )
         )
@@ -145,7 +145,7 @@ def demands(draw: st.DrawFn) -> list[ModelDemand]:
 
 
 def assert_plan_is_safe(cluster: ClusterSnapshot, plan: PlacementPlan) -> None:
-    """No GPU or CPU cache over-committed, no dedicated replica evicted, each replica once."""
+    """No GPU or CPU cache over-committed, no protected replica evicted, each replica once."""
     known = {r.replica_id: r for node in cluster.nodes for r in node.replicas}
     nodes = {node.node_id: node for node in cluster.nodes}
     reserved = {
@@ -159,7 +159,7 @@ def assert_plan_is_safe(cluster: ClusterSnapshot, plan: PlacementPlan) -> None:
     for eviction in plan.evictions:
         replica = known[eviction.replica_id]
         if eviction.reason in ("pressure", "cpu_pressure"):
-            assert not replica.dedicated, f"dedicated {eviction.replica_id} evicted by {eviction.reason}"
+            assert not replica.protected, f"protected {eviction.replica_id} evicted by {eviction.reason}"
         for g, num_bytes in eviction.freed_gpu_bytes.items():
             reserved[(eviction.node_id, g)] -= num_bytes
         if eviction.from_level == "WARM":
@@ -406,7 +406,7 @@ def recount_rooms(
     replicas placed in the pass are not evictable again (`placed_ids` also names those
     restored where they were, which the plan does not list)."""
     hot = {
-        r.replica_id: (node.node_id, dict(r.gpu_bytes), r.dedicated)
+        r.replica_id: (node.node_id, dict(r.gpu_bytes), r.protected)
         for node in cluster.nodes
         for r in node.replicas
         if r.level == "HOT"
@@ -415,17 +415,17 @@ def recount_rooms(
         if eviction.from_level == "HOT":
             del hot[eviction.replica_id]
     for placement in plan.placements:
-        hot[placement.replica_id] = (placement.node_id, dict(placement.gpu_bytes), placement.dedicated)
+        hot[placement.replica_id] = (placement.node_id, dict(placement.gpu_bytes), True)  # placed: never evicted again
     rooms = {}
     for node in cluster.nodes:
         for gpu_id, total_bytes in node.gpu_total_bytes.items():
             available = total_bytes - node.pinned_gpu_bytes.get(gpu_id, 0)
             evictable = []
-            for replica_id, (node_id, gpu_bytes, dedicated) in hot.items():
+            for replica_id, (node_id, gpu_bytes, protected) in hot.items():
                 num_bytes = gpu_bytes.get(gpu_id, 0)
                 if node_id == node.node_id and num_bytes > 0:
                     available -= num_bytes
-                    if not dedicated and replica_id not in placed_ids:
+                    if not protected and replica_id not in placed_ids:
                         evictable.append(num_bytes)
             rooms[(node.node_id, gpu_id)] = (available, tuple(sorted(evictable)))
     return rooms
@@ -488,11 +488,11 @@ def test_over_committed_gpus_get_no_room_and_never_lose_a_dedicated_replica(
     cluster: ClusterSnapshot, model_mix: list[ModelDemand], seed: int
 ) -> None:
     """Input GPUs may hold more than their total: the plan is still made (no exception),
-    never evicts a dedicated replica, and any GPU it places on ends within its total."""
+    never evicts a protected replica, and any GPU it places on ends within its total."""
     plan = plan_placements(cluster, model_mix, config=CONFIG, rng=random.Random(seed), clock=clock)
     known = {r.replica_id: r for node in cluster.nodes for r in node.replicas}
     assert not any(
-        known[e.replica_id].dedicated for e in plan.evictions if e.reason in ("pressure", "cpu_pressure")
+        known[e.replica_id].protected for e in plan.evictions if e.reason in ("pressure", "cpu_pressure")
     )
     placed_ids = {p.replica_id for p in plan.placements}
     rooms = recount_rooms(cluster, plan, placed_ids)

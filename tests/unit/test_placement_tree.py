@@ -30,11 +30,11 @@ def hot(
     model: str,
     gpu_gib: dict[int, int],
     *,
-    dedicated: bool = False,
+    protected: bool = False,
     last_accessed: float = 0.0,
 ) -> ReplicaSnapshot:
     return ReplicaSnapshot(
-        replica_id, model, "HOT", {g: b * GiB for g, b in gpu_gib.items()}, 1 * GiB, dedicated, last_accessed
+        replica_id, model, "HOT", {g: b * GiB for g, b in gpu_gib.items()}, 1 * GiB, protected, last_accessed
     )
 
 
@@ -152,7 +152,7 @@ def test_equal_victims_go_least_recently_used_first() -> None:
 
 
 def test_dedicated_replicas_are_never_evicted() -> None:
-    node = work(make_node([80], hot("a", "x", {0: 70}, dedicated=True)))
+    node = work(make_node([80], hot("a", "x", {0: 70}, protected=True)))
     assert evaluate_node(node, measured("m", 20), "r1", CONFIG).level == CandidateLevel.CANT_ACCOMMODATE
 
 
@@ -167,8 +167,8 @@ def test_pinned_bytes_block_a_whole_gpu_placement() -> None:
 
 
 def test_single_gpu_search_falls_through_to_multi_gpu() -> None:
-    # Only GPU 0 is big enough for 30 GiB alone, and a dedicated replica holds it.
-    node = work(make_node([40, 24, 24], hot("a", "x", {0: 20}, dedicated=True)))
+    # Only GPU 0 is big enough for 30 GiB alone, and a protected replica holds it.
+    node = work(make_node([40, 24, 24], hot("a", "x", {0: 20}, protected=True)))
     offer = evaluate_node(node, measured("m", 30), "r1", CONFIG)
     assert (offer.level, offer.kind, offer.gpu_bytes) == (
         CandidateLevel.FREE,
@@ -207,7 +207,7 @@ def test_multi_gpu_evicts_from_the_gpus_with_the_fewest_replicas() -> None:
 
 
 def test_multi_gpu_cannot_use_a_gpu_with_a_dedicated_replica() -> None:
-    node = work(make_node([80] * 2, hot("a", "x", {1: 10}, dedicated=True)))
+    node = work(make_node([80] * 2, hot("a", "x", {1: 10}, protected=True)))
     assert evaluate_node(node, measured("m", 100), "r1", CONFIG).level == CandidateLevel.CANT_ACCOMMODATE
 
 
@@ -242,22 +242,22 @@ def test_an_over_committed_gpu_has_no_room_until_evictions_cover_the_excess() ->
 
 
 def test_an_over_committed_gpu_never_gives_up_a_dedicated_replica() -> None:
-    # 40 GiB dedicated + 30 GiB on 40 GiB: evicting "a" still leaves the GPU 30 GiB over.
-    node = work(make_node([40], hot("d", "x", {0: 40}, dedicated=True), hot("a", "y", {0: 30})))
+    # 40 GiB protected + 30 GiB on 40 GiB: evicting "a" still leaves the GPU 30 GiB over.
+    node = work(make_node([40], hot("d", "x", {0: 40}, protected=True), hot("a", "y", {0: 30})))
     assert evaluate_node(node, measured("m", 1), "r1", CONFIG).level == CandidateLevel.CANT_ACCOMMODATE
-    plan = planner(make_node([40], hot("d", "x", {0: 40}, dedicated=True), hot("a", "y", {0: 30})))
+    plan = planner(make_node([40], hot("d", "x", {0: 40}, protected=True), hot("a", "y", {0: 30})))
     assert plan.get_candidate(measured("m", 1), "r1").level == CandidateLevel.CANT_ACCOMMODATE
 
 
 def test_the_planner_counts_the_excess_of_an_over_committed_gpu_in_its_evictions() -> None:
-    over = make_node([40], hot("d", "x", {0: 30}, dedicated=True), hot("a", "y", {0: 30}), node_id="a")
+    over = make_node([40], hot("d", "x", {0: 30}, protected=True), hot("a", "y", {0: 30}), node_id="a")
     full = make_node([40], hot("b", "z", {0: 39}), node_id="b")
     cluster_planner = planner(over, full)
     assert cluster_planner.get_gpu_room("a", 0) == (-20 * GiB, (30 * GiB,))
     # 2 GiB fits nowhere. Evicting "a" leaves 8 GiB on node a, evicting "b" 38 GiB: best fit.
     offer = cluster_planner.place_replica(measured("m", 2), "r1")
     assert (offer.node_id, offer.eviction_ids, offer.room_left_bytes) == ("a", ("a",), 8 * GiB)
-    assert cluster_planner.get_gpu_room("a", 0) == (8 * GiB, ())  # r1 is locked, d is dedicated
+    assert cluster_planner.get_gpu_room("a", 0) == (8 * GiB, ())  # r1 is locked, d is protected
     offer = cluster_planner.place_replica(measured("m", 10), "r2")
     assert (offer.node_id, offer.eviction_ids, offer.room_left_bytes) == ("b", ("b",), 30 * GiB)
 
@@ -315,7 +315,7 @@ def test_cluster_best_fit_across_nodes() -> None:
 
 
 def test_cluster_cant_accommodate() -> None:
-    offer = planner(make_node([80], hot("a1", "x", {0: 70}, dedicated=True))).get_candidate(
+    offer = planner(make_node([80], hot("a1", "x", {0: 70}, protected=True))).get_candidate(
         measured("m", 20), "r1"
     )
     assert offer.level == CandidateLevel.CANT_ACCOMMODATE

@@ -200,7 +200,7 @@ def test_warm_replicas_are_dropped_smallest_first_to_park_an_evicted_one() -> No
 
 
 def test_evicted_replica_is_deleted_when_dropping_cannot_make_room() -> None:
-    node = one_node(hot("x1", "x", {0: 70}, cpu_gib=4), warm("w8", "y", 8, dedicated=True), cpu_cache_gib=10)
+    node = one_node(hot("x1", "x", {0: 70}, cpu_gib=4), warm("w8", "y", 8, protected=True), cpu_cache_gib=10)
     p = planner(node)
     p.ensure(demand("m", 20))
     plan = p.finish()
@@ -233,7 +233,7 @@ def test_unplaced_replicas_lower_the_desired_count() -> None:
 
 
 def test_a_warm_copy_placed_on_another_node_is_deleted_where_it_was() -> None:
-    node_a = one_node(warm("r1", "m", 2), hot("d", "x", {0: 75}, dedicated=True), node_id="a")
+    node_a = one_node(warm("r1", "m", 2), hot("d", "x", {0: 75}, protected=True), node_id="a")
     node_b = one_node(node_id="b")
     plan = plan_placements(
         ClusterSnapshot((node_a, node_b)),
@@ -317,7 +317,6 @@ def test_planned_locations_follow_a_plan() -> None:
                 CandidateLevel.CACHED_AND_FULL,
                 "measured",
                 GiB,
-                False,
                 ("a",),
             ),
         ),

@@ -45,7 +45,7 @@ def test_a_lease_that_is_not_ours_or_a_model_that_is_gone_is_left_alone() -> Non
 def _placement(model: str, replica_id: str) -> Placement:
     return Placement(model=model, replica_id=replica_id, node_id="n0", gpu_bytes={0: 1}, gpu_memory_fraction=0.1,
                      kind="fractional", from_level="COLD", candidate_level=CandidateLevel.FREE,
-                     memory_source="measured", cpu_bytes=1, dedicated=False)
+                     memory_source="measured", cpu_bytes=1)
 
 
 def _eviction(model: str, replica_id: str) -> Eviction:

@@ -16,7 +16,9 @@ from shoal.services.scheduler.records import (
     get_recorded_locations,
     plan_to_records,
 )
+from shoal.shared.gpu_state import mark_parked, remove_occupant
 from shoal.shared.messages import GpuInfo, GpuRecord, ModelSpec, NodeRecord, Occupant, ReplicaRecord
+from shoal.shared.model_settings import FairnessSettings
 from shoal.shared.placement.config import PlacementConfig
 from shoal.shared.placement.memory_figure import UnknownModelMemory
 from shoal.shared.placement.planner import ClusterPlanner, plan_placements
@@ -102,9 +104,10 @@ def test_demand_ranks_the_memory_figure_and_carries_the_spec_flags() -> None:
         "estimate",
         2,
     )
-    spec = msgspec.structs.replace(spec, measured_serving_bytes=4 * GiB, dedicated=True, num_gpus=2)
+    spec = msgspec.structs.replace(spec, measured_serving_bytes=4 * GiB, fairness=FairnessSettings(popular=True),
+                                   num_gpus=2)
     demand = build_demand(spec, config=CONFIG, desired_replicas=3)
-    assert (demand.figure.source, demand.dedicated, demand.min_num_gpus, demand.desired_replicas) == (
+    assert (demand.figure.source, demand.popular, demand.min_num_gpus, demand.desired_replicas) == (
         "measured",
         True,
         2,
@@ -130,12 +133,13 @@ def test_plan_writes_reservations_sleeping_occupants_and_records() -> None:
             "w1", "m", "n0", {}, level="WARM", state="sleeping", cpu_bytes=2 * GiB, created_at=2.0,
             ready_at=3.0, pid=42,
         ),
-        "y1": replica_record("y1", "y", "n0", {1: 79}, state="ready", cpu_bytes=4 * GiB, dedicated=True),
+        "y1": replica_record("y1", "y", "n0", {1: 79}, state="ready", cpu_bytes=4 * GiB),
     }
     models = [
         ModelSpec(
             key="m", path="m", measured_serving_bytes=20 * GiB, weight_bytes=2 * GiB, desired_replicas=1
-        )
+        ),
+        ModelSpec(key="y", path="y", fairness=FairnessSettings(popular=True)),
     ]
     snapshot = build_snapshot([node_record("n0")], gpus, replicas.values(), models, config=CONFIG, now=NOW)
     plan = plan_placements(
@@ -151,7 +155,7 @@ def test_plan_writes_reservations_sleeping_occupants_and_records() -> None:
     gpu0 = changes.gpu_changes["n0.0"]
     assert gpu0.remove_replica_ids == ("x1",)
     assert [(o.replica_id, o.state, o.num_bytes) for o in gpu0.add] == [
-        ("x1", "sleeping", 70 * GiB),
+        ("x1", "draining", 70 * GiB),  # holds its bytes until its node agent confirms the park
         ("w1", "reserved", 20 * GiB),
     ]
     reservation = gpu0.add[1]
@@ -160,10 +164,11 @@ def test_plan_writes_reservations_sleeping_occupants_and_records() -> None:
     assert changes.gpu_changes["n0.1"] == GpuChange(("w1",), ())
 
     puts = {r.replica_id: r for r in changes.replica_puts}
-    assert (puts["x1"].level, puts["x1"].state, puts["x1"].gpu_bytes, puts["x1"].created_at) == (
+    assert (puts["x1"].level, puts["x1"].state, puts["x1"].leaving_to, puts["x1"].gpu_bytes, puts["x1"].created_at) == (
+        "HOT",
+        "draining",
         "WARM",
-        "sleeping",
-        {},
+        {0: 70 * GiB},
         1.0,
     )
     restored = puts["w1"]
@@ -179,20 +184,27 @@ def test_plan_writes_reservations_sleeping_occupants_and_records() -> None:
     assert changes.replica_delete_keys == ()
 
 
-def test_a_deleted_replica_leaves_its_gpus_and_its_record() -> None:
+def test_an_evicted_replica_drains_holding_its_memory_until_its_node_agent_releases_it() -> None:
     gpus = [gpu_record("n0", 0, occupant("h", "m", 10))]
     replicas = {"h": replica_record("h", "m", "n0", {0: 10}, state="ready", cpu_bytes=GiB)}
     snapshot = build_snapshot(
         [node_record("n0", ram_gib=0)], gpus, replicas.values(), [], config=CONFIG, now=NOW
     )
     planner = ClusterPlanner(snapshot, config=CONFIG, rng=random.Random(0), clock=lambda: NOW)
-    planner.evict_model("m")  # no CPU RAM to park it: deleted
+    planner.evict_model("m")  # no CPU RAM to park it: it goes COLD
     changes = plan_to_records(
         planner.finish(), gpus=gpus, replicas=replicas, scheduler_id="s1", reservation_ttl_s=60
     )
-    assert changes.gpu_changes == {"n0.0": GpuChange(("h",), ())}
-    assert changes.replica_delete_keys == (replica_kv_key("m", "h"),)
-    assert changes.replica_puts == ()
+    drained = apply_gpu_change(gpus[0], changes.gpu_changes["n0.0"], now=NOW)
+    assert drained is not None and [(o.replica_id, o.state) for o in drained.occupants] == [("h", "draining")]
+    assert drained.reserved_bytes == 10 * GiB, "counted until the worker is gone"
+    assert changes.replica_delete_keys == ()
+    (record,) = changes.replica_puts
+    assert (record.state, record.leaving_to) == ("draining", "COLD")
+    rebuilt = build_snapshot([node_record("n0", ram_gib=0)], [drained], [record], [], config=CONFIG, now=NOW)
+    assert rebuilt.nodes[0].replicas == () and rebuilt.nodes[0].pinned_gpu_bytes == {0: 10 * GiB}
+    released = remove_occupant(drained, "h", NOW)  # what its node agent writes once the worker stopped
+    assert released is not None and released.reserved_bytes == 0
 
 
 def test_apply_gpu_change_refuses_to_over_commit() -> None:
@@ -218,11 +230,13 @@ def test_an_eviction_on_an_over_committed_gpu_commits() -> None:
     changes = plan_to_records(planner.finish(), gpus=gpus, replicas=replicas, scheduler_id="s1",
                               reservation_ttl_s=60)
     updated = apply_gpu_change(gpus[0], changes.gpu_changes["n0.0"], now=NOW)
-    assert updated is not None, "a change that gives memory back must commit"
-    assert updated.reserved_bytes == 60 * GiB and find_over_committed([updated]) == {"n0.0": 20 * GiB}
+    assert updated is not None, "marking a victim draining must commit on an over-committed GPU"
     assert [(o.replica_id, o.state) for o in updated.occupants] == [
-        ("a", "serving"), ("c", "serving"), ("b", "sleeping")
+        ("a", "serving"), ("c", "serving"), ("b", "draining")
     ]
+    parked = mark_parked(updated, "b", 0, NOW)  # its node agent, once the worker parked
+    assert parked is not None and parked.reserved_bytes == 60 * GiB
+    assert find_over_committed([parked]) == {"n0.0": 20 * GiB}
     # Plain removals apply too; nothing that adds bytes beyond the total does.
     assert apply_gpu_change(gpus[0], GpuChange(("a",), ()), now=NOW) is not None
     grows = GpuChange((), (occupant("d", "m", 1, state="reserved"),))
@@ -236,7 +250,7 @@ def test_a_gpu_re_registered_smaller_is_reported_and_gets_no_room_until_eviction
     nodes = [node_record("n0", num_gpus=1, gpu_gib=40)]
     gpus = [gpu_record("n0", 0, occupant("d", "x", 30), occupant("a", "y", 30), gpu_gib=40)]
     replica_list = [
-        replica_record("d", "x", "n0", {0: 30}, state="ready", cpu_bytes=GiB, dedicated=True),
+        replica_record("d", "x", "n0", {0: 30}, state="ready", cpu_bytes=GiB),
         replica_record("a", "y", "n0", {0: 30}, state="ready", cpu_bytes=GiB),
     ]
     replicas = {r.replica_id: r for r in replica_list}
@@ -246,10 +260,11 @@ def test_a_gpu_re_registered_smaller_is_reported_and_gets_no_room_until_eviction
         ModelSpec(
             key="big", path="big", measured_serving_bytes=15 * GiB, weight_bytes=GiB, desired_replicas=1
         ),
+        ModelSpec(key="x", path="x", fairness=FairnessSettings(popular=True)),
     ]
     snapshot = build_snapshot(nodes, gpus, replica_list, models, config=CONFIG, now=NOW)
     assert snapshot.nodes[0].gpu_total_bytes == {0: 40 * GiB}
-    demands = [build_demand(spec, config=CONFIG) for spec in models]
+    demands = [build_demand(spec, config=CONFIG) for spec in models[:2]]
     plan = plan_placements(snapshot, demands, config=CONFIG, rng=random.Random(0), clock=lambda: NOW)
     # "big" needs 35 GiB of evictions and only "a" (30 GiB) may go: unplaced. "m" needs
     # 25 GiB: evicting "a" brings the GPU from 20 GiB over to 10 GiB free.
@@ -257,7 +272,16 @@ def test_a_gpu_re_registered_smaller_is_reported_and_gets_no_room_until_eviction
     assert [(p.model, p.gpu_bytes, p.eviction_ids) for p in plan.placements] == [("m", {0: 5 * GiB}, ("a",))]
     assert [(e.replica_id, e.to_level, e.reason) for e in plan.evictions] == [("a", "WARM", "pressure")]
     changes = plan_to_records(plan, gpus=gpus, replicas=replicas, scheduler_id="s1", reservation_ttl_s=60)
-    updated = apply_gpu_change(gpus[0], changes.gpu_changes["n0.0"], now=NOW)
+    # Committed as one change, the new replica would start on memory "a" still holds while it
+    # drains: refused. Shoal commits the eviction first and places once "a" is parked.
+    assert apply_gpu_change(gpus[0], changes.gpu_changes["n0.0"], now=NOW) is None
+    evict_only = GpuChange(("a",), tuple(o for o in changes.gpu_changes["n0.0"].add if o.replica_id == "a"))
+    draining = apply_gpu_change(gpus[0], evict_only, now=NOW)
+    assert draining is not None
+    parked = mark_parked(draining, "a", 0, NOW)
+    assert parked is not None
+    reserve = GpuChange((), tuple(o for o in changes.gpu_changes["n0.0"].add if o.replica_id != "a"))
+    updated = apply_gpu_change(parked, reserve, now=NOW)
     assert updated is not None and updated.reserved_bytes == 35 * GiB
     assert find_over_committed([updated]) == {}
 
@@ -275,7 +299,7 @@ def test_round_trip_records_plan_records() -> None:
     ]
     replica_list = [
         replica_record("x1", "x", "n0", {0: 60}, state="ready", cpu_bytes=8 * GiB),
-        replica_record("d1", "d", "n0", {1: 80}, state="ready", cpu_bytes=8 * GiB, dedicated=True),
+        replica_record("d1", "d", "n0", {1: 80}, state="ready", cpu_bytes=8 * GiB),
         replica_record("x2", "x", "n1", {0: 30}, state="ready", cpu_bytes=8 * GiB),
         replica_record("w1", "m", "n1", {}, level="WARM", state="sleeping", cpu_bytes=2 * GiB),
     ]
@@ -286,11 +310,16 @@ def test_round_trip_records_plan_records() -> None:
         ),
         ModelSpec(key="big", path="big", weight_bytes=40 * GiB, desired_replicas=1),
         ModelSpec(key="x", path="x", desired_replicas=2),
-        ModelSpec(key="d", path="d", desired_replicas=1),
+        ModelSpec(key="d", path="d", desired_replicas=1, fairness=FairnessSettings(popular=True)),
     ]
     snapshot = build_snapshot(nodes, gpus, replica_list, models, config=CONFIG, now=NOW)
     demands = [build_demand(spec, config=CONFIG) for spec in models[:2]]
-    plan = plan_placements(snapshot, demands, config=CONFIG, rng=random.Random(1), clock=lambda: NOW)
+    # What the scheduler commits: placements where there is room (evictions are their own,
+    # earlier passes: the memory they free is placed on once it is released).
+    planner = ClusterPlanner(snapshot, config=CONFIG, rng=random.Random(1), clock=lambda: NOW)
+    for demand in demands:
+        planner.ensure(demand, allow_evictions=False)
+    plan = planner.finish()
     assert plan.placements, "the scenario places something"
     changes = plan_to_records(plan, gpus=gpus, replicas=replicas, scheduler_id="s1", reservation_ttl_s=60)
 
@@ -318,5 +347,8 @@ def test_round_trip_records_plan_records() -> None:
         build_demand(spec, config=CONFIG, desired_replicas=plan.desired_replicas.get(spec.key))
         for spec in models[:2]
     ]
-    again = plan_placements(rebuilt, demands_again, config=CONFIG, rng=random.Random(1), clock=lambda: NOW)
+    again_planner = ClusterPlanner(rebuilt, config=CONFIG, rng=random.Random(1), clock=lambda: NOW)
+    for demand in demands_again:
+        again_planner.ensure(demand, allow_evictions=False)
+    again = again_planner.finish()
     assert again.placements == () and again.evictions == (), "a committed plan is stable"

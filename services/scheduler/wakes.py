@@ -1,0 +1,436 @@
+"""Waking a model that is short of GPU memory, fairly (seed 001).
+
+A request for a model with no replica on its way comes to `WakeCoordinator.ensure`.
+What fits is placed at once (a WARM replica restored, or a new one created). What does
+not fit starts a wake, which runs in the background while the gateway's requests wait in
+the model's stream (the gateway asks again every second: that is the wake's interest)::
+
+    target: where the planner would put it if fair preemption were allowed
+      │ nowhere ─▶ no eligible victim: blocked for a while, requests get 503 saying why
+    preemption intents on the target GPUs (CAS), first come first served
+    fairness wait, max_wait_s: every second, claim if it fits (an idle model may sleep)
+    victims: fairness.select_victims on the target GPUs (LRU, not popular, past min runtime)
+      │ none ─▶ blocked, as above
+    preemption pass: the victims drain (barrier, in-flight requests finish) and park or
+    stop; their node agents release the memory once the workers have let it go
+    claim: wake lock on the target GPUs (CAS, expiring), a placement pass that may use
+    the memory the intents kept, the restore or start; then the lock and intents go
+
+A wake nobody asks about for `INTEREST_TTL_S` (every waiting request cancelled or timed
+out) is cancelled. Several schedulers: a wake belongs to the scheduler that started it;
+another one that is asked refreshes the interest on the intents, where the owner reads it.
+Locks and intents expire, so a crashed owner leaves nothing behind for long.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Literal
+
+import msgspec
+import structlog
+
+from shoal.services.scheduler import records
+from shoal.services.scheduler.background import BackgroundTasks
+from shoal.services.scheduler.passes import PassOutcome, PlacementPasses
+from shoal.services.scheduler.store import ClusterStore
+from shoal.shared import gpu_state, subjects
+from shoal.shared.bus import Bus, cas_update, publish_event
+from shoal.shared.messages import Event, EventKind, GpuRecord, ModelSpec, PreemptionIntent
+from shoal.shared.metrics import Registry
+from shoal.shared.placement.config import PlacementConfig
+from shoal.shared.placement.fairness import (
+    IntentView,
+    NoVictim,
+    OccupantView,
+    Victims,
+    get_pinned_intent_bytes,
+    next_wake_step,
+    select_victims,
+)
+from shoal.shared.placement.planner import ClusterPlanner
+
+log = structlog.get_logger(__name__)
+
+INTEREST_TTL_S = 5.0
+"""A wake nobody asked about (no waiting request) for this long is cancelled."""
+INTENT_TTL_S = 30.0
+"""An intent its owner stopped refreshing (a crashed scheduler) lapses after this."""
+LOCK_TTL_S = 30.0
+"""A wake lock its holder stopped renewing lapses after this; renewed while the claim runs."""
+RELEASE_MARGIN_S = 60.0
+"""Victims park or stop within their drain timeout plus this, or the wake gives up."""
+POLL_S = 0.5
+"""How often a wake whose victims are draining checks whether the memory is free."""
+BLOCK_WITHOUT_RETRY_S = 30.0
+"""How long a wake with no eligible victim and no time one becomes eligible answers 503."""
+
+Phase = Literal["waiting", "preempting", "claiming"]
+
+
+class WakeCancelled(Exception):
+    """Nobody waits for the model any more."""
+
+
+@dataclass
+class Wake:
+    """One model's wake, run by this scheduler."""
+
+    model: str
+    num_replicas: int
+    started_at: float
+    interest_until: float
+    phase: Phase = "waiting"
+    gpu_bytes: dict[str, int] = field(default_factory=dict)
+    """The memory it needs, by GPU key (where its intents are)."""
+
+    @property
+    def holder(self) -> str:
+        return self.model
+
+
+class WakeCoordinator:
+    """Runs this scheduler's wakes (see the module doc)."""
+
+    def __init__(
+        self,
+        bus: Bus,
+        store: ClusterStore,
+        passes: PlacementPasses,
+        *,
+        scheduler_id: str,
+        policy_config: PlacementConfig,
+        metrics: Registry,
+        background: BackgroundTasks,
+        clock: Callable[[], float],
+    ) -> None:
+        self._bus = bus
+        self._store = store
+        self._passes = passes
+        self._scheduler_id = scheduler_id
+        self._policy_config = policy_config
+        self._background = background
+        self._clock = clock
+        self._wakes: dict[str, Wake] = {}
+        self._wakes_total = metrics.counter("shoal_scheduler_wakes_total", "Wakes by outcome",
+                                            ["model", "outcome"])
+        self._preemptions = metrics.counter("shoal_scheduler_preemptions_total", "Replicas preempted, by model",
+                                            ["model"])
+        self._wake_seconds = metrics.histogram("shoal_scheduler_wake_duration_seconds",
+                                               "From a wake's start to its replica placed", ["model"])
+        self._fairness_wait = metrics.histogram("shoal_scheduler_fairness_wait_seconds",
+                                                "Time a wake waited before it claimed or preempted", ["model"])
+        self._lock_conflicts = metrics.counter("shoal_scheduler_wake_lock_conflicts_total",
+                                               "Claims that found a GPU's wake lock held by another waker",
+                                               ["scheduler"])
+
+    def phase_of(self, model: str) -> Phase | None:
+        wake = self._wakes.get(model)
+        return wake.phase if wake is not None else None
+
+    async def stop(self) -> None:
+        """Nothing to do: wakes run as background tasks, cancelled with them; their intents lapse."""
+
+    # ------------------------------------------------------------------ entry
+
+    async def request(self, spec: ModelSpec, num_replicas: int, *, interest_s: float | None = None
+                      ) -> tuple[Literal["waking", "blocked"], str, float]:
+        """A request wants `num_replicas` HOT replicas of `spec` and not all fit now: start (or keep
+        alive) its wake, wanted for `interest_s` more (default `INTEREST_TTL_S`). Returns
+        ("waking", phase, 0) or ("blocked", why, retry after s)."""
+        now = self._clock()
+        interest_until = now + (INTEREST_TTL_S if interest_s is None else interest_s)
+        if spec.wake_blocked_until is not None and spec.wake_blocked_until > now:
+            return "blocked", spec.wake_blocked_reason or "no replica may be preempted", spec.wake_blocked_until - now
+        wake = self._wakes.get(spec.key)
+        if wake is not None:
+            wake.interest_until = max(wake.interest_until, interest_until)
+            wake.num_replicas = max(wake.num_replicas, num_replicas)
+            return "waking", wake.phase, 0.0
+        if await self._note_interest_elsewhere(spec.key, interest_until, now):
+            return "waking", "waiting", 0.0
+        wake = Wake(spec.key, num_replicas, started_at=now, interest_until=interest_until)
+        self._wakes[spec.key] = wake
+        self._background.spawn(self._run(wake, spec))
+        await self._event("wake_started", wake.model, f"{wake.model} needs GPU memory; waking it fairly")
+        return "waking", wake.phase, 0.0
+
+    async def _note_interest_elsewhere(self, model: str, until: float, now: float) -> bool:
+        """If another scheduler runs `model`'s wake (a live intent of someone else's), tell it
+        requests still wait; True when there is such a wake."""
+        gpus = await self._bus.gpus.get_all()
+        keys = [key for key, entry in gpus.items()
+                if any(i.model == model and i.owner != self._scheduler_id and i.expires_at > now
+                       for i in entry.value.intents)]
+        for key in keys:
+            await cas_update(self._bus.gpus, key, functools.partial(
+                gpu_state.note_interest, model=model, until=until, now=now))
+        return bool(keys)
+
+    # ------------------------------------------------------------------ the wake
+
+    async def _run(self, wake: Wake, spec: ModelSpec) -> None:
+        log.info("wake_started", model=wake.model, replicas=wake.num_replicas)
+        try:
+            outcome = await self._wake(wake, spec)
+        except WakeCancelled:
+            outcome = "cancelled"
+            await self._event("wake_cancelled", wake.model, "no request waits for it any more")
+        except Exception:
+            outcome = "error"
+            log.exception("wake_failed_unexpectedly", model=wake.model)
+        finally:
+            await self._drop_intents(wake)
+            self._wakes.pop(wake.model, None)
+        self._wakes_total.inc(model=wake.model, outcome=outcome)
+        if outcome == "done":
+            self._wake_seconds.observe(self._clock() - wake.started_at, model=wake.model)
+
+    async def _wake(self, wake: Wake, spec: ModelSpec) -> str:
+        target = await self._find_target(wake)
+        if isinstance(target, NoVictim):
+            await self._block(wake, target)
+            return "blocked"
+        wake.gpu_bytes = target
+        await self._put_intents(wake)
+        # Fairness wait: claim as soon as it fits; preempt only once max_wait_s is over.
+        while True:
+            self._check_interest(wake)
+            if await self._try_claim(wake):
+                self._fairness_wait.observe(self._clock() - wake.started_at, model=wake.model)
+                return "done"
+            step, wait_s = next_wake_step(fits=False, intent_since=wake.started_at,
+                                          max_wait_s=spec.fairness.max_wait_s, now=self._clock())
+            if step == "preempt":
+                break
+            await asyncio.sleep(wait_s)
+            await self._put_intents(wake)
+        self._fairness_wait.observe(self._clock() - wake.started_at, model=wake.model)
+        choice = await self._choose_victims(wake)
+        if isinstance(choice, NoVictim):
+            await self._block(wake, choice)
+            return "blocked"
+        wake.phase = "preempting"
+        drain_s = await self._preempt(wake, choice)
+        deadline = self._clock() + drain_s + RELEASE_MARGIN_S
+        while self._clock() < deadline:
+            self._check_interest(wake)
+            if await self._try_claim(wake):
+                return "done"
+            await asyncio.sleep(POLL_S)
+            await self._put_intents(wake)
+        await self._block(wake, NoVictim(f"the preempted replicas did not release their memory within "
+                                         f"{drain_s + RELEASE_MARGIN_S:.0f} s", retry_after_s=5.0))
+        return "blocked"
+
+    def _check_interest(self, wake: Wake) -> None:
+        if self._clock() > wake.interest_until:
+            raise WakeCancelled()
+
+    async def _find_target(self, wake: Wake) -> dict[str, int] | NoVictim:
+        """The memory the model needs, by GPU key: where the planner would place its missing
+        replicas if it could preempt the replicas fairness allows. NoVictim when nowhere."""
+        snapshot, plan = await self._passes.plan(self._ensure_op(wake, allow_evictions=True), claimant=wake.model)
+        placements = [p for p in plan.placements if p.model == wake.model]
+        if placements:
+            need: dict[str, int] = {}
+            for placement in placements:
+                for index, num_bytes in placement.gpu_bytes.items():
+                    key = subjects.gpu_kv_key(placement.node_id, index)
+                    need[key] = need.get(key, 0) + num_bytes
+            return need
+        specs = [e.value for e in snapshot.models.values()]
+        spec = next(s for s in specs if s.key == wake.model)
+        per_gpu_bytes = records.build_demand(spec, config=self._policy_config).figure.required_bytes // spec.num_gpus
+        gpus = [e.value for e in snapshot.gpus.values() if e.value.node_id in snapshot.nodes]
+        occupants = records.get_occupant_views(gpus, [e.value for e in snapshot.replicas.values()], specs,
+                                               now=self._clock())
+        return _explain_nowhere(wake.model, per_gpu_bytes, occupants, gpus, self._clock())
+
+    async def _choose_victims(self, wake: Wake) -> Victims | NoVictim:
+        snapshot = await self._store.snapshot()
+        now = self._clock()
+        gpus = {key: entry.value for key, entry in snapshot.gpus.items() if key in wake.gpu_bytes}
+        deficits = {key: need - _available_for(gpus[key], wake.model, now)
+                    for key, need in wake.gpu_bytes.items() if key in gpus}
+        occupants = records.get_occupant_views(gpus.values(), [e.value for e in snapshot.replicas.values()],
+                                               [e.value for e in snapshot.models.values()], now=now)
+        return select_victims(occupants, deficits, wake.model, now)
+
+    async def _preempt(self, wake: Wake, victims: Victims) -> float:
+        """Send the victims to sleep (a pass); returns the longest drain timeout among them (or
+        the default one, when the memory is already on its way back and nobody is preempted)."""
+        specs = {e.value.key: e.value for e in (await self._bus.models.get_all()).values()}
+        replicas = {e.value.replica_id: e.value for e in (await self._bus.replicas.get_all()).values()}
+        chosen = [replicas[r] for r in victims.replica_ids if r in replicas]
+
+        def operate(planner: ClusterPlanner, _: dict[str, ModelSpec]) -> None:
+            for victim in chosen:
+                victim_spec = specs.get(victim.model)
+                park = victim_spec is None or victim_spec.sleep.level == "warm"
+                planner.sleep_replica(victim.model, victim.replica_id, reason="preempted", park=park)
+
+        # The pass returns once the victims are parked or stopped (its node steps).
+        self._background.spawn(self._passes.run(operate))
+        for victim in chosen:
+            self._preemptions.inc(model=victim.model)
+            log.info("replica_preempted", model=victim.model, replica=victim.replica_id, waker=wake.model)
+            await publish_event(self._bus.js, Event("replica_preempted", self._clock(),
+                                                    f"preempted for {wake.model}", victim.model, victim.replica_id,
+                                                    victim.node_id, data={"waker": wake.model}))
+        return max((specs[v.model].sleep.drain_timeout_s for v in chosen if v.model in specs), default=30.0)
+
+    async def _try_claim(self, wake: Wake) -> bool:
+        """Under the wake lock of every target GPU: place what fits (its intents' memory is free
+        for it). True when the model has all the replicas it wanted."""
+        wake.phase = "claiming" if wake.phase == "preempting" else wake.phase
+        taken = await self._take_locks(wake)
+        if taken is None:
+            return False
+        try:
+            renewing = asyncio.create_task(self._renew_locks(wake, taken))
+            try:
+                outcome = await self._passes.run(self._ensure_op(wake, allow_evictions=False), claimant=wake.model)
+            finally:
+                renewing.cancel()
+        finally:
+            await self._release_locks(wake, taken)
+        placed = _is_placed(outcome, wake.model)
+        if placed:
+            log.info("wake_done", model=wake.model, seconds=round(self._clock() - wake.started_at, 3))
+            await self._event("wake_done", wake.model, f"{wake.model} placed after "
+                                                       f"{self._clock() - wake.started_at:.1f} s")
+        return placed
+
+    def _ensure_op(self, wake: Wake, *, allow_evictions: bool) -> Callable[[ClusterPlanner, dict[str, ModelSpec]],
+                                                                             object]:
+        def operate(planner: ClusterPlanner, specs: dict[str, ModelSpec]) -> None:
+            current = specs.get(wake.model)
+            if current is None:
+                return
+            desired = max(current.desired_replicas, wake.num_replicas)
+            planner.ensure(records.build_demand(current, config=self._policy_config, desired_replicas=desired),
+                           allow_evictions=allow_evictions)
+
+        return operate
+
+    # ------------------------------------------------------------------ intents, locks, blocks
+
+    async def _put_intents(self, wake: Wake) -> None:
+        now = self._clock()
+        for key, num_bytes in sorted(wake.gpu_bytes.items()):
+            intent = PreemptionIntent(model=wake.model, num_bytes=num_bytes, since=wake.started_at,
+                                      owner=self._scheduler_id, expires_at=now + INTENT_TTL_S,
+                                      interest_until=wake.interest_until)
+            written = await cas_update(self._bus.gpus, key, functools.partial(gpu_state.put_intent, intent=intent,
+                                                                             now=now))
+            if written is not None:  # another scheduler a gateway asked may have noted interest there
+                wake.interest_until = max(wake.interest_until, _interest_on(written.value, wake.model))
+
+    async def _drop_intents(self, wake: Wake) -> None:
+        for key in sorted(wake.gpu_bytes):
+            try:
+                await cas_update(self._bus.gpus, key, functools.partial(gpu_state.drop_intent, model=wake.model,
+                                                                        now=self._clock()))
+            except Exception as exc:
+                log.warning("intent_not_dropped", model=wake.model, gpu=key, error=str(exc))
+
+    async def _take_locks(self, wake: Wake) -> list[str] | None:
+        """The wake lock of every target GPU, in key order; None (and nothing held) when another
+        waker holds one."""
+        holder = f"{self._scheduler_id}/{wake.model}"
+        taken: list[str] = []
+        for key in sorted(wake.gpu_bytes):
+            now = self._clock()
+            written = await cas_update(self._bus.gpus, key, functools.partial(
+                gpu_state.take_wake_lock, holder=holder, now=now, ttl_s=LOCK_TTL_S))
+            if written is not None:
+                current: GpuRecord | None = written.value
+            else:
+                entry = await self._bus.gpus.get(key)
+                current = entry.value if entry is not None else None
+            if not gpu_state.holds_wake_lock(current, holder, now):
+                self._lock_conflicts.inc(scheduler=self._scheduler_id)
+                log.info("wake_lock_busy", model=wake.model, gpu=key)
+                await self._release_locks(wake, taken)
+                return None
+            taken.append(key)
+        if taken:
+            await self._event("wake_lock_taken", wake.model, f"wake lock on {', '.join(taken)}")
+        return taken
+
+    async def _renew_locks(self, wake: Wake, keys: list[str]) -> None:
+        holder = f"{self._scheduler_id}/{wake.model}"
+        while True:
+            await asyncio.sleep(LOCK_TTL_S / 3)
+            for key in keys:
+                await cas_update(self._bus.gpus, key, functools.partial(
+                    gpu_state.take_wake_lock, holder=holder, now=self._clock(), ttl_s=LOCK_TTL_S))
+
+    async def _release_locks(self, wake: Wake, keys: list[str]) -> None:
+        holder = f"{self._scheduler_id}/{wake.model}"
+        for key in keys:
+            await cas_update(self._bus.gpus, key, functools.partial(gpu_state.release_wake_lock, holder=holder,
+                                                                    now=self._clock()))
+        if keys:
+            await self._event("wake_lock_released", wake.model, f"wake lock on {', '.join(keys)} released")
+
+    async def _block(self, wake: Wake, why: NoVictim) -> None:
+        """No eligible victim: requests for the model get 503 with `why` until a victim may be
+        eligible (or `BLOCK_WITHOUT_RETRY_S`)."""
+        retry_s = why.retry_after_s if why.retry_after_s is not None else BLOCK_WITHOUT_RETRY_S
+        until = self._clock() + max(1.0, retry_s)
+        log.warning("wake_blocked", model=wake.model, reason=why.reason, retry_after_s=round(retry_s, 1))
+
+        def mutate(current: ModelSpec | None) -> ModelSpec | None:
+            if current is None:
+                return None
+            return msgspec.structs.replace(current, wake_blocked_until=until, wake_blocked_reason=why.reason)
+
+        await self._store.update_model(wake.model, mutate)
+        await self._event("wake_failed", wake.model, why.reason, data={"retry_after_s": retry_s})
+
+    async def _event(self, kind: EventKind, model: str, message: str, *, data: dict[str, object] | None = None
+                     ) -> None:
+        await publish_event(self._bus.js, Event(kind, self._clock(), message, model, data=data or {}))
+
+
+def _interest_on(record: GpuRecord, model: str) -> float:
+    return max((i.interest_until for i in record.intents if i.model == model), default=0.0)
+
+
+def _available_for(record: GpuRecord, model: str, now: float) -> int:
+    """Bytes of `record` `model`'s claim can count on: its total less what is held and what older
+    wakers' intents keep (`fairness.get_pinned_intent_bytes`), plus what draining replicas are
+    giving back already (no need to preempt anyone for those)."""
+    intents = [IntentView(i.model, i.num_bytes, i.since, i.expires_at) for i in record.intents]
+    leaving = sum(o.num_bytes for o in record.occupants if o.state == "draining")
+    return record.total_bytes - record.reserved_bytes + leaving - get_pinned_intent_bytes(intents, model, now)
+
+
+def _is_placed(outcome: PassOutcome, model: str) -> bool:
+    return outcome.committed and not any(u.model == model for u in outcome.plan.unplaced)
+
+
+def _explain_nowhere(model: str, needed_bytes: int, occupants: Iterable[OccupantView], gpus: Iterable[GpuRecord],
+                     now: float) -> NoVictim:
+    """Why no GPU can take `model` (`needed_bytes` on one GPU) even with fair preemption: each
+    GPU's own reason, the one that clears soonest first."""
+    views = list(occupants)
+    reasons: list[NoVictim] = []
+    for gpu in gpus:
+        if gpu.total_bytes < needed_bytes:
+            continue
+        key = subjects.gpu_kv_key(gpu.node_id, gpu.index)
+        choice = select_victims(views, {key: needed_bytes - _available_for(gpu, model, now)}, model, now)
+        if isinstance(choice, NoVictim):
+            reasons.append(choice)
+    if not reasons:
+        return NoVictim(f"no GPU is large enough for {model} ({needed_bytes} bytes), even by preempting",
+                        retry_after_s=None)
+    best = min(reasons, key=lambda r: (r.retry_after_s is None, r.retry_after_s or 0.0))
+    return NoVictim(best.reason, best.retry_after_s, best.num_skipped)
+

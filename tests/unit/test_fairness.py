@@ -1,0 +1,148 @@
+"""Seed 001's fair preemption, case by case, with an injected clock."""
+
+from __future__ import annotations
+
+import pytest
+
+from shoal.shared.model_settings import FairnessSettings
+from shoal.shared.placement.fairness import (
+    IntentView,
+    NoVictim,
+    OccupantView,
+    Victims,
+    get_pinned_intent_bytes,
+    get_skip_reason,
+    is_idle,
+    is_protected,
+    next_wake_step,
+    select_victims,
+)
+
+GiB = 1 << 30
+NOW = 1000.0
+DEFAULT = FairnessSettings()  # min runtime 10 s, max wait 5 s, not popular
+
+
+def occupant(replica_id: str, model: str, gib: int = 8, *, gpu: str = "n.0", serving: bool = True,
+             since: float = NOW - 60, accessed: float = NOW - 30, fairness: FairnessSettings = DEFAULT
+             ) -> OccupantView:
+    return OccupantView(replica_id, model, gpu, gib * GiB, serving, since, accessed, fairness)
+
+
+def test_the_least_recently_accessed_eligible_replica_is_the_victim() -> None:
+    occupants = [occupant("a", "m1", accessed=NOW - 5), occupant("b", "m2", accessed=NOW - 50),
+                 occupant("c", "m3", accessed=NOW - 20)]
+    assert select_victims(occupants, {"n.0": 4 * GiB}, "waker", NOW) == Victims(("b",), {"n.0": 8 * GiB})
+
+
+def test_as_many_victims_as_the_memory_needs_in_lru_order() -> None:
+    occupants = [occupant("a", "m1", 4, accessed=NOW - 5), occupant("b", "m2", 4, accessed=NOW - 50),
+                 occupant("c", "m3", 4, accessed=NOW - 20)]
+    choice = select_victims(occupants, {"n.0": 6 * GiB}, "waker", NOW)
+    assert choice == Victims(("b", "c"), {"n.0": 8 * GiB})
+
+
+def test_popular_models_are_skipped() -> None:
+    occupants = [occupant("p", "pop", accessed=NOW - 99, fairness=FairnessSettings(popular=True)),
+                 occupant("b", "m2", accessed=NOW - 10)]
+    assert select_victims(occupants, {"n.0": GiB}, "waker", NOW) == Victims(("b",), {"n.0": 8 * GiB})
+
+
+def test_a_replica_inside_its_min_runtime_is_skipped_until_it_has_served_long_enough() -> None:
+    young = occupant("y", "m1", since=NOW - 3, accessed=NOW - 3, fairness=FairnessSettings(min_runtime_s=10))
+    assert get_skip_reason(young, "waker", NOW) == "min_runtime"
+    assert get_skip_reason(young, "waker", NOW + 7) is None
+    choice = select_victims([young], {"n.0": GiB}, "waker", NOW)
+    assert isinstance(choice, NoVictim)
+    assert choice.retry_after_s == pytest.approx(7.0)
+    assert "1 inside their minimum runtime (the first is eligible in 7.0 s)" in choice.reason
+
+
+def test_non_serving_occupants_are_skipped() -> None:
+    occupants = [occupant("l", "loading", serving=False, accessed=NOW - 99), occupant("b", "m2", accessed=NOW - 1)]
+    assert select_victims(occupants, {"n.0": GiB}, "waker", NOW) == Victims(("b",), {"n.0": 8 * GiB})
+
+
+def test_only_occupants_of_the_gpus_the_waker_needs_are_considered() -> None:
+    occupants = [occupant("other", "m1", gpu="n.1", accessed=NOW - 99), occupant("here", "m2", accessed=NOW - 1)]
+    assert select_victims(occupants, {"n.0": GiB}, "waker", NOW) == Victims(("here",), {"n.0": 8 * GiB})
+
+
+def test_the_waker_is_never_its_own_victim() -> None:
+    occupants = [occupant("self", "waker", accessed=NOW - 99), occupant("b", "m2", accessed=NOW - 1)]
+    assert select_victims(occupants, {"n.0": GiB}, "waker", NOW) == Victims(("b",), {"n.0": 8 * GiB})
+    alone = select_victims([occupant("self", "waker")], {"n.0": GiB}, "waker", NOW)
+    assert isinstance(alone, NoVictim) and "1 of this model" in alone.reason
+
+
+def test_nobody_eligible_is_an_error_that_says_why() -> None:
+    occupants = [occupant("p", "pop", fairness=FairnessSettings(popular=True)),
+                 occupant("y", "young", since=NOW - 1), occupant("l", "loading", serving=False)]
+    choice = select_victims(occupants, {"n.0": GiB}, "waker", NOW)
+    assert isinstance(choice, NoVictim)
+    assert choice.reason == ("no replica on GPU n.0 may be preempted: 1 popular (never preempted), 1 inside their "
+                             "minimum runtime (the first is eligible in 9.0 s), 1 loading or draining")
+    assert choice.num_skipped == {"popular": 1, "min_runtime": 1, "not_serving": 1}
+
+
+def test_all_popular_gives_no_retry_time() -> None:
+    choice = select_victims([occupant("p", "pop", fairness=FairnessSettings(popular=True))], {"n.0": GiB},
+                            "waker", NOW)
+    assert isinstance(choice, NoVictim) and choice.retry_after_s is None
+
+
+def test_too_little_memory_even_with_every_eligible_victim() -> None:
+    choice = select_victims([occupant("a", "m1", 2), occupant("b", "m2", 2)], {"n.0": 5 * GiB}, "waker", NOW)
+    assert isinstance(choice, NoVictim)
+    assert choice.reason.startswith("preempting every eligible replica on GPU n.0 would not free enough memory")
+
+
+def test_a_multi_gpu_victim_frees_its_bytes_on_every_needed_gpu() -> None:
+    occupants = [occupant("wide", "m1", 8, gpu="n.0", accessed=NOW - 50),
+                 occupant("wide", "m1", 8, gpu="n.1", accessed=NOW - 50),
+                 occupant("narrow", "m2", 8, gpu="n.1", accessed=NOW - 10)]
+    choice = select_victims(occupants, {"n.0": GiB, "n.1": GiB}, "waker", NOW)
+    assert choice == Victims(("wide",), {"n.0": 8 * GiB, "n.1": 8 * GiB})
+
+
+def test_equal_last_access_is_broken_by_replica_id() -> None:
+    occupants = [occupant("z", "m1", accessed=NOW - 5), occupant("a", "m2", accessed=NOW - 5)]
+    assert select_victims(occupants, {"n.0": GiB}, "waker", NOW).replica_ids == ("a",)  # type: ignore[union-attr]
+
+
+def test_no_deficit_needs_no_victim() -> None:
+    assert select_victims([occupant("a", "m1")], {"n.0": 0}, "waker", NOW) == Victims(())
+
+
+def test_the_fairness_wait_rechecks_every_second_then_preempts() -> None:
+    assert next_wake_step(fits=True, intent_since=NOW, max_wait_s=5, now=NOW) == ("claim", 0.0)
+    assert next_wake_step(fits=False, intent_since=NOW, max_wait_s=5, now=NOW) == ("wait", 1.0)
+    assert next_wake_step(fits=False, intent_since=NOW, max_wait_s=5, now=NOW + 4.5) == ("wait", 0.5)
+    assert next_wake_step(fits=False, intent_since=NOW, max_wait_s=5, now=NOW + 5) == ("preempt", 0.0)
+    assert next_wake_step(fits=True, intent_since=NOW, max_wait_s=5, now=NOW + 9) == ("claim", 0.0)
+    assert next_wake_step(fits=False, intent_since=NOW, max_wait_s=0, now=NOW) == ("preempt", 0.0)
+
+
+def test_idle_means_no_request_for_the_timeout_and_none_in_flight() -> None:
+    assert is_idle(last_accessed=NOW - 60, num_in_flight=0, idle_timeout_s=60, now=NOW)
+    assert not is_idle(last_accessed=NOW - 59, num_in_flight=0, idle_timeout_s=60, now=NOW)
+    assert not is_idle(last_accessed=NOW - 600, num_in_flight=1, idle_timeout_s=60, now=NOW), "a stream in flight"
+    assert not is_idle(last_accessed=0.0, num_in_flight=0, idle_timeout_s=0, now=NOW), "0: never sleeps"
+
+
+def test_pressure_may_evict_only_serving_unpopular_replicas_past_their_min_runtime() -> None:
+    assert not is_protected(DEFAULT, serving=True, serving_since=NOW - 10, now=NOW)
+    assert is_protected(DEFAULT, serving=True, serving_since=NOW - 9, now=NOW)
+    assert is_protected(FairnessSettings(popular=True), serving=True, serving_since=0.0, now=NOW)
+    assert is_protected(DEFAULT, serving=False, serving_since=0.0, now=NOW)
+
+
+def test_intents_are_served_first_come_first_served() -> None:
+    older = IntentView("a", 6 * GiB, since=NOW - 10, expires_at=NOW + 60)
+    newer = IntentView("b", 6 * GiB, since=NOW - 5, expires_at=NOW + 60)
+    lapsed = IntentView("c", 6 * GiB, since=NOW - 20, expires_at=NOW - 1)
+    intents = [older, newer, lapsed]
+    assert get_pinned_intent_bytes(intents, "a", NOW) == 0, "the oldest waker sees nothing kept from it"
+    assert get_pinned_intent_bytes(intents, "b", NOW) == 6 * GiB, "b waits behind a"
+    assert get_pinned_intent_bytes(intents, None, NOW) == 12 * GiB, "a model not waking sees both kept"
+    assert get_pinned_intent_bytes(intents, "x", NOW) == 12 * GiB
