@@ -88,3 +88,11 @@ def test_a_profile_round_trips_and_bad_ones_say_what_is_wrong() -> None:
     ]:
         with pytest.raises(ValueError, match=message):
             CostProfile.from_json(data)
+
+
+def test_timings_that_show_no_growth_are_charged_to_the_tokens() -> None:
+    # A busy machine: the pass time does not grow with tokens or context at all. A model
+    # with only a fixed cost would make every rebuild free; the time goes to the tokens.
+    samples = [PrefillSample(n, ctx, 0.2) for n in (64, 256) for ctx in (0, 1000)]
+    per_pass, per_token, per_pair = fit_prefill_costs(samples)
+    assert per_pass == 0.0 and (per_token > 0 or per_pair > 0)

@@ -21,10 +21,12 @@ from transformers import AutoModelForCausalLM, GenerationConfig
 
 from shoal.cli.demo_models import DEMO_MODEL_KEYS
 from shoal.services.worker.engine.cost_profile import measure_cost_model
+from shoal.services.worker.engine.factory import build_paged_engine
 from shoal.services.worker.engine.model_runner import ModelRunner
 from shoal.services.worker.engine.paged_engine import EngineConfig, PagedEngine
 from shoal.services.worker.engine.session_kv import SessionSettings, SessionStats
 from shoal.services.worker.generation import GenerationOutput, GenerationRequest
+from shoal.services.worker.loader import LoadedModel
 from shoal.shared.kv_cache.cost_model import CostModel, CostProfile
 from shoal.shared.messages import SamplingParams
 from shoal.shared.model_memory import get_model_shape
@@ -385,3 +387,19 @@ async def test_a_saved_cost_profile_is_used_and_a_stale_one_replaced(references:
     engine = _engine(references.load(key), SessionSettings(cost_profile_path=str(path)), num_blocks=64)
     await engine.close()
     assert engine.cost_profile == measured
+
+
+async def test_the_workers_factory_passes_the_session_settings_through(references: References) -> None:
+    model = references.load("demo/llama-5m")
+    block_bytes = get_model_shape(model.config, torch.float32).get_kv_bytes_per_block(16)
+    weight_bytes = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
+    loaded = LoadedModel(model, TokenEcho(), torch.device("cpu"), torch.float32, weight_bytes, 2048, allocation_bytes=0)
+    engine = build_paged_engine(
+        loaded, sessions=SessionSettings(host_pool_bytes=10 * block_bytes + 5, cost_model=COSTS)
+    )
+    try:
+        stats = engine.get_stats().sessions
+        assert stats is not None and stats.host_pool_bytes == 10 * block_bytes
+        assert engine.cost_profile is not None and engine.cost_profile.cost_model == COSTS
+    finally:
+        await engine.close()

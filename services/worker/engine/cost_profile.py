@@ -3,8 +3,8 @@ cache's cost model (`shoal.shared.kv_cache.cost_model`).
 
 At engine start (or never, with a saved profile whose key matches), the runner times real
 forward passes: chunks of `n` new tokens after `ctx` tokens already in the pool, for a few
-`n` and `ctx` spread over the serving range, each the median of a few runs after one untimed
-run of the same shape; then batched copies of `k` blocks from the host pool back into the
+`n` and `ctx` spread over the serving range, each the least of a few runs (taken round
+robin over the shapes, after one untimed run of each); then batched copies of `k` blocks from the host pool back into the
 KV pool. Least squares with non-negative coefficients turns them into the model's constants.
 The K/V values the passes read are whatever the pool holds (timings do not depend on them);
 the blocks written are zeroed afterwards, as after the warm-up.
@@ -12,7 +12,6 @@ the blocks written are zeroed afterwards, as after the warm-up.
 
 from __future__ import annotations
 
-import statistics
 import time
 from collections.abc import Callable
 from typing import Any
@@ -64,7 +63,7 @@ def measure_cost_model(
     chunk_tokens: int,
     max_pass_tokens: int,
     max_context_tokens: int,
-    num_repeats: int = 3,
+    num_repeats: int = 5,
     clock: Callable[[], float] = time.perf_counter,
 ) -> CostProfile:
     """Time prefills (and, with a host pool, swaps) of the runner's model; fit a cost model.
@@ -79,8 +78,8 @@ def measure_cost_model(
     pool_tokens = num_blocks * block_size
     max_context_tokens = max(1, min(max_context_tokens, pool_tokens))
     max_pass_tokens = max(1, min(max_pass_tokens, max_context_tokens))
-    samples: list[PrefillSample] = []
     num_used_blocks = 0
+    steps = []
     for index, (num_tokens, context) in enumerate(get_prefill_points(chunk_tokens, max_pass_tokens, max_context_tokens)):
         manager = KVCacheManager(BlockPool(num_blocks, block_size), enable_prefix_caching=False)
         seq_id = f"cost-profile-{index}"
@@ -90,15 +89,21 @@ def measure_cost_model(
         assert allocated, "a timed pass fits the pool"
         num_used_blocks = max(num_used_blocks, len(manager.get_block_ids(seq_id)))
         plan = StepPlan([ScheduledChunk(seq, context, num_tokens, samples=True)], [], [], num_tokens)
-        step = runner.prepare(plan, manager)
-        timings = []
-        for repeat in range(num_repeats + 1):
+        steps.append((num_tokens, context, runner.prepare(plan, manager)))
+    # Round robin over the shapes, the least of each shape's runs: other work on the machine
+    # only ever adds time, and comes in bursts that round robin spreads over the shapes.
+    timings: list[list[float]] = [[] for _ in steps]
+    for repeat in range(num_repeats + 1):
+        for index, (_, _, step) in enumerate(steps):
             started = clock()
             runner.execute(step)
             _synchronize(runner.device)
             if repeat:  # the first run of a shape builds kernels and caches
-                timings.append(clock() - started)
-        samples.append(PrefillSample(num_tokens, context, statistics.median(timings)))
+                timings[index].append(clock() - started)
+    samples = [
+        PrefillSample(num_tokens, context, min(times))
+        for (num_tokens, context, _), times in zip(steps, timings, strict=True)
+    ]
     per_pass, per_token, per_pair = fit_prefill_costs(samples)
     per_call = per_block = 0.0
     num_samples = len(samples)
@@ -150,7 +155,7 @@ def _time_swaps(
             _synchronize(runner.device)
             if repeat:
                 timings.append(clock() - started)
-        samples.append(SwapSample(count, statistics.median(timings)))
+        samples.append(SwapSample(count, min(timings)))
         written.append(pairs[:, 1])
     return samples, torch.cat(written)
 

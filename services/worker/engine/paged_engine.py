@@ -59,6 +59,10 @@ from shoal.shared.model_memory import (
 log = structlog.get_logger(__name__)
 
 
+SESSION_EXPIRY_INTERVAL_S = 1.0
+"""How often an idle engine with cached sessions looks for expired ones."""
+
+
 class KVPoolTooSmall(ValueError):
     """The allocation leaves no room for a KV block pool after weights and reserve."""
 
@@ -335,10 +339,7 @@ class PagedEngine:
 
     def get_stats(self) -> EngineStats:
         with self._lock:
-            sessions = None
-            if self._sessions is not None:
-                self._sessions.expire()
-                sessions = self._sessions.get_stats()
+            sessions = None if self._sessions is None else self._sessions.get_stats()
             return EngineStats(
                 pool=self._pool.get_stats(),
                 num_running=self._scheduler.get_num_running(),
@@ -351,8 +352,8 @@ class PagedEngine:
 
     def list_sessions(self) -> list[SessionInfo]:
         """Sessions whose KV this engine holds between turns, least recently active first
-        (empty without a session cache). A session with a turn running is not listed: its
-        KV belongs to the turn until it ends."""
+        (empty without a session cache), after forgetting those idle too long. A session
+        with a turn running is not listed: its KV belongs to the turn until it ends."""
         with self._lock:
             if self._sessions is None:
                 return []
@@ -433,7 +434,12 @@ class PagedEngine:
         """Plan, run and apply one forward pass; False once the engine is closed."""
         with self._lock:
             while not self._closed and not self._scheduler.get_num_unfinished():
-                self._wakeup.wait()
+                if self._sessions is not None and self._sessions.get_stats().num_sessions:
+                    # Idle with sessions cached: wake now and then to forget expired ones.
+                    self._sessions.expire()
+                    self._wakeup.wait(timeout=SESSION_EXPIRY_INTERVAL_S)
+                else:
+                    self._wakeup.wait()
             if self._closed:
                 return False
             if self._sessions is not None:
