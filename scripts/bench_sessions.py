@@ -26,8 +26,9 @@ sessions hold at once), tiered ones with a CPU tier of `--cpu-ratio` times that:
 * lmcache-lru  that, plus a CPU tier of blocks by hash, LRU, written through after each turn
 * seed         seed 004: (session, chunk, layer) items, value = layer weight x position
                weight x (0.001 ctx + 0.015) / time inactive, lowest first, GPU -> CPU -> dropped
-* shoal-gpu    Shoal's `SessionCache`, no CPU tier
-* shoal        Shoal's `SessionCache` with the CPU tier
+* shoal-gpu    Shoal's engine bookkeeping (`SessionKV`: the `SessionCache` policy over the
+               block pool and its prefix cache), no CPU tier
+* shoal        the same with the CPU tier
 """
 
 from __future__ import annotations
@@ -45,6 +46,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from shoal.services.worker.engine.sequence import Sequence
+from shoal.services.worker.engine.session_kv import SessionKV
 from shoal.shared.kv_cache.block_pool import BlockPool
 from shoal.shared.kv_cache.cost_model import CostModel, CostProfile
 from shoal.shared.kv_cache.manager import KVCacheManager, hash_full_blocks
@@ -296,12 +299,15 @@ class Seed:
 
 
 class Shoal:
-    """Shoal's `SessionCache`, unchanged, on the trace's clock."""
+    """Shoal's engine bookkeeping, unchanged: `SessionKV` over `SessionCache` (injected clock)
+    and the block pool's prefix cache, without the model. Turns run as the engine runs them:
+    `try_start` (or the prefix cache, for a session with nothing cached), the turn's blocks,
+    `release`."""
 
-    def __init__(self, costs: CostModel, gpu_blocks: int, cpu_blocks: int) -> None:
+    def __init__(self, costs: CostModel, gpu_blocks: int, cpu_blocks: int, max_turn_blocks: int) -> None:
         self.costs, self.result = costs, Result()
         self.now = 0.0
-        self.cache = SessionCache(
+        cache = SessionCache(
             SessionCacheConfig(
                 block_size=BLOCK_SIZE,
                 blocks_per_chunk=BLOCKS_PER_CHUNK,
@@ -312,38 +318,56 @@ class Shoal:
             costs,
             lambda: self.now,
         )
-        self.tokens: dict[str, list[int]] = {}
-        self.block_ids = itertools.count()
+        self.kv = KVCacheManager(BlockPool(gpu_blocks + max_turn_blocks, BLOCK_SIZE))
+        self.sessions = SessionKV(cache, self.kv, block_bytes=1)  # byte counters in blocks
+        self.max_turn_blocks = max_turn_blocks
+        self.reserve: list[int] = []
+        self.kv.pool.try_allocate_n(max_turn_blocks, self.reserve)
+        self.turns = itertools.count()
 
     def serve(self, turn: Turn) -> None:
         self.now = turn.time
-        gpu = cpu = 0
+        self.kv.pool.free_n(self.reserve)
+        self.reserve = []
+        sessions, kv = self.sessions, self.kv
+        before = sessions.get_stats()
+        seq = Sequence(
+            f"t{next(self.turns)}", list(turn.prompt), len(turn.prompt), 1 << 30, 0, session_id=turn.session_id
+        )
+        started = sessions.try_start(seq, 1 << 30)
+        assert started is not False, "a turn fits its working space"
         rebuild = 0.0
-        cached = 0
-        tokens = self.tokens.pop(turn.session_id, None)
-        if tokens is not None and turn.session_id in self.cache:
-            match = 0
-            limit = min(len(tokens), len(turn.prompt) - 1)
-            while match < limit and tokens[match] == turn.prompt[match]:
-                match += 1
-            restore = self.cache.check_out(turn.session_id, match // BLOCK_SIZE)
-            assert restore is not None
-            plan = restore.plan
-            self.cache.end_step()
-            if plan.num_blocks > plan.num_dropped_blocks:
-                dropped = plan.num_dropped_blocks * BLOCK_SIZE
-                rebuild = self.costs.get_rebuild_seconds(dropped, 0)
-                gpu, cpu = plan.num_gpu_blocks * BLOCK_SIZE, plan.num_host_blocks * BLOCK_SIZE
-                cached = plan.num_blocks * BLOCK_SIZE
-        self.result.add(turn, self.costs, gpu, cpu, rebuild, cached, cpu // BLOCK_SIZE)
-        context = turn.prompt + turn.answer
-        num_blocks = (len(context) - 1) // BLOCK_SIZE
-        actions = self.cache.check_in(turn.session_id, [next(self.block_ids) for _ in range(num_blocks)])
-        self.result.num_swap_out_blocks += len(actions.swap_out)
-        for session_id in actions.removed_session_ids:
-            self.tokens.pop(session_id, None)
-        if turn.session_id in self.cache:
-            self.tokens[turn.session_id] = context[: num_blocks * BLOCK_SIZE]
+        if started:
+            after = sessions.get_stats()
+            gpu = (after.num_gpu_reused_tokens - before.num_gpu_reused_tokens) + (
+                after.num_prefix_cached_tokens - before.num_prefix_cached_tokens
+            )
+            cpu = after.num_cpu_restored_tokens - before.num_cpu_restored_tokens
+            swapped = (after.swap_in_bytes - before.swap_in_bytes) // sessions.block_bytes
+            rebuild = self.costs.get_rebuild_seconds(seq.num_hole_tokens, seq.hole_start)
+            gpu += seq.hole_start  # leading blocks found in the prefix cache
+        else:  # nothing of the session: the prefix cache alone (a shared system prompt)
+            computed = kv.try_start_sequence(seq.seq_id, seq.token_ids, 1 << 30, seq.block_hashes)
+            assert computed is not None, "a turn fits its working space"
+            seq.num_computed_tokens = computed
+            gpu, cpu, swapped = computed, 0, 0
+        self.result.add(turn, self.costs, gpu, cpu, rebuild, seq.num_computed_tokens, swapped)
+        # The turn runs: its hole and new tokens are computed, its answer generated.
+        seq.token_ids += turn.answer
+        num_computed = len(seq.token_ids) - 1
+        while not kv.try_allocate_slots(seq.seq_id, seq.num_computed_tokens, num_computed - seq.num_computed_tokens):
+            needed = kv.get_num_new_blocks(seq.seq_id, seq.num_computed_tokens, num_computed - seq.num_computed_tokens)
+            assert sessions.reclaim(needed - kv.get_num_free_blocks()), "sessions give way to a running turn"
+        seq.hole_start = seq.hole_end = 0
+        kv.register_blocks(seq.seq_id, 0, seq.num_computed_tokens // BLOCK_SIZE)
+        kv.register_computed_blocks(seq.seq_id, seq.token_ids, num_computed)
+        seq.num_computed_tokens = num_computed
+        sessions.release(seq, "length")
+        sessions.take_swaps()
+        sessions.end_step()
+        self.result.num_swap_out_blocks = sessions.get_stats().swap_out_bytes // sessions.block_bytes
+        while not kv.pool.try_allocate_n(self.max_turn_blocks, self.reserve):
+            sessions.reclaim(self.max_turn_blocks - kv.get_num_free_blocks())
 
 
 # ---------------------------------------------------------------------- the eviction index
@@ -414,9 +438,9 @@ def make_policy(
     if name == "seed":
         return Seed(costs, gpu_blocks, cpu_blocks, num_layers)
     if name == "shoal-gpu":
-        return Shoal(costs, gpu_blocks, 0)
+        return Shoal(costs, gpu_blocks, 0, max_turn_blocks)
     if name == "shoal":
-        return Shoal(costs, gpu_blocks, cpu_blocks)
+        return Shoal(costs, gpu_blocks, cpu_blocks, max_turn_blocks)
     raise SystemExit(f"unknown policy {name!r}")
 
 

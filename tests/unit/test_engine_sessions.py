@@ -350,8 +350,17 @@ async def test_a_shared_system_prompt_is_shared_across_sessions_by_the_prefix_ca
         for index, session_id in enumerate(("a", "b")):
             prompt = [*system, *_tokens(20 + index, 9)]
             assert await _run(engine, session_id, prompt, session_id) == echo(references.greedy(key, prompt))
-        # b's first turn reused a's 8 system-prompt blocks, which a's session holds.
+        # b's first turn reused a's 8 system-prompt blocks, which a's session holds; both
+        # sessions now hold the same 8 physical blocks.
         assert engine.get_stats().pool.num_cache_hits == 8
+        a, b = engine.list_sessions()
+        assert a.num_gpu_blocks == b.num_gpu_blocks == (32 + 9 + NUM_NEW_TOKENS - 1) // BLOCK_SIZE
+        assert engine.get_stats().pool.num_used_blocks == 2 * a.num_gpu_blocks - 8
+        prompt = [*system, *_tokens(21, 9)]
+        prompt += [*references.greedy(key, prompt), 5, 6, 7]
+        before = _sessions(engine)
+        assert await _run(engine, "b2", prompt, "b") == echo(references.greedy(key, prompt))
+        assert _delta(_sessions(engine), before, "num_gpu_reused_tokens") == 48
     finally:
         await engine.close()
 
