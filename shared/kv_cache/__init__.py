@@ -9,6 +9,7 @@ Pure bookkeeping over block ids: no torch tensors, no locks, no I/O. The engine
                         fork and copy-on-write
     session_cache.py    chat sessions' KV between turns across GPU, CPU and dropped tiers
                         (Pensieve): budgets, eviction by retention value, copy-ahead
+    session_types.py    its settings, actions, restore plans and figures
     retention_index.py  sessions ordered by the retention value of their next victim
     host_pool.py        block ids of the CPU tier
     cost_model.py       what rebuilding or copying back KV costs, fitted by measurement

@@ -14,14 +14,17 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
+import structlog
 import torch
 
 from shoal.kernels import ops
 from shoal.services.worker.engine.batch_scheduler import ScheduledChunk, StepPlan
 from shoal.services.worker.engine.model_runner import ModelRunner
 from shoal.services.worker.engine.sequence import Sequence
+from shoal.services.worker.engine.session_kv import SessionSettings
 from shoal.shared.kv_cache.block_pool import BlockPool
 from shoal.shared.kv_cache.cost_model import (
     CostModel,
@@ -33,6 +36,8 @@ from shoal.shared.kv_cache.cost_model import (
 )
 from shoal.shared.kv_cache.manager import KVCacheManager
 
+log = structlog.get_logger(__name__)
+
 
 def get_profile_key(model_config: Any, dtype: torch.dtype, device: torch.device, block_size: int) -> str:
     """What a profile's timings depend on: a saved profile is reused only for an equal key."""
@@ -43,6 +48,57 @@ def get_profile_key(model_config: Any, dtype: torch.dtype, device: torch.device,
         f"kv_heads={num_kv_heads}:vocab={model_config.vocab_size}:dtype={str(dtype).removeprefix('torch.')}:"
         f"device={device.type}:block_size={block_size}"
     )
+
+
+def get_cost_profile(
+    runner: ModelRunner,
+    num_blocks: int,
+    settings: SessionSettings,
+    *,
+    key: str,
+    max_pass_tokens: int,
+    max_context_tokens: int,
+) -> CostProfile:
+    """The session cache's cost model: the one given, the saved profile when its key
+    matches, or measured now (and saved, when `settings.cost_profile_path` is set).
+
+    A profile that cannot be read or saved is logged and measured anew: never fatal.
+    """
+    if settings.cost_model is not None:
+        return CostProfile(key, settings.cost_model)
+    path = Path(settings.cost_profile_path) if settings.cost_profile_path else None
+    if path is not None and path.exists():
+        try:
+            profile = CostProfile.from_json(path.read_bytes())
+        except (OSError, ValueError) as error:
+            log.warning("engine.cost_profile_unreadable", path=str(path), error=str(error))
+        else:
+            if profile.key == key:
+                log.info("engine.cost_profile_loaded", path=str(path), **_cost_fields(profile.cost_model))
+                return profile
+            log.info("engine.cost_profile_stale", path=str(path), saved_key=profile.key, key=key)
+    started = time.perf_counter()
+    profile = measure_cost_model(
+        runner,
+        num_blocks,
+        key=key,
+        chunk_tokens=settings.blocks_per_chunk * runner.block_size,
+        max_pass_tokens=max_pass_tokens,
+        max_context_tokens=max_context_tokens,
+    )
+    log.info(
+        "engine.cost_profile_measured",
+        seconds=round(time.perf_counter() - started, 3),
+        num_samples=profile.num_samples,
+        **_cost_fields(profile.cost_model),
+    )
+    if path is not None:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_bytes(profile.to_json())
+        except OSError as error:
+            log.warning("engine.cost_profile_not_saved", path=str(path), error=str(error))
+    return profile
 
 
 def get_prefill_points(chunk_tokens: int, max_pass_tokens: int, max_context_tokens: int) -> list[tuple[int, int]]:
@@ -163,3 +219,12 @@ def _time_swaps(
 def _synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def _cost_fields(cost_model: CostModel) -> dict[str, float]:
+    return {
+        "seconds_per_token": cost_model.seconds_per_token,
+        "seconds_per_token_pair": cost_model.seconds_per_token_pair,
+        "seconds_per_pass": cost_model.seconds_per_pass,
+        "swap_seconds_per_block": cost_model.swap_seconds_per_block,
+    }

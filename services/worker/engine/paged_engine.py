@@ -21,7 +21,6 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import structlog
@@ -32,7 +31,7 @@ from shoal.kernels.ops import KernelBackend
 from shoal.services.worker.engine import packed_linear
 from shoal.services.worker.engine.attention import ATTN_IMPLEMENTATION, register_attention
 from shoal.services.worker.engine.batch_scheduler import BatchScheduler, BatchSchedulerConfig, SequenceUpdate
-from shoal.services.worker.engine.cost_profile import get_profile_key, measure_cost_model
+from shoal.services.worker.engine.cost_profile import get_cost_profile, get_profile_key
 from shoal.services.worker.engine.model_runner import ModelRunner
 from shoal.services.worker.engine.sampler import SamplingState, TokenHistory, sample
 from shoal.services.worker.engine.sequence import Sequence
@@ -46,7 +45,7 @@ from shoal.services.worker.generation import (
     TextStream,
 )
 from shoal.shared.kv_cache.block_pool import BlockPool, BlockPoolStats
-from shoal.shared.kv_cache.cost_model import CostModel, CostProfile
+from shoal.shared.kv_cache.cost_model import CostProfile
 from shoal.shared.kv_cache.manager import KVCacheManager
 from shoal.shared.kv_cache.session_cache import SessionCache, SessionCacheConfig, SessionInfo
 from shoal.shared.model_memory import (
@@ -233,7 +232,14 @@ class PagedEngine:
         self.cost_profile: CostProfile | None = None
         """The session cache's cost model and what it was measured for (None without one)."""
         if config.sessions is not None:
-            self.cost_profile = self._get_cost_profile(model, config.sessions, num_blocks)
+            self.cost_profile = get_cost_profile(
+                self._runner,
+                num_blocks,
+                config.sessions,
+                key=get_profile_key(model.config, self._runner.dtype, self._runner.device, config.block_size),
+                max_pass_tokens=config.max_num_batched_tokens,
+                max_context_tokens=self.max_model_len,
+            )
             self._sessions = SessionKV(
                 SessionCache(
                     SessionCacheConfig(
@@ -530,45 +536,6 @@ class PagedEngine:
 
     # ------------------------------------------------------------------ sizing
 
-    def _get_cost_profile(self, model: Any, settings: SessionSettings, num_blocks: int) -> CostProfile:
-        """The session cache's cost model: given, read from the saved profile, or measured."""
-        key = get_profile_key(model.config, self._runner.dtype, self._runner.device, self.config.block_size)
-        if settings.cost_model is not None:
-            return CostProfile(key, settings.cost_model)
-        path = Path(settings.cost_profile_path) if settings.cost_profile_path else None
-        if path is not None and path.exists():
-            try:
-                profile = CostProfile.from_json(path.read_bytes())
-            except (OSError, ValueError) as error:
-                log.warning("engine.cost_profile_unreadable", path=str(path), error=str(error))
-            else:
-                if profile.key == key:
-                    log.info("engine.cost_profile_loaded", path=str(path), **_cost_fields(profile.cost_model))
-                    return profile
-                log.info("engine.cost_profile_stale", path=str(path), saved_key=profile.key, key=key)
-        started = time.perf_counter()
-        profile = measure_cost_model(
-            self._runner,
-            num_blocks,
-            key=key,
-            chunk_tokens=settings.blocks_per_chunk * self.config.block_size,
-            max_pass_tokens=self.config.max_num_batched_tokens,
-            max_context_tokens=self.max_model_len,
-        )
-        log.info(
-            "engine.cost_profile_measured",
-            seconds=round(time.perf_counter() - started, 3),
-            num_samples=profile.num_samples,
-            **_cost_fields(profile.cost_model),
-        )
-        if path is not None:
-            try:
-                path.parent.mkdir(parents=True, exist_ok=True)
-                path.write_bytes(profile.to_json())
-            except OSError as error:
-                log.warning("engine.cost_profile_not_saved", path=str(path), error=str(error))
-        return profile
-
     def _get_reserve_bytes(self, model: Any) -> int:
         return get_reserve_bytes(model.config, next(model.parameters()).dtype, self.config)
 
@@ -622,11 +589,3 @@ def measure_weight_bytes(model: torch.nn.Module) -> int:
     """Bytes of a model's parameters and buffers."""
     return sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
 
-
-def _cost_fields(cost_model: CostModel) -> dict[str, float]:
-    return {
-        "seconds_per_token": cost_model.seconds_per_token,
-        "seconds_per_token_pair": cost_model.seconds_per_token_pair,
-        "seconds_per_pass": cost_model.seconds_per_pass,
-        "swap_seconds_per_block": cost_model.swap_seconds_per_block,
-    }
