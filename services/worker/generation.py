@@ -42,6 +42,10 @@ class GenerationRequest:
     eos_token_ids: frozenset[int] = frozenset()
     max_model_len: int | None = None
     """Prompt + completion may not exceed this; generation stops with "length" there."""
+    session_id: str | None = None
+    """A chat session the request is a turn of: an engine with a session cache keeps the
+    turn's KV when it ends and reuses the part of it that the next turn's prompt starts with
+    (docs/sessions.md). Without a session cache, or with None, it changes nothing."""
 
 
 @dataclass(frozen=True)

@@ -144,17 +144,11 @@ class KVCacheManager:
             pool cannot supply the blocks.
         """
         assert seq_id not in self._block_tables, f"sequence {seq_id!r} already has a block table"
-        assert max_num_new_tokens > 0, f"max_num_new_tokens must be positive, got {max_num_new_tokens}"
-        prompt_hashes: Sequence[BlockHash] = ()
-        num_cached_blocks = num_cached_free = 0
-        if self.enable_prefix_caching:
-            prompt_hashes = self._get_prompt_hashes(token_ids, block_hashes)
-            num_cached_blocks, num_cached_free = self.pool.get_cached_prefix(prompt_hashes)
+        prompt_hashes, num_cached_blocks, num_new_blocks, num_needed = self._plan_start(
+            token_ids, max_num_new_tokens, block_hashes
+        )
         num_computed_tokens = num_cached_blocks * self.block_size
-        num_new_tokens = min(len(token_ids) - num_computed_tokens, max_num_new_tokens)
-        # The new chunk starts at a block boundary, so it never writes into a shared block.
-        num_new_blocks = self.get_num_blocks_for(num_computed_tokens + num_new_tokens) - num_cached_blocks
-        if num_new_blocks + num_cached_free > self.pool.get_num_free_blocks():
+        if num_needed > self.pool.get_num_free_blocks():
             return None
         block_ids: list[int] = []
         if prompt_hashes:
@@ -164,6 +158,47 @@ class KVCacheManager:
         assert allocated, "allocation must succeed when free blocks were counted"
         self._open(seq_id, block_ids, block_hashes, num_registered_blocks=num_cached_blocks)
         return num_computed_tokens
+
+    def get_num_blocks_to_start(
+        self, token_ids: Sequence[int], max_num_new_tokens: int, block_hashes: list[BlockHash]
+    ) -> int:
+        """Free blocks `try_start_sequence` with these arguments needs (cached-free blocks
+        it would revive included); extends `block_hashes` as that would."""
+        return self._plan_start(token_ids, max_num_new_tokens, block_hashes)[3]
+
+    def adopt_sequence(
+        self, seq_id: str, block_ids: list[int], block_hashes: list[BlockHash], num_registered_blocks: int
+    ) -> None:
+        """Open a block table made of blocks the caller already holds references to (a chat
+        session's KV restored by the engine's session cache).
+
+        Args:
+            block_hashes: the sequence's own list of its full blocks' hashes, as far as known.
+            num_registered_blocks: leading blocks registration resumes after: blocks before it
+                are registered by the caller (`register_blocks`), or left out.
+        """
+        assert seq_id not in self._block_tables, f"sequence {seq_id!r} already has a block table"
+        self._open(seq_id, block_ids, block_hashes, num_registered_blocks)
+
+    def register_blocks(self, seq_id: str, start: int, end: int) -> None:
+        """Put blocks `start`..`end` - 1 of the sequence into the prefix cache, where their
+        hash is known and they are not cached already (their K/V must be, or be about to be,
+        written before any forward pass reads them)."""
+        if not self.enable_prefix_caching:
+            return
+        block_ids = self._block_tables[seq_id]
+        block_hashes = self._block_hashes[seq_id]
+        pool = self.pool
+        for index in range(start, min(end, len(block_hashes))):
+            block_id = block_ids[index]
+            if pool.get_block_hash(block_id) is None:
+                pool.try_cache_block(block_id, block_hashes[index])
+
+    def detach(self, seq_id: str) -> list[int]:
+        """Close the sequence's block table without freeing: its references pass to the caller."""
+        del self._block_hashes[seq_id]
+        del self._num_registered_blocks[seq_id]
+        return self._block_tables.pop(seq_id)
 
     def try_allocate_slots(self, seq_id: str, num_computed_tokens: int, num_new_tokens: int) -> bool:
         """Make room for `num_new_tokens` K/V entries after the first `num_computed_tokens`.
@@ -258,6 +293,22 @@ class KVCacheManager:
         self._num_registered_blocks[seq_id] = (
             len(block_ids) if num_registered_blocks is None else num_registered_blocks
         )
+
+    def _plan_start(
+        self, token_ids: Sequence[int], max_num_new_tokens: int, block_hashes: list[BlockHash]
+    ) -> tuple[Sequence[BlockHash], int, int, int]:
+        """(prompt hashes, cached leading blocks, new blocks, free blocks needed) of a start."""
+        assert max_num_new_tokens > 0, f"max_num_new_tokens must be positive, got {max_num_new_tokens}"
+        prompt_hashes: Sequence[BlockHash] = ()
+        num_cached_blocks = num_cached_free = 0
+        if self.enable_prefix_caching:
+            prompt_hashes = self._get_prompt_hashes(token_ids, block_hashes)
+            num_cached_blocks, num_cached_free = self.pool.get_cached_prefix(prompt_hashes)
+        num_computed_tokens = num_cached_blocks * self.block_size
+        num_new_tokens = min(len(token_ids) - num_computed_tokens, max_num_new_tokens)
+        # The new chunk starts at a block boundary, so it never writes into a shared block.
+        num_new_blocks = self.get_num_blocks_for(num_computed_tokens + num_new_tokens) - num_cached_blocks
+        return prompt_hashes, num_cached_blocks, num_new_blocks, num_new_blocks + num_cached_free
 
     def _get_prompt_hashes(self, token_ids: Sequence[int], block_hashes: list[BlockHash]) -> list[BlockHash]:
         """Hashes of the full blocks of `token_ids` a new sequence may reuse (all but the one

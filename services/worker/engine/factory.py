@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from shoal.services.worker.engine.paged_engine import EngineConfig, PagedEngine, get_min_engine_bytes
+from shoal.services.worker.engine.session_kv import SessionSettings
 from shoal.services.worker.loader import LoadedModel
 from shoal.shared.model_memory import DEFAULT_RUNTIME_OVERHEAD_BYTES
 
@@ -23,6 +24,7 @@ def make_engine_config(
     max_num_batched_tokens: int = 2048,
     num_blocks: int | None = None,
     kv_cache_tokens: int | None = None,
+    sessions: SessionSettings | None = None,
 ) -> EngineConfig:
     """The `EngineConfig` a worker's engine runs with on `device` (see `build_paged_engine`)."""
     return EngineConfig(
@@ -35,6 +37,7 @@ def make_engine_config(
         runtime_overhead_bytes=DEFAULT_RUNTIME_OVERHEAD_BYTES if device.type == "cuda" else 0,
         # Before the worker reports ready (and its memory is measured): see warm_up.py.
         warm_up=True,
+        sessions=sessions,
     )
 
 
@@ -60,13 +63,15 @@ def build_paged_engine(
     max_num_seqs: int = 64,
     max_num_batched_tokens: int = 2048,
     kv_cache_tokens: int | None = None,
+    sessions: SessionSettings | None = None,
 ) -> PagedEngine:
     """A `PagedEngine` whose KV pool fills what the replica's allocation leaves.
 
     The pool gets `allocation_bytes` minus the measured weights, the activation reserve
     and the runtime overhead (`shoal.shared.model_memory`), capped at the model's KV
     budget `kv_cache_tokens`; a replica with no allocation gets `DEFAULT_KV_CACHE_TOKENS`.
-    The engine runs its warm-up pass before it is returned.
+    The engine runs its warm-up pass before it is returned. `sessions` turns the session
+    cache on (docs/sessions.md); its host pool is CPU memory on top of the allocation.
 
     Raises:
         KVPoolTooSmall: the allocation leaves no room for a single block.
@@ -79,6 +84,7 @@ def build_paged_engine(
         max_num_batched_tokens=max_num_batched_tokens,
         num_blocks=None if loaded.allocation_bytes else -(-DEFAULT_KV_CACHE_TOKENS // block_size),
         kv_cache_tokens=kv_cache_tokens,
+        sessions=sessions,
     )
     return PagedEngine(
         loaded.model,

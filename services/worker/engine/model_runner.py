@@ -8,6 +8,7 @@ logits of each sampling sequence's last token are computed (`logits_to_keep`).
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,6 +33,10 @@ class PreparedStep:
     """The computed logits' rows in plan order, when the batch lays chunks out in another."""
     batch: PagedBatch
     copy_pairs: torch.Tensor | None
+    swap_out_pairs: torch.Tensor | None = None
+    """int64 [n, 2] (KV pool block, host block): copied first."""
+    swap_in_pairs: torch.Tensor | None = None
+    """int64 [n, 2] (host block, KV pool block): copied next, before the pass."""
 
 
 class ModelRunner:
@@ -41,9 +46,11 @@ class ModelRunner:
         model: a transformers causal LM set to Shoal's attention implementation.
         num_blocks: blocks in the pool.
         block_size: tokens per block.
+        num_host_blocks: blocks of the host pool (the session cache's CPU tier): same layout,
+            in CPU memory (pinned when the model is on CUDA); 0 for none.
     """
 
-    def __init__(self, model: Any, num_blocks: int, block_size: int) -> None:
+    def __init__(self, model: Any, num_blocks: int, block_size: int, num_host_blocks: int = 0) -> None:
         config = model.config
         self.model = model
         self.block_size = block_size
@@ -58,10 +65,36 @@ class ModelRunner:
             device=self.device,
         )
         self.layer_caches = [(layer[0], layer[1]) for layer in self.kv_cache]
+        self.host_cache: torch.Tensor | None = None
+        if num_host_blocks:
+            shape = list(self.kv_cache.shape)
+            shape[2] = num_host_blocks
+            # Pinned on CUDA: the swap kernel reads and writes it through its mapped address.
+            self.host_cache = torch.zeros(
+                shape, dtype=self.dtype, device="cpu", pin_memory=self.device.type == "cuda"
+            )
+        self._swap_in_timing: tuple[float, Any, Any] | None = None
 
     @property
     def kv_cache_bytes(self) -> int:
         return self.kv_cache.numel() * self.kv_cache.element_size()
+
+    @property
+    def host_cache_bytes(self) -> int:
+        cache = self.host_cache
+        return 0 if cache is None else cache.numel() * cache.element_size()
+
+    def take_swap_in_seconds(self) -> float:
+        """How long the last `execute`'s copies back to the GPU took (0.0 without any): the
+        pass waited for them. On CUDA, read from events once the pass is done."""
+        timing, self._swap_in_timing = self._swap_in_timing, None
+        if timing is None:
+            return 0.0
+        seconds, start, end = timing
+        if start is not None:
+            end.synchronize()
+            return float(start.elapsed_time(end)) / 1000.0
+        return seconds
 
     def prepare(self, plan: StepPlan, kv_cache_manager: KVCacheManager) -> PreparedStep:
         """Flatten `plan` into tensors (call while no one changes the block tables)."""
@@ -124,6 +157,11 @@ class ModelRunner:
                 query_start_loc=torch.tensor(query_start_loc, dtype=torch.int32, device=device),
             )
         copy_pairs = torch.tensor(plan.copy_pairs, dtype=torch.int64) if plan.copy_pairs else None
+        swap_out_pairs = swap_in_pairs = None
+        if plan.swap_out_pairs:
+            swap_out_pairs = torch.tensor(plan.swap_out_pairs, dtype=torch.int64)
+        if plan.swap_in_pairs:
+            swap_in_pairs = torch.tensor(plan.swap_in_pairs, dtype=torch.int64)
         # Every row sampled (a pure decode step): keep all logits, no index op.
         logits_to_keep: int | torch.Tensor = 0
         if len(logit_indices) != len(input_ids):
@@ -135,11 +173,23 @@ class ModelRunner:
             logits_order=logits_order,
             batch=batch,
             copy_pairs=copy_pairs,
+            swap_out_pairs=swap_out_pairs,
+            swap_in_pairs=swap_in_pairs,
         )
 
     @torch.inference_mode()
     def execute(self, step: PreparedStep) -> torch.Tensor:
-        """Run the forward pass; returns logits [num_sampling_seqs, vocab_size] in chunk order."""
+        """Run the forward pass; returns logits [num_sampling_seqs, vocab_size] in chunk order.
+
+        First the session cache's copies: KV pool -> host (a block freed by a demotion may
+        be written by this pass or copied into by the swap-in below), then host -> KV pool.
+        """
+        if step.swap_out_pairs is not None:
+            assert self.host_cache is not None, "swaps need a host pool"
+            ops.swap_blocks(self.kv_cache, self.host_cache, step.swap_out_pairs)
+        if step.swap_in_pairs is not None:
+            assert self.host_cache is not None, "swaps need a host pool"
+            self._swap_in(step.swap_in_pairs)
         if step.copy_pairs is not None:
             ops.copy_blocks(self.kv_cache, step.copy_pairs)
         output = self.model(
@@ -151,3 +201,16 @@ class ModelRunner:
         )
         logits = output.logits[0]
         return logits if step.logits_order is None else logits.index_select(0, step.logits_order)
+
+    def _swap_in(self, pairs: torch.Tensor) -> None:
+        assert self.host_cache is not None
+        if self.device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            ops.swap_blocks(self.host_cache, self.kv_cache, pairs)
+            end.record()
+            self._swap_in_timing = (0.0, start, end)
+        else:
+            started = time.perf_counter()
+            ops.swap_blocks(self.host_cache, self.kv_cache, pairs)
+            self._swap_in_timing = (time.perf_counter() - started, None, None)

@@ -19,7 +19,7 @@ import asyncio
 import itertools
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,9 +31,11 @@ from shoal.kernels.ops import KernelBackend
 from shoal.services.worker.engine import packed_linear
 from shoal.services.worker.engine.attention import ATTN_IMPLEMENTATION, register_attention
 from shoal.services.worker.engine.batch_scheduler import BatchScheduler, BatchSchedulerConfig, SequenceUpdate
+from shoal.services.worker.engine.cost_profile import get_cost_profile, get_profile_key
 from shoal.services.worker.engine.model_runner import ModelRunner
 from shoal.services.worker.engine.sampler import SamplingState, TokenHistory, sample
 from shoal.services.worker.engine.sequence import Sequence
+from shoal.services.worker.engine.session_kv import SessionKV, SessionSettings, SessionStats
 from shoal.services.worker.engine.warm_up import get_warm_up_lengths, warm_up
 from shoal.services.worker.generation import (
     FinishReason,
@@ -43,7 +45,9 @@ from shoal.services.worker.generation import (
     TextStream,
 )
 from shoal.shared.kv_cache.block_pool import BlockPool, BlockPoolStats
+from shoal.shared.kv_cache.cost_model import CostProfile
 from shoal.shared.kv_cache.manager import KVCacheManager
+from shoal.shared.kv_cache.session_cache import SessionCache, SessionCacheConfig, SessionInfo
 from shoal.shared.model_memory import (
     DEFAULT_RUNTIME_OVERHEAD_BYTES,
     get_activation_bytes,
@@ -52,6 +56,10 @@ from shoal.shared.model_memory import (
 )
 
 log = structlog.get_logger(__name__)
+
+
+SESSION_EXPIRY_INTERVAL_S = 1.0
+"""How often an idle engine with cached sessions looks for expired ones."""
 
 
 class KVPoolTooSmall(ValueError):
@@ -82,6 +90,9 @@ class EngineConfig:
     """Run one forward pass at the token budget (a small one on the CPU) while the engine is
     built (`warm_up.py`), so a server's memory is measured after its peak and its first
     request pays no first-pass costs. The worker's factory turns it on."""
+    sessions: SessionSettings | None = None
+    """The session cache (docs/sessions.md): a finished turn of a request with a
+    `session_id` keeps its KV for the session's next turn. None: no session cache."""
 
     def __post_init__(self) -> None:
         assert self.block_size > 0, f"block_size must be positive, got {self.block_size}"
@@ -97,6 +108,8 @@ class EngineStats:
     num_waiting: int
     num_preemptions: int
     """Sequences preempted (K/V dropped, recomputed later) since the engine started."""
+    sessions: SessionStats | None = None
+    """The session cache's figures (None without one)."""
 
 
 @dataclass(eq=False)
@@ -148,6 +161,7 @@ class PagedEngine:
             `config.num_blocks` is set.
         config: engine limits.
         max_model_len: the serving limit on prompt + completion; None uses the model's.
+        session_clock: seconds, monotonic: the session cache's clock (idle times, expiry).
 
     Raises:
         KernelBuildError: the model is on CUDA and Shoal's kernels cannot be built (see
@@ -163,6 +177,7 @@ class PagedEngine:
         allocation_bytes: int | None = None,
         config: EngineConfig = EngineConfig(),
         max_model_len: int | None = None,
+        session_clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.config = config
         self._tokenizer = tokenizer
@@ -183,13 +198,13 @@ class PagedEngine:
         num_blocks = config.num_blocks or self._size_pool(model, allocation_bytes)
         if config.max_kv_cache_tokens:
             num_blocks = min(num_blocks, max(1, -(-config.max_kv_cache_tokens // config.block_size)))
-        self._runner = ModelRunner(model, num_blocks, config.block_size)
+        block_bytes = get_model_shape(model.config, next(model.parameters()).dtype).get_kv_bytes_per_block(
+            config.block_size
+        )
+        num_host_blocks = config.sessions.host_pool_bytes // block_bytes if config.sessions else 0
+        self._runner = ModelRunner(model, num_blocks, config.block_size, num_host_blocks)
         self._pool = BlockPool(num_blocks, config.block_size, self._runner.kv_cache_bytes // num_blocks)
         self._kv_cache = KVCacheManager(self._pool, enable_prefix_caching=config.enable_prefix_caching)
-        self._scheduler = BatchScheduler(
-            BatchSchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens),
-            self._kv_cache,
-        )
         self.max_model_len = self._get_max_model_len(
             model.config, max_model_len, num_blocks * config.block_size
         )
@@ -213,6 +228,40 @@ class PagedEngine:
                 num_tokens=self.num_warm_up_tokens,
                 seconds=round(time.perf_counter() - started, 3),
             )
+        self._sessions: SessionKV | None = None
+        self.cost_profile: CostProfile | None = None
+        """The session cache's cost model and what it was measured for (None without one)."""
+        if config.sessions is not None:
+            self.cost_profile = get_cost_profile(
+                self._runner,
+                num_blocks,
+                config.sessions,
+                key=get_profile_key(model.config, self._runner.dtype, self._runner.device, config.block_size),
+                max_pass_tokens=config.max_num_batched_tokens,
+                max_context_tokens=self.max_model_len,
+            )
+            self._sessions = SessionKV(
+                SessionCache(
+                    SessionCacheConfig(
+                        block_size=config.block_size,
+                        blocks_per_chunk=config.sessions.blocks_per_chunk,
+                        gpu_budget_blocks=int(num_blocks * config.sessions.gpu_fraction),
+                        cpu_budget_blocks=num_host_blocks,
+                        idle_timeout_s=config.sessions.idle_timeout_s,
+                        min_idle_s=config.sessions.min_idle_s,
+                        copy_ahead_free_blocks=int(num_blocks * config.sessions.copy_ahead_free_fraction),
+                    ),
+                    self.cost_profile.cost_model,
+                    session_clock,
+                ),
+                self._kv_cache,
+                self._runner.kv_cache_bytes // num_blocks,
+            )
+        self._scheduler = BatchScheduler(
+            BatchSchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens),
+            self._kv_cache,
+            self._sessions,
+        )
         self._requests: dict[str, _RequestState] = {}
         self._arrivals = itertools.count()
         self._mean_request_blocks = 1.0
@@ -229,6 +278,7 @@ class PagedEngine:
             max_model_len=self.max_model_len,
             prefix_caching=config.enable_prefix_caching,
             kernels=self.kernels,
+            host_pool_bytes=self._runner.host_cache_bytes,
         )
 
     # ------------------------------------------------------------------ Engine protocol
@@ -239,6 +289,8 @@ class PagedEngine:
         with self._lock:
             free_seqs = self.config.max_num_seqs - self._scheduler.get_num_unfinished()
             free_blocks = self._pool.get_num_free_blocks() - self._scheduler.get_num_waiting_blocks()
+            if self._sessions is not None:  # cached sessions' blocks give way to requests
+                free_blocks += self._sessions.get_num_gpu_blocks()
             return max(0, min(free_seqs, int(free_blocks // self._mean_request_blocks)))
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationOutput]:
@@ -293,12 +345,37 @@ class PagedEngine:
 
     def get_stats(self) -> EngineStats:
         with self._lock:
+            sessions = None if self._sessions is None else self._sessions.get_stats()
             return EngineStats(
                 pool=self._pool.get_stats(),
                 num_running=self._scheduler.get_num_running(),
                 num_waiting=self._scheduler.get_num_waiting(),
                 num_preemptions=self._scheduler.get_num_preemptions(),
+                sessions=sessions,
             )
+
+    # ------------------------------------------------------------------ sessions
+
+    def list_sessions(self) -> list[SessionInfo]:
+        """Sessions whose KV this engine holds between turns, least recently active first
+        (empty without a session cache), after forgetting those idle too long. A session
+        with a turn running is not listed: its KV belongs to the turn until it ends."""
+        with self._lock:
+            if self._sessions is None:
+                return []
+            self._sessions.expire()
+            return self._sessions.get_sessions()
+
+    def get_active_session_ids(self) -> set[str]:
+        """Sessions with a turn in the engine now (running or waiting)."""
+        with self._lock:
+            return {state.request.session_id for state in self._requests.values() if state.request.session_id}
+
+    def drop_session(self, session_id: str) -> bool:
+        """Forget a cached session's KV now; False if none is cached (a running turn's KV
+        is kept when it ends)."""
+        with self._lock:
+            return self._sessions is not None and self._sessions.drop(session_id)
 
     # ------------------------------------------------------------------ admission
 
@@ -331,6 +408,7 @@ class PagedEngine:
                 max_num_tokens,
                 next(self._arrivals),
                 eos_token_ids,
+                session_id=request.session_id,
             )
             state = _RequestState(
                 request,
@@ -362,9 +440,17 @@ class PagedEngine:
         """Plan, run and apply one forward pass; False once the engine is closed."""
         with self._lock:
             while not self._closed and not self._scheduler.get_num_unfinished():
-                self._wakeup.wait()
+                if self._sessions is not None and self._sessions.get_stats().num_sessions:
+                    # Idle with sessions cached: wake now and then to forget expired ones.
+                    self._sessions.expire()
+                    self._wakeup.wait(timeout=SESSION_EXPIRY_INTERVAL_S)
+                else:
+                    self._wakeup.wait()
             if self._closed:
                 return False
+            if self._sessions is not None:
+                self._sessions.expire()
+                self._sessions.copy_ahead()
             plan = self._scheduler.schedule()
             if plan.is_empty:
                 # Only when every unfinished request waits for blocks no one will free:
@@ -384,10 +470,15 @@ class PagedEngine:
             token_ids = sample(logits, sampling_states, histories)
         except Exception as exc:  # a failed pass fails its requests, never the engine
             log.exception("engine.forward_failed", num_seqs=len(plan.chunks))
+            if self._sessions is not None:
+                with self._lock:
+                    self._sessions.end_step(self._runner.take_swap_in_seconds())
             self._fail([chunk.seq.seq_id for chunk in plan.chunks], exc)
             return True
         outbox = _Outbox()
         with self._lock:
+            if self._sessions is not None:
+                self._sessions.end_step(self._runner.take_swap_in_seconds())
             for update in self._scheduler.update(plan, token_ids):
                 self._emit(update, outbox)
         outbox.send()
@@ -497,3 +588,4 @@ def get_min_engine_bytes(model_config: Any, dtype: torch.dtype, config: EngineCo
 def measure_weight_bytes(model: torch.nn.Module) -> int:
     """Bytes of a model's parameters and buffers."""
     return sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
+

@@ -35,6 +35,13 @@ class Sequence:
     eos_token_ids: frozenset[int] = frozenset()
     """Tokens that end generation with "stop" (empty when the request ignores EOS)."""
     num_computed_tokens: int = 0
+    hole_start: int = 0
+    hole_end: int = 0
+    """Tokens [hole_start, hole_end) lie before `num_computed_tokens` but have no K/V yet: a
+    returning chat session's dropped prefix, recomputed in the prefill of its new tokens
+    (empty when equal). Only ever set at admission, and only with the tokens before
+    `hole_start` and from `hole_end` on computed."""
+    session_id: str | None = None
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0
@@ -47,6 +54,10 @@ class Sequence:
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def num_hole_tokens(self) -> int:
+        return self.hole_end - self.hole_start
 
     @property
     def num_output_tokens(self) -> int:
