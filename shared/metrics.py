@@ -70,8 +70,8 @@ class Histogram(_Metric):
         self._child(labels).observe(value)
 
 
-def _sample_value(metric: prometheus_client.Counter | prometheus_client.Gauge, name: str,
-                  labels: dict[str, str]) -> float:
+def _sample_value(metric: prometheus_client.Counter | prometheus_client.Gauge | prometheus_client.Histogram,
+                  name: str, labels: dict[str, str]) -> float:
     for family in metric.collect():
         for sample in family.samples:
             if sample.name == name and sample.labels == labels:

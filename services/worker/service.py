@@ -101,10 +101,18 @@ class WorkerService:
         self.num_requests_by_outcome: collections.Counter[str] = collections.Counter()
         """Requests this replica finished, by outcome (ok, cancelled, rejected, error, expired)."""
         self.num_generated_tokens = 0
+        self.num_prompt_tokens = 0
+        self.last_request_at: float | None = None
+        """When this replica last took a request (unix time)."""
 
     @property
     def num_in_flight(self) -> int:
         return len(self._tasks)
+
+    @property
+    def is_serving(self) -> bool:
+        """Taking new requests (not stopping, no barrier up before a park)."""
+        return self._serving.is_set() and not self._stopping.is_set()
 
     async def run(self) -> None:
         """Serve until `stop()`; then finish in-flight requests (see `stop`)."""
@@ -210,6 +218,7 @@ class WorkerService:
             await replier.error(504, "the request's deadline passed before a replica could start it", "timeout")
             await msg.term()
             return
+        self.last_request_at = now()
         ticker = asyncio.create_task(self._keep_in_progress(msg))
         try:
             outcome = await self._generate(request, replier, logger)
@@ -262,6 +271,7 @@ class WorkerService:
 
     async def _finish(self, request: InferenceRequest, replier: _Replier, output, logger) -> str:  # type: ignore[no-untyped-def]
         self.num_generated_tokens += output.num_completion_tokens
+        self.num_prompt_tokens += output.num_prompt_tokens
         if output.finish_reason == "error":
             logger.error("generation_error", error=output.error)
             await replier.error(500, "the replica failed while generating", "server_error")
