@@ -17,7 +17,7 @@
     windowS: 600,
     lastAt: null,
     latest: null,
-    events: { lastId: 0, abort: null },
+    events: { lastId: 0, abort: null, wake: null },
   };
 
   // ------------------------------------------------------------------ helpers
@@ -314,7 +314,7 @@
     }
     card.dataset.heldBytes = String(held);
     card.classList.toggle("over", held > gpu.total_bytes);
-    setText(card.querySelector(".gpu-name"), gpu.key + (gpu.name ? " " + gpu.name : ""));
+    setText(card.querySelector(".gpu-name"), `GPU ${gpu.index}` + (gpu.name ? " · " + gpu.name : ""));
     setText(card.querySelector(".gpu-total"), gib(gpu.total_bytes));
     const bar = card.querySelector(".bar");
     const segments = STATE_ORDER.filter((s) => byState[s]);
@@ -333,7 +333,7 @@
     card.title = [label, ...names].join("\n");
     const active = gpu.occupants.length - sleeping;
     let foot = `${gib(held)} · ${active} replica${active === 1 ? "" : "s"}`;
-    if (sleeping) foot += ` · ${sleeping} sleeping`;
+    if (sleeping) foot += ` · ${sleeping} asleep`;
     setText(card.querySelector(".gpu-foot"), foot);
   }
 
@@ -350,8 +350,8 @@
     const td = el("td");
     const box = el("div", "metric " + klass);
     const canvas = el("canvas", "spark");
-    canvas.width = 90;
-    canvas.height = 22;
+    canvas.width = 64;
+    canvas.height = 20;
     box.append(el("span", "v"), canvas);
     td.append(box);
     return td;
@@ -372,7 +372,8 @@
     replicas.title = "desired replicas";
     const scale = el("button", "", "Scale");
     scale.addEventListener("click", () => adminScale(model.key, replicas.value));
-    const evict = el("button", "danger", "Evict all");
+    const evict = el("button", "danger", "Evict");
+    evict.title = "evict every replica (parked WARM where RAM allows)";
     confirming(evict, () => adminEvict(model.key, null));
     box.append(replicas, scale, evict);
     actions.append(box);
@@ -387,11 +388,14 @@
     key.title = model.key;
     const failing = tr.querySelector(".failing");
     setText(failing, model.failing ? "failing: " + model.failing : "");
-    let replicas = `${model.num_serving} serving`;
-    if (model.num_loading) replicas += `, ${model.num_loading} loading`;
-    if (model.num_sleeping) replicas += `, ${model.num_sleeping} sleeping`;
-    replicas += ` (want ${model.desired_replicas})`;
-    setText(tr.querySelector(".replicas"), replicas);
+    let replicas = `${model.num_serving} / ${model.desired_replicas}`;
+    if (model.num_loading) replicas += ` +${model.num_loading} loading`;
+    if (model.num_sleeping) replicas += ` +${model.num_sleeping} asleep`;
+    const cell = tr.querySelector(".replicas");
+    setText(cell, replicas);
+    cell.title = `${model.num_serving} serving, ${model.num_loading} loading, ${model.num_sleeping} sleeping; ` +
+      `${model.desired_replicas} desired`;
+    cell.dataset.serving = String(model.num_serving);
     const input = tr.querySelector("input");
     if (document.activeElement !== input) input.value = String(model.desired_replicas);
     const times = view.points.map((p) => p.at);
@@ -424,7 +428,7 @@
 
   function makeReplicaRow(replica) {
     const tr = el("tr");
-    tr.append(el("td", "mono model"), el("td", "mono id"), el("td", "mono gpus"), el("td", "num bytes"),
+    tr.append(el("td", "mono model"), el("td", "mono id"), el("td", "mono gpu-list"), el("td", "num bytes"),
       el("td", "level"));
     const state = el("td");
     state.append(el("span", "badge state"), el("span", "phase"));
@@ -449,7 +453,7 @@
     const id = tr.querySelector(".id");
     setText(id, r.replica_id.slice(0, 12));
     id.title = r.replica_id;
-    setText(tr.querySelector(".gpus"), r.gpus.join(", ") || "–");
+    setText(tr.querySelector(".gpu-list"), r.gpus.join(", ") || "–");
     setText(tr.querySelector(".bytes"), r.gpu_bytes ? gib(r.gpu_bytes) : "–");
     setText(tr.querySelector(".level"), r.level);
     const badge = tr.querySelector(".state");
@@ -664,6 +668,11 @@
           signal: abort.signal,
           cache: "no-store",
         });
+        if (response.status === 401 || response.status === 403) {
+          setText($("#events-status"), "needs a key");
+          await pause(30000); // or until a key is given
+          continue;
+        }
         if (!response.ok) throw new Error(String(response.status));
         setText($("#events-status"), "live");
         const reader = response.body.getReader();
@@ -680,10 +689,22 @@
           }
         }
       } catch (error) {
-        if (error.name !== "AbortError") setText($("#events-status"), "reconnecting…");
+        if (error.name === "AbortError") continue; // a new key: reconnect with it now
+        setText($("#events-status"), "reconnecting…");
       }
-      await new Promise((resolve) => setTimeout(resolve, 2000));
+      await pause(2000);
     }
+  }
+
+  // Waits `ms`, or less when woken (a new key).
+  function pause(ms) {
+    return new Promise((resolve) => {
+      const timer = setTimeout(resolve, ms);
+      view.events.wake = () => {
+        clearTimeout(timer);
+        resolve();
+      };
+    });
   }
 
   // ------------------------------------------------------------------ start
@@ -695,6 +716,7 @@
     $("#key").value = "";
     $("#key").placeholder = key ? "key set (kept in this tab)" : "Bearer key (kept in this tab)";
     if (view.events.abort) view.events.abort.abort();
+    if (view.events.wake) view.events.wake();
     schedulePoll(0);
   }
 
