@@ -36,6 +36,7 @@ MEDIUM = "demo/qwen2-25m"
 LARGE = "demo/llama-100m"
 STATS_INTERVAL_S = 1.0
 ENV = {"SHOAL_WORKER_STATS_INTERVAL_S": str(STATS_INTERVAL_S), "SHOAL_GATEWAY_STREAM_KEEPALIVE_S": "0.5"}
+LONG_PROMPT = "The quick brown fox jumps over the lazy dog near the river bank. " * 6
 PHASES: tuple[LoadPhase, ...] = ("placing", "starting", "loading_weights", "building_kernels", "warming_up")
 T = TypeVar("T")
 
@@ -121,6 +122,9 @@ def phases_in(comment: str) -> list[LoadPhase]:
 def test_workers_metrics_reach_the_gateway_per_model_and_replica_and_leave_with_the_replica(shoal: ShoalUp) -> None:
     complete(shoal, SMALL, 5)
     complete(shoal, MEDIUM, 7)
+    for _ in range(2):  # the second time its prompt's full KV blocks come from the prefix cache
+        status, reply = call("POST", shoal.v1 + "/completions", {"model": SMALL, "prompt": LONG_PROMPT, "max_tokens": 1})
+        assert status == 200, reply
     state = dashboard_state(shoal)
     (node,) = [n["node_id"] for n in state["nodes"]]
     expected = {model: (replica["replica_id"], tokens) for model, tokens in ((SMALL, 5), (MEDIUM, 7))
@@ -143,6 +147,12 @@ def test_workers_metrics_reach_the_gateway_per_model_and_replica_and_leave_with_
         assert blocks.value > 0
         (prompt,) = worker_samples(shoal, "shoal_worker_prompt_tokens_total", model)
         assert prompt.value >= 2  # "The fox"
+        (steps,) = worker_samples(shoal, "shoal_worker_step_duration_seconds_count", model)
+        assert steps.value >= 1
+    (hits,) = wait_for(lambda: [s for s in worker_samples(shoal, "shoal_worker_prefix_cache_hits_total", SMALL)
+                                if s.value > 0], "a prefix cache hit", timeout_s=30)
+    (queries,) = worker_samples(shoal, "shoal_worker_prefix_cache_queries_total", SMALL)
+    assert queries.value >= hits.value
 
     make_cold(shoal, MEDIUM)
     wait_for(lambda: not [s for s in scrape(shoal) if s.labels.get("model") == MEDIUM
