@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from shoal.services.gateway.history import History, HistoryPoint, ModelPoint, RateTracker, TtftWindow, make_point
+from shoal.services.gateway.history import (
+    History,
+    HistoryPoint,
+    ModelPoint,
+    RateTracker,
+    TtftWindow,
+    make_point,
+)
 from shoal.shared.messages import WorkerStats
 
 

@@ -10,7 +10,15 @@ from shoal.services.gateway.progress import WaitProgress
 from shoal.services.gateway.ui_state import build_models, build_nodes, build_replicas
 from shoal.services.worker.stats import EngineTotals
 from shoal.shared import subjects
-from shoal.shared.messages import GpuInfo, GpuRecord, ModelSpec, NodeRecord, Occupant, ReplicaRecord, WorkerStats
+from shoal.shared.messages import (
+    GpuInfo,
+    GpuRecord,
+    ModelSpec,
+    NodeRecord,
+    Occupant,
+    ReplicaRecord,
+    WorkerStats,
+)
 
 AT = 1000.0
 
