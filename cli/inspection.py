@@ -128,7 +128,8 @@ def render_status(nodes: dict[str, Any], gpus: dict[str, GpuRecord], replicas: l
     out.write(f"\nReplicas ({len(replicas)}):\n")
     for record in sorted(replicas, key=lambda r: (r.model, r.created_at)):
         gpus_text = ",".join(f"{record.node_id}.{i}" for i in sorted(record.gpu_bytes)) or "-"
-        out.write(f"  {record.name:<60} {record.level:<4} {record.state:<9} on {gpus_text}\n")
+        phase = f" ({record.loading_phase})" if record.loading_phase else ""
+        out.write(f"  {record.name:<60} {record.level:<4} {record.state:<9} on {gpus_text}{phase}\n")
     out.write(f"\nModels ({len(models)}):\n")
     for spec in sorted(models, key=lambda m: m.key):
         figure, source = _memory_figure(spec, config)
