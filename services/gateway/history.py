@@ -120,10 +120,17 @@ class History:
         return self._points[-1] if self._points else None
 
 
+IDLE = ModelPoint(0.0, 0.0, None, 0)
+"""What a model missing from a point did: nothing (points leave idle models out: most of a
+large cluster's models are idle at any moment, and pages fetch hundreds of points)."""
+
+
 def make_point(at: float, models: Iterable[str], rates: dict[str, tuple[float, float]],
                ttft_means: dict[str, float], queues: dict[str, int]) -> HistoryPoint:
-    """One point for every model in `models` (registered now), from the figures of the interval."""
-    return HistoryPoint(at, {
-        model: ModelPoint(*rates.get(model, (0.0, 0.0)), ttft_means.get(model), queues.get(model, 0))
-        for model in models
-    })
+    """One point for the models in `models` (registered now) that did something in the interval."""
+    point = HistoryPoint(at, {})
+    for model in models:
+        figures = ModelPoint(*rates.get(model, (0.0, 0.0)), ttft_means.get(model), queues.get(model, 0))
+        if figures != IDLE:
+            point.models[model] = figures
+    return point

@@ -3,7 +3,8 @@
     GET /ui                  the page (index.html; no data in it)
     GET /ui/static/<file>    its script and style sheet (package data: no build step, no CDN)
     GET /ui/api/state        nodes, GPUs, replicas, models and their history (JSON);
-                             ``?since=<unix time>``: only history points after it
+                             ``?since=<unix time>``: only history points after it; a
+                             point leaves out the models that were idle in it
     GET /ui/api/events       SHOAL_EVENTS as server-sent events: the last events, then live
                              ones; each with ``id: <stream sequence>`` (send it back as
                              ``Last-Event-ID`` or ``?after=`` to resume)

@@ -47,6 +47,6 @@ def test_history_keeps_its_window_and_answers_since() -> None:
     assert history.latest is not None and history.latest.at == 12.0
 
 
-def test_a_point_covers_every_registered_model() -> None:
-    point = make_point(5.0, ["a", "b"], {"a": (1.0, 20.0)}, {"b": 0.25}, {"a": 3})
+def test_a_point_holds_the_registered_models_that_did_something() -> None:
+    point = make_point(5.0, ["a", "b", "idle"], {"a": (1.0, 20.0), "gone": (9.0, 9.0)}, {"b": 0.25}, {"a": 3})
     assert point.models == {"a": ModelPoint(1.0, 20.0, None, 3), "b": ModelPoint(0.0, 0.0, 0.25, 0)}

@@ -339,11 +339,11 @@
 
   // ------------------------------------------------------------------ models
 
+  // A model missing from a point was idle in it (the gateway leaves idle models out).
+  const IDLE = [0, 0, null, 0];
+
   function seriesOf(model, index) {
-    return view.points.map((p) => {
-      const m = p.models[model];
-      return m ? m[index] : null;
-    });
+    return view.points.map((p) => (p.models[model] || IDLE)[index]);
   }
 
   function metricCell(klass) {
