@@ -10,10 +10,13 @@ from typing import Any
 
 import aiohttp
 
+from shoal.services.gateway.app import start_gateway
 from shoal.shared.bus import Bus, publish_event
+from shoal.shared.config import GatewayConfig
 from shoal.shared.messages import Event
 from shoal.shared.nats_server import EmbeddedNatsServer
 from tests.browser import LAUNCH_ARGS, VIEWPORT, chromium_executable
+from tests.e2e.conftest import free_port
 from tests.integration import dashboard_data
 from tests.integration.gateway_harness import call, gateway_running
 
@@ -183,3 +186,16 @@ async def test_the_admin_cluster_view_shows_loading_phases_to_admin_keys_only(
         phases = {r["replica_id"]: r.get("phase") for r in report["replicas"]}
         assert phases == {r.replica_id: r.phase for r in cluster.replicas}
         assert {"loading_weights", "warming_up"} <= set(phases.values())
+
+
+async def test_stopping_the_gateway_ends_its_open_event_streams(nats_server: EmbeddedNatsServer) -> None:
+    config = GatewayConfig(port=free_port())
+    runner = await start_gateway(config, nats_server.url)
+    async with aiohttp.ClientSession() as session:
+        response = await session.get(f"http://127.0.0.1:{config.port}/ui/api/events")
+        assert (await response.content.readline()).startswith(b": SHOAL_EVENTS")
+        # aiohttp waits up to a minute for open handlers at shutdown: the streams must end first.
+        await asyncio.wait_for(runner.cleanup(), timeout=20.0)
+        rest = await asyncio.wait_for(response.content.read(), timeout=5.0)
+        assert b"data:" not in rest
+        response.release()

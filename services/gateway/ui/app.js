@@ -7,7 +7,7 @@
   const KEY_STORAGE = "shoal.apiKey";
   const MAX_EVENTS = 200;
   const GIB = 2 ** 30;
-  const STATE_ORDER = ["serving", "loading", "draining", "reserved"];
+  const STATE_ORDER = ["serving", "loading", "draining", "reserved", "sleeping"];
 
   const $ = (selector) => document.querySelector(selector);
   const view = {
@@ -304,10 +304,8 @@
     let held = 0;
     let sleeping = 0;
     for (const o of gpu.occupants) {
-      if (o.state === "sleeping") {
-        sleeping += 1;
-        continue;
-      }
+      if (o.state === "sleeping") sleeping += 1;
+      // held_bytes says what each occupant holds now (a sleeping one: nothing, as Shoal parks it today).
       const state = STATE_ORDER.includes(o.state) ? o.state : "reserved";
       byState[state] = (byState[state] || 0) + o.held_bytes;
       held += o.held_bytes;
