@@ -1,6 +1,7 @@
 // Shoal's dashboard: polls /ui/api/state every POLL_MS, follows /ui/api/events (SSE over
-// fetch, so the key travels in a header), draws its charts on canvas. No library, no build.
+// fetch, events.js), draws its charts with charts.js. No library, no build step.
 "use strict";
+/* global ShoalCharts, ShoalEvents */
 
 (() => {
   const POLL_MS = 2000;
@@ -17,7 +18,7 @@
     windowS: 600,
     lastAt: null,
     latest: null,
-    events: { lastId: 0, abort: null, wake: null },
+    reconnectEvents: null,
   };
 
   // ------------------------------------------------------------------ helpers
@@ -99,105 +100,13 @@
     setText(node, text || "");
   }
 
-  // ------------------------------------------------------------------ charts
-
-  // A canvas sized for the screen's pixel ratio; returns its 2D context in CSS pixels.
-  function context2d(canvas) {
-    const ratio = window.devicePixelRatio || 1;
-    const width = canvas.clientWidth || canvas.width;
-    const height = canvas.clientHeight || canvas.height;
-    if (canvas.width !== Math.round(width * ratio) || canvas.height !== Math.round(height * ratio)) {
-      canvas.width = Math.round(width * ratio);
-      canvas.height = Math.round(height * ratio);
-    }
-    const ctx = canvas.getContext("2d");
-    ctx.setTransform(ratio, 0, 0, ratio, 0, 0);
-    ctx.clearRect(0, 0, width, height);
-    return { ctx, width, height };
-  }
-
-  // One series as a line over [from, to]; null values leave gaps. Returns nothing drawn when empty.
-  function drawSeries(ctx, times, values, from, to, maxValue, box, color, fill) {
-    const x = (t) => box.left + ((t - from) / (to - from)) * box.width;
-    const y = (v) => box.top + box.height - (v / maxValue) * box.height;
-    ctx.strokeStyle = color;
-    ctx.lineWidth = 1.5;
-    let started = false;
-    let firstX = 0;
-    let lastX = 0;
-    ctx.beginPath();
-    for (let i = 0; i < times.length; i++) {
-      const v = values[i];
-      if (v === null || v === undefined) {
-        started = false;
-        continue;
-      }
-      const px = x(times[i]);
-      if (!started) {
-        ctx.moveTo(px, y(v));
-        if (firstX === 0) firstX = px;
-        started = true;
-      } else {
-        ctx.lineTo(px, y(v));
-      }
-      lastX = px;
-    }
-    ctx.stroke();
-    if (fill && lastX > firstX) {
-      ctx.lineTo(lastX, box.top + box.height);
-      ctx.lineTo(firstX, box.top + box.height);
-      ctx.closePath();
-      ctx.globalAlpha = 0.12;
-      ctx.fillStyle = color;
-      ctx.fill();
-      ctx.globalAlpha = 1;
-    }
-  }
-
-  function sparkline(canvas, times, values, color, now) {
-    const { ctx, width, height } = context2d(canvas);
-    const present = values.filter((v) => v !== null && v !== undefined);
-    const maxValue = Math.max(...present, 0) || 1;
-    ctx.strokeStyle = "#e3e6ea";
-    ctx.beginPath();
-    ctx.moveTo(0, height - 0.5);
-    ctx.lineTo(width, height - 0.5);
-    ctx.stroke();
-    drawSeries(ctx, times, values, now - view.windowS, now, maxValue * 1.1,
-      { left: 0, top: 1, width, height: height - 2 }, color, true);
-  }
+  // ------------------------------------------------------------------ charts (charts.js)
 
   function drawThroughput(now) {
-    const canvas = $("#throughput");
-    const { ctx, width, height } = context2d(canvas);
     const times = view.points.map((p) => p.at);
     const sum = (index) => view.points.map((p) => Object.values(p.models).reduce((a, m) => a + (m[index] || 0), 0));
-    const tps = sum(1);
-    const rps = sum(0);
-    const box = { left: 44, top: 6, width: width - 90, height: height - 24 };
-    ctx.font = "11px system-ui, sans-serif";
-    ctx.fillStyle = "#6b7280";
-    ctx.strokeStyle = "#e3e6ea";
-    for (let i = 0; i <= 2; i++) {
-      const yy = box.top + (box.height * i) / 2 + 0.5;
-      ctx.beginPath();
-      ctx.moveTo(box.left, yy);
-      ctx.lineTo(box.left + box.width, yy);
-      ctx.stroke();
-    }
-    const maxTps = Math.max(...tps, 0) * 1.1 || 1;
-    const maxRps = Math.max(...rps, 0) * 1.1 || 1;
-    ctx.textAlign = "right";
-    ctx.fillText(rate(maxTps), box.left - 6, box.top + 8);
-    ctx.fillText("0", box.left - 6, box.top + box.height);
-    ctx.textAlign = "left";
-    ctx.fillText(rate(maxRps), box.left + box.width + 6, box.top + 8);
-    ctx.fillText("0", box.left + box.width + 6, box.top + box.height);
-    ctx.textAlign = "center";
-    ctx.fillText("−" + Math.round(view.windowS / 60) + " min", box.left + 14, height - 4);
-    ctx.fillText("now", box.left + box.width - 10, height - 4);
-    drawSeries(ctx, times, tps, now - view.windowS, now, maxTps, box, "#2563eb", true);
-    drawSeries(ctx, times, rps, now - view.windowS, now, maxRps, box, "#db7706", false);
+    ShoalCharts.timeChart($("#throughput"), times, { values: sum(1), color: "#2563eb" },
+      { values: sum(0), color: "#db7706" }, now - view.windowS, now, rate);
   }
 
   // ------------------------------------------------------------------ keyed rendering
@@ -411,7 +320,8 @@
       const box = tr.querySelector(".metric" + klass);
       const latest = klass === ".ttft" ? last(values) : values.length ? values[values.length - 1] : null;
       setText(box.querySelector(".v"), format(latest));
-      sparkline(box.querySelector("canvas"), times, values, color, now);
+      ShoalCharts.sparkline(box.querySelector("canvas"), times, values, color, now - view.windowS, now,
+        klass !== ".ttft");
     }
   }
 
@@ -630,7 +540,7 @@
     return parts.join(" ");
   }
 
-  function addEvent(id, event) {
+  function addEvent(event) {
     const list = $("#events");
     const item = el("li");
     item.dataset.kind = event.kind;
@@ -638,71 +548,6 @@
       el("span", "what", describeEvent(event)));
     list.insertBefore(item, list.firstChild);
     while (list.children.length > MAX_EVENTS) list.lastChild.remove();
-    view.events.lastId = Math.max(view.events.lastId, id);
-  }
-
-  function handleBlock(block) {
-    let id = null;
-    const data = [];
-    for (const line of block.split("\n")) {
-      if (line.startsWith("id:")) id = Number(line.slice(3).trim());
-      else if (line.startsWith("data:")) data.push(line.slice(5).replace(/^ /, ""));
-    }
-    if (!data.length) return;
-    try {
-      addEvent(id || 0, JSON.parse(data.join("\n")));
-    } catch (error) {
-      console.warn("event not understood", error);
-    }
-  }
-
-  async function followEvents() {
-    for (;;) {
-      const abort = new AbortController();
-      view.events.abort = abort;
-      try {
-        const response = await fetch("/ui/api/events", {
-          headers: headers(view.events.lastId ? { "Last-Event-ID": String(view.events.lastId) } : {}),
-          signal: abort.signal,
-          cache: "no-store",
-        });
-        if (response.status === 401 || response.status === 403) {
-          setText($("#events-status"), "needs a key");
-          await pause(30000); // or until a key is given
-          continue;
-        }
-        if (!response.ok) throw new Error(String(response.status));
-        setText($("#events-status"), "live");
-        const reader = response.body.getReader();
-        const decoder = new TextDecoder();
-        let buffer = "";
-        for (;;) {
-          const { value, done } = await reader.read();
-          if (done) break;
-          buffer += decoder.decode(value, { stream: true });
-          let end;
-          while ((end = buffer.indexOf("\n\n")) >= 0) {
-            handleBlock(buffer.slice(0, end));
-            buffer = buffer.slice(end + 2);
-          }
-        }
-      } catch (error) {
-        if (error.name === "AbortError") continue; // a new key: reconnect with it now
-        setText($("#events-status"), "reconnecting…");
-      }
-      await pause(2000);
-    }
-  }
-
-  // Waits `ms`, or less when woken (a new key).
-  function pause(ms) {
-    return new Promise((resolve) => {
-      const timer = setTimeout(resolve, ms);
-      view.events.wake = () => {
-        clearTimeout(timer);
-        resolve();
-      };
-    });
   }
 
   // ------------------------------------------------------------------ start
@@ -713,8 +558,7 @@
     else sessionStorage.removeItem(KEY_STORAGE);
     $("#key").value = "";
     $("#key").placeholder = key ? "key set (kept in this tab)" : "Bearer key (kept in this tab)";
-    if (view.events.abort) view.events.abort.abort();
-    if (view.events.wake) view.events.wake();
+    if (view.reconnectEvents) view.reconnectEvents();
     schedulePoll(0);
   }
 
@@ -734,6 +578,10 @@
     window.addEventListener("resize", () => view.latest && render(view.latest));
     $("#key").placeholder = view.key ? "key set (kept in this tab)" : "Bearer key (kept in this tab)";
     poll();
-    followEvents();
+    view.reconnectEvents = ShoalEvents.follow({
+      headers,
+      onEvent: (_, event) => addEvent(event),
+      onStatus: (text) => setText($("#events-status"), text),
+    });
   });
 })();
