@@ -158,7 +158,8 @@ def render_status(nodes: dict[str, Any], gpus: dict[str, GpuRecord], replicas: l
     for record in sorted(replicas, key=lambda r: (r.model, r.created_at)):
         gpus_text = ",".join(f"{record.node_id}.{i}" for i in sorted(record.gpu_bytes)) or "-"
         in_flight = f", {record.num_in_flight} in flight" if record.num_in_flight else ""
-        out.write(f"  {record.name:<60} {record.level:<4} {replica_state_label(record):<14} on {gpus_text:<14} "
+        phase = f" ({record.loading_phase})" if record.loading_phase else ""
+        out.write(f"  {record.name:<60} {record.level:<4} {replica_state_label(record) + phase:<30} on {gpus_text:<14} "
                   f"last access {_ago(record.last_request_at, now)}{in_flight}\n")
     out.write(f"\nModels ({len(models)}):\n")
     for spec in sorted(models, key=lambda m: m.key):

@@ -38,6 +38,9 @@ prompt token ids are random (seeded) from the model's vocabulary.
     python scripts/bench_engine.py --quick            # ~2 small models, shorter requests
     python scripts/bench_engine.py                     # all demo models
     python scripts/bench_engine.py --sections block-pool,kv-ops   # the micro-benchmarks only
+
+The engine section also draws output tokens/s against concurrency, one line per path and a
+panel per model (docs/images/engine_throughput.png; ``--plot-dir``).
 """
 
 from __future__ import annotations
@@ -57,6 +60,7 @@ from typing import Any
 
 import bench_block_pool  # scripts/, next to this file (on sys.path when run as a script)
 import bench_kv_ops
+import plots
 import torch
 from transformers import (
     AutoConfig,
@@ -436,6 +440,27 @@ def engine_report(results: list[RunResult], levels: list[int]) -> str:
     return "\n".join(lines)
 
 
+def plot_engine(results: list[RunResult], plot_dir: str, caption: str) -> None:
+    """Output tok/s (medians) against concurrency, one panel per model, one line per path."""
+    keys = list(dict.fromkeys(r.model for r in results))
+    figure, axes = plots.new_figure(3.0 * len(keys) + 1.0, 3.6, columns=len(keys))
+    for axis, key in zip(axes, keys, strict=True):
+        for path in dict.fromkeys(r.path for r in results):
+            points = sorted((r.concurrency, r.tokens_per_s) for r in results if r.model == key and r.path == path)
+            style = "--" if path == "floor" else "-"
+            axis.plot([c for c, _ in points], [t for _, t in points], style, marker="o", markersize=3,
+                      color=plots.COLORS.get(path), label=path, linewidth=2.2 if path == "shoal" else 1.2)
+        axis.set_xscale("log", base=2)
+        axis.set_xticks(sorted({r.concurrency for r in results}))
+        axis.xaxis.set_major_formatter(plots.plain_numbers())
+        axis.set_xlabel("concurrent requests")
+        axis.set_title(key.removeprefix("demo/"), fontsize=10)
+        axis.set_ylim(bottom=0)
+    axes[0].set_ylabel("output tokens/s (prefill included)")
+    axes[0].legend(fontsize=7)
+    plots.save(figure, plot_dir, "engine_throughput", caption)
+
+
 def block_pool_report(quick: bool) -> str:
     num_ops, repeats = (200_000, 3) if quick else (1_000_000, 7)
     rows = bench_block_pool.bench_block_pools(4096, num_ops, repeats)
@@ -501,6 +526,7 @@ def main() -> None:
     )
     parser.add_argument("--repeats", type=int, help="runs per path and level (default 3, --quick 2)")
     parser.add_argument("--json", type=Path, help="write all engine results here")
+    plots.add_plot_argument(parser)
     parser.add_argument(
         "--threads",
         type=int,
@@ -562,6 +588,10 @@ def run_engine_section(args: argparse.Namespace, levels: list[int]) -> str:
                 args.repeats or (2 if args.quick else 3),
             )
     print(json.dumps({"medians": [r.summary() for r in results]}), flush=True)
+    repeats = args.repeats or (2 if args.quick else 3)
+    plot_engine(results, args.plot_dir,
+                f"scripts/bench_engine.py, {'medians of ' + str(repeats) + ' repeats' if repeats > 1 else 'one run'}, "
+                f"{torch.get_num_threads()} torch thread(s), {time.strftime('%Y-%m-%d')}")
     if args.json:
         args.json.write_text(
             json.dumps(

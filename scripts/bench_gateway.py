@@ -9,7 +9,13 @@ alike:
 * gateway: ``POST /v1/completions`` through a real socket.
 
 Reports requests/s and p50/p99 latency of each path, sequentially (latency)
-and with N concurrent clients (throughput), and the gateway's overhead.
+and with N concurrent clients (throughput), and the gateway's overhead, with a
+picture of its distribution (docs/images/gateway_overhead.png).
+
+In the same run it times the gateway's metrics work per request (the updates every
+request makes: two gauge sets, two histogram observations, a counter) and one render
+of /metrics, with `prometheus_client` (shared/metrics.py) and with the hand-written
+registry it replaced (scripts/metrics_baseline.py), against the overhead measured.
 
     python scripts/bench_gateway.py [--requests 400] [--concurrency 16] [--model demo/llama-5m]
 """
@@ -23,6 +29,7 @@ import sys
 import tempfile
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 import aiohttp
@@ -39,7 +46,13 @@ from shoal.shared.messages import (
 )
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import metrics_baseline  # scripts/, next to this file
+import plots
+
+from shoal.shared.metrics import Registry
 from tests.e2e.conftest import start_shoal_up
+
+NUM_MODELS_RENDERED = 100
 
 
 class DirectClient:
@@ -87,6 +100,69 @@ async def http_complete(session: aiohttp.ClientSession, url: str, model: str, pr
         await response.read()
         assert response.status == 200, await response.text()
     return time.perf_counter() - started
+
+
+def _per_request_updates(registry) -> Callable[[str], None]:  # type: ignore[no-untyped-def]
+    """What the gateway's metrics do for one request (routes_openai, dispatch), on `registry`."""
+    requests = registry.counter("shoal_gateway_requests_total", "HTTP inference requests", ["model", "kind", "outcome"])
+    latency = registry.histogram("shoal_gateway_request_duration_seconds", "Latency", ["model"])
+    ttft = registry.histogram("shoal_gateway_time_to_first_token_seconds", "TTFT", ["model"])
+    in_flight = registry.gauge("shoal_gateway_requests_in_flight", "In flight", ["model"])
+
+    def one(model: str) -> None:
+        in_flight.set(1, model=model)
+        ttft.observe(0.012, model=model)
+        in_flight.set(0, model=model)
+        requests.inc(model=model, kind="completion", outcome="ok")
+        latency.observe(0.015, model=model)
+
+    return one
+
+
+def bench_metrics(num_requests: int = 50_000, rounds: int = 7) -> dict[str, tuple[float, float]]:
+    """Implementation -> (µs of metric updates per request, ms per /metrics render with
+    NUM_MODELS_RENDERED models' series); best of `rounds` interleaved rounds."""
+    registries = {"prometheus_client": Registry, "hand-written": metrics_baseline.Registry}
+    best: dict[str, tuple[float, float]] = {}
+    models = [f"org/model-{i}" for i in range(NUM_MODELS_RENDERED)]
+    for _ in range(rounds):
+        for name, make in registries.items():
+            registry = make()
+            one = _per_request_updates(registry)
+            for model in models:
+                one(model)
+            started = time.perf_counter()
+            for i in range(num_requests):
+                one(models[i % 8])
+            update_us = 1e6 * (time.perf_counter() - started) / num_requests
+            started = time.perf_counter()
+            registry.render()
+            render_ms = 1e3 * (time.perf_counter() - started)
+            previous = best.get(name, (float("inf"), float("inf")))
+            best[name] = (min(previous[0], update_us), min(previous[1], render_ms))
+    return best
+
+
+def plot_overhead(overhead: list[float], sequential: dict[str, list[float]], plot_dir: str, caption: str) -> None:
+    figure, (left, right) = plots.new_figure(8.0, 3.4, columns=2)
+    values_ms = [1e3 * v for v in overhead]
+    low, high = _pct(values_ms, 0.01), _pct(values_ms, 0.99)
+    left.hist([v for v in values_ms if low <= v <= high], bins=40, color="#2563eb", alpha=0.8)
+    p50 = statistics.median(values_ms)
+    left.axvline(p50, color="#111827", linestyle="--", linewidth=1)
+    left.text(p50, left.get_ylim()[1] * 0.92, f" p50 {p50:.2f} ms", fontsize=8)
+    left.set_xlabel("gateway - direct, paired requests (ms; 1st-99th percentile)")
+    left.set_ylabel("requests")
+    left.set_title("Gateway overhead per request", fontsize=10)
+    for name, color in (("direct", "#9ca3af"), ("gateway", "#2563eb")):
+        ordered = sorted(1e3 * v for v in sequential[name])
+        right.plot(ordered, [i / len(ordered) for i in range(len(ordered))], label=name, color=color)
+    right.set_xlabel("latency (ms), sequential, 1 token")
+    right.set_ylabel("fraction of requests")
+    right.set_xlim(0, _pct([1e3 * v for v in sequential["gateway"]], 0.99) * 1.1)
+    right.legend(fontsize=8)
+    right.set_title("Latency: through the gateway vs straight to NATS", fontsize=10)
+    plots.save(figure, plot_dir, "gateway_overhead", caption)
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -139,8 +215,21 @@ async def run(args: argparse.Namespace, base_url: str, nats_url: str) -> None:
         print(f"| {name} | {args.concurrency} concurrent | {rate:.1f} | {1e3 * statistics.median(values):.2f} | "
               f"{1e3 * _pct(values, 0.99):.2f} |")
     overhead = [g - d for g, d in zip(sequential["gateway"], sequential["direct"], strict=True)]
-    print(f"\ngateway overhead per request (sequential, paired): p50 {1e3 * statistics.median(overhead):.2f} ms, "
+    overhead_p50_ms = 1e3 * statistics.median(overhead)
+    print(f"\ngateway overhead per request (sequential, paired): p50 {overhead_p50_ms:.2f} ms, "
           f"mean {1e3 * statistics.fmean(overhead):.2f} ms")
+    metrics = bench_metrics()
+    print(f"\nmetrics work of the gateway (best of 7 rounds; render: {NUM_MODELS_RENDERED} models' series)\n")
+    print("| registry | updates per request µs | share of the p50 overhead | one /metrics render ms |")
+    print("| --- | ---: | ---: | ---: |")
+    for name, (update_us, render_ms) in metrics.items():
+        print(f"| {name} | {update_us:.2f} | {update_us / 1e3 / overhead_p50_ms:.2%} | {render_ms:.2f} |")
+    difference_us = metrics["prometheus_client"][0] - metrics["hand-written"][0]
+    print(f"\nprometheus_client - hand-written: {difference_us:+.2f} µs per request "
+          f"({difference_us / 1e3 / overhead_p50_ms:+.2%} of the p50 overhead)")
+    plot_overhead(overhead, sequential, args.plot_dir,
+                  f"scripts/bench_gateway.py --requests {args.requests}, model {args.model}, "
+                  f"{time.strftime('%Y-%m-%d')}")
 
 
 def main() -> None:
@@ -150,6 +239,7 @@ def main() -> None:
     parser.add_argument("--model", default="demo/llama-5m")
     parser.add_argument("--max-tokens", type=int, default=1)
     parser.add_argument("--models-root", default="./models")
+    plots.add_plot_argument(parser)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as state:
         shoal = start_shoal_up(Path(args.models_root), Path(state), "--log-level", "warning")

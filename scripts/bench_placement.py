@@ -6,6 +6,8 @@
     python scripts/bench_placement.py --quick    # 10 and 100 nodes, smaller samples (a few seconds)
     python scripts/bench_placement.py --clock cpu  # process CPU time instead of wall time
 
+Writes docs/images/placement_decisions.png: decision time against cluster size (``--plot-dir``).
+
 Part 1, speed. Nodes of 8 x 80 GiB GPUs, 300 models (six architectures x KV budgets). The
 cluster is first filled to about 70 % of its GPU memory by the policy itself; then a fresh
 planner on that snapshot places replicas one at a time (each decision includes applying it
@@ -40,6 +42,8 @@ import statistics
 import time
 from collections import Counter
 from dataclasses import dataclass
+
+import plots  # scripts/, next to this file
 
 from shoal.shared.placement.config import PlacementConfig
 from shoal.shared.placement.memory_figure import MemoryFigure, get_memory_figure
@@ -253,7 +257,45 @@ def speed_run(
     return figures, victims
 
 
-def bench_speed(quick: bool, num_runs: int) -> None:
+def plot_speed(rows: list[tuple[int, ClusterSnapshot, list[dict[str, float]], dict[str, str]]], plot_dir: str,
+               caption: str) -> None:
+    """Per-decision times (left) and the once-per-pass costs (right) against the number of nodes."""
+    figure, (left, right) = plots.new_figure(8.0, 4.6, columns=2)
+    nodes = [num_nodes for num_nodes, _, _, _ in rows]
+    series = [
+        ("room somewhere: mean", "next", "#2563eb", "-"),
+        ("room somewhere: p99", "next99", "#2563eb", ":"),
+        ("one eviction: mean", "one_mean", "#db7706", "-"),
+        ("several evictions (32B): mean", "several_mean", "#b45309", "-"),
+        ("whole GPUs (70B on 2): mean", "whole_mean", "#7c3aed", "-"),
+        ("naive scan of every node", "naive", "#9ca3af", "--"),
+    ]
+    for label, name, color, style in series:
+        left.plot(nodes, [1e3 * median_of(runs, name) for _, _, runs, _ in rows], style, color=color, marker="o",
+                  markersize=3, label=label)
+    left.axhline(1.0, color="#d64545", linewidth=0.8)
+    left.text(nodes[0], 1.1, "1 ms target", fontsize=7, color="#d64545")
+    for label, name, color in (("build the planner", "build", "#111827"),
+                               ("first evicting decision (one)", "one_first", "#db7706"),
+                               ("first evicting decision (70B)", "whole_first", "#7c3aed")):
+        right.plot(nodes, [1e3 * median_of(runs, name) for _, _, runs, _ in rows], color=color, marker="o",
+                   markersize=3, label=label)
+    for axis, title in ((left, "One decision"), (right, "Once per scheduling pass")):
+        axis.set_xscale("log")
+        axis.set_yscale("log")
+        axis.set_xlabel("nodes (8 GPUs each)")
+        axis.set_ylabel("ms")
+        axis.set_title(title, fontsize=10)
+        axis.set_xticks(nodes)
+        for ticks in (axis.xaxis, axis.yaxis):
+            ticks.set_major_formatter(plots.plain_numbers())
+            ticks.set_minor_formatter(plots.NullFormatter())
+    left.legend(fontsize=6.5, loc="upper left", bbox_to_anchor=(0.0, -0.2), ncol=2, frameon=False)
+    right.legend(fontsize=6.5, loc="upper left", bbox_to_anchor=(0.0, -0.2), ncol=1, frameon=False)
+    plots.save(figure, plot_dir, "placement_decisions", caption)
+
+
+def bench_speed(quick: bool, num_runs: int, plot_dir: str = "") -> None:
     demands = make_demands(300, guessed=False)
     qwen, llama = make_large_demands()
     evicting = {
@@ -309,6 +351,8 @@ def bench_speed(quick: bool, num_runs: int) -> None:
             f"| {num_nodes:,} | {num_replicas:,} | {' | '.join(cells)} "
             f"| {victims['one']} / {victims['several']} / {victims['whole']} |"
         )
+    clock_text = "CPU time" if clock is time.process_time else "wall time"
+    plot_speed(rows, plot_dir, f"scripts/bench_placement.py, {clock_text}, {runs_text}, {time.strftime('%Y-%m-%d')}")
 
 
 def pack(num_nodes: int, demands: list[ModelDemand]) -> tuple[Counter[str], int]:
@@ -379,10 +423,11 @@ def main() -> None:
     parser.add_argument(
         "--clock", choices=sorted(CLOCKS), default="wall", help="wall time or process CPU time"
     )
+    plots.add_plot_argument(parser)
     args = parser.parse_args()
     global clock
     clock = CLOCKS[args.clock]
-    bench_speed(args.quick, 1 if args.quick else max(1, args.runs))
+    bench_speed(args.quick, 1 if args.quick else max(1, args.runs), args.plot_dir)
     bench_packing(args.quick)
 
 

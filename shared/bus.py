@@ -60,6 +60,8 @@ JS_WRONG_LAST_SEQUENCE = 10071
 """JSStreamWrongLastSequenceErrF: a CAS write lost (the key changed since the given revision)."""
 JS_WRONG_LAST_SEQUENCE_CONSTANT = 10164
 """JSStreamWrongLastSequenceConstantErr: the same, from newer servers."""
+JS_NO_MESSAGE_FOUND = 10057
+"""JSNoMessageFoundErr: a stream message (to get or delete) is not there (any more)."""
 JS_CONSUMER_ALREADY_EXISTS = 10148
 """JSConsumerAlreadyExists: a consumer of that name exists with another configuration."""
 MAX_DELIVERIES = 3

@@ -79,6 +79,9 @@ class GatewayConfig(Struct, forbid_unknown_fields=True, kw_only=True):
     """Requests per model waiting or running in this gateway before 429."""
     max_body_bytes: int = 4 * 1024 * 1024
     max_prompt_chars: int = 1_000_000
+    stream_keepalive_s: float = 5.0
+    """A stream with nothing to send for this long (a cold start, a replica restarting) gets
+    an SSE comment line saying what it waits for, and again every this long."""
 
     def __post_init__(self) -> None:
         if not 0 < self.port < 65536:
@@ -87,6 +90,8 @@ class GatewayConfig(Struct, forbid_unknown_fields=True, kw_only=True):
             raise ValueError("gateway.request_timeout_s must be > 0")
         if self.max_queue_per_model < 1:
             raise ValueError("gateway.max_queue_per_model must be >= 1")
+        if self.stream_keepalive_s <= 0:
+            raise ValueError("gateway.stream_keepalive_s must be > 0")
 
 
 class SchedulerConfig(Struct, forbid_unknown_fields=True, kw_only=True):
@@ -141,12 +146,16 @@ class WorkerConfig(Struct, forbid_unknown_fields=True, kw_only=True):
     (real GPUs only); part of the memory estimate made from a model's config."""
     kernels: KernelSettings = field(default_factory=KernelSettings)
     """Which KV-cache kernel implementations the worker runs (``[worker.kernels]``, docs/kernels.md)."""
+    stats_interval_s: float = 5.0
+    """How often each worker publishes its stats (``shoal.stats.>``: /metrics, the dashboard)."""
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("worker.block_size, max_num_seqs and max_num_batched_tokens must be >= 1")
         if self.torch_threads < 0 or self.runtime_overhead_bytes < 0:
             raise ValueError("worker.torch_threads and runtime_overhead_bytes must be >= 0")
+        if self.stats_interval_s <= 0:
+            raise ValueError("worker.stats_interval_s must be > 0")
 
 
 class FairnessConfig(FairnessSettings, forbid_unknown_fields=True, kw_only=True):

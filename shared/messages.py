@@ -5,6 +5,9 @@ Channels and encodings:
 * hot path (msgpack): `InferenceRequest` on ``shoal.infer.<model>``; `Reply`
   (`TokenChunk` | `FinalReply` | `ErrorReply`) on the request's reply subject;
   `CancelRequest` on ``shoal.cancel.<model>``.
+* worker stats (JSON, what ``nats sub 'shoal.stats.>'`` shows): `WorkerStats` on
+  ``shoal.stats.<model>.<replica>``, every few seconds from each worker; gateways serve
+  them on ``/metrics`` and the dashboard.
 * control plane (JSON, what `nats kv get` shows): the KV records `ModelSpec`,
   `GpuRecord`, `ReplicaRecord`, `NodeRecord`; `Event` on ``shoal.event.<kind>``;
   the commands of the micro services, one type per subject:
@@ -148,6 +151,11 @@ ReplicaState = Literal["pending", "loading", "ready", "draining", "sleeping", "s
 ACTIVE_REPLICA_STATES: tuple[ReplicaState, ...] = ("pending", "loading", "ready", "draining")
 """A replica in one of these serves or is on its way to serving (HOT, or being placed)."""
 OccupantState = Literal["reserved", "loading", "serving", "draining", "sleeping"]
+LoadPhase = Literal["placing", "starting", "loading_weights", "building_kernels", "warming_up"]
+"""How far a replica on its way to serving is: ``placing`` (its record is written, no worker
+yet), ``starting`` (the worker process starts: Python, torch), ``loading_weights``,
+``building_kernels`` (Shoal's KV kernels: nvcc on a GPU, the C compiler on the CPU, cached
+after the first time), ``warming_up`` (the engine: KV pool, a first forward pass)."""
 
 
 class ModelSpec(ModelSettings, kw_only=True, omit_defaults=True):
@@ -216,6 +224,11 @@ class Occupant(Struct, omit_defaults=True):
     expires_at: float | None = None
     """A reservation not yet backed by a replica record lapses after this time."""
 
+    @property
+    def held_bytes(self) -> int:
+        """GPU bytes it really holds now (a sleeping occupant: only its residue)."""
+        return self.residual_bytes if self.state == "sleeping" else self.num_bytes
+
 
 class PreemptionIntent(Struct, kw_only=True, omit_defaults=True):
     """A waking model's claim-in-waiting on one GPU (seed 001): the memory it needs there.
@@ -262,7 +275,7 @@ class GpuRecord(Struct, kw_only=True, omit_defaults=True):
     @property
     def reserved_bytes(self) -> int:
         """Bytes taken on this GPU: every occupant's, and sleeping ones' residue."""
-        return sum(o.residual_bytes if o.state == "sleeping" else o.num_bytes for o in self.occupants)
+        return sum(o.held_bytes for o in self.occupants)
 
     @property
     def available_bytes(self) -> int:
@@ -300,6 +313,8 @@ class ReplicaRecord(Struct, kw_only=True, omit_defaults=True):
     """When a request last started or finished on it (its worker writes it, at most once a second)."""
     num_in_flight: int = 0
     """Requests it was running at `last_request_at` (a stream counts until its last byte)."""
+    phase: LoadPhase | None = None
+    """While `state` is ``loading``: how far it got (the worker reports it to its node agent)."""
 
     @property
     def name(self) -> str:
@@ -312,6 +327,13 @@ class ReplicaRecord(Struct, kw_only=True, omit_defaults=True):
     @property
     def is_active(self) -> bool:
         return self.state in ACTIVE_REPLICA_STATES
+
+    @property
+    def loading_phase(self) -> LoadPhase | None:
+        """How far a replica on its way to serving is (None once it serves, or never will)."""
+        if self.state == "pending":
+            return "placing"
+        return (self.phase or "starting") if self.state == "loading" else None
 
 
 class GpuInfo(Struct, omit_defaults=True):
@@ -475,6 +497,57 @@ class WorkerEvent(Struct, tag="worker_event", tag_field="type", omit_defaults=Tr
     measured_bytes: int | None = None
     weight_bytes: int | None = None
     pid: int | None = None
+    phase: LoadPhase | None = None
+    """With ``loading``: the phase the worker enters now."""
+
+
+class KvCacheStats(Struct, omit_defaults=True):
+    """A paged engine's KV block pool, inside `WorkerStats`."""
+
+    num_blocks: int
+    num_used_blocks: int
+    num_free_blocks: int
+    """Blocks an allocation may take: free plus cached-free (prefix cache) blocks."""
+    block_bytes: int = 0
+    num_cache_queries: int = 0
+    """Full blocks looked up in the prefix cache, since the worker started."""
+    num_cache_hits: int = 0
+    """Of those, blocks found (their K/V reused)."""
+
+
+class WorkerStats(Struct, kw_only=True, omit_defaults=True):
+    """Worker -> gateways, every `interval_s` on ``shoal.stats.<model>.<replica>``: what one
+    replica is doing. Counts (``num_*`` not ``_running``/``_waiting``) are totals since the
+    worker started; gateways serve them as Prometheus counters."""
+
+    replica_id: str
+    model: str
+    node_id: str
+    at: float
+    interval_s: float
+    """The next stats come this long after these (a replica silent for a few intervals is gone)."""
+    engine: str = ""
+    """``paged`` or ``hf``."""
+    serving: bool = True
+    """False while parked WARM or draining before a park (no engine, or no new requests)."""
+    num_requests_running: int = 0
+    num_requests_waiting: int = 0
+    """Taken from the queue, waiting in the engine for room in a batch."""
+    num_requests_by_outcome: dict[str, int] = field(default_factory=dict)
+    """Finished requests: ok, cancelled, rejected, error, expired."""
+    num_prompt_tokens: int = 0
+    num_generated_tokens: int = 0
+    last_request_at: float | None = None
+    """When it last took a request (unix time)."""
+    kv_cache: KvCacheStats | None = None
+    """None for an engine without a paged pool, or while parked."""
+    num_preemptions: int = 0
+    num_steps: int = 0
+    """Engine steps (forward passes) run."""
+    num_step_seqs: int = 0
+    """Sequences summed over those steps (mean batch size: num_step_seqs / num_steps)."""
+    step_seconds: float = 0.0
+    """Time those steps took."""
 
 
 EventKind = Literal[
@@ -524,6 +597,7 @@ worker_event_decoder = msgspec.json.Decoder(WorkerEvent)
 node_reply_decoder = msgspec.json.Decoder(NodeReply)
 worker_reply_decoder = msgspec.json.Decoder(WorkerReply)
 model_facts_decoder = msgspec.json.Decoder(ModelFacts)
+worker_stats_decoder = msgspec.json.Decoder(WorkerStats)
 
 model_spec_decoder = msgspec.json.Decoder(ModelSpec)
 gpu_record_decoder = msgspec.json.Decoder(GpuRecord)

@@ -29,6 +29,9 @@ CANCEL_PREFIX = "shoal.cancel"
 SCHEDULER_PREFIX = "shoal.scheduler"
 NODE_PREFIX = "shoal.node"
 WORKER_PREFIX = "shoal.worker"
+STATS_PREFIX = "shoal.stats"
+STATS_WILDCARD = f"{STATS_PREFIX}.>"
+"""Every worker's stats (``shoal.stats.<model token>.<replica id>``): what gateways subscribe to."""
 NODE_INSPECT = f"{NODE_PREFIX}.inspect"
 """Queue-grouped: any node agent sizes a model from the files it can see."""
 
@@ -169,6 +172,11 @@ def node_subject(node_id: str, verb: str) -> str:
 def worker_subject(replica_id: str, verb: str) -> str:
     """A replica's control endpoint (to_cache, from_cache), called by its node agent."""
     return f"{WORKER_PREFIX}.{replica_id}.{verb}"
+
+
+def stats_subject(model_key: str, replica_id: str) -> str:
+    """Where a replica's worker publishes its `WorkerStats`."""
+    return f"{STATS_PREFIX}.{model_token(model_key)}.{replica_id}"
 
 
 def scheduler_subject(verb: str) -> str:

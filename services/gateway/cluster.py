@@ -1,21 +1,24 @@
-"""The gateway's live view of models and replicas, kept by KV watchers.
+"""The gateway's live view of the cluster, kept by KV watchers.
 
 Answers without a NATS round trip: is this model registered, has it any replica
 serving or on its way (so the scheduler need not be asked again), is its placement
-backing off after failures.
+backing off after failures, how far its loading replicas are. The dashboard reads
+the whole view (models, replicas, GPUs, nodes) from here too, so any number of
+open dashboards cost NATS nothing.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import Callable
 
 import nats.errors
 import structlog
 from nats.js.kv import KV_DEL, KV_PURGE
 
 from shoal.shared.bus import Bus, TypedBucket
-from shoal.shared.messages import ModelSpec, ReplicaRecord
+from shoal.shared.messages import GpuRecord, ModelSpec, NodeRecord, ReplicaRecord
 
 log = structlog.get_logger(__name__)
 
@@ -27,18 +30,29 @@ class ClusterView:
         self._bus = bus
         self.models: dict[str, ModelSpec] = {}
         """By model key."""
+        self.replicas: dict[str, ReplicaRecord] = {}
+        """By KV key (``<model token>.<replica id>``)."""
+        self.gpus: dict[str, GpuRecord] = {}
+        """By KV key (``<node>.<index>``)."""
+        self.nodes: dict[str, NodeRecord] = {}
+        """By node id. A node whose agent stopped stays until its key expires from the
+        bucket, which a watcher is not told of: readers check `heartbeat_at`."""
         self._tasks: list[asyncio.Task[None]] = []
         self._models_by_token: dict[str, str] = {}
-        self._model_by_replica_key: dict[str, str] = {}
         self._active: dict[str, set[str]] = {}
         """Model -> KV keys of its replicas that are active, `ReplicaRecord.is_active` (asked on every request)."""
+        self._replica_keys_by_id: dict[str, str] = {}
 
     async def start(self) -> None:
-        ready = [asyncio.Event(), asyncio.Event()]
-        self._tasks = [
-            asyncio.create_task(self._watch(self._bus.models, self._on_model, ready[0])),
-            asyncio.create_task(self._watch(self._bus.replicas, self._on_replica, ready[1])),
+        watches: list[tuple[TypedBucket, Callable[[str, object | None], None]]] = [
+            (self._bus.models, self._on_model),  # type: ignore[list-item]
+            (self._bus.replicas, self._on_replica),  # type: ignore[list-item]
+            (self._bus.gpus, self._on_gpu),  # type: ignore[list-item]
+            (self._bus.nodes, self._on_node),  # type: ignore[list-item]
         ]
+        ready = [asyncio.Event() for _ in watches]
+        self._tasks = [asyncio.create_task(self._watch(bucket, apply, event))
+                       for (bucket, apply), event in zip(watches, ready, strict=True)]
         await asyncio.wait_for(asyncio.gather(*(e.wait() for e in ready)), timeout=15.0)
 
     async def stop(self) -> None:
@@ -51,6 +65,15 @@ class ClusterView:
 
     def has_active_replica(self, model: str) -> bool:
         return bool(self._active.get(model))
+
+    def get_replica(self, replica_id: str) -> ReplicaRecord | None:
+        key = self._replica_keys_by_id.get(replica_id)
+        return self.replicas.get(key) if key is not None else None
+
+    def get_active_replicas(self, model: str) -> list[ReplicaRecord]:
+        """The model's replicas that serve or are on their way, oldest first."""
+        found = [self.replicas[key] for key in self._active.get(model, ()) if key in self.replicas]
+        return sorted(found, key=lambda r: r.created_at)
 
     def failing_reason(self, model: str, at: float) -> str | None:
         """Why `model` cannot serve now: its replicas keep failing and placement is backing
@@ -70,13 +93,28 @@ class ClusterView:
             self.models[value.key] = value
 
     def _on_replica(self, key: str, value: ReplicaRecord | None) -> None:
-        previous_model = self._model_by_replica_key.pop(key, None)
-        if previous_model is not None and previous_model in self._active:
-            self._active[previous_model].discard(key)
+        previous = self.replicas.pop(key, None)
+        if previous is not None:
+            self._replica_keys_by_id.pop(previous.replica_id, None)
+            if previous.model in self._active:
+                self._active[previous.model].discard(key)
         if value is not None:
-            self._model_by_replica_key[key] = value.model
+            self.replicas[key] = value
+            self._replica_keys_by_id[value.replica_id] = key
             if value.is_active:
                 self._active.setdefault(value.model, set()).add(key)
+
+    def _on_gpu(self, key: str, value: GpuRecord | None) -> None:
+        if value is None:
+            self.gpus.pop(key, None)
+        else:
+            self.gpus[key] = value
+
+    def _on_node(self, key: str, value: NodeRecord | None) -> None:
+        if value is None:
+            self.nodes.pop(key, None)
+        else:
+            self.nodes[key] = value
 
     async def _watch(self, bucket: TypedBucket, apply, ready: asyncio.Event) -> None:  # type: ignore[no-untyped-def]
         while True:

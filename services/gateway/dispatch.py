@@ -20,11 +20,12 @@ import asyncio
 import contextlib
 import time
 from collections import defaultdict
-from collections.abc import AsyncGenerator, Iterator
+from collections.abc import AsyncGenerator, Callable, Iterator
 from dataclasses import dataclass
 from typing import TypeAlias
 
 import nats.errors
+import nats.js.errors
 import structlog
 
 from shoal.services.gateway.attempts import AttemptTracker
@@ -39,7 +40,7 @@ from shoal.services.gateway.errors import (
 )
 from shoal.services.gateway.router import ReplyInbox, ReplyRouter
 from shoal.shared import subjects
-from shoal.shared.bus import Bus
+from shoal.shared.bus import JS_NO_MESSAGE_FOUND, Bus
 from shoal.shared.config import GatewayConfig
 from shoal.shared.messages import (
     CancelRequest,
@@ -78,8 +79,13 @@ DispatchEvent: TypeAlias = TokenChunk | FinalReply | Restart
 
 class Dispatcher:
     def __init__(self, bus: Bus, router: ReplyRouter, cluster: ClusterView, config: GatewayConfig,
-                 metrics: Registry) -> None:
+                 metrics: Registry, *, on_first_token: Callable[[str, float], None] | None = None) -> None:
+        """Args:
+        on_first_token: told (model, seconds) when a request's first token arrives (the
+            dashboard's TTFT history), besides the TTFT histogram.
+        """
         self._bus = bus
+        self._on_first_token = on_first_token
         self._router = router
         self._cluster = cluster
         self._config = config
@@ -110,6 +116,10 @@ class Dispatcher:
         finally:
             self._num_queued[model] -= 1
             self._queued_gauge.set(self._num_queued[model], model=model)
+
+    def get_num_in_flight(self, model: str) -> int:
+        """Requests for `model` waiting or running in this gateway."""
+        return self._num_queued.get(model, 0)
 
     async def ensure_placed(self, model: str, deadline: float) -> None:
         """Ask the scheduler for a replica when the model has none on its way (one ask per
@@ -164,8 +174,9 @@ class Dispatcher:
         started = time.monotonic()
         finished = False
         tracker = AttemptTracker(reproducible=request.params.is_reproducible, restartable=restartable)
+        sequence: int | None = None
         try:
-            await self._publish(request)
+            sequence = await self._publish(request)
             while True:
                 reply = await self._next_reply(inbox, request)
                 for action in tracker.on_reply(reply):
@@ -179,7 +190,10 @@ class Dispatcher:
                         case "deliver":
                             assert isinstance(reply, TokenChunk), "only chunks are delivered"
                             if tracker.num_sent == 1:
-                                self._ttft.observe(time.monotonic() - started, model=model)
+                                ttft_s = time.monotonic() - started
+                                self._ttft.observe(ttft_s, model=model)
+                                if self._on_first_token is not None:
+                                    self._on_first_token(model, ttft_s)
                             yield reply
                         case "finish":
                             assert isinstance(reply, FinalReply), "only a final reply finishes"
@@ -193,7 +207,7 @@ class Dispatcher:
         finally:
             self._router.close(request.request_id)
             if not finished:
-                await self._cancel(request, "client disconnected or deadline passed")
+                await self._cancel(request, "client disconnected or deadline passed", sequence)
 
     @staticmethod
     def _worker_error(request: InferenceRequest, reply: ErrorReply) -> ApiError:
@@ -204,7 +218,8 @@ class Dispatcher:
             error.param = reply.param or ("prompt" if request.messages is None else "messages")
         return error
 
-    async def _publish(self, request: InferenceRequest) -> None:
+    async def _publish(self, request: InferenceRequest) -> int:
+        """Publish to ``SHOAL_REQUESTS``; returns the message's stream sequence number."""
         headers = {
             subjects.HDR_REPLY_TO: request.reply_to,
             subjects.HDR_REQUEST_ID: request.request_id,
@@ -212,10 +227,11 @@ class Dispatcher:
             subjects.HDR_MSG_ID: request.request_id,
         }
         try:
-            await self._bus.js.publish(subjects.infer_subject(request.model), encode_msgpack(request),
-                                       headers=headers, timeout=5.0)
+            ack = await self._bus.js.publish(subjects.infer_subject(request.model), encode_msgpack(request),
+                                             headers=headers, timeout=5.0)
         except (TimeoutError, nats.errors.Error) as exc:
             raise Unavailable(f"the request queue is unavailable: {exc}", retry_after_s=2.0) from exc
+        return ack.seq
 
     async def _next_reply(self, inbox: ReplyInbox, request: InferenceRequest) -> Reply:
         """The next reply; 504 at the deadline, 503 if the model's replicas keep failing meanwhile."""
@@ -233,7 +249,20 @@ class Dispatcher:
             # The replica this request waits for may have failed before serving: ask again.
             await self.ensure_placed(request.model, request.deadline)
 
-    async def _cancel(self, request: InferenceRequest, reason: str) -> None:
+    async def _cancel(self, request: InferenceRequest, reason: str, sequence: int | None) -> None:
+        """Take the request out of the queue if no replica took it yet (a replica still loading
+        subscribes to cancels only when it serves, so it would never hear of this one), then
+        tell the replicas: one that took it meanwhile subscribed before it fetched, so it hears
+        the cancel published after the delete."""
+        if sequence is not None:
+            try:
+                await self._bus.js.delete_msg(subjects.REQUESTS_STREAM, sequence)
+            except nats.js.errors.APIError as exc:
+                if exc.err_code != JS_NO_MESSAGE_FOUND:
+                    log.warning("cancel_delete_failed", request_id=request.request_id, error=str(exc))
+                # else: a replica took it and acked it, or it is gone already
+            except (TimeoutError, nats.errors.Error) as exc:
+                log.warning("cancel_delete_failed", request_id=request.request_id, error=str(exc))
         try:
             await self._bus.nc.publish(subjects.cancel_subject(request.model),
                                        encode_msgpack(CancelRequest(request.request_id, reason)))

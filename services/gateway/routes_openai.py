@@ -36,7 +36,9 @@ from shoal.services.gateway.openai_api import (
     stream_mode,
     usage,
 )
+from shoal.services.gateway.progress import WaitProgress
 from shoal.services.gateway.request_ids import REQUEST_ID, REQUEST_ID_HEADER
+from shoal.services.gateway.sse import SseStream
 from shoal.services.gateway.state import GATEWAY, GatewayState
 from shoal.shared.messages import FinalReply, InferenceRequest, TokenChunk
 from shoal.shared.subjects import MAX_MODEL_KEY_CHARS
@@ -102,10 +104,10 @@ async def _serve(request: web.Request, kind: Kind) -> web.StreamResponse:
         inference, stream, include_usage = _inference_request(state, body, request[REQUEST_ID])
         with state.dispatcher.admitted(inference.model):
             started = time.monotonic()
-            await state.dispatcher.ensure_placed(inference.model, inference.deadline)
             if stream:
                 response, outcome = await _stream(request, state, inference, kind, include_usage)
             else:
+                await state.dispatcher.ensure_placed(inference.model, inference.deadline)
                 response, outcome = await _collect(state, inference, kind), "ok"
         return response
     except ApiError as exc:
@@ -179,24 +181,26 @@ async def _collect(state: GatewayState, inference: InferenceRequest, kind: Kind)
 async def _stream(request: web.Request, state: GatewayState, inference: InferenceRequest, kind: Kind,
                   include_usage: bool) -> tuple[web.StreamResponse, str]:
     """The SSE response and its outcome: "ok", or the status of an error sent in the stream
-    after the 200 (504 at the deadline, 503 when the replica died)."""
+    after the 200 (504 at the deadline, 503 when the replica died).
+
+    While it waits (placement, a cold start, a replica restarting) the stream gets a comment
+    line every `gateway.stream_keepalive_s` saying what it waits for (sse.py)."""
     response_id = ("chatcmpl-" if kind == "chat" else "cmpl-") + inference.request_id
     created = int(inference.created)
     model = inference.model
+    progress = WaitProgress(state.cluster, model)
+    sse = SseStream(request, keepalive_s=state.config.stream_keepalive_s, describe=progress.describe,
+                    headers={REQUEST_ID_HEADER: inference.request_id})
     events = state.dispatcher.run(inference, restartable=False)
     outcome = "ok"
-    async with contextlib.aclosing(events):
-        # Wait for the first event before committing to a 200: errors before any token
-        # (unknown model in the worker, prompt too long...) keep their proper status.
-        first = await anext(events)
-        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-                                               REQUEST_ID_HEADER: inference.request_id})
-        await response.prepare(request)
-        sse = _SseWriter(response)
+    async with contextlib.aclosing(events), sse.keeping_alive():
         try:
+            await state.dispatcher.ensure_placed(model, inference.deadline)
+            progress.stage = "queued"
+            event = await anext(events)
+            progress.stage = "generating"
             if kind == "chat":
                 await sse.send(stream_chunk(kind, response_id, created, model, text="", role=True))
-            event = first
             while True:
                 match event:
                     case TokenChunk(text=text):
@@ -212,20 +216,14 @@ async def _stream(request: web.Request, state: GatewayState, inference: Inferenc
                         break
                 event = await anext(events)
         except ApiError as exc:
+            # Errors before anything was sent (unknown model in the worker, prompt too long...)
+            # keep their proper status; after that they become the stream's last event.
+            if not await sse.commit_or_give_up():
+                raise
             log.info("stream_error", status=exc.status, error=exc.message)
             outcome = str(exc.status)
             await sse.send(error_payload(exc))
         await sse.done()
-    return response, outcome
+    return sse.response, outcome
 
 
-class _SseWriter:
-    def __init__(self, response: web.StreamResponse) -> None:
-        self._response = response
-
-    async def send(self, payload: bytes) -> None:
-        await self._response.write(b"data: " + payload + b"\n\n")
-
-    async def done(self) -> None:
-        await self._response.write(b"data: [DONE]\n\n")
-        await self._response.write_eof()

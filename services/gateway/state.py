@@ -8,6 +8,7 @@ from aiohttp import web
 
 from shoal.services.gateway.cluster import ClusterView
 from shoal.services.gateway.dispatch import Dispatcher
+from shoal.services.gateway.live import LiveFeeds
 from shoal.services.gateway.router import ReplyRouter
 from shoal.shared.bus import Bus
 from shoal.shared.config import GatewayConfig
@@ -24,6 +25,8 @@ class GatewayState:
     metrics: Registry
     requests_total: Counter
     latency: Histogram
+    live: LiveFeeds
+    """Worker stats, the dashboard's history, the event feed."""
 
 
 GATEWAY = web.AppKey("gateway", GatewayState)

@@ -272,7 +272,7 @@ class NodeAgent:
                               worker=self._worker, logging=self._logging)
         replica.ready.clear()
         replica.process = await spawn_worker(launch, self._log_dir)
-        await self._set_state(replica.record, "loading", pid=replica.process.pid)
+        await self._set_state(replica.record, "loading", pid=replica.process.pid, phase="starting")
         self._spawn_task(self._watch(replica, replica.process))
         self._spawn_task(self._start_deadline(replica, replica.process))
 
@@ -337,7 +337,7 @@ class NodeAgent:
         with an error; the scheduler that asked reports the failure (once)."""
         replica = self._running(record.replica_id)
         replica.record = record
-        await self._set_state(record, "loading")
+        await self._set_state(record, "loading", phase="loading_weights")
         started = time.monotonic()
         try:
             reply = await request_json(self._bus.nc, subjects.worker_subject(record.replica_id, "from_cache"),
@@ -362,6 +362,8 @@ class NodeAgent:
         if event.kind == "ready":
             replica.ready.set()
             await self._became_ready(replica, self._measure(record, event.pid, event.measured_bytes), event.pid)
+        elif event.kind == "loading" and event.phase is not None:
+            await self._set_state(record, "loading", phase=event.phase)
         elif event.kind == "failed":
             log.error("worker_reported_failure", error=event.message)
             # The worker exits by itself after reporting (and waits for this answer first).
@@ -466,6 +468,8 @@ class NodeAgent:
             if current is None or current.state in ("failed", "stopping"):
                 return None  # the scheduler has given up on it: a late report changes nothing
             fields = {k: v for k, v in changes.items() if v is not None}
+            if state != "loading":
+                fields["phase"] = None  # a phase says how far a loading replica is, nothing else
             return msgspec.structs.replace(current, state=state, updated_at=now(), **fields)
 
         await cas_update(self._bus.replicas, key, mutate)

@@ -25,6 +25,7 @@ from shoal.services.worker.launch import WorkerLaunch, add_worker_arguments, rea
 from shoal.services.worker.loader import LoadedModel, MinEngineBytes, ModelLoadError, load_model
 from shoal.services.worker.prompts import eos_token_ids
 from shoal.services.worker.service import WorkerIdentity, WorkerService
+from shoal.services.worker.stats import StatsPublisher
 from shoal.shared import subjects
 from shoal.shared.bus import Bus, connect
 from shoal.shared.logs import configure_logging
@@ -86,7 +87,7 @@ async def serve(launch: WorkerLaunch) -> int:
     bus = await connect(launch.nats_url, f"worker-{replica.replica_id}")
     pid = os.getpid()
     try:
-        await report(bus, launch.node_id, WorkerEvent(replica.replica_id, "loading", pid=pid))
+        await report(bus, launch.node_id, WorkerEvent(replica.replica_id, "loading", pid=pid, phase="loading_weights"))
         device = torch.device(launch.device)
         attn = "shoal_paged" if launch.worker.engine == "paged" else None
         if attn:
@@ -98,17 +99,26 @@ async def serve(launch: WorkerLaunch) -> int:
                 load_model, launch.models_root, launch.model, replica, device=device, attn_implementation=attn,
                 min_kv_reserve_bytes=get_min_engine_bytes(launch),
             )
+            if launch.worker.engine == "paged":
+                from shoal.kernels import ops
+
+                await report(bus, launch.node_id, WorkerEvent(replica.replica_id, "loading", pid=pid,
+                                                              phase="building_kernels"))
+                await asyncio.to_thread(ops.prepare, device)  # the engine finds them built
+                await report(bus, launch.node_id, WorkerEvent(replica.replica_id, "loading", pid=pid,
+                                                              phase="warming_up"))
             engine, engine_bytes = await asyncio.to_thread(build_engine, launch, loaded)
         except (ModelLoadError, KVPoolTooSmall, KernelBuildError, MemoryError) as exc:
             log.error("model_load_failed", error=str(exc))
             await report(bus, launch.node_id, WorkerEvent(replica.replica_id, "failed", str(exc), pid=pid))
             return 3
         measured = measure_replica_bytes(loaded, engine_bytes)
+        identity = WorkerIdentity(replica.model, replica.replica_id, launch.node_id)
         service = WorkerService(
             bus,
             engine,
             loaded.tokenizer,
-            WorkerIdentity(replica.model, replica.replica_id, launch.node_id),
+            identity,
             eos_token_ids=eos_token_ids(loaded.tokenizer, loaded.model),
             max_model_len=loaded.max_model_len,
         )
@@ -121,6 +131,9 @@ async def serve(launch: WorkerLaunch) -> int:
                                  min_engine_bytes=get_min_engine_bytes(launch))
         control = await serve_control(bus, runtime)
         run_task = asyncio.create_task(service.run())
+        stats = StatsPublisher(bus, identity, service, lambda: runtime.engine, engine_kind=launch.worker.engine,
+                               interval_s=launch.worker.stats_interval_s)
+        stats_task = asyncio.create_task(stats.run())
         await report(
             bus,
             launch.node_id,
@@ -132,7 +145,8 @@ async def serve(launch: WorkerLaunch) -> int:
         await control.stop()
         await service.stop(launch.model.sleep.drain_timeout_s)
         run_task.cancel()
-        await asyncio.gather(run_task, return_exceptions=True)
+        stats_task.cancel()
+        await asyncio.gather(run_task, stats_task, return_exceptions=True)
         if runtime.engine is not None:
             await runtime.engine.close()
         await report(bus, launch.node_id, WorkerEvent(replica.replica_id, "stopped", pid=pid))

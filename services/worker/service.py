@@ -103,8 +103,9 @@ class WorkerService:
         """Requests this replica finished, by outcome (ok, cancelled, rejected, error, expired,
         handed_back)."""
         self.num_generated_tokens = 0
+        self.num_prompt_tokens = 0
         self.last_request_at = 0.0
-        """When a request last started or finished here (wall clock)."""
+        """When a request last started or finished here (unix time; 0: never)."""
         self._handing_back = False
         self._activity = ActivityReporter(bus, identity.model, identity.replica_id,
                                           lambda: (self.last_request_at, len(self._tasks)))
@@ -112,6 +113,11 @@ class WorkerService:
     @property
     def num_in_flight(self) -> int:
         return len(self._tasks)
+
+    @property
+    def is_serving(self) -> bool:
+        """Taking new requests (not stopping, no barrier up before a park)."""
+        return self._serving.is_set() and not self._stopping.is_set()
 
     async def run(self) -> None:
         """Serve until `stop()`; then finish in-flight requests (see `stop`)."""
@@ -287,6 +293,7 @@ class WorkerService:
 
     async def _finish(self, request: InferenceRequest, replier: _Replier, output, logger) -> str:  # type: ignore[no-untyped-def]
         self.num_generated_tokens += output.num_completion_tokens
+        self.num_prompt_tokens += output.num_prompt_tokens
         if output.finish_reason == "error":
             logger.error("generation_error", error=output.error)
             await replier.error(500, "the replica failed while generating", "server_error")

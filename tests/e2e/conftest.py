@@ -68,11 +68,15 @@ class ShoalUp:
         return processes_mentioning(str(self.state_dir), self.nats_url)
 
 
-def start_shoal_up(models_root: Path, state_dir: Path, *extra: str, timeout_s: float = 120.0) -> ShoalUp:
+def start_shoal_up(models_root: Path, state_dir: Path, *extra: str, timeout_s: float = 120.0,
+                   env: dict[str, str] | None = None) -> ShoalUp:
+    """`shoal up` on a free port with virtual GPUs; `env` adds environment variables (settings
+    such as ``SHOAL_WORKER_STATS_INTERVAL_S``)."""
     port = free_port()
     argv = [sys.executable, "-m", "shoal.cli.main", "up", "--port", str(port), "--models-root", str(models_root),
             "--state-dir", str(state_dir), "--gpus", "virtual:2x16GiB", "--log-format", "json", *extra]
-    process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
+    process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
+                               env={**os.environ, **(env or {})})
     lines: list[str] = []
     ready_lines: queue.Queue[str] = queue.Queue()
 

@@ -12,6 +12,8 @@ import aiohttp
 from multidict import CIMultiDictProxy
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
+from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.samples import Sample
 
 from shoal.services.gateway.app import start_gateway
 from shoal.shared import subjects
@@ -41,13 +43,24 @@ async def call(method: str, url: str, key: str | None = None, **kwargs: Any
 
 
 async def metric_value(base_url: str, sample: str) -> float | None:
-    """The value of one sample line of GET /metrics (e.g. ``shoal_x{model="m"}``), None if absent."""
+    """The value of one sample of GET /metrics (e.g. ``shoal_x{model="m",kind="chat"}``, labels
+    in any order), None if absent."""
     async with aiohttp.ClientSession() as session, session.get(base_url + "/metrics") as resp:
         text = await resp.text()
-    for line in text.splitlines():
-        name, _, value = line.rpartition(" ")
-        if name == sample:
-            return float(value)
+    return find_sample(text, sample)
+
+
+def parse_samples(text: str) -> list[Sample]:
+    """Every sample of a text exposition."""
+    return [s for family in text_string_to_metric_families(text) for s in family.samples]
+
+
+def find_sample(text: str, sample: str) -> float | None:
+    """The value of `sample` (a sample line without its value) in the exposition `text`."""
+    (wanted,) = parse_samples(f"{sample} 0\n")
+    for found in parse_samples(text):
+        if found.name == wanted.name and found.labels == wanted.labels:
+            return found.value
     return None
 
 

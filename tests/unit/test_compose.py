@@ -6,6 +6,7 @@ package, v1.29) parses and validates the file without one.
 
 from __future__ import annotations
 
+import json
 import re
 import shlex
 import shutil
@@ -18,6 +19,13 @@ import yaml
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 NATS_URL_ARGS = ["--nats-url", "nats://nats:4222"]
+SCHEDULER_METRICS_PORT = 9101
+NODE_AGENT_METRICS_PORT = 9102
+GRAFANA_DIR = REPO_ROOT / "docs" / "grafana"
+
+
+def _metrics_args(port: int) -> list[str]:
+    return ["--metrics-port", str(port), "--metrics-host", "0.0.0.0"]
 
 
 @pytest.fixture(scope="module")
@@ -45,8 +53,14 @@ def _argv(service: dict[str, Any]) -> list[str]:
     return shlex.split(command) if isinstance(command, str) else command
 
 
-def test_compose_names_the_four_services_and_the_demo_models_job(compose_config: dict[str, Any]) -> None:
-    assert set(compose_config["services"]) == {"nats", "gateway", "scheduler", "node-agent", "demo-models"}
+def test_compose_names_the_four_services_the_demo_models_job_and_the_monitoring_profile(
+    compose_config: dict[str, Any]
+) -> None:
+    services = compose_config["services"]
+    assert set(services) == {"nats", "gateway", "scheduler", "node-agent", "demo-models", "prometheus", "grafana"}
+    profiled = {name for name, service in services.items() if service.get("profiles")}
+    assert profiled == {"prometheus", "grafana"}, "a plain `docker compose up` starts Shoal alone"
+    assert all(services[name]["profiles"] == ["monitoring"] for name in profiled)
 
 
 def test_nats_runs_jetstream_on_a_volume(compose_config: dict[str, Any]) -> None:
@@ -61,7 +75,7 @@ def test_service_commands_are_the_cli_contract(compose_config: dict[str, Any]) -
     services = compose_config["services"]
     gateway_args = ["--host", "0.0.0.0", "--port", "8000"]
     assert _argv(services["gateway"]) == ["gateway", *NATS_URL_ARGS, *gateway_args]
-    assert _argv(services["scheduler"]) == ["scheduler", *NATS_URL_ARGS]
+    assert _argv(services["scheduler"]) == ["scheduler", *NATS_URL_ARGS, *_metrics_args(SCHEDULER_METRICS_PORT)]
     assert _argv(services["node-agent"]) == [
         "node-agent",
         *NATS_URL_ARGS,
@@ -71,7 +85,10 @@ def test_service_commands_are_the_cli_contract(compose_config: dict[str, Any]) -
         "nvml",
         "--models-root",
         "/models",
+        *_metrics_args(NODE_AGENT_METRICS_PORT),
     ]
+    for name in ("scheduler", "node-agent"):
+        assert "ports" not in services[name], "their /metrics stay inside the compose network"
     for name in ("gateway", "scheduler", "node-agent"):
         assert services[name]["build"]["context"] == str(REPO_ROOT)
         assert services[name]["depends_on"]["nats"] == {"condition": "service_healthy"}
@@ -130,3 +147,44 @@ def test_dockerfile_runs_shoal_as_a_non_root_user() -> None:
     dockerfile = (REPO_ROOT / "Dockerfile").read_text()
     assert re.search(r"^USER shoal$", dockerfile, re.MULTILINE)
     assert re.search(r'^ENTRYPOINT \["shoal"\]$', dockerfile, re.MULTILINE)
+
+
+def _mounts(service: dict[str, Any]) -> dict[str, str]:
+    """Container path -> host path of a service's bind mounts."""
+    found = {}
+    for volume in service["volumes"]:
+        host, container, *_ = volume.split(":") if isinstance(volume, str) else (volume["source"], volume["target"])
+        found[container] = host
+    return found
+
+
+def test_monitoring_profile_scrapes_every_shoal_service(compose_config: dict[str, Any]) -> None:
+    prometheus = compose_config["services"]["prometheus"]
+    config_file = _mounts(prometheus)["/etc/prometheus/prometheus.yml"]
+    assert Path(config_file) == GRAFANA_DIR / "prometheus.yml"
+    scrape = yaml.safe_load(Path(config_file).read_text())
+    targets = {job["job_name"]: job["static_configs"][0]["targets"] for job in scrape["scrape_configs"]}
+    assert targets == {
+        "shoal-gateway": ["gateway:8000"],
+        "shoal-scheduler": [f"scheduler:{SCHEDULER_METRICS_PORT}"],
+        "shoal-node-agent": [f"node-agent:{NODE_AGENT_METRICS_PORT}"],
+    }
+    assert prometheus["ports"] == ["127.0.0.1:9090:9090/tcp"]
+
+
+def test_monitoring_profile_provisions_grafana_with_the_shoal_dashboard(compose_config: dict[str, Any]) -> None:
+    grafana = compose_config["services"]["grafana"]
+    mounts = _mounts(grafana)
+    assert Path(mounts["/etc/grafana/provisioning"]) == GRAFANA_DIR / "provisioning"
+    assert Path(mounts["/etc/grafana/dashboards"]) == GRAFANA_DIR / "dashboards"
+    home = grafana["environment"]["GF_DASHBOARDS_DEFAULT_HOME_DASHBOARD_PATH"]
+    assert (GRAFANA_DIR / "dashboards" / Path(home).relative_to("/etc/grafana/dashboards")).is_file()
+    provider = yaml.safe_load((GRAFANA_DIR / "provisioning/dashboards/shoal.yaml").read_text())
+    assert provider["providers"][0]["options"]["path"] == "/etc/grafana/dashboards"
+    (datasource,) = yaml.safe_load((GRAFANA_DIR / "provisioning/datasources/prometheus.yaml").read_text())[
+        "datasources"]
+    assert datasource["url"] == "http://prometheus:9090"
+    dashboard = json.loads((GRAFANA_DIR / "dashboards/shoal.json").read_text())
+    uids = {t["datasource"]["uid"] for p in dashboard["panels"] for t in p.get("targets", [])}
+    assert uids == {datasource["uid"]}
+    assert grafana["ports"] == ["127.0.0.1:3000:3000/tcp"]

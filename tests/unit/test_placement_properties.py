@@ -186,7 +186,7 @@ def assert_plan_is_safe(cluster: ClusterSnapshot, plan: PlacementPlan) -> None:
 
 @settings(max_examples=150, deadline=None)
 @given(cluster=clusters(), model_mix=demands(), seed=st.integers(0, 2**32 - 1))
-def test_plans_never_over_commit_and_never_evict_dedicated(
+def test_plans_never_over_commit_and_never_evict_protected(
     cluster: ClusterSnapshot, model_mix: list[ModelDemand], seed: int
 ) -> None:
     before = copy.deepcopy(cluster)
@@ -484,7 +484,7 @@ def test_indexes_agree_with_a_recount_after_any_sequence_of_operations(
 
 @settings(max_examples=100, deadline=None)
 @given(cluster=clusters(over_commit=True), model_mix=demands(), seed=st.integers(0, 2**32 - 1))
-def test_over_committed_gpus_get_no_room_and_never_lose_a_dedicated_replica(
+def test_over_committed_gpus_get_no_room_and_never_lose_a_protected_replica(
     cluster: ClusterSnapshot, model_mix: list[ModelDemand], seed: int
 ) -> None:
     """Input GPUs may hold more than their total: the plan is still made (no exception),

@@ -151,7 +151,7 @@ def test_equal_victims_go_least_recently_used_first() -> None:
     assert offer.eviction_ids == ("b",)
 
 
-def test_dedicated_replicas_are_never_evicted() -> None:
+def test_protected_replicas_are_never_evicted() -> None:
     node = work(make_node([80], hot("a", "x", {0: 70}, protected=True)))
     assert evaluate_node(node, measured("m", 20), "r1", CONFIG).level == CandidateLevel.CANT_ACCOMMODATE
 
@@ -206,7 +206,7 @@ def test_multi_gpu_evicts_from_the_gpus_with_the_fewest_replicas() -> None:
     )
 
 
-def test_multi_gpu_cannot_use_a_gpu_with_a_dedicated_replica() -> None:
+def test_multi_gpu_cannot_use_a_gpu_with_a_protected_replica() -> None:
     node = work(make_node([80] * 2, hot("a", "x", {1: 10}, protected=True)))
     assert evaluate_node(node, measured("m", 100), "r1", CONFIG).level == CandidateLevel.CANT_ACCOMMODATE
 
@@ -241,7 +241,7 @@ def test_an_over_committed_gpu_has_no_room_until_evictions_cover_the_excess() ->
     assert evaluate_node(node, measured("m", 5), "r1", CONFIG).gpu_bytes == {1: 5 * GiB}  # room on GPU 1
 
 
-def test_an_over_committed_gpu_never_gives_up_a_dedicated_replica() -> None:
+def test_an_over_committed_gpu_never_gives_up_a_protected_replica() -> None:
     # 40 GiB protected + 30 GiB on 40 GiB: evicting "a" still leaves the GPU 30 GiB over.
     node = work(make_node([40], hot("d", "x", {0: 40}, protected=True), hot("a", "y", {0: 30})))
     assert evaluate_node(node, measured("m", 1), "r1", CONFIG).level == CandidateLevel.CANT_ACCOMMODATE

@@ -110,6 +110,12 @@ class EngineStats:
     """Sequences preempted (K/V dropped, recomputed later) since the engine started."""
     sessions: SessionStats | None = None
     """The session cache's figures (None without one)."""
+    num_steps: int = 0
+    """Forward passes run since the engine started."""
+    num_step_seqs: int = 0
+    """Sequences summed over those passes (mean batch size: num_step_seqs / num_steps)."""
+    step_seconds: float = 0.0
+    """Time those passes took (forward and sampling)."""
 
 
 @dataclass(eq=False)
@@ -268,6 +274,9 @@ class PagedEngine:
         self._lock = threading.Lock()
         self._wakeup = threading.Condition(self._lock)
         self._closed = False
+        self._num_steps = 0
+        self._num_step_seqs = 0
+        self._step_seconds = 0.0
         self._thread = threading.Thread(target=self._run_steps, name="shoal-engine", daemon=True)
         self._thread.start()
         log.info(
@@ -352,6 +361,9 @@ class PagedEngine:
                 num_waiting=self._scheduler.get_num_waiting(),
                 num_preemptions=self._scheduler.get_num_preemptions(),
                 sessions=sessions,
+                num_steps=self._num_steps,
+                num_step_seqs=self._num_step_seqs,
+                step_seconds=self._step_seconds,
             )
 
     # ------------------------------------------------------------------ sessions
@@ -465,6 +477,7 @@ class PagedEngine:
             if any(state.has_penalties for state in sampling_states):
                 # The lists themselves: only this thread appends to them (`update`, below).
                 histories = [TokenHistory(seq.token_ids, seq.num_prompt_tokens) for seq in sampled]
+        started = time.perf_counter()
         try:
             logits = self._runner.execute(step)
             token_ids = sample(logits, sampling_states, histories)
@@ -475,10 +488,14 @@ class PagedEngine:
                     self._sessions.end_step(self._runner.take_swap_in_seconds())
             self._fail([chunk.seq.seq_id for chunk in plan.chunks], exc)
             return True
+        elapsed = time.perf_counter() - started
         outbox = _Outbox()
         with self._lock:
             if self._sessions is not None:
                 self._sessions.end_step(self._runner.take_swap_in_seconds())
+            self._num_steps += 1
+            self._num_step_seqs += len(plan.chunks)
+            self._step_seconds += elapsed
             for update in self._scheduler.update(plan, token_ids):
                 self._emit(update, outbox)
         outbox.send()

@@ -1,0 +1,95 @@
+"""API keys at the gateway's edge: who may use /v1, the dashboard's data, and /admin.
+
+``gateway.api_keys`` guard /v1 and /ui/api (the dashboard's data); ``gateway.admin_api_keys``
+guard /admin and also work wherever an API key does. With no keys at all everything is
+open (and the gateway warns when that open admin API listens beyond loopback). Health,
+/metrics and the dashboard's page and static files are always open: they hold no secret.
+"""
+
+from __future__ import annotations
+
+import hmac
+import ipaddress
+from collections.abc import Awaitable, Callable
+
+from aiohttp import web
+
+from shoal.services.gateway.errors import Forbidden, Unauthorized
+from shoal.shared.config import GatewayConfig
+
+OPEN_PATHS = ("/healthz", "/health", "/metrics", "/ui", "/ui/")
+"""Open to all: probes, scrapers, and the dashboard's page (it holds no data: what it shows
+comes from /ui/api, which takes the keys of /v1)."""
+OPEN_PREFIXES = ("/ui/static/",)
+
+
+def _key_matches(presented: str, keys: list[str]) -> bool:
+    # Bytes: compare_digest refuses str with non-ASCII characters (a 500 for a stray header).
+    given = presented.encode("utf-8", "surrogateescape")
+    return any(hmac.compare_digest(given, key.encode()) for key in keys)
+
+
+def bearer_token(header: str) -> str:
+    """The key of an ``Authorization: Bearer <key>`` header ("" if none); the scheme is
+    case-insensitive (RFC 9110), so ``bearer`` works too."""
+    scheme, _, token = header.strip().partition(" ")
+    return token.strip() if scheme.lower() == "bearer" else ""
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` (a listen address) is reachable only from this machine."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a host name, "" or "0.0.0.0"-like: assume it is reachable
+
+
+def open_admin_warning(config: GatewayConfig) -> str | None:
+    """Why the admin API is open to the network with this config, or None if it is not."""
+    if config.admin_api_keys or config.api_keys or is_loopback(config.host):
+        return None  # keys guard it (admin routes are off with only api_keys), or only this machine sees it
+    return (f"the admin API (/admin: register and remove models, scale, evict) is open to anyone who can reach "
+            f"{config.host}:{config.port}; set gateway.admin_api_keys (SHOAL_GATEWAY_ADMIN_API_KEYS=key1,key2) "
+            f"or listen on 127.0.0.1")
+
+
+def check_admin(config: GatewayConfig, presented: str) -> None:
+    """Raise Unauthorized or Forbidden unless the key `presented` ("" if none) may use /admin."""
+    if config.admin_api_keys:
+        if not presented:
+            raise Unauthorized("admin routes need an admin key: Authorization: Bearer <key>")
+        if not _key_matches(presented, config.admin_api_keys):
+            raise Forbidden("this key may not use admin routes")
+    elif config.api_keys:
+        raise Forbidden("admin routes are disabled: configure gateway.admin_api_keys")
+
+
+def may_use_admin(config: GatewayConfig, presented: str) -> bool:
+    """Whether the key `presented` may use /admin (the dashboard shows its admin actions then)."""
+    try:
+        check_admin(config, presented)
+    except (Unauthorized, Forbidden):
+        return False
+    return True
+
+
+def auth_middleware(config: GatewayConfig) -> Callable[..., Awaitable[web.StreamResponse]]:
+    """Bearer keys: `api_keys` guard /v1 and the dashboard's data (/ui/api), `admin_api_keys`
+    guard /admin (see GatewayConfig); an admin key works wherever a key of `api_keys` does."""
+
+    @web.middleware
+    async def middleware(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+                         ) -> web.StreamResponse:
+        if request.path in OPEN_PATHS or request.path.startswith(OPEN_PREFIXES):
+            return await handler(request)
+        presented = bearer_token(request.headers.get("Authorization", ""))
+        if request.path.startswith("/admin"):
+            check_admin(config, presented)
+        elif config.api_keys and not _key_matches(presented, config.api_keys + config.admin_api_keys):
+            raise Unauthorized("missing or invalid API key: send Authorization: Bearer <key>",
+                               code="invalid_api_key")
+        return await handler(request)
+
+    return middleware
