@@ -5,7 +5,7 @@ vendors llama.cpp under ``vendor/llama.cpp``. Everything lands in one cache dire
 outside the repository (``~/.cache/shoal/llama.cpp/<version>`` unless told otherwise);
 a finished build leaves a stamp file naming its CMake options, so the next run reuses it.
 
-    python scripts/peer_llama_cpp.py build       # the build alone (≈20 min on 2 cores)
+    python scripts/peer_llama_cpp.py build       # the build alone (~10 min on 2 cores)
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import ast
 import hashlib
+import importlib.util
 import json
 import os
 import shutil
@@ -185,6 +186,9 @@ def convert_model(llama: LlamaCpp, model_dir: Path, outfile: Path, log: Path) ->
     if outfile.exists() and outfile.stat().st_mtime > newest:
         return outfile
     outfile.parent.mkdir(parents=True, exist_ok=True)
+    if importlib.util.find_spec("sentencepiece") is None:
+        # the converter imports it for every Llama model, even one with a BPE tokenizer
+        _run([sys.executable, "-m", "pip", "install", "sentencepiece"], log)
     test_text = read_converter_test_text(llama.source_dir)
     chkhsh = get_tokenizer_hash(AutoTokenizer.from_pretrained(model_dir), test_text)
     name = get_pre_tokenizer_name(model_dir)

@@ -11,6 +11,7 @@ import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 TRACE = Path("/work/shared/data/azure_llm_2023_conv.csv")
 LENGTH_WINDOW = 0.125
@@ -64,6 +65,7 @@ class PromptMaker:
         if not corpus_ids:
             raise ValueError("empty corpus")
         self._ids = list(corpus_ids)
+        self.num_corpus_tokens = len(self._ids)
         self._encode = encode
         self._decode = decode
 
@@ -87,6 +89,15 @@ class PromptMaker:
     def _slice(self, start: int, num: int) -> list[int]:
         size = len(self._ids)
         return [self._ids[(start + i) % size] for i in range(num)]
+
+
+def make_prompt_maker(tokenizer: Any, corpus: str) -> PromptMaker:
+    """A `PromptMaker` over `corpus` with a transformers tokenizer's encode and decode."""
+
+    def decode(ids: list[int]) -> str:
+        return str(tokenizer.decode(ids))
+
+    return PromptMaker(tokenizer.encode(corpus), tokenizer.encode, decode)
 
 
 @dataclass(frozen=True)
@@ -176,6 +187,9 @@ class Row:
     parallel: int
     """llama-server's --parallel."""
     notes: list[str] = field(default_factory=list)
+    num_rounds: int = 0
+    num_busy_rounds: int = 0
+    """Rounds in which a run started while other processes held the cores."""
 
     @property
     def ratio(self) -> float | None:
@@ -206,8 +220,8 @@ def render_table(rows: Sequence[Row]) -> str:
     """The markdown table: one line per (model, prompt length, C)."""
     lines = [
         "| model | prompt tokens (mean; range) | C | Shoal tok/s | llama.cpp tok/s | Shoal / llama.cpp "
-        "| TTFT Shoal ms | TTFT llama.cpp ms | llama.cpp --parallel |",
-        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| TTFT Shoal ms | TTFT llama.cpp ms | llama.cpp --parallel | rounds (busy) |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for row in rows:
         ratio = row.ratio
@@ -215,7 +229,7 @@ def render_table(rows: Sequence[Row]) -> str:
             f"| {row.model} | {_fmt_prompt(row.workload)} | {row.workload.concurrency} | "
             f"{_fmt_rate(row.shoal)} | {_fmt_rate(row.llama)} | "
             f"{'—' if ratio is None else f'**{ratio:.2f}**'} | {_fmt_ttft(row.shoal)} | "
-            f"{_fmt_ttft(row.llama)} | {row.parallel} |"
+            f"{_fmt_ttft(row.llama)} | {row.parallel} | {row.num_rounds} ({row.num_busy_rounds}) |"
         )
     return "\n".join(lines)
 

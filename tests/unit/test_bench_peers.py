@@ -121,10 +121,10 @@ def test_prompts_from_the_demo_corpus_tokenize_to_their_length(demo_models_root:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(demo_models_root / "demo" / "llama-5m")
-    corpus = (SCRIPTS.parent / "cli" / "demo_corpus.txt").read_text()
-    maker = wl.PromptMaker(tokenizer.encode(corpus), tokenizer.encode, tokenizer.decode)
+    maker = wl.make_prompt_maker(tokenizer, (SCRIPTS.parent / "cli" / "demo_corpus.txt").read_text())
+    assert maker.num_corpus_tokens > 5_000
     workload = wl.Workload(64, (64, 72, 56, 1920), 128)
-    numbers = wl.PromptNumbers(len(tokenizer.encode(corpus)))
+    numbers = wl.PromptNumbers(maker.num_corpus_tokens)
     first_index = numbers.take(4)
     first = wl.make_prompts(maker, workload, first_index)
     assert [len(tokenizer.encode(p)) for p in first] == [64, 72, 56, 1920]
@@ -161,15 +161,16 @@ def test_run_result_rates_and_best() -> None:
 def test_render_table_rows_ratio_and_gaps() -> None:
     workload = wl.Workload(2048, (1920, 1847, 1920), 128, clipped=True)
     rows = [
-        wl.Row("demo/llama-5m", wl.Workload(64, (64,), 128), run(1.0, (0.02,)), run(0.5, (0.01,)), parallel=1),
+        wl.Row("demo/llama-5m", wl.Workload(64, (64,), 128), run(1.0, (0.02,)), run(0.5, (0.01,)), parallel=1,
+               num_rounds=3, num_busy_rounds=1),
         wl.Row("demo/llama-100m", workload, None, run(10.0, (1.0, 2.0, 3.0)), parallel=2, notes=["HTTP 504"]),
     ]
     table = wl.render_table(rows).splitlines()
     assert table[0].startswith("| model | prompt tokens")
     assert len(table) == 4
-    assert table[2] == "| demo/llama-5m | ~64 (64) | 1 | 128.0 | 256.0 | **0.50** | 20 | 10 | 1 |"
+    assert table[2] == "| demo/llama-5m | ~64 (64) | 1 | 128.0 | 256.0 | **0.50** | 20 | 10 | 1 | 3 (1) |"
     assert table[3] == ("| demo/llama-100m | ~2,048 (1,896; 1,847–1,920) clipped | 3 | — | 38.4 | — | — | "
-                        "2,000 | 2 |")
+                        "2,000 | 2 | 0 (0) |")
     assert rows[0].ratio == pytest.approx(0.5) and rows[1].ratio is None
 
 
@@ -211,7 +212,7 @@ def test_parse_args_defaults_are_the_issue_s_grid() -> None:
     assert args.models == ["demo/llama-5m", "demo/llama-100m"]
     assert args.concurrency == [1, 8, 32] and args.prompt_lengths == [64, 512, 2048]
     assert args.max_tokens == 128 and args.rounds == 2 and args.threads == 2 and args.parallel is None
-    assert args.quiet_wait > 0 and 0 < args.quiet_idle < 1
+    assert args.quiet_wait > 0 and 0 < args.quiet_idle < 1 and args.max_extra_rounds == 2
 
 
 def test_parse_args_subsets() -> None:
@@ -364,3 +365,32 @@ def test_quiet_wait_measures_the_idle_share_and_gives_up_in_time() -> None:
     assert 0.0 <= share <= 1.0
     assert time.monotonic() - begun < 1.0
     assert bench_peers.wait_for_quiet(max_wait_s=5.0, min_idle=0.0, sample_s=0.05) >= 0.0  # at once
+
+
+# --- the worker profile's sorting of py-spy samples ---------------------------------------------
+
+
+def test_py_spy_samples_are_sorted_by_thread_and_work(tmp_path: Path) -> None:
+    import profile_worker
+
+    step = "thread (1): shoal-engine;_bootstrap (threading.py:1002);PagedEngine._run_steps (paged_engine.py:355)"
+    loop = "thread (2): MainThread;_run_module_as_main (<frozen runpy>:198);BaseEventLoop.run_forever (asyncio/base_events.py:608)"
+    raw = tmp_path / "samples.txt"
+    raw.write_text("\n".join([
+        f"{step};PagedEngine._step (paged_engine.py:380);ModelRunner.execute (model_runner.py:140);"
+        "_make_forward.<locals>.forward (services/worker/engine/packed_linear.py:129) 7",
+        f"{step};PagedEngine._step (paged_engine.py:380);ModelRunner.execute (model_runner.py:140);"
+        "run_attention (kernels/cpu.py:540) 2",
+        f"{step};PagedEngine._step (paged_engine.py:366);Condition.wait (threading.py:331) 5",
+        f"{step};PagedEngine._emit (paged_engine.py:399);TextStream.push (services/worker/generation.py:110) 1",
+        f"{loop};BaseEventLoop._run_once (asyncio/base_events.py:1884);EpollSelector.select (selectors.py:468) 9",
+        f"{loop};BaseEventLoop._run_once (asyncio/base_events.py:1922);Client.publish (nats/aio/client.py:900) 3",
+        "thread (3): pool;_bootstrap (threading.py:1002);_worker (concurrent/futures/thread.py:81) 4",
+        "garbage line without a count",
+    ]) + "\n")
+    counts = profile_worker.read_raw_samples(raw)
+    assert counts == {
+        "forward: matmul": 7, "forward: attention": 2, "step thread: idle (waiting for work)": 5,
+        "detokenization": 1, "event loop: idle (select)": 9, "event loop: NATS client": 3,
+        "other threads (idle)": 4,
+    }
