@@ -18,7 +18,6 @@ from nats.micro import add_service
 from nats.micro.service import Service
 
 from shoal.kernels.cuda_ext import KernelBuildError
-from shoal.services.worker.engine.paged_engine import KVPoolTooSmall
 from shoal.services.worker.generation import Engine
 from shoal.services.worker.loader import (
     LoadedModel,
@@ -90,7 +89,7 @@ class ReplicaRuntime:
                 restore_weights, self.loaded, replica, min_kv_reserve_bytes=self.min_engine_bytes
             )
             engine, engine_bytes = await asyncio.to_thread(self.build_engine, self.loaded)
-        except (ModelLoadError, KVPoolTooSmall, KernelBuildError, MemoryError) as exc:
+        except (ModelLoadError, KernelBuildError, MemoryError) as exc:
             raise RequestError(507, f"cannot restore on the new allocation: {exc}") from exc
         self.replica, self.engine = replica, engine
         self.service.resume(engine)

@@ -14,12 +14,13 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
+from shoal.shared.errors import ShoalError
 from shoal.shared.messages import SamplingParams
 
 FinishReason = Literal["stop", "length", "cancelled", "error"]
 
 
-class RequestRejected(ValueError):
+class RequestRejected(ShoalError, ValueError):
     """The engine cannot run this request at all (raised by `Engine.generate` before any output).
 
     `status` is the HTTP status the gateway answers with (413: prompt too long

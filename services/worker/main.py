@@ -19,7 +19,6 @@ import torch
 from shoal.kernels.cuda_ext import KernelBuildError
 from shoal.kernels.settings import configure as configure_kernels
 from shoal.services.worker.control import ReplicaRuntime, serve_control
-from shoal.services.worker.engine.paged_engine import KVPoolTooSmall
 from shoal.services.worker.generation import Engine
 from shoal.services.worker.launch import WorkerLaunch, add_worker_arguments, read_launch
 from shoal.services.worker.loader import LoadedModel, MinEngineBytes, ModelLoadError, load_model
@@ -46,9 +45,7 @@ def build_engine(launch: WorkerLaunch, loaded: LoadedModel) -> tuple[Engine, int
         return HFGenerateEngine(loaded.model, loaded.tokenizer, loaded.max_model_len), 0
     from shoal.services.worker.engine.factory import build_paged_engine
 
-    engine = build_paged_engine(loaded, block_size=worker.block_size, max_num_seqs=worker.max_num_seqs,
-                                max_num_batched_tokens=worker.max_num_batched_tokens,
-                                kv_cache_tokens=launch.model.kv_cache_tokens)
+    engine = build_paged_engine(loaded, worker, kv_cache_tokens=launch.model.kv_cache_tokens)
     return engine, engine.kv_cache_bytes + engine.reserve_bytes
 
 
@@ -60,9 +57,7 @@ def get_min_engine_bytes(launch: WorkerLaunch) -> MinEngineBytes:
         return 0  # no pool: generate() grows its own cache
     from shoal.services.worker.engine.factory import get_min_engine_bytes_for
 
-    return get_min_engine_bytes_for(torch.device(launch.device), block_size=worker.block_size,
-                                    max_num_seqs=worker.max_num_seqs,
-                                    max_num_batched_tokens=worker.max_num_batched_tokens)
+    return get_min_engine_bytes_for(torch.device(launch.device), worker)
 
 
 def measure_replica_bytes(loaded: LoadedModel, engine_bytes: int) -> int:
@@ -108,7 +103,7 @@ async def serve(launch: WorkerLaunch) -> int:
                 await report(bus, launch.node_id, WorkerEvent(replica.replica_id, "loading", pid=pid,
                                                               phase="warming_up"))
             engine, engine_bytes = await asyncio.to_thread(build_engine, launch, loaded)
-        except (ModelLoadError, KVPoolTooSmall, KernelBuildError, MemoryError) as exc:
+        except (ModelLoadError, KernelBuildError, MemoryError) as exc:
             log.error("model_load_failed", error=str(exc))
             await report(bus, launch.node_id, WorkerEvent(replica.replica_id, "failed", str(exc), pid=pid))
             return 3

@@ -10,31 +10,31 @@ import torch
 from shoal.services.worker.engine.paged_engine import EngineConfig, PagedEngine, get_min_engine_bytes
 from shoal.services.worker.engine.session_kv import SessionSettings
 from shoal.services.worker.loader import LoadedModel
-from shoal.shared.model_memory import DEFAULT_RUNTIME_OVERHEAD_BYTES
+from shoal.shared.config import WorkerConfig
+from shoal.shared.model_settings import DEFAULT_KV_CACHE_TOKENS
 
-DEFAULT_KV_CACHE_TOKENS = 4096
-"""Pool size, in tokens, for a replica run without an allocation (by hand)."""
+DEFAULT_WORKER = WorkerConfig()
+"""The ``[worker]`` defaults: what an engine built by hand (tests, benchmarks) runs with."""
 
 
 def make_engine_config(
     device: torch.device,
+    worker: WorkerConfig = DEFAULT_WORKER,
     *,
-    block_size: int = 16,
-    max_num_seqs: int = 64,
-    max_num_batched_tokens: int = 2048,
     num_blocks: int | None = None,
     kv_cache_tokens: int | None = None,
     sessions: SessionSettings | None = None,
 ) -> EngineConfig:
-    """The `EngineConfig` a worker's engine runs with on `device` (see `build_paged_engine`)."""
+    """The `EngineConfig` a worker's engine runs with on `device`, from its ``[worker]``
+    settings (see `build_paged_engine`)."""
     return EngineConfig(
-        block_size=block_size,
-        max_num_seqs=max_num_seqs,
-        max_num_batched_tokens=max(max_num_batched_tokens, max_num_seqs),
+        block_size=worker.block_size,
+        max_num_seqs=worker.max_num_seqs,
+        max_num_batched_tokens=max(worker.max_num_batched_tokens, worker.max_num_seqs),
         num_blocks=num_blocks,
         max_kv_cache_tokens=kv_cache_tokens,
         # A CUDA context and allocator slack exist only on real GPUs.
-        runtime_overhead_bytes=DEFAULT_RUNTIME_OVERHEAD_BYTES if device.type == "cuda" else 0,
+        runtime_overhead_bytes=worker.runtime_overhead_bytes if device.type == "cuda" else 0,
         # Before the worker reports ready (and its memory is measured): see warm_up.py.
         warm_up=True,
         sessions=sessions,
@@ -42,26 +42,19 @@ def make_engine_config(
 
 
 def get_min_engine_bytes_for(
-    device: torch.device, *, block_size: int = 16, max_num_seqs: int = 64, max_num_batched_tokens: int = 2048
+    device: torch.device, worker: WorkerConfig = DEFAULT_WORKER
 ) -> Callable[[Any, torch.dtype], int]:
     """The least bytes besides the weights an engine built with these settings needs, as a
     function of the model's config and dtype (what `loader.load_model` checks before the
     engine is built): the activation reserve and one KV block."""
-    config = make_engine_config(
-        device,
-        block_size=block_size,
-        max_num_seqs=max_num_seqs,
-        max_num_batched_tokens=max_num_batched_tokens,
-    )
+    config = make_engine_config(device, worker)
     return lambda model_config, dtype: get_min_engine_bytes(model_config, dtype, config)
 
 
 def build_paged_engine(
     loaded: LoadedModel,
+    worker: WorkerConfig = DEFAULT_WORKER,
     *,
-    block_size: int = 16,
-    max_num_seqs: int = 64,
-    max_num_batched_tokens: int = 2048,
     kv_cache_tokens: int | None = None,
     sessions: SessionSettings | None = None,
 ) -> PagedEngine:
@@ -79,10 +72,8 @@ def build_paged_engine(
     """
     config = make_engine_config(
         loaded.device,
-        block_size=block_size,
-        max_num_seqs=max_num_seqs,
-        max_num_batched_tokens=max_num_batched_tokens,
-        num_blocks=None if loaded.allocation_bytes else -(-DEFAULT_KV_CACHE_TOKENS // block_size),
+        worker,
+        num_blocks=None if loaded.allocation_bytes else -(-DEFAULT_KV_CACHE_TOKENS // worker.block_size),
         kv_cache_tokens=kv_cache_tokens,
         sessions=sessions,
     )

@@ -44,12 +44,13 @@ from shoal.services.worker.generation import (
     RequestRejected,
     TextStream,
 )
+from shoal.services.worker.loader import ModelLoadError
+from shoal.shared.config import WorkerConfig
 from shoal.shared.kv_cache.block_pool import BlockPool, BlockPoolStats
 from shoal.shared.kv_cache.cost_model import CostProfile
 from shoal.shared.kv_cache.manager import KVCacheManager
 from shoal.shared.kv_cache.session_cache import SessionCache, SessionCacheConfig, SessionInfo
 from shoal.shared.model_memory import (
-    DEFAULT_RUNTIME_OVERHEAD_BYTES,
     get_activation_bytes,
     get_model_shape,
     size_kv_pool,
@@ -62,17 +63,23 @@ SESSION_EXPIRY_INTERVAL_S = 1.0
 """How often an idle engine with cached sessions looks for expired ones."""
 
 
-class KVPoolTooSmall(ValueError):
+_WORKER = WorkerConfig()
+
+
+class KVPoolTooSmall(ModelLoadError):
     """The allocation leaves no room for a KV block pool after weights and reserve."""
 
 
 @dataclass(frozen=True)
 class EngineConfig:
-    block_size: int = 16
+    """How one engine runs. The defaults are the ``[worker]`` settings' (declared once, in
+    `shoal.shared.config.WorkerConfig`); `factory.make_engine_config` builds one from them."""
+
+    block_size: int = _WORKER.block_size
     """Tokens per KV block."""
-    max_num_seqs: int = 64
+    max_num_seqs: int = _WORKER.max_num_seqs
     """Most requests in the engine (running and waiting); also bounds `num_free_slots`."""
-    max_num_batched_tokens: int = 2048
+    max_num_batched_tokens: int = _WORKER.max_num_batched_tokens
     """Token budget of one forward pass (chunked prefill splits longer prompts); at least
     `max_num_seqs`, so every running sequence decodes in every step."""
     enable_prefix_caching: bool = True
@@ -81,7 +88,7 @@ class EngineConfig:
     max_kv_cache_tokens: int | None = None
     """The model's KV budget: a pool sized from a generous allocation stops here, so the
     memory a replica is measured to hold is what it needs, not all it was given."""
-    runtime_overhead_bytes: int = DEFAULT_RUNTIME_OVERHEAD_BYTES
+    runtime_overhead_bytes: int = _WORKER.runtime_overhead_bytes
     """Kept out of the pool besides weights and activations (CUDA context, allocator slack)."""
     pack_cpu_linear_weights: bool = True
     """On the CPU, run float32 linear layers on oneDNN-packed weights (`packed_linear`),
