@@ -1,0 +1,171 @@
+"""Sleep, wake and fair preemption (seed 001) with real workers on a GPU that holds two of
+three models: the right model sleeps, popular and young replicas are spared, nothing is lost."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+from shoal.shared.model_settings import FairnessSettings, SleepSettings
+from shoal.shared.nats_server import EmbeddedNatsServer
+from tests.integration.sleep_wake_harness import model, sleep_wake_cluster
+
+ACTIVITY_S = 1.2
+"""A worker writes its activity at most once a second: wait this long for it to land."""
+
+
+async def test_the_least_recently_used_model_sleeps_and_resident_models_never_wait(
+        nats_server: EmbeddedNatsServer, demo_models_root: Path, tmp_path: Path) -> None:
+    patient_waker = model("c", fairness=FairnessSettings(min_runtime_s=0.5, max_wait_s=3.0))
+    async with sleep_wake_cluster(nats_server.url, demo_models_root, tmp_path, [model("a"), model("b"), patient_waker]
+                                  ) as cluster:
+        await cluster.complete("a")
+        await cluster.complete("b")
+        await asyncio.sleep(ACTIVITY_S)
+        await cluster.complete("a")  # a is now the most recently used: b must be the victim
+        await asyncio.sleep(ACTIVITY_S)
+        assert await cluster.serving() == {"a", "b"}
+
+        waking = asyncio.create_task(cluster.complete("c"))
+        await cluster.wait_for(lambda: _has_intent(cluster), "c's preemption intent")
+        # While c waits for memory (its 3 s fairness wait), a resident model answers at once.
+        await cluster.complete("a")
+        assert not any(r.serving for r in await cluster.replicas("c")), "a answered before c was even up"
+        await waking
+        assert await cluster.serving() == {"a", "c"}
+        (b,) = await cluster.replicas("b")
+        assert (b.level, b.state) == ("WARM", "sleeping"), "b, the least recently used, sleeps"
+        gpu = await cluster.gpu()
+        assert {o.model: o.state for o in gpu.occupants}["b"] == "sleeping"
+        assert gpu.intents == [] and gpu.wake_lock is None, "the wake cleaned up after itself"
+
+        # Alternate once more: b wakes, and a (used less recently than c now) sleeps.
+        await asyncio.sleep(ACTIVITY_S)
+        await cluster.complete("c")
+        await asyncio.sleep(ACTIVITY_S)
+        await cluster.complete("b")
+        assert await cluster.serving() == {"b", "c"}
+        assert cluster.max_reserved_seen[0] <= (await cluster.gpu()).total_bytes
+
+
+async def _has_intent(cluster) -> bool:  # type: ignore[no-untyped-def]
+    return any(i.model == "c" for i in (await cluster.gpu()).intents)
+
+
+async def test_a_popular_model_is_never_preempted(
+        nats_server: EmbeddedNatsServer, demo_models_root: Path, tmp_path: Path) -> None:
+    popular = FairnessSettings(min_runtime_s=0.5, max_wait_s=0.2, popular=True)
+    models = [model("pop", fairness=popular), model("b"), model("c")]
+    async with sleep_wake_cluster(nats_server.url, demo_models_root, tmp_path, models) as cluster:
+        await cluster.complete("pop")
+        await cluster.complete("b")
+        await asyncio.sleep(ACTIVITY_S)
+        await cluster.complete("b")  # pop is the least recently used, yet stays
+        await asyncio.sleep(ACTIVITY_S)
+        await cluster.complete("c")
+        assert await cluster.serving() == {"pop", "c"}
+        await asyncio.sleep(ACTIVITY_S)
+        await cluster.complete("b")
+        assert await cluster.serving() == {"pop", "b"}
+
+
+async def test_no_eligible_victim_is_a_503_that_says_why(
+        nats_server: EmbeddedNatsServer, demo_models_root: Path, tmp_path: Path) -> None:
+    patient = FairnessSettings(min_runtime_s=600.0, max_wait_s=0.2)
+    models = [model("a", fairness=patient), model("b", fairness=patient), model("c")]
+    async with sleep_wake_cluster(nats_server.url, demo_models_root, tmp_path, models) as cluster:
+        await cluster.complete("a")
+        await cluster.complete("b")
+        status, body, headers = await cluster.post("c")
+        assert status == 503, body
+        assert "inside their minimum runtime" in body["error"]["message"]
+        assert 500 < float(headers["Retry-After"]) <= 600
+        assert await cluster.serving() == {"a", "b"}, "nobody inside its min runtime was preempted"
+
+
+async def test_requests_in_flight_when_the_barrier_rises_all_complete(
+        nats_server: EmbeddedNatsServer, demo_models_root: Path, tmp_path: Path) -> None:
+    # b is popular: a, busy with requests (which counts as recently used), is the only victim.
+    models = [model("a"), model("b", fairness=FairnessSettings(min_runtime_s=0.5, max_wait_s=0.2, popular=True)),
+              model("c")]
+    async with sleep_wake_cluster(nats_server.url, demo_models_root, tmp_path, models) as cluster:
+        await cluster.complete("a")
+        await cluster.complete("b")
+        await asyncio.sleep(ACTIVITY_S)
+        long_ones = [asyncio.create_task(cluster.complete("a", max_tokens=300)) for _ in range(3)]
+        await asyncio.sleep(0.5)  # they are generating on a when c's wake preempts a
+        waking = asyncio.create_task(cluster.complete("c"))
+        finished = await asyncio.gather(*long_ones)
+        assert [r["usage"]["completion_tokens"] for r in finished] == [300, 300, 300]
+        await waking
+        # a was the victim although it was busy: it drained first, and nothing was cut short.
+        assert await cluster.serving() == {"b", "c"}
+
+
+async def test_a_hundred_requests_that_force_swaps_are_all_answered(
+        nats_server: EmbeddedNatsServer, demo_models_root: Path, tmp_path: Path) -> None:
+    async with sleep_wake_cluster(nats_server.url, demo_models_root, tmp_path, [model("a"), model("b"), model("c")]
+                                  ) as cluster:
+        gate = asyncio.Semaphore(8)
+
+        async def one(index: int) -> int:
+            async with gate:
+                body = await cluster.complete("abc"[index % 3], max_tokens=3)
+                return body["usage"]["completion_tokens"]
+
+        results = await asyncio.gather(*(one(i) for i in range(100)))
+        assert results == [3] * 100
+        models_served = {
+            m for m in "abc" for r in await cluster.replicas(m) if r.level in ("HOT", "WARM")
+        }
+        assert models_served == {"a", "b", "c"}, "every model was woken at least once"
+        assert cluster.max_reserved_seen[0] <= (await cluster.gpu()).total_bytes
+
+
+async def test_an_idle_model_sleeps_after_its_timeout_and_wakes_on_the_next_request(
+        nats_server: EmbeddedNatsServer, demo_models_root: Path, tmp_path: Path) -> None:
+    sleepy = model("a", sleep=SleepSettings(idle_timeout_s=2.0, drain_timeout_s=5.0))
+    async with sleep_wake_cluster(nats_server.url, demo_models_root, tmp_path, [sleepy, model("b")],
+                                  reconcile_interval_s=0.5) as cluster:
+        await cluster.complete("a")
+        await cluster.complete("b")  # b has no idle timeout: it stays
+
+        async def a_asleep() -> bool:
+            return any(r.level == "WARM" for r in await cluster.replicas("a"))
+
+        await cluster.wait_for(a_asleep, "a to sleep after 2 s idle", timeout_s=30)
+        assert await cluster.serving() == {"b"}
+        body = await cluster.complete("a")
+        assert body["usage"]["completion_tokens"] == 4
+        assert await cluster.serving() == {"a", "b"}
+
+
+async def test_two_wakers_racing_for_one_gpu_never_both_claim_it(
+        nats_server: EmbeddedNatsServer, demo_models_root: Path, tmp_path: Path) -> None:
+    # 150 MiB: one resident (96) and room for one more only once it sleeps. b and c wake at once,
+    # each through its own scheduler.
+    models = [model("a"), model("b"), model("c")]
+    async with sleep_wake_cluster(nats_server.url, demo_models_root, tmp_path, models, num_schedulers=2,
+                                  gpus="virtual:1x150MiB") as cluster:
+        await cluster.complete("a")
+        await asyncio.sleep(1.0)  # past a's min runtime
+        replies = await asyncio.gather(cluster.schedulers[0].ensure("b"), cluster.schedulers[1].ensure("c"))
+        assert {r.status for r in replies} <= {"waking", "placed", "serving"}, replies
+
+        async def keep_asking() -> None:  # the waiting requests' heartbeats
+            while True:
+                await asyncio.gather(cluster.schedulers[0].ensure("b"), cluster.schedulers[1].ensure("c"))
+                await asyncio.sleep(0.5)
+
+        asking = asyncio.create_task(keep_asking())
+        try:
+            async def one_placed() -> bool:
+                return bool(await cluster.serving() & {"b", "c"})
+
+            await cluster.wait_for(one_placed, "one of the wakers placed")
+            await asyncio.sleep(2.0)
+        finally:
+            asking.cancel()
+        placed = [m for m in ("b", "c") if any(r.level == "HOT" and r.is_active for r in await cluster.replicas(m))]
+        assert len(placed) == 1, f"exactly one waker claims the memory, got {placed}"
+        assert cluster.max_reserved_seen[0] <= (await cluster.gpu()).total_bytes
