@@ -198,7 +198,7 @@ def get_occupant_views(
 ) -> list[OccupantView]:
     """Every occupant of `gpus` as fair preemption sees it (`fairness.select_victims`)."""
     replica_by_id = {r.replica_id: r for r in replicas}
-    fairness_by_model = {spec.key: spec.fairness for spec in models}
+    specs = {spec.key: spec for spec in models}
     views = []
     for gpu in gpus:
         for occupant in gpu.occupants:
@@ -213,7 +213,8 @@ def get_occupant_views(
                 serving=serving,
                 serving_since=occupant.since,
                 last_accessed=get_last_accessed(occupant.last_accessed, replica, now),
-                fairness=fairness_by_model.get(occupant.model, _DEFAULT_FAIRNESS),
+                fairness=specs[occupant.model].fairness if occupant.model in specs else _DEFAULT_FAIRNESS,
+                idle_timeout_s=specs[occupant.model].sleep.idle_timeout_s if occupant.model in specs else 0.0,
             ))
     return views
 

@@ -10,6 +10,7 @@ the model's stream (the gateway asks again every second: that is the wake's inte
     preemption intents on the target GPUs (CAS), first come first served
     fairness wait, max_wait_s: every second, claim if it fits (an idle model may sleep)
     victims: fairness.select_victims on the target GPUs (LRU, not popular, past min runtime)
+      │ none, only because a replica there is still loading ─▶ re-check every second
       │ none ─▶ blocked, as above
     preemption pass: the victims drain (barrier, in-flight requests finish) and park or
     stop; their node agents release the memory once the workers have let it go
@@ -43,11 +44,13 @@ from shoal.shared.messages import Event, EventKind, GpuRecord, ModelSpec, Preemp
 from shoal.shared.metrics import Registry
 from shoal.shared.placement.config import PlacementConfig
 from shoal.shared.placement.fairness import (
+    RECHECK_INTERVAL_S,
     IntentView,
     NoVictim,
     OccupantView,
     Victims,
     get_pinned_intent_bytes,
+    get_voluntary_release_at,
     next_wake_step,
     select_victims,
 )
@@ -203,16 +206,24 @@ class WakeCoordinator:
                 self._fairness_wait.observe(self._clock() - wake.started_at, model=wake.model)
                 return "done"
             step, wait_s = next_wake_step(fits=False, intent_since=wake.started_at,
-                                          max_wait_s=spec.fairness.max_wait_s, now=self._clock())
+                                          max_wait_s=spec.fairness.max_wait_s, now=self._clock(),
+                                          voluntary_release_at=await self._voluntary_release_at(wake))
             if step == "preempt":
                 break
             await asyncio.sleep(wait_s)
             await self._put_intents(wake)
         self._fairness_wait.observe(self._clock() - wake.started_at, model=wake.model)
-        choice = await self._choose_victims(wake)
-        if isinstance(choice, NoVictim):
-            await self._block(wake, choice)
-            return "blocked"
+        while isinstance(choice := await self._choose_victims(wake), NoVictim):
+            if not choice.num_skipped.get("not_serving"):
+                await self._block(wake, choice)
+                return "blocked"
+            # A replica still loading holds the memory: once it serves, fairness decides about
+            # it (or its memory comes back if it fails). Not a reason to turn requests away.
+            self._check_interest(wake)
+            if await self._try_claim(wake):
+                return "done"
+            await asyncio.sleep(RECHECK_INTERVAL_S)
+            await self._put_intents(wake)
         wake.phase = "preempting"
         drain_s = await self._preempt(wake, choice)
         deadline = self._clock() + drain_s + RELEASE_MARGIN_S
@@ -249,6 +260,13 @@ class WakeCoordinator:
         occupants = records.get_occupant_views(gpus, [e.value for e in snapshot.replicas.values()], specs,
                                                now=self._clock())
         return _explain_nowhere(wake.model, per_gpu_bytes, occupants, gpus, self._clock())
+
+    async def _voluntary_release_at(self, wake: Wake) -> float | None:
+        snapshot = await self._store.snapshot()
+        gpus = [e.value for key, e in snapshot.gpus.items() if key in wake.gpu_bytes]
+        occupants = records.get_occupant_views(gpus, [e.value for e in snapshot.replicas.values()],
+                                               [e.value for e in snapshot.models.values()], now=self._clock())
+        return get_voluntary_release_at(occupants, wake.gpu_bytes)
 
     async def _choose_victims(self, wake: Wake) -> Victims | NoVictim:
         snapshot = await self._store.snapshot()

@@ -43,7 +43,8 @@ from shoal.shared.version import SHOAL_VERSION
 log = structlog.get_logger(__name__)
 
 EngineFactory = Callable[[LoadedModel], tuple[Engine, int]]
-"""Builds an engine for the loaded model's current allocation; returns it and the bytes it holds."""
+"""Rebuilds an engine for the loaded model's new allocation after a park; returns it and the bytes it
+holds."""
 
 
 def measure_residual_bytes(loaded: LoadedModel) -> int:

@@ -36,8 +36,9 @@ from shoal.shared.messages import (
 log = structlog.get_logger(__name__)
 
 
-def build_engine(launch: WorkerLaunch, loaded: LoadedModel) -> tuple[Engine, int]:
-    """The engine and the bytes it holds beyond the weights (KV pool and activation reserve)."""
+def build_engine(launch: WorkerLaunch, loaded: LoadedModel, *, restoring: bool = False) -> tuple[Engine, int]:
+    """The engine and the bytes it holds beyond the weights (KV pool and activation reserve).
+    `restoring`: rebuilt after a park, in a process that has run the model (no warm-up pass)."""
     worker = launch.worker
     if worker.engine == "hf":
         from shoal.services.worker.hf_engine import HFGenerateEngine
@@ -45,7 +46,8 @@ def build_engine(launch: WorkerLaunch, loaded: LoadedModel) -> tuple[Engine, int
         return HFGenerateEngine(loaded.model, loaded.tokenizer, loaded.max_model_len), 0
     from shoal.services.worker.engine.factory import build_paged_engine
 
-    engine = build_paged_engine(loaded, worker, kv_cache_tokens=launch.model.kv_cache_tokens)
+    engine = build_paged_engine(loaded, worker, kv_cache_tokens=launch.model.kv_cache_tokens,
+                                warm_up=not restoring)
     return engine, engine.kv_cache_bytes + engine.reserve_bytes
 
 
@@ -121,7 +123,7 @@ async def serve(launch: WorkerLaunch) -> int:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
-        runtime = ReplicaRuntime(replica, loaded, engine, service, lambda model: build_engine(launch, model),
+        runtime = ReplicaRuntime(replica, loaded, engine, service, lambda model: build_engine(launch, model, restoring=True),
                                  measure_replica_bytes, launch.model.sleep.drain_timeout_s,
                                  min_engine_bytes=get_min_engine_bytes(launch))
         control = await serve_control(bus, runtime)

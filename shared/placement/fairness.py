@@ -57,6 +57,8 @@ class OccupantView:
     last_accessed: float
     """When a request last started or finished on it (now, while one is in flight)."""
     fairness: FairnessSettings
+    idle_timeout_s: float = 0.0
+    """Its model's ``sleep.idle_timeout_s``: it sleeps by itself that long after its last access."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,19 +170,40 @@ def _explain(remaining: Mapping[str, int], skipped: Mapping[SkipReason, int], re
     return f"no replica on GPU {gpus} may be preempted{held_by}"
 
 
-def next_wake_step(*, fits: bool, intent_since: float, max_wait_s: float, now: float) -> tuple[WakeStep, float]:
+def next_wake_step(*, fits: bool, intent_since: float, max_wait_s: float, now: float,
+                   voluntary_release_at: float | None) -> tuple[WakeStep, float]:
     """What a waker does now, and how long to wait before asking again.
+
+    The fairness wait exists so that memory an occupant gives up by itself (an idle model going
+    to sleep) can serve the waker with no forced preemption. Waiting when no occupant can do
+    that within the wait only delays every request behind the wake, so (unlike seed 001,
+    which always waits) the wait runs only while `voluntary_release_at` falls inside it.
+
+    Args:
+        voluntary_release_at: the earliest time an occupant of the target GPUs sleeps by
+            itself (`get_voluntary_release_at`); None when none will.
 
     Returns:
         ("claim", 0) when it fits; ("wait", s) during its fairness wait (re-check in s,
-        at most `RECHECK_INTERVAL_S`); ("preempt", 0) once the wait is over.
+        at most `RECHECK_INTERVAL_S`); ("preempt", 0) once the wait is over, or at once when
+        nothing can free memory by itself before it would be.
     """
     if fits:
         return "claim", 0.0
-    remaining_s = intent_since + max_wait_s - now
-    if remaining_s > 0:
+    deadline = intent_since + max_wait_s
+    remaining_s = deadline - now
+    if remaining_s > 0 and voluntary_release_at is not None and voluntary_release_at <= deadline:
         return "wait", min(RECHECK_INTERVAL_S, remaining_s)
     return "preempt", 0.0
+
+
+def get_voluntary_release_at(occupants: Iterable[OccupantView], gpu_keys: Iterable[str]) -> float | None:
+    """The earliest time a serving occupant of `gpu_keys` goes to sleep by itself (its last access
+    plus its model's idle timeout); None when none has an idle timeout."""
+    keys = set(gpu_keys)
+    times = [o.last_accessed + o.idle_timeout_s for o in occupants
+             if o.gpu_key in keys and o.serving and o.idle_timeout_s > 0]
+    return min(times, default=None)
 
 
 def is_idle(*, last_accessed: float, num_in_flight: int, idle_timeout_s: float, now: float) -> bool:

@@ -68,6 +68,15 @@ class SleepWakeCluster:
         async with aiohttp.ClientSession() as session, session.post(self.url + "/v1/completions", json=body) as resp:
             return resp.status, await resp.json(content_type=None), dict(resp.headers)
 
+    async def metric_total(self, name: str) -> float:
+        """The sum of a metric's samples over every scheduler's registry."""
+        total = 0.0
+        for scheduler in self.schedulers:
+            text = scheduler.metrics.render()
+            total += sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                         if line.startswith(name + "{") or line.startswith(name + " "))
+        return total
+
     async def replicas(self, model_key: str) -> list[ReplicaRecord]:
         entries = await self.bus.replicas.get_all(subjects.model_token(model_key) + ".*")
         return [e.value for e in entries.values()]

@@ -14,10 +14,9 @@ ACTIVITY_S = 1.2
 """A worker writes its activity at most once a second: wait this long for it to land."""
 
 
-async def test_the_least_recently_used_model_sleeps_and_resident_models_never_wait(
+async def test_the_least_recently_used_model_sleeps(
         nats_server: EmbeddedNatsServer, demo_models_root: Path, tmp_path: Path) -> None:
-    patient_waker = model("c", fairness=FairnessSettings(min_runtime_s=0.5, max_wait_s=3.0))
-    async with sleep_wake_cluster(nats_server.url, demo_models_root, tmp_path, [model("a"), model("b"), patient_waker]
+    async with sleep_wake_cluster(nats_server.url, demo_models_root, tmp_path, [model("a"), model("b"), model("c")]
                                   ) as cluster:
         await cluster.complete("a")
         await cluster.complete("b")
@@ -25,13 +24,7 @@ async def test_the_least_recently_used_model_sleeps_and_resident_models_never_wa
         await cluster.complete("a")  # a is now the most recently used: b must be the victim
         await asyncio.sleep(ACTIVITY_S)
         assert await cluster.serving() == {"a", "b"}
-
-        waking = asyncio.create_task(cluster.complete("c"))
-        await cluster.wait_for(lambda: _has_intent(cluster), "c's preemption intent")
-        # While c waits for memory (its 3 s fairness wait), a resident model answers at once.
-        await cluster.complete("a")
-        assert not any(r.serving for r in await cluster.replicas("c")), "a answered before c was even up"
-        await waking
+        await cluster.complete("c")
         assert await cluster.serving() == {"a", "c"}
         (b,) = await cluster.replicas("b")
         assert (b.level, b.state) == ("WARM", "sleeping"), "b, the least recently used, sleeps"
@@ -48,8 +41,34 @@ async def test_the_least_recently_used_model_sleeps_and_resident_models_never_wa
         assert cluster.max_reserved_seen[0] <= (await cluster.gpu()).total_bytes
 
 
-async def _has_intent(cluster) -> bool:  # type: ignore[no-untyped-def]
-    return any(i.model == "c" for i in (await cluster.gpu()).intents)
+async def test_a_wake_waits_for_a_model_about_to_sleep_and_resident_models_never_wait(
+        nats_server: EmbeddedNatsServer, demo_models_root: Path, tmp_path: Path) -> None:
+    """The fairness wait: b will sleep by itself (idle) within c's max_wait_s, so c waits for it
+    instead of preempting anyone, and meanwhile a resident model answers at once."""
+    sleepy = model("b", sleep=SleepSettings(idle_timeout_s=3.0, drain_timeout_s=5.0))
+    patient_waker = model("c", fairness=FairnessSettings(min_runtime_s=0.5, max_wait_s=20.0))
+    async with sleep_wake_cluster(nats_server.url, demo_models_root, tmp_path, [model("a"), sleepy, patient_waker],
+                                  reconcile_interval_s=0.5) as cluster:
+        await cluster.complete("a")
+        await cluster.complete("b")  # b's idle clock starts now: it sleeps by itself within c's wait
+        waking = asyncio.create_task(cluster.complete("c"))
+        await cluster.wait_for(_c_is_waking(cluster), "c's wake")
+        await cluster.complete("a")
+        assert not any(r.serving for r in await cluster.replicas("c")), "a answered while c waited"
+        await waking
+        assert await cluster.serving() == {"a", "c"}
+        (b,) = await cluster.replicas("b")
+        assert b.level == "WARM", "b went to sleep by itself"
+        preempted = await cluster.metric_total("shoal_scheduler_preemptions_total")
+        assert preempted == 0, "nobody was preempted: the wait found memory freed voluntarily"
+
+
+def _c_is_waking(cluster):  # type: ignore[no-untyped-def]
+    async def check() -> bool:
+        return cluster.schedulers[0].wakes.phase_of("c") is not None and any(
+            i.model == "c" for i in (await cluster.gpu()).intents)
+
+    return check
 
 
 async def test_a_popular_model_is_never_preempted(

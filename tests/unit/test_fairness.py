@@ -12,6 +12,7 @@ from shoal.shared.placement.fairness import (
     Victims,
     get_pinned_intent_bytes,
     get_skip_reason,
+    get_voluntary_release_at,
     is_idle,
     is_protected,
     next_wake_step,
@@ -115,12 +116,38 @@ def test_no_deficit_needs_no_victim() -> None:
 
 
 def test_the_fairness_wait_rechecks_every_second_then_preempts() -> None:
-    assert next_wake_step(fits=True, intent_since=NOW, max_wait_s=5, now=NOW) == ("claim", 0.0)
-    assert next_wake_step(fits=False, intent_since=NOW, max_wait_s=5, now=NOW) == ("wait", 1.0)
-    assert next_wake_step(fits=False, intent_since=NOW, max_wait_s=5, now=NOW + 4.5) == ("wait", 0.5)
-    assert next_wake_step(fits=False, intent_since=NOW, max_wait_s=5, now=NOW + 5) == ("preempt", 0.0)
-    assert next_wake_step(fits=True, intent_since=NOW, max_wait_s=5, now=NOW + 9) == ("claim", 0.0)
-    assert next_wake_step(fits=False, intent_since=NOW, max_wait_s=0, now=NOW) == ("preempt", 0.0)
+    soon = NOW + 3  # an occupant sleeps by itself then: worth waiting for
+    assert next_wake_step(fits=True, intent_since=NOW, max_wait_s=5, now=NOW, voluntary_release_at=soon) == (
+        "claim", 0.0)
+    assert next_wake_step(fits=False, intent_since=NOW, max_wait_s=5, now=NOW, voluntary_release_at=soon) == (
+        "wait", 1.0)
+    assert next_wake_step(fits=False, intent_since=NOW, max_wait_s=5, now=NOW + 4.5, voluntary_release_at=soon) == (
+        "wait", 0.5)
+    assert next_wake_step(fits=False, intent_since=NOW, max_wait_s=5, now=NOW + 5, voluntary_release_at=soon) == (
+        "preempt", 0.0)
+    assert next_wake_step(fits=True, intent_since=NOW, max_wait_s=5, now=NOW + 9, voluntary_release_at=soon) == (
+        "claim", 0.0)
+    assert next_wake_step(fits=False, intent_since=NOW, max_wait_s=0, now=NOW, voluntary_release_at=soon) == (
+        "preempt", 0.0)
+
+
+def test_no_wait_when_nothing_can_free_memory_by_itself_within_it() -> None:
+    assert next_wake_step(fits=False, intent_since=NOW, max_wait_s=5, now=NOW, voluntary_release_at=None) == (
+        "preempt", 0.0)
+    assert next_wake_step(fits=False, intent_since=NOW, max_wait_s=5, now=NOW, voluntary_release_at=NOW + 6) == (
+        "preempt", 0.0), "it would sleep only after the wait"
+
+
+def test_the_voluntary_release_is_the_first_idle_deadline_on_the_target_gpus() -> None:
+    occupants = [
+        OccupantView("a", "m1", "n.0", GiB, True, NOW - 60, NOW - 10, DEFAULT, idle_timeout_s=30),
+        OccupantView("b", "m2", "n.0", GiB, True, NOW - 60, NOW - 5, DEFAULT, idle_timeout_s=12),
+        OccupantView("c", "m3", "n.0", GiB, True, NOW - 60, NOW - 50, DEFAULT),  # never sleeps by itself
+        OccupantView("d", "m4", "n.1", GiB, True, NOW - 60, NOW - 50, DEFAULT, idle_timeout_s=1),  # other GPU
+        OccupantView("e", "m5", "n.0", GiB, False, NOW - 60, NOW - 50, DEFAULT, idle_timeout_s=1),  # not serving
+    ]
+    assert get_voluntary_release_at(occupants, ["n.0"]) == NOW + 7
+    assert get_voluntary_release_at(occupants[2:3], ["n.0"]) is None
 
 
 def test_idle_means_no_request_for_the_timeout_and_none_in_flight() -> None:

@@ -81,3 +81,5 @@ def test_warm_up_runs_each_weight_shape_once_per_row_count() -> None:
     assert packed_linear.warm_up(model, 8) == 0, "nothing packed, nothing to warm"
     pack_linear_weights(model)
     assert packed_linear.warm_up(model, 8) == 2 * 8  # up and down; the tied head is not packed
+    assert packed_linear.warm_up(model, 8) == 0, "warmed once per model (a replica woken in the same process)"
+    assert packed_linear.warm_up(model, 9) == 2 * 9, "more rows than before: warmed again"

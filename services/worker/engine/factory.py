@@ -24,6 +24,7 @@ def make_engine_config(
     num_blocks: int | None = None,
     kv_cache_tokens: int | None = None,
     sessions: SessionSettings | None = None,
+    warm_up: bool = True,
 ) -> EngineConfig:
     """The `EngineConfig` a worker's engine runs with on `device`, from its ``[worker]``
     settings (see `build_paged_engine`)."""
@@ -35,8 +36,10 @@ def make_engine_config(
         max_kv_cache_tokens=kv_cache_tokens,
         # A CUDA context and allocator slack exist only on real GPUs.
         runtime_overhead_bytes=worker.runtime_overhead_bytes if device.type == "cuda" else 0,
-        # Before the worker reports ready (and its memory is measured): see warm_up.py.
-        warm_up=True,
+        # Before the worker reports ready (and its memory is measured): see warm_up.py. A
+        # restore skips it: the process has run the model before, and a restore's reading
+        # only ever raises the memory figure (placement/memory_figure.py).
+        warm_up=warm_up,
         sessions=sessions,
     )
 
@@ -57,6 +60,7 @@ def build_paged_engine(
     *,
     kv_cache_tokens: int | None = None,
     sessions: SessionSettings | None = None,
+    warm_up: bool = True,
 ) -> PagedEngine:
     """A `PagedEngine` whose KV pool fills what the replica's allocation leaves.
 
@@ -76,6 +80,7 @@ def build_paged_engine(
         num_blocks=None if loaded.allocation_bytes else -(-DEFAULT_KV_CACHE_TOKENS // worker.block_size),
         kv_cache_tokens=kv_cache_tokens,
         sessions=sessions,
+        warm_up=warm_up,
     )
     return PagedEngine(
         loaded.model,

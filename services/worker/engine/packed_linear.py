@@ -66,6 +66,9 @@ def pack_linear_weights(model: torch.nn.Module) -> int:
     return get_packed_bytes(model)
 
 
+_WARMED_ROWS_ATTR = "_shoal_warmed_rows"
+
+
 def warm_up(model: torch.nn.Module, max_rows: int) -> int:
     """Has oneDNN build its kernels for products of 1..`max_rows` rows (decode steps) now.
 
@@ -73,9 +76,14 @@ def warm_up(model: torch.nn.Module, max_rows: int) -> int:
     without this the first decode steps of each batch size pay it. One product per
     distinct weight shape and row count, on zeros.
 
+    Remembered on the model: a model already warmed for as many rows (a replica woken after a
+    park, in the same process) runs nothing.
+
     Returns:
         Products run.
     """
+    if getattr(model, _WARMED_ROWS_ATTR, 0) >= max_rows:
+        return 0
     shapes: dict[tuple[int, int, bool], torch.nn.Linear] = {}
     for module in model.modules():
         packed = getattr(module, _PACKED_ATTR, None)
@@ -86,6 +94,8 @@ def warm_up(model: torch.nn.Module, max_rows: int) -> int:
         for (in_features, _, _), module in shapes.items():
             for num_rows in range(1, max_rows + 1):
                 module(torch.zeros((num_rows, in_features), dtype=module.weight.dtype))
+    if shapes:
+        setattr(model, _WARMED_ROWS_ATTR, max_rows)
     return len(shapes) * max_rows
 
 
