@@ -199,6 +199,9 @@ class WakeCoordinator:
             return "blocked"
         wake.gpu_bytes = target
         await self._put_intents(wake)
+        await self._event("preemption_intent", wake.model,
+                          f"{wake.model} needs memory on {', '.join(sorted(target))}",
+                          data={"gpu_bytes": dict(sorted(target.items()))})
         # Fairness wait: claim as soon as it fits; preempt only once max_wait_s is over.
         while True:
             self._check_interest(wake)

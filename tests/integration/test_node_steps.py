@@ -37,7 +37,7 @@ from shoal.shared.messages import (
     now,
 )
 from shoal.shared.micro import RequestError, add_json_endpoint
-from shoal.shared.model_settings import FairnessSettings
+from shoal.shared.model_settings import FairnessSettings, SleepSettings
 
 GIB = 1 << 30
 NODE = "n0"
@@ -402,3 +402,32 @@ async def test_a_held_replicas_memory_is_given_back_before_its_record_goes(
 
     await _until(delete_seen, "the record's delete to be routed")
     assert kv.index(_occupant_gone(subjects.gpu_kv_key(NODE, 0), "x1")) < kv.index(deleted), kv.writes
+
+
+async def test_a_wake_nobody_waits_for_is_cancelled_and_leaves_no_intent(
+        bus: Bus, node: StandInNode, scheduler: SchedulerService) -> None:
+    await node.start()
+    # x1 will sleep by itself (idle) within m's long fairness wait, so m's wake waits...
+    await bus.models.put(subjects.model_token("org/x"), ModelSpec(
+        key="org/x", path="org/x", weight_bytes=GIB, measured_serving_bytes=8 * GIB, desired_replicas=1,
+        fairness=IMPATIENT, sleep=SleepSettings(idle_timeout_s=60.0)))
+    await bus.models.put(subjects.model_token("org/m"), ModelSpec(
+        key="org/m", path="org/m", weight_bytes=GIB, measured_serving_bytes=6 * GIB,
+        fairness=FairnessSettings(max_wait_s=120.0)))
+    await _serving(bus, "org/x", "x1", {0: 8 * GIB})
+    reply = await scheduler.ensure("org/m")
+    assert reply.status == "waking", reply
+
+    async def intent_written() -> bool:
+        return any(i.model == "org/m" for i in (await _gpu(bus, 0)).intents)
+
+    await _until(intent_written, "m's intent")
+    # ...and nobody asks again (every waiting request went away): the wake is cancelled.
+
+    async def cancelled() -> bool:
+        return scheduler.wakes.phase_of("org/m") is None
+
+    await _until(cancelled, "the wake to be cancelled")
+    assert (await _gpu(bus, 0)).intents == []
+    assert await _replicas(bus, "org/m") == {} and [verb for verb, _ in node.log] == [], "nothing was preempted"
+    assert 'outcome="cancelled"' in scheduler.metrics.render()
