@@ -34,6 +34,8 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from shoal.shared.placement.fairness import is_idle
 from shoal.shared.placement.plan import PlacementPlan
 from shoal.shared.placement.planner import ClusterPlanner, order_demands
@@ -89,7 +91,7 @@ class Simulator:
         self.policy = policy
         self.timing = timing
         self.config = cluster.placement
-        self.state = ClusterState(cluster.num_nodes, cluster.gpus_per_node, cluster.gpu_memory_bytes,
+        self.state = ClusterState(cluster.get_gpus_by_node(), cluster.gpu_memory_bytes,
                                   int(cluster.cpu_ram_bytes * self.config.warm_cache_fraction))
         self.rng = random.Random(scenario.seed)
         self.now = 0.0
@@ -99,7 +101,7 @@ class Simulator:
         """Counts every change that can let a claim succeed that failed before (memory released,
         an intent dropped): a claim retried with nothing changed is known to fail again."""
         self.events: list[LoggedEvent] | None = [] if record_events else None
-        self.metrics = Metrics(len(trace), cluster.num_gpus, cluster.num_gpus * cluster.gpu_memory_bytes,
+        self.metrics = Metrics(len(trace), cluster.total_gpus, cluster.total_gpus * cluster.gpu_memory_bytes,
                                trace.duration_s)
         groups = {key: group for group in scenario.models for key in group.model_keys()}
         self.models: list[SimModel] = []
@@ -156,8 +158,8 @@ class Simulator:
                 self.metrics.fail(request, "unserved")
             if model.starved_since is not None:
                 self.metrics.waits_s.append(self.now - model.starved_since)
-        result = self.metrics.summarize(self.policy.name, slo_ttft_s=self.scenario.slo.ttft_s,
-                                        slo_attainment=self.scenario.slo.attainment)
+        tail_models = np.array([not m.group.fairness.popular for m in self.models], dtype=bool)
+        result = self.metrics.summarize(self.policy.name, trace.model, tail_models, self.scenario.slo)
         return _with_costs(result, time.perf_counter() - started, self.policy_s, self.num_passes)
 
     def push(self, when: float, kind: int, a: object = None, b: object = None) -> None:
@@ -288,11 +290,12 @@ class Simulator:
                  full_nodes: Collection[int] | None = None, listed_models: Collection[str] = (),
                  commit: bool = True) -> PlacementPlan | None:
         """One placement pass: snapshot, planner, `operate`; its plan committed and returned, or
-        (`commit=False`: a look at where things would go) nothing."""
+        (`commit=False`: a look at where things would go once leaving replicas are gone, as the
+        scheduler's `PlacementPasses.plan`) nothing."""
         started = time.perf_counter()
         now = self.now
         snapshot = self.state.build_snapshot(now, self.desired, claimant=claimant, full_nodes=full_nodes,
-                                             listed_models=listed_models)
+                                             listed_models=listed_models, leaving_is_free=not commit)
         planner = ClusterPlanner(snapshot, config=self.config, rng=self.rng, clock=lambda: now)
         operate(planner)
         plan = planner.finish() if commit else None

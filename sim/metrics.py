@@ -9,6 +9,8 @@ replica's measured bytes), as integrals and as a sampled timeline.
 Definitions used in the report (docs/simulation.md):
 
     SLO attainment     share of all requests with TTFT <= slo.ttft_s
+    tail attainment    the same over the requests for models not marked popular in the catalog
+    worst model        the lowest attainment of one model (among models with >= 10 requests)
     swaps / GPU-hour   replicas loaded after the start (restored or created) / (GPUs x hours)
     longest wait       the longest wait of any model
     memory used        time average of measured bytes held / all GPU memory
@@ -23,6 +25,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 import numpy as np
+
+from shoal.sim.scenario import SloSpec
 
 FailReason = str
 """no_victim (503: nothing may be preempted), unplaceable (no GPU for it at all),
@@ -51,6 +55,8 @@ class RunResult:
     num_requests: int
     slo_attainment: float
     meets_slo: bool
+    tail_attainment: float
+    worst_model_attainment: float
     ttft_p50_s: float
     ttft_p99_s: float
     swaps_per_gpu_hour: float
@@ -114,11 +120,23 @@ class Metrics:
         self._samples.append((now, self._reserved / total, self._used / total,
                               self.num_occupied_gpus / self.num_gpus, self.num_resident_models))
 
-    def summarize(self, policy: str, *, slo_ttft_s: float, slo_attainment: float) -> RunResult:
+    def summarize(self, policy: str, models: np.ndarray, tail_models: np.ndarray, slo: SloSpec) -> RunResult:
+        """Args:
+        models: each request's model index.
+        tail_models: per model index, True for the models not marked popular.
+        """
         self.change_memory(self.duration_s, 0, 0)
         ttft = np.frombuffer(self.ttft, dtype=np.float64)
         num = len(ttft)
-        attainment = float(np.count_nonzero(ttft <= slo_ttft_s)) / num if num else 1.0
+        met = ttft <= slo.ttft_s
+        attainment = float(np.count_nonzero(met)) / num if num else 1.0
+        is_tail = tail_models[models] if num else np.zeros(0, dtype=bool)
+        num_tail = int(np.count_nonzero(is_tail))
+        tail_attainment = float(np.count_nonzero(met & is_tail)) / num_tail if num_tail else 1.0
+        per_model = np.bincount(models, minlength=len(tail_models))
+        met_per_model = np.bincount(models[met], minlength=len(tail_models))
+        counted = per_model >= 10
+        worst = float((met_per_model[counted] / per_model[counted]).min()) if counted.any() else 1.0
         # A sample of the data (no interpolation): inf stays inf, never nan.
         p50, p99 = (float(v) for v in np.percentile(ttft, [50, 99], method="inverted_cdf")) if num else (0.0, 0.0)
         hours = self.duration_s / 3600.0
@@ -132,7 +150,9 @@ class Metrics:
             num_gpus=self.num_gpus,
             num_requests=num,
             slo_attainment=attainment,
-            meets_slo=attainment >= slo_attainment,
+            meets_slo=attainment >= slo.attainment and tail_attainment >= slo.tail_attainment,
+            tail_attainment=tail_attainment,
+            worst_model_attainment=worst,
             ttft_p50_s=p50,
             ttft_p99_s=p99,
             swaps_per_gpu_hour=loads / (self.num_gpus * hours) if hours > 0 else 0.0,

@@ -4,12 +4,15 @@ Every policy runs the same machinery (sim/engine.py, sim/wakes.py): Shoal's plac
 (`ClusterPlanner`) decides where replicas go, fairness (`select_victims`, `next_wake_step`)
 who is preempted and when, `is_idle` who sleeps. What differs is only what they are given:
 
-| policy    | memory figure            | fairness                 | idle sleep | parked to | victims        |
-|-----------|--------------------------|--------------------------|------------|-----------|----------------|
-| shoal     | measured                 | the catalog's            | catalog's  | catalog's | select_victims |
-| dedicated | whole GPUs, all popular  | never preempted          | no         | -         | none           |
-| seed      | 3x weights (seed 000)    | none                     | no         | CPU RAM   | the planner's  |
-| lru       | measured                 | none (LRU order only)    | no         | disk      | select_victims |
+| policy    | memory figure           | min runtime, fairness wait | idle sleep | parked to | target, victims          |
+|-----------|-------------------------|----------------------------|------------|-----------|--------------------------|
+| shoal     | measured                | the catalog's              | catalog's  | catalog's | planner, select_victims  |
+| dedicated | whole GPUs              | never preempted            | no         | -         | none                     |
+| seed      | 3x weights (seed 000)   | none                       | no         | CPU RAM   | the planner's evictions  |
+| lru       | measured                | none                       | no         | disk      | least recently used GPU  |
+
+All but ``dedicated`` keep the catalog's ``popular`` flag: seed 000 never evicts a
+"dedicated" deployment, llama-swap keeps a ``persistent`` group loaded.
 
 * ``dedicated``: one model per GPU (or per whole GPUs for a model larger than one): every
   model's replicas placed at the start, never moved; a model that finds no GPU is unserved.
@@ -19,10 +22,11 @@ who is preempted and when, `is_idle` who sleeps. What differs is only what they 
   minimum runtime, no fairness wait, no idle sleep. Departure: seed 000 shuffles GPUs and
   takes the first that fits; we keep Shoal's best fit (random only among exact ties),
   which packs tighter: the comparison favours the baseline.
-* ``lru``: llama-swap / Ollama-like swapping: a model that does not fit evicts the least
-  recently used replicas of the GPU it goes to, at once (no minimum runtime, no fairness
-  wait), and stays until evicted (no idle timeout); evicted weights are dropped (a wake
-  reloads from disk). It keeps Shoal's packing by measured memory.
+* ``lru``: llama-swap / Ollama-like swapping: a model that does not fit goes to the GPU
+  whose memory it needs was used least recently, and evicts those replicas (least recently
+  used first) at once: no minimum runtime, no fairness wait; models stay until evicted (no
+  idle timeout); evicted weights are dropped (a wake reloads from disk). It keeps Shoal's
+  packing by measured memory. (A model spanning GPUs goes where the planner says.)
 """
 
 from __future__ import annotations
@@ -37,7 +41,6 @@ from shoal.shared.placement.memory_figure import MemoryFigure, get_memory_figure
 from shoal.shared.placement.snapshot import ModelDemand
 from shoal.sim.scenario import ModelGroup, PolicyName
 
-NO_FAIRNESS = FairnessSettings(min_runtime_s=0.0, max_wait_s=0.0, popular=False)
 NEVER_PREEMPTED = FairnessSettings(min_runtime_s=0.0, max_wait_s=0.0, popular=True)
 
 
@@ -51,14 +54,16 @@ class Policy:
     fairness: Literal["catalog", "none", "never"]
     idle_sleep: bool
     park: Literal["catalog", "warm", "cold"]
-    victims: Literal["fair", "planner", "none"]
+    victims: Literal["fair", "planner", "lru", "none"]
     refill: bool
     """The reconciler refills a model short of its desired replicas where it fits (Shoal)."""
 
     def get_fairness(self, group: ModelGroup) -> FairnessSettings:
         if self.fairness == "catalog":
             return group.fairness
-        return NO_FAIRNESS if self.fairness == "none" else NEVER_PREEMPTED
+        if self.fairness == "none":
+            return FairnessSettings(min_runtime_s=0.0, max_wait_s=0.0, popular=group.fairness.popular)
+        return NEVER_PREEMPTED
 
     def parks_warm(self, group: ModelGroup) -> bool:
         """Whether a replica of `group` going to sleep keeps its weights in CPU RAM."""
@@ -99,5 +104,5 @@ POLICIES: dict[PolicyName, Policy] = {
     "shoal": Policy("shoal", "Shoal", "measured", "catalog", True, "catalog", "fair", True),
     "dedicated": Policy("dedicated", "one model per GPU", "whole_gpus", "never", False, "warm", "none", False),
     "seed": Policy("seed", "seed heuristic (3x)", "factor", "none", False, "warm", "planner", False),
-    "lru": Policy("lru", "LRU swapping", "measured", "none", False, "cold", "fair", False),
+    "lru": Policy("lru", "LRU swapping", "measured", "none", False, "cold", "lru", False),
 }

@@ -39,13 +39,14 @@ def _percent(value: float, digits: int = 1) -> str:
 
 
 def _figures(result: RunResult) -> list[str]:
-    return [_percent(result.slo_attainment, 2), _seconds(result.ttft_p50_s), _seconds(result.ttft_p99_s),
+    return [_percent(result.slo_attainment, 2), _percent(result.tail_attainment, 1),
+            _percent(result.worst_model_attainment, 1), _seconds(result.ttft_p50_s), _seconds(result.ttft_p99_s),
             f"{result.swaps_per_gpu_hour:.2f}", _seconds(result.longest_wait_s),
             f"{_percent(result.memory_used_fraction)} / {_percent(result.memory_reserved_fraction)}"]
 
 
-FIGURE_HEADERS = ["SLO attainment", "TTFT p50", "TTFT p99", "swaps / GPU-hour", "longest model wait",
-                  "GPU memory used / reserved"]
+FIGURE_HEADERS = ["SLO attainment", "tail", "worst model", "TTFT p50", "TTFT p99", "swaps / GPU-hour",
+                  "longest model wait", "GPU memory used / reserved"]
 
 
 def render_table(searches: Sequence[PolicySearch]) -> str:
@@ -85,7 +86,9 @@ def render_report(scenario: Scenario, trace: Trace, searches: Sequence[PolicySea
         lines += [scenario.description.strip(), ""]
     lines += [f"{len(trace.model_keys)} models, {len(trace):,} requests over {trace.duration_s / 3600:.1f} h; "
               f"nodes of {gpus_per_node} GPUs x {scenario.cluster.gpu_memory_bytes / (1 << 30):.0f} GiB; "
-              f"SLO: TTFT <= {scenario.slo.ttft_s:g} s for {_percent(scenario.slo.attainment, 1)} of the requests.",
+              f"SLO: TTFT <= {scenario.slo.ttft_s:g} s for {_percent(scenario.slo.attainment, 1)} of the requests"
+              + (f" and {_percent(scenario.slo.tail_attainment, 0)} of the tail's (models not marked popular)."
+                 if scenario.slo.tail_attainment else "."),
               "", render_table(searches), ""]
     shoal = next((s for s in searches if s.policy == "shoal" and s.required), None)
     if shoal is not None and shoal.required is not None:

@@ -46,11 +46,14 @@ def _check(checks: tuple[tuple[bool, str], ...]) -> None:
 
 
 class ClusterSpec(Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
-    """``[cluster]``: identical nodes."""
+    """``[cluster]``: identical nodes (the last one may hold fewer GPUs)."""
 
     num_nodes: int = 16
-    """Nodes; the GPU-count search varies this (GPUs = num_nodes x gpus_per_node)."""
     gpus_per_node: int = 8
+    num_gpus: int = 0
+    """0: num_nodes x gpus_per_node. Otherwise the cluster has this many GPUs, on
+    ceil(num_gpus / gpus_per_node) nodes, the last holding the rest (the GPU-count search
+    sets it)."""
     gpu_memory_bytes: int = 80 * GiB
     cpu_ram_bytes: int = 2048 * GiB
     """Host RAM of one node; ``placement.warm_cache_fraction`` of it holds parked (WARM) weights."""
@@ -60,12 +63,18 @@ class ClusterSpec(Struct, frozen=True, forbid_unknown_fields=True, kw_only=True)
     def __post_init__(self) -> None:
         _check(((self.num_nodes >= 1, "num_nodes must be >= 1"),
                 (self.gpus_per_node >= 1, "gpus_per_node must be >= 1"),
+                (self.num_gpus >= 0, "num_gpus must be >= 0"),
                 (self.gpu_memory_bytes > 0, "gpu_memory_bytes must be > 0"),
                 (self.cpu_ram_bytes >= 0, "cpu_ram_bytes must be >= 0")))
 
     @property
-    def num_gpus(self) -> int:
-        return self.num_nodes * self.gpus_per_node
+    def total_gpus(self) -> int:
+        return self.num_gpus or self.num_nodes * self.gpus_per_node
+
+    def get_gpus_by_node(self) -> list[int]:
+        """GPUs of each node: full nodes, then the rest."""
+        full, rest = divmod(self.total_gpus, self.gpus_per_node)
+        return [self.gpus_per_node] * full + ([rest] if rest else [])
 
 
 class ModelGroup(Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -253,27 +262,31 @@ class TraceSpec(Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
 
 
 class SloSpec(Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
-    """``[slo]``: met when at least `attainment` of all requests get a first token within `ttft_s`."""
+    """``[slo]``: met when at least `attainment` of all requests get a first token within
+    `ttft_s`, and at least `tail_attainment` of the requests for models not marked popular."""
 
     ttft_s: float = 2.0
     attainment: float = 0.99
+    tail_attainment: float = 0.0
+    """0: no condition on the tail (its requests may be the 1% that miss)."""
 
     def __post_init__(self) -> None:
-        _check(((self.ttft_s > 0, "ttft_s must be > 0"), (0 < self.attainment <= 1, "attainment must be in (0, 1]")))
+        _check(((self.ttft_s > 0, "ttft_s must be > 0"), (0 < self.attainment <= 1, "attainment must be in (0, 1]"),
+                (0 <= self.tail_attainment <= 1, "tail_attainment must be in [0, 1]")))
 
 
 class SearchSpec(Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
-    """``[search]``: node counts tried per policy. A grid from `min_nodes` to `max_nodes`
-    (plotted), then bisection between the grid's last miss and first hit."""
+    """``[search]``: GPU counts tried per policy. A grid from `min_gpus` to `max_gpus`
+    (plotted), then bisection, to the GPU, between the grid's last miss and first hit."""
 
-    min_nodes: int = 1
-    max_nodes: int = 0
-    """0: enough for one GPU per replica of every model (one model per GPU always fits)."""
-    num_grid_points: int = 6
+    min_gpus: int = 1
+    max_gpus: int = 0
+    """0: one GPU per replica of every model (what one model per GPU needs)."""
+    num_grid_points: int = 8
 
     def __post_init__(self) -> None:
-        _check(((self.min_nodes >= 1, "min_nodes must be >= 1"),
-                (self.max_nodes == 0 or self.max_nodes >= self.min_nodes, "max_nodes must be 0 or >= min_nodes"),
+        _check(((self.min_gpus >= 1, "min_gpus must be >= 1"),
+                (self.max_gpus == 0 or self.max_gpus >= self.min_gpus, "max_gpus must be 0 or >= min_gpus"),
                 (self.num_grid_points >= 2, "num_grid_points must be >= 2")))
 
 
@@ -300,17 +313,22 @@ class Scenario(Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
                 (bool(self.policies), "policies must not be empty"),
                 (len(set(self.policies)) == len(self.policies), "policies: each at most once")))
 
-    def get_max_nodes(self) -> int:
-        """The search's upper bound: `search.max_nodes`, else room for one GPU per replica."""
-        if self.search.max_nodes:
-            return self.search.max_nodes
+    def get_max_gpus(self) -> int:
+        """The search's upper bound: `search.max_gpus`, else one GPU (or more, for a model
+        larger than one) per replica of every model."""
+        if self.search.max_gpus:
+            return self.search.max_gpus
         gpu_bytes = self.cluster.gpu_memory_bytes
         num_gpus = sum(g.count * max(1, g.replicas) * max(g.num_gpus, math.ceil(g.measured_bytes / gpu_bytes))
                        for g in self.models)
-        return max(self.search.min_nodes, math.ceil(num_gpus / self.cluster.gpus_per_node))
+        return max(self.search.min_gpus, num_gpus)
 
-    def with_nodes(self, num_nodes: int) -> Scenario:
-        return msgspec.structs.replace(self, cluster=msgspec.structs.replace(self.cluster, num_nodes=num_nodes))
+    def with_gpus(self, num_gpus: int) -> Scenario:
+        """The same scenario on a cluster of `num_gpus` GPUs."""
+        cluster = self.cluster
+        num_nodes = math.ceil(num_gpus / cluster.gpus_per_node)
+        return msgspec.structs.replace(self, cluster=msgspec.structs.replace(cluster, num_nodes=num_nodes,
+                                                                             num_gpus=num_gpus))
 
 
 def load_scenario(path: str | Path) -> Scenario:

@@ -1,7 +1,7 @@
 """How many GPUs each policy needs to meet the SLO, by simulating it at several cluster sizes.
 
-For each policy: a grid of node counts from `search.min_nodes` to the upper bound (room for
-one GPU per replica of every model, unless `search.max_nodes` says), then bisection between
+For each policy: a grid of GPU counts from `search.min_gpus` to the upper bound (one GPU per
+replica of every model, unless `search.max_gpus` says), then bisection, to the GPU, between
 the grid's largest size that misses the target and the smallest that meets it. Every run is
 kept (the attainment-vs-GPUs plot shows them all). SLO attainment is assumed to grow with
 the cluster; the table reports the smallest size found that meets it.
@@ -23,31 +23,31 @@ Progress = Callable[[RunResult], None]
 
 @dataclass
 class PolicySearch:
-    """Every run of one policy, by node count, and the smallest count that met the SLO."""
+    """Every run of one policy, by GPU count, and the smallest count that met the SLO."""
 
     policy: PolicyName
     runs: dict[int, RunResult] = field(default_factory=dict)
-    required_nodes: int | None = None
+    required_gpus: int | None = None
 
     @property
     def required(self) -> RunResult | None:
-        return None if self.required_nodes is None else self.runs[self.required_nodes]
+        return None if self.required_gpus is None else self.runs[self.required_gpus]
 
     def sorted_runs(self) -> list[RunResult]:
         return [self.runs[n] for n in sorted(self.runs)]
 
 
-def get_grid(min_nodes: int, max_nodes: int, num_points: int) -> list[int]:
-    """`num_points` node counts spread evenly from `min_nodes` to `max_nodes` (fewer when the
-    range is narrow), ascending."""
-    if max_nodes <= min_nodes:
-        return [min_nodes]
-    step = (max_nodes - min_nodes) / (num_points - 1)
-    return sorted({round(min_nodes + i * step) for i in range(num_points)})
+def get_grid(low: int, high: int, num_points: int) -> list[int]:
+    """`num_points` counts spread evenly from `low` to `high` (fewer when the range is narrow),
+    ascending."""
+    if high <= low:
+        return [low]
+    step = (high - low) / (num_points - 1)
+    return sorted({round(low + i * step) for i in range(num_points)})
 
 
-def run_once(scenario: Scenario, trace: Trace, policy: PolicyName, num_nodes: int) -> RunResult:
-    return Simulator(scenario.with_nodes(num_nodes), trace, POLICIES[policy]).run()
+def run_once(scenario: Scenario, trace: Trace, policy: PolicyName, num_gpus: int) -> RunResult:
+    return Simulator(scenario.with_gpus(num_gpus), trace, POLICIES[policy]).run()
 
 
 def search_policy(scenario: Scenario, trace: Trace, policy: PolicyName, *,
@@ -55,40 +55,40 @@ def search_policy(scenario: Scenario, trace: Trace, policy: PolicyName, *,
     """The grid, then bisection (see the module doc)."""
     search = PolicySearch(policy)
 
-    def run(num_nodes: int) -> bool:
-        if num_nodes not in search.runs:
-            result = run_once(scenario, trace, policy, num_nodes)
-            search.runs[num_nodes] = result
+    def run(num_gpus: int) -> bool:
+        if num_gpus not in search.runs:
+            result = run_once(scenario, trace, policy, num_gpus)
+            search.runs[num_gpus] = result
             if progress is not None:
                 progress(result)
-        return search.runs[num_nodes].meets_slo
+        return search.runs[num_gpus].meets_slo
 
-    grid = get_grid(scenario.search.min_nodes, scenario.get_max_nodes(), scenario.search.num_grid_points)
+    grid = get_grid(scenario.search.min_gpus, scenario.get_max_gpus(), scenario.search.num_grid_points)
     first_met = next((n for n in grid if run(n)), None)
     if first_met is None:
         return search
     below = [n for n in grid if n < first_met]
-    low, high = (below[-1] if below else scenario.search.min_nodes - 1), first_met
+    low, high = (below[-1] if below else scenario.search.min_gpus - 1), first_met
     while high - low > 1:
         middle = (low + high) // 2
         if run(middle):
             high = middle
         else:
             low = middle
-    search.required_nodes = high
+    search.required_gpus = high
     return search
 
 
 def compare(scenario: Scenario, trace: Trace, policies: Sequence[PolicyName] | None = None, *,
-            num_nodes: int | None = None, progress: Progress | None = None) -> list[PolicySearch]:
-    """Every policy of the scenario, searched (or run once at `num_nodes`)."""
+            num_gpus: int | None = None, progress: Progress | None = None) -> list[PolicySearch]:
+    """Every policy of the scenario, searched (or run once at `num_gpus`)."""
     searches = []
     for policy in policies or scenario.policies:
-        if num_nodes is None:
+        if num_gpus is None:
             searches.append(search_policy(scenario, trace, policy, progress=progress))
             continue
-        result = run_once(scenario, trace, policy, num_nodes)
+        result = run_once(scenario, trace, policy, num_gpus)
         if progress is not None:
             progress(result)
-        searches.append(PolicySearch(policy, {num_nodes: result}, num_nodes if result.meets_slo else None))
+        searches.append(PolicySearch(policy, {num_gpus: result}, num_gpus if result.meets_slo else None))
     return searches

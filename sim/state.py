@@ -3,7 +3,7 @@
 What the real scheduler reads from its KV buckets, the simulator keeps in memory, and
 builds the same policy inputs from (`services/scheduler/records.py` does it from records):
 
-    SimGpu        total bytes; bytes held by HOT replicas (loading, serving) and by leaving
+    SimGpu        one GPU (numbered across the cluster: a "slot"): total bytes; bytes held by HOT replicas (loading, serving) and by leaving
                   ones (draining, parking or stopping: pinned, nothing evicts them); intents
     SimReplica    LOADING -> SERVING -> DRAINING -> RELEASING -> WARM (parked) or gone (COLD)
     SimModel      its replicas, its request queue, its wake, its desired count
@@ -27,7 +27,7 @@ it, since it only reads free bytes there, and the model's own replicas
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Collection, Iterable
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from shoal.shared.model_settings import FairnessSettings
@@ -141,14 +141,23 @@ class SimGpu:
 class ClusterState:
     """GPUs, nodes' CPU RAM and every replica, with the conversions to the policy's types."""
 
-    def __init__(self, num_nodes: int, gpus_per_node: int, gpu_bytes: int, cpu_cache_bytes: int) -> None:
+    def __init__(self, gpus_by_node: Sequence[int], gpu_bytes: int, cpu_cache_bytes: int) -> None:
+        """Args:
+        gpus_by_node: how many GPUs each node has.
+        gpu_bytes: each GPU's memory.
+        cpu_cache_bytes: each node's CPU RAM for parked (WARM) replicas.
+        """
+        num_nodes = len(gpus_by_node)
         self.num_nodes = num_nodes
-        self.gpus_per_node = gpus_per_node
         self.node_ids = tuple(f"node-{pos:04d}" for pos in range(num_nodes))
         self.pos_by_node_id = {node_id: pos for pos, node_id in enumerate(self.node_ids)}
+        self.first_slot = [sum(gpus_by_node[:pos]) for pos in range(num_nodes)]
+        """Cluster-wide number of each node's GPU 0."""
         self.gpus = [SimGpu(pos, index, f"{self.node_ids[pos]}.{index}", gpu_bytes)
-                     for pos in range(num_nodes) for index in range(gpus_per_node)]
-        self.gpu_totals = dict.fromkeys(range(gpus_per_node), gpu_bytes)
+                     for pos in range(num_nodes) for index in range(gpus_by_node[pos])]
+        totals = {count: dict.fromkeys(range(count), gpu_bytes) for count in set(gpus_by_node)}
+        self.gpu_totals = [totals[count] for count in gpus_by_node]
+        """Per node: GPU index -> total bytes."""
         self.cpu_cache_bytes = cpu_cache_bytes
         self.replicas: dict[str, SimReplica] = {}
         """Every replica that is not COLD."""
@@ -156,13 +165,14 @@ class ClusterState:
         self.slot_by_key = {gpu.key: slot for slot, gpu in enumerate(self.gpus)}
 
     def get_slots(self, node: int, gpu_bytes: Iterable[int]) -> tuple[int, ...]:
-        return tuple(node * self.gpus_per_node + index for index in gpu_bytes)
+        first = self.first_slot[node]
+        return tuple(first + index for index in gpu_bytes)
 
     # ------------------------------------------------------------------ the policy's view
 
     def build_snapshot(self, now: float, desired: dict[str, int], *, claimant: str | None = None,
-                       full_nodes: Collection[int] | None = None,
-                       listed_models: Collection[str] = ()) -> ClusterSnapshot:
+                       full_nodes: Collection[int] | None = None, listed_models: Collection[str] = (),
+                       leaving_is_free: bool = False) -> ClusterSnapshot:
         """The cluster as placement sees it (see the module doc).
 
         Args:
@@ -171,16 +181,17 @@ class ClusterState:
             full_nodes: nodes given with every replica; None: all of them.
             listed_models: the models whose replicas the other nodes list (the ones the pass
                 places); everything else there is pinned bytes.
+            leaving_is_free: count what leaving replicas hold as free (where a wake could go
+                once they are released; never for a pass that commits).
         """
-        gpus_per_node = self.gpus_per_node
         nodes = []
         for pos, node_id in enumerate(self.node_ids):
             full = full_nodes is None or pos in full_nodes
             pinned: dict[int, int] = {}
-            first = pos * gpus_per_node
-            for index in range(gpus_per_node):
+            first = self.first_slot[pos]
+            for index in range(len(self.gpu_totals[pos])):
                 gpu = self.gpus[first + index]
-                num_bytes = gpu.leaving_bytes
+                num_bytes = 0 if leaving_is_free else gpu.leaving_bytes
                 if not full:
                     num_bytes += gpu.hot_bytes
                 if gpu.intents:
@@ -199,7 +210,7 @@ class ClusterState:
                         for index, num_bytes in replica.gpu_bytes.items():
                             pinned[index] -= num_bytes
                 replicas.append(self._replica_snapshot(replica, now))
-            nodes.append(NodeSnapshot(node_id, self.gpu_totals, self.cpu_cache_bytes, tuple(replicas),
+            nodes.append(NodeSnapshot(node_id, self.gpu_totals[pos], self.cpu_cache_bytes, tuple(replicas),
                                       {i: b for i, b in pinned.items() if b}))
         return ClusterSnapshot(tuple(nodes), desired)
 

@@ -12,6 +12,7 @@
                                                                            `next_wake_step`
     victims: `select_victims` on the target GPUs (the seed baseline: the planner's own
              evictions)  ──none──▶ blocked, as above
+             (the lru baseline's target: the GPU whose victims were used least recently)
     a pass puts them to sleep (`sleep_replica`, reason preempted); they drain and park or stop
     claim every 0.5 s until placed, or blocked after the victims' drain timeout + 60 s
 
@@ -25,7 +26,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
-from shoal.shared.placement.fairness import NoVictim, Victims, next_wake_step, select_victims
+from shoal.shared.placement.fairness import NoVictim, OccupantView, Victims, next_wake_step, select_victims
+from shoal.shared.placement.node_eval import get_single_gpu_allocation
 from shoal.shared.placement.planner import ClusterPlanner
 from shoal.shared.placement.snapshot import CandidateLevel
 from shoal.sim.state import SERVING, WAKE, SimModel
@@ -165,6 +167,10 @@ class WakeCoordinator:
         """The GPUs the planner would place the model on if it could evict what fairness lets it."""
         sim = self.sim
         model = wake.model
+        if sim.policy.victims == "lru" and wake.num_replicas == 1:
+            target = self._find_lru_target(model)
+            if target is not None:
+                return target
         demand = sim.get_demand(model, max(model.desired, wake.num_replicas))
         offers = []
         sim.run_pass(lambda planner: offers.extend(planner.ensure(demand, allow_evictions=True)),
@@ -184,6 +190,35 @@ class WakeCoordinator:
             wake.planner_victims = tuple(victims)
             return need
         return self._explain_nowhere(model)
+
+    def _find_lru_target(self, model: SimModel) -> dict[int, int] | NoVictim | None:
+        """The lru baseline's target for one single-GPU replica: the GPU where the replicas to
+        evict (`select_victims`: least recently used first) were used least recently; then
+        fewer victims, then best fit. None for a model that needs several GPUs."""
+        sim = self.sim
+        state, now, key = sim.state, sim.now, model.key
+        shape = get_single_gpu_allocation(model.demand, state.gpus[0].total_bytes, sim.config)
+        if shape is None:
+            return None
+        alloc_bytes = shape[1]
+        views: dict[str, list[OccupantView]] = {}
+        for view in state.get_occupant_views(range(len(state.gpus)), now):
+            views.setdefault(view.gpu_key, []).append(view)
+        best: tuple[float, int, int, int] | None = None
+        for slot, gpu in enumerate(state.gpus):
+            deficit = alloc_bytes - state.get_available_bytes(slot, key, now)
+            choice = select_victims(views.get(gpu.key, ()), {gpu.key: deficit}, key, now)
+            if isinstance(choice, NoVictim):
+                continue
+            newest = max((v.last_accessed for v in views.get(gpu.key, ()) if v.replica_id in choice.replica_ids),
+                         default=float("-inf"))
+            room_bytes = sum(choice.freed_bytes_by_gpu.values()) - deficit
+            candidate = (newest, len(choice.replica_ids), room_bytes, slot)
+            if best is None or candidate < best:
+                best = candidate
+        if best is None:
+            return self._explain_nowhere(model)
+        return {best[3]: alloc_bytes}
 
     def _choose_victims(self, wake: Wake) -> Victims | NoVictim:
         sim = self.sim
