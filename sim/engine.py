@@ -31,7 +31,7 @@ import itertools
 import random
 import time
 from collections.abc import Callable, Collection
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -124,6 +124,7 @@ class Simulator:
         self._refill_at: float | None = None
         self._refill_epoch = -1
         self._starting = False
+        self.snapshot_s = 0.0
         self.policy_s = 0.0
         self.num_passes = 0
 
@@ -160,7 +161,8 @@ class Simulator:
                 self.metrics.waits_s.append(self.now - model.starved_since)
         tail_models = np.array([not m.group.fairness.popular for m in self.models], dtype=bool)
         result = self.metrics.summarize(self.policy.name, trace.model, tail_models, self.scenario.slo)
-        return _with_costs(result, time.perf_counter() - started, self.policy_s, self.num_passes)
+        return replace(result, wall_s=time.perf_counter() - started, snapshot_s=self.snapshot_s,
+                       policy_s=self.policy_s, num_passes=self.num_passes)
 
     def push(self, when: float, kind: int, a: object = None, b: object = None) -> None:
         heapq.heappush(self.heap, (when, next(self._seq), kind, a, b))
@@ -296,10 +298,12 @@ class Simulator:
         now = self.now
         snapshot = self.state.build_snapshot(now, self.desired, claimant=claimant, full_nodes=full_nodes,
                                              listed_models=listed_models, leaving_is_free=not commit)
+        built = time.perf_counter()
         planner = ClusterPlanner(snapshot, config=self.config, rng=self.rng, clock=lambda: now)
         operate(planner)
         plan = planner.finish() if commit else None
-        self.policy_s += time.perf_counter() - started
+        self.snapshot_s += built - started
+        self.policy_s += time.perf_counter() - built
         self.num_passes += 1
         if plan is not None:
             self.commit(plan)
@@ -532,12 +536,4 @@ def _pick(model: SimModel, kv_tokens: int) -> SimReplica | None:
 
 
 def _with_desired(demand: Any, desired_replicas: int) -> Any:
-    from dataclasses import replace
-
     return replace(demand, desired_replicas=desired_replicas)
-
-
-def _with_costs(result: RunResult, wall_s: float, policy_s: float, num_passes: int) -> RunResult:
-    from dataclasses import replace
-
-    return replace(result, wall_s=wall_s, policy_s=policy_s, num_passes=num_passes)

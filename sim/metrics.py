@@ -66,8 +66,10 @@ class RunResult:
     counters: dict[str, int]
     timeline: Timeline
     wall_s: float = 0.0
+    snapshot_s: float = 0.0
+    """Wall time spent building the policy's input (the simulator's `records.build_snapshot`)."""
     policy_s: float = 0.0
-    """Wall time spent inside policy passes (snapshot, planner, plan)."""
+    """Wall time spent in the placement policy: planner built, its operations, its plan."""
     num_passes: int = 0
 
     def to_dict(self) -> dict[str, object]:

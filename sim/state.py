@@ -78,6 +78,7 @@ class SimReplica:
         self.gpu_bytes = gpu_bytes
         self.slots = slots
         self.state = LOADING
+        self.kv_capacity = get_kv_capacity(self.model, sum(gpu_bytes.values()))
         self.kv_free = self.kv_capacity
         num_gpus = max(1, len(slots))
         self.prefill_s_per_token = self.model.prefill_s_per_token / num_gpus
@@ -87,6 +88,20 @@ class SimReplica:
         replicas take turns on it (`SimGpu.busy_share`)."""
         self.prefill_free_at = 0.0
         self.serving_since = 0.0
+
+
+def get_kv_capacity(model: SimModel, reserved_bytes: int) -> int:
+    """KV tokens a replica holding `reserved_bytes` gets: its model's budget, or less when the
+    policy reserved less than the model's measured memory (the seed's 3x guess can): the
+    engine sizes its KV pool to the memory it is given, so the pool shrinks in proportion."""
+    group = model.group
+    if reserved_bytes >= group.measured_bytes:
+        return model.kv_capacity
+    kv_bytes = group.measured_bytes - group.raw_weight_bytes
+    room_bytes = reserved_bytes - group.raw_weight_bytes
+    if kv_bytes <= 0 or room_bytes <= 0:
+        return 1
+    return max(1, int(model.kv_capacity * room_bytes / kv_bytes))
 
 
 @dataclass(eq=False)
@@ -162,7 +177,14 @@ class ClusterState:
         self.replicas: dict[str, SimReplica] = {}
         """Every replica that is not COLD."""
         self.replica_ids_by_node: list[set[str]] = [set() for _ in range(num_nodes)]
+        self.models_by_node: list[dict[str, int]] = [{} for _ in range(num_nodes)]
+        """Per node: model key -> its replicas there (any state)."""
         self.slot_by_key = {gpu.key: slot for slot, gpu in enumerate(self.gpus)}
+        self._node_versions = [0] * num_nodes
+        """Per node: bumped whenever bytes held on one of its GPUs change."""
+        self._light_nodes: list[tuple[int, bool, NodeSnapshot] | None] = [None] * num_nodes
+        """Per node: its last light snapshot with no replica listed and no intent, and what it
+        was built from (version, leaving_is_free): reused while they still hold."""
 
     def get_slots(self, node: int, gpu_bytes: Iterable[int]) -> tuple[int, ...]:
         first = self.first_slot[node]
@@ -185,8 +207,16 @@ class ClusterState:
                 once they are released; never for a pass that commits).
         """
         nodes = []
+        gpus = self.gpus
         for pos, node_id in enumerate(self.node_ids):
             full = full_nodes is None or pos in full_nodes
+            if not full:
+                first, num_gpus = self.first_slot[pos], len(self.gpu_totals[pos])
+                models_here = self.models_by_node[pos]
+                if not any(gpus[slot].intents for slot in range(first, first + num_gpus)) and not any(
+                        key in models_here for key in listed_models):
+                    nodes.append(self._get_light_node(pos, leaving_is_free))
+                    continue
             pinned: dict[int, int] = {}
             first = self.first_slot[pos]
             for index in range(len(self.gpu_totals[pos])):
@@ -213,6 +243,23 @@ class ClusterState:
             nodes.append(NodeSnapshot(node_id, self.gpu_totals[pos], self.cpu_cache_bytes, tuple(replicas),
                                       {i: b for i, b in pinned.items() if b}))
         return ClusterSnapshot(tuple(nodes), desired)
+
+    def _get_light_node(self, pos: int, leaving_is_free: bool) -> NodeSnapshot:
+        """A node with nothing listed: its GPUs' held bytes, all pinned (cached per version)."""
+        version = self._node_versions[pos]
+        cached = self._light_nodes[pos]
+        if cached is not None and cached[0] == version and cached[1] == leaving_is_free:
+            return cached[2]
+        first = self.first_slot[pos]
+        pinned = {}
+        for index in range(len(self.gpu_totals[pos])):
+            gpu = self.gpus[first + index]
+            num_bytes = gpu.hot_bytes + (0 if leaving_is_free else gpu.leaving_bytes)
+            if num_bytes:
+                pinned[index] = num_bytes
+        node = NodeSnapshot(self.node_ids[pos], self.gpu_totals[pos], self.cpu_cache_bytes, (), pinned)
+        self._light_nodes[pos] = (version, leaving_is_free, node)
+        return node
 
     def _replica_snapshot(self, replica: SimReplica, now: float) -> ReplicaSnapshot:
         fairness = replica.model.fairness
@@ -269,13 +316,20 @@ class ClusterState:
         assert replica.replica_id not in self.replicas, f"replica {replica.replica_id} exists already"
         self.replicas[replica.replica_id] = replica
         self.replica_ids_by_node[replica.node].add(replica.replica_id)
+        models = self.models_by_node[replica.node]
+        models[replica.model.key] = models.get(replica.model.key, 0) + 1
 
     def remove_replica(self, replica: SimReplica) -> None:
         del self.replicas[replica.replica_id]
         self.replica_ids_by_node[replica.node].discard(replica.replica_id)
+        models = self.models_by_node[replica.node]
+        models[replica.model.key] -= 1
+        if not models[replica.model.key]:
+            del models[replica.model.key]
 
     def hold(self, replica: SimReplica) -> None:
         """A new or restored replica reserves its GPU bytes (HOT)."""
+        self._node_versions[replica.node] += 1
         for slot, num_bytes in zip(replica.slots, replica.gpu_bytes.values(), strict=True):
             gpu = self.gpus[slot]
             gpu.hot_bytes += num_bytes
@@ -284,6 +338,7 @@ class ClusterState:
 
     def start_leaving(self, replica: SimReplica) -> None:
         """A HOT replica starts draining: its bytes stay held, pinned."""
+        self._node_versions[replica.node] += 1
         for slot, num_bytes in zip(replica.slots, replica.gpu_bytes.values(), strict=True):
             gpu = self.gpus[slot]
             gpu.hot_bytes -= num_bytes
@@ -293,6 +348,7 @@ class ClusterState:
 
     def release(self, replica: SimReplica) -> None:
         """A leaving replica's memory is given back (parked or stopped)."""
+        self._node_versions[replica.node] += 1
         for slot, num_bytes in zip(replica.slots, replica.gpu_bytes.values(), strict=True):
             gpu = self.gpus[slot]
             gpu.leaving_bytes -= num_bytes

@@ -221,3 +221,19 @@ def test_the_same_scenario_and_seed_give_the_same_results() -> None:
         assert np.array_equal(np.frombuffer(first.metrics.ttft), np.frombuffer(second.metrics.ttft))
         assert first_result.counters == second_result.counters
         assert first_result.counters.get("wakes", 0) > 0, "the scenario exercises wakes"
+
+
+def test_a_replica_given_less_than_its_measured_memory_gets_a_smaller_kv_pool() -> None:
+    """The seed's 3 x 10 GiB = 30 GiB for a model measured at 60 GiB (10 GiB of weights): its
+    engine keeps (30 - 10) / (60 - 10) = 40% of the 1,000-token KV budget; Shoal reserves the
+    measured 60 GiB and keeps it all."""
+    scenario = two_models(models=[
+        {"name": "a", "params_b": 1.0, "weight_bytes": "10GiB", "measured_bytes": "60GiB", "replicas": 1,
+         "kv_cache_tokens": 1000},
+        {"name": "b", "params_b": 1.0, "weight_bytes": "30GiB", "measured_bytes": "60GiB", "replicas": 0},
+    ])
+    trace = make_trace([(1.0, "a")])
+    for policy, kv_tokens in (("seed", 400), ("shoal", 1000)):
+        sim, _ = run(scenario, trace, policy)
+        (replica,) = [r for r in sim.state.replicas.values() if r.model.key == "a"]
+        assert replica.kv_capacity == kv_tokens
