@@ -39,6 +39,7 @@ import numpy as np
 from shoal.shared.placement.fairness import is_idle
 from shoal.shared.placement.plan import PlacementPlan
 from shoal.shared.placement.planner import ClusterPlanner, order_demands
+from shoal.shared.placement.snapshot import ModelDemand
 from shoal.sim.metrics import Metrics, RunResult
 from shoal.sim.policies import Policy
 from shoal.sim.scenario import Scenario
@@ -309,9 +310,12 @@ class Simulator:
             self.commit(plan)
         return plan
 
-    def get_demand(self, model: SimModel, desired_replicas: int) -> Any:
-        demand = model.demand
-        return demand if demand.desired_replicas == desired_replicas else _with_desired(demand, desired_replicas)
+    def get_demand(self, model: SimModel, desired_replicas: int) -> ModelDemand:
+        """The model as the planner sees it, wanting `desired_replicas` HOT replicas."""
+        demand = model.demands.get(desired_replicas)
+        if demand is None:
+            demand = model.demands[desired_replicas] = replace(model.demand, desired_replicas=desired_replicas)
+        return demand
 
     def _place_at_start(self) -> None:
         """The cluster as if it had been running: the desired replicas that fit, serving."""
@@ -534,6 +538,3 @@ def _pick(model: SimModel, kv_tokens: int) -> SimReplica | None:
             best, best_free = replica, free
     return best
 
-
-def _with_desired(demand: Any, desired_replicas: int) -> Any:
-    return replace(demand, desired_replicas=desired_replicas)

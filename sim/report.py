@@ -92,7 +92,7 @@ def render_report(scenario: Scenario, trace: Trace, searches: Sequence[PolicySea
               "", render_table(searches), ""]
     shoal = next((s for s in searches if s.policy == "shoal" and s.required), None)
     if shoal is not None and shoal.required is not None:
-        lines += [f"At the size Shoal needs ({shoal.required.num_gpus} GPUs), where the search ran them:", "",
+        lines += [f"Every policy on the GPUs Shoal needs ({shoal.required.num_gpus}):", "",
                   render_same_size_table(searches, shoal.required.num_gpus), ""]
     lines += [f"![{path.stem}]({path.name})" for path in plots]
     return "\n".join(lines) + "\n"

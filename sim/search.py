@@ -81,7 +81,8 @@ def search_policy(scenario: Scenario, trace: Trace, policy: PolicyName, *,
 
 def compare(scenario: Scenario, trace: Trace, policies: Sequence[PolicyName] | None = None, *,
             num_gpus: int | None = None, progress: Progress | None = None) -> list[PolicySearch]:
-    """Every policy of the scenario, searched (or run once at `num_gpus`)."""
+    """Every policy of the scenario, searched (or run once at `num_gpus`). After a search, every
+    other policy is also run at the size Shoal needs, for a comparison at equal size."""
     searches = []
     for policy in policies or scenario.policies:
         if num_gpus is None:
@@ -91,4 +92,12 @@ def compare(scenario: Scenario, trace: Trace, policies: Sequence[PolicyName] | N
         if progress is not None:
             progress(result)
         searches.append(PolicySearch(policy, {num_gpus: result}, num_gpus if result.meets_slo else None))
+    shoal = next((s for s in searches if s.policy == "shoal"), None)
+    if num_gpus is None and shoal is not None and shoal.required_gpus is not None:
+        for search in searches:
+            if shoal.required_gpus not in search.runs:
+                result = run_once(scenario, trace, search.policy, shoal.required_gpus)
+                search.runs[shoal.required_gpus] = result
+                if progress is not None:
+                    progress(result)
     return searches

@@ -115,7 +115,7 @@ class SimModel:
     idle_timeout_s: float
     parks_warm: bool
     demand: ModelDemand
-    """The planner's view (desired count filled in per pass)."""
+    """The planner's view (`Simulator.get_demand` fills in the desired count)."""
     kv_capacity: int
     max_num_seqs: int
     prefill_s_per_token: float
@@ -129,6 +129,8 @@ class SimModel:
     waking: bool = False
     blocked_until: float = -1.0
     blocked_reason: str = "no_victim"
+    demands: dict[int, ModelDemand] = field(default_factory=dict)
+    """`demand` by desired count, made once each."""
     starved_since: float | None = None
     """Since when requests wait with no replica serving (the model's current wait)."""
 
