@@ -11,6 +11,7 @@ Definitions used in the report (docs/simulation.md):
     SLO attainment     share of all requests with TTFT <= slo.ttft_s
     tail attainment    the same over the requests for models not marked popular in the catalog
     worst model        the lowest attainment of one model (among models with >= 10 requests)
+    unserved models    models asked for that never gave a first token (left out)
     swaps / GPU-hour   replicas loaded after the start (restored or created) / (GPUs x hours)
     longest wait       the longest wait of any model
     memory used        time average of measured bytes held / all GPU memory
@@ -57,6 +58,7 @@ class RunResult:
     meets_slo: bool
     tail_attainment: float
     worst_model_attainment: float
+    num_unserved_models: int
     ttft_p50_s: float
     ttft_p99_s: float
     swaps_per_gpu_hour: float
@@ -139,6 +141,8 @@ class Metrics:
         met_per_model = np.bincount(models[met], minlength=len(tail_models))
         counted = per_model >= 10
         worst = float((met_per_model[counted] / per_model[counted]).min()) if counted.any() else 1.0
+        served_per_model = np.bincount(models[np.isfinite(ttft)], minlength=len(tail_models))
+        num_unserved = int(np.count_nonzero((per_model > 0) & (served_per_model == 0)))
         # A sample of the data (no interpolation): inf stays inf, never nan.
         p50, p99 = (float(v) for v in np.percentile(ttft, [50, 99], method="inverted_cdf")) if num else (0.0, 0.0)
         hours = self.duration_s / 3600.0
@@ -152,9 +156,11 @@ class Metrics:
             num_gpus=self.num_gpus,
             num_requests=num,
             slo_attainment=attainment,
-            meets_slo=attainment >= slo.attainment and tail_attainment >= slo.tail_attainment,
+            meets_slo=(attainment >= slo.attainment and tail_attainment >= slo.tail_attainment
+                       and not (slo.serve_every_model and num_unserved)),
             tail_attainment=tail_attainment,
             worst_model_attainment=worst,
+            num_unserved_models=num_unserved,
             ttft_p50_s=p50,
             ttft_p99_s=p99,
             swaps_per_gpu_hour=loads / (self.num_gpus * hours) if hours > 0 else 0.0,

@@ -3,7 +3,8 @@
     table           per policy: the GPUs it needs to meet the SLO (and how many fewer than one
                     model per GPU), and its figures at that size
     same-size table every policy at the size Shoal needs
-    slo_vs_gpus.png SLO attainment against the number of GPUs, every run of the search
+    slo_vs_gpus.png requests missing the TTFT, and the tail's attainment, against the number
+                    of GPUs: every run of the search
     occupancy.png   per policy at the size it needs: GPU memory held and needed, GPUs holding
                     a replica, and the trace's request rate, over time
 
@@ -40,13 +41,14 @@ def _percent(value: float, digits: int = 1) -> str:
 
 def _figures(result: RunResult) -> list[str]:
     return [_percent(result.slo_attainment, 2), _percent(result.tail_attainment, 1),
-            _percent(result.worst_model_attainment, 1), _seconds(result.ttft_p50_s), _seconds(result.ttft_p99_s),
+            _percent(result.worst_model_attainment, 1), str(result.num_unserved_models),
+            _seconds(result.ttft_p50_s), _seconds(result.ttft_p99_s),
             f"{result.swaps_per_gpu_hour:.2f}", _seconds(result.longest_wait_s),
             f"{_percent(result.memory_used_fraction)} / {_percent(result.memory_reserved_fraction)}"]
 
 
-FIGURE_HEADERS = ["SLO attainment", "tail", "worst model", "TTFT p50", "TTFT p99", "swaps / GPU-hour",
-                  "longest model wait", "GPU memory used / reserved"]
+FIGURE_HEADERS = ["SLO attainment", "tail", "worst model", "models left out", "TTFT p50", "TTFT p99",
+                  "swaps / GPU-hour", "longest model wait", "GPU memory used / reserved"]
 
 
 def render_table(searches: Sequence[PolicySearch]) -> str:
@@ -87,8 +89,9 @@ def render_report(scenario: Scenario, trace: Trace, searches: Sequence[PolicySea
     lines += [f"{len(trace.model_keys)} models, {len(trace):,} requests over {trace.duration_s / 3600:.1f} h; "
               f"nodes of {gpus_per_node} GPUs x {scenario.cluster.gpu_memory_bytes / (1 << 30):.0f} GiB; "
               f"SLO: TTFT <= {scenario.slo.ttft_s:g} s for {_percent(scenario.slo.attainment, 1)} of the requests"
-              + (f" and {_percent(scenario.slo.tail_attainment, 0)} of the tail's (models not marked popular)."
-                 if scenario.slo.tail_attainment else "."),
+              + (f" and {_percent(scenario.slo.tail_attainment, 0)} of the tail's (models not marked popular)"
+                 if scenario.slo.tail_attainment else "")
+              + (", every model served." if scenario.slo.serve_every_model else "."),
               "", render_table(searches), ""]
     shoal = next((s for s in searches if s.policy == "shoal" and s.required), None)
     if shoal is not None and shoal.required is not None:
@@ -120,24 +123,36 @@ def plot_all(searches: Sequence[PolicySearch], trace: Trace, scenario: Scenario,
 
 
 def plot_attainment(searches: Sequence[PolicySearch], scenario: Scenario, path: Path) -> Path:
+    """Left: requests missing the TTFT target (log scale, lower is better); right: the tail's
+    requests meeting it. Every run of the search; dotted: the size each policy needs."""
     import matplotlib.pyplot as plt
 
-    figure, axis = plt.subplots(figsize=(7.5, 4.2))
+    figure, (misses, tail) = plt.subplots(1, 2, figsize=(10, 4.2))
+    floor = 0.001  # 0.001%: a run that missed nothing is drawn on the bottom edge
     for search in searches:
         runs = search.sorted_runs()
-        axis.plot([r.num_gpus for r in runs], [100 * r.slo_attainment for r in runs], marker="o", markersize=3,
-                  color=COLORS[search.policy], label=POLICIES[search.policy].label)
+        gpus = [r.num_gpus for r in runs]
+        style = {"color": COLORS[search.policy], "marker": "o", "markersize": 3, "label": POLICIES[search.policy].label}
+        misses.plot(gpus, [max(floor, 100 * (1 - r.slo_attainment)) for r in runs], **style)
+        tail.plot(gpus, [100 * r.tail_attainment for r in runs], **style)
         if search.required is not None:
-            axis.axvline(search.required.num_gpus, color=COLORS[search.policy], linewidth=0.8, linestyle=":")
-    axis.axhline(100 * scenario.slo.attainment, color="#111827", linewidth=0.8, linestyle="--",
-                 label=f"target {_percent(scenario.slo.attainment)}")
-    lowest = min((r.slo_attainment for s in searches for r in s.runs.values()), default=0.0)
-    axis.set_ylim(max(0.0, 100 * lowest - 2), 100.5)
-    axis.set_xlabel("GPUs")
-    axis.set_ylabel(f"requests with TTFT <= {scenario.slo.ttft_s:g} s (%)")
-    axis.set_title(f"SLO attainment against cluster size: {scenario.name}", fontsize=10)
-    axis.grid(alpha=0.3)
-    axis.legend(fontsize=8, loc="lower right")
+            for axis in (misses, tail):
+                axis.axvline(search.required.num_gpus, color=COLORS[search.policy], linewidth=0.8, linestyle=":")
+    misses.axhline(100 * (1 - scenario.slo.attainment), color="#111827", linewidth=0.8, linestyle="--",
+                   label=f"target: {_percent(1 - scenario.slo.attainment)} miss")
+    misses.set_yscale("log")
+    misses.set_ylabel(f"requests with TTFT > {scenario.slo.ttft_s:g} s (%)")
+    if scenario.slo.tail_attainment:
+        tail.axhline(100 * scenario.slo.tail_attainment, color="#111827", linewidth=0.8, linestyle="--",
+                     label=f"target {_percent(scenario.slo.tail_attainment, 0)}")
+    tail.set_ylim(0, 100)
+    tail.set_ylabel(f"tail requests with TTFT <= {scenario.slo.ttft_s:g} s (%)")
+    for axis in (misses, tail):
+        axis.set_xlabel("GPUs")
+        axis.grid(alpha=0.3)
+    misses.legend(fontsize=7, loc="upper right")
+    tail.legend(fontsize=7, loc="lower right")
+    figure.suptitle(f"{scenario.name}: SLO against cluster size (dotted: the size each policy needs)", fontsize=9)
     figure.tight_layout()
     figure.savefig(path, dpi=110)
     plt.close(figure)
@@ -169,9 +184,10 @@ def plot_occupancy(searches: Sequence[PolicySearch], trace: Trace, path: Path) -
         axis.set_zorder(rate.get_zorder() + 1)
         axis.patch.set_visible(False)
         axis.grid(alpha=0.3)
-    axes[0, 0].legend(fontsize=7, loc="upper left", ncol=3)
-    axes[-1, 0].set_xlabel("hours")
-    figure.tight_layout()
+    handles, labels = axes[0, 0].get_legend_handles_labels()
+    figure.legend(handles, labels, fontsize=7, loc="upper center", ncol=3)
+    axes[-1, 0].set_xlabel("hours (shaded: requests/s of the trace)")
+    figure.tight_layout(rect=(0, 0, 1, 0.97))
     figure.savefig(path, dpi=110)
     plt.close(figure)
     return path

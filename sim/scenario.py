@@ -263,12 +263,16 @@ class TraceSpec(Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
 
 class SloSpec(Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     """``[slo]``: met when at least `attainment` of all requests get a first token within
-    `ttft_s`, and at least `tail_attainment` of the requests for models not marked popular."""
+    `ttft_s`, at least `tail_attainment` of the requests for models not marked popular do,
+    and (`serve_every_model`) every model asked for answers at least one request."""
 
     ttft_s: float = 2.0
     attainment: float = 0.99
     tail_attainment: float = 0.0
     """0: no condition on the tail (its requests may be the 1% that miss)."""
+    serve_every_model: bool = True
+    """A cluster that leaves a model out entirely (no GPU for it, ever) does not meet the SLO,
+    however few requests that model gets."""
 
     def __post_init__(self) -> None:
         _check(((self.ttft_s > 0, "ttft_s must be > 0"), (0 < self.attainment <= 1, "attainment must be in (0, 1]"),

@@ -137,3 +137,20 @@ def test_compare_at_one_size_runs_each_policy_once() -> None:
                   np.array([5], dtype=np.int32), 10.0)
     searches = compare(scenario, trace, num_gpus=2)
     assert [(s.policy, list(s.runs), s.required_gpus) for s in searches] == [("shoal", [2], 2), ("lru", [2], 2)]
+
+
+def test_a_cluster_that_leaves_a_model_out_does_not_meet_the_slo(tmp_path: Path) -> None:
+    """On 3 GPUs one of the four models is never served: 75% of the requests meet the TTFT, which
+    a 70% target would accept, but not while `serve_every_model` holds."""
+    import msgspec
+
+    from shoal.sim.scenario import load_scenario
+    from shoal.sim.traces import load_trace
+
+    scenario = load_scenario(write_scenario(tmp_path))
+    trace = load_trace(scenario.trace, scenario.models, scenario.seed, tmp_path)
+    for every_model, required in ((True, 4), (False, 3)):
+        slo = msgspec.structs.replace(scenario.slo, attainment=0.7, serve_every_model=every_model)
+        (search,) = compare(msgspec.structs.replace(scenario, slo=slo), trace, ["shoal"])
+        assert search.required_gpus == required
+        assert search.runs[3].num_unserved_models == 1
