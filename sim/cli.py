@@ -1,6 +1,7 @@
 """`shoal simulate`: compare the policies on a scenario, or write its trace.
 
     shoal simulate SCENARIO                       search the GPUs each policy needs; report
+    shoal simulate default                        a shipped scenario, by name (sim/scenarios/)
     shoal simulate SCENARIO --gpus 32             one run per policy on 32 GPUs
     shoal simulate SCENARIO --write-trace t.csv   the scenario's trace as CSV, nothing run
     shoal simulate SCENARIO --azure AZ.csv --write-trace t.csv
@@ -23,7 +24,8 @@ if TYPE_CHECKING:
 
 
 def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("scenario", help="scenario file (TOML; see docs/simulation.md and sim/scenarios/)")
+    parser.add_argument("scenario", help="scenario file (TOML; see docs/simulation.md), or the name of a shipped "
+                                         "one: default, scale")
     parser.add_argument("--out", help="directory for report.md, results.json and the plots "
                                       "(default: ./simulation-<scenario file name>)")
     parser.add_argument("--policies", help="comma-separated subset of shoal,dedicated,seed,lru "
@@ -41,6 +43,16 @@ def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
                         help="with --azure: divide its arrival times by this (2: twice the rate)")
 
 
+SHIPPED = Path(__file__).resolve().parent / "scenarios"
+
+
+def find_scenario(name: str) -> Path:
+    """`name` as a path, or the shipped scenario of that name when no such file exists."""
+    path = Path(name)
+    shipped = SHIPPED / f"{name}.toml"
+    return shipped if not path.exists() and shipped.is_file() else path
+
+
 def run_simulate(args: argparse.Namespace) -> int:
     """The subcommand; 2 for a bad scenario or argument, 0 otherwise."""
     import msgspec
@@ -48,7 +60,7 @@ def run_simulate(args: argparse.Namespace) -> int:
     from shoal.sim.scenario import ALL_POLICIES, ScenarioError, load_scenario
     from shoal.sim.traces import convert_azure, get_exponent, load_trace, rank_models, write_trace_csv
 
-    path = Path(args.scenario)
+    path = find_scenario(args.scenario)
     try:
         scenario = load_scenario(path)
         policies: list[PolicyName] = list(scenario.policies)

@@ -331,6 +331,10 @@ class Simulator:
         for replica in list(self.state.replicas.values()):
             self._on_ready(replica)
             replica.serving_since = -1e9  # serving for long: past any minimum runtime
+        if self.policy.refill:  # what did not fit comes when room does, as the reconciler's refills
+            for model in self.models:
+                if model.num_active < model.desired:
+                    self._note_short(model)
 
     def commit(self, plan: PlacementPlan) -> None:
         """Carry out a plan: evictions first (victims drain), then placements (replicas load)."""

@@ -59,6 +59,8 @@ class Wake:
     claim_epoch: int = -1
     """`Simulator.memory_epoch` at the last claim that failed."""
     deadline: float = 0.0
+    """When its victims must have released their memory (drain timeout + `RELEASE_MARGIN_S`)."""
+    release_within_s: float = 0.0
 
 
 class WakeCoordinator:
@@ -102,7 +104,7 @@ class WakeCoordinator:
         sim = self.sim
         if wake.phase == "preempting" and sim.now >= wake.deadline:
             why = NoVictim(f"the preempted replicas did not release their memory within "
-                           f"{wake.deadline - wake.started_at:.0f} s", retry_after_s=5.0)
+                           f"{wake.release_within_s:.0f} s", retry_after_s=5.0)
             self._block(wake.model, wake, why, "no_victim")
             return
         if self._try_claim(wake):
@@ -139,7 +141,8 @@ class WakeCoordinator:
             sim.log("preempt", wake.model.key, " ".join(sorted(v.model.key for v in victims)))
             sim.run_pass(operate, full_nodes={victim.node for victim in victims})
         drain_s = max((v.model.group.sleep.drain_timeout_s for v in victims), default=DEFAULT_DRAIN_S)
-        wake.deadline = sim.now + drain_s + RELEASE_MARGIN_S
+        wake.release_within_s = drain_s + RELEASE_MARGIN_S
+        wake.deadline = sim.now + wake.release_within_s
         if not self._try_claim(wake):
             sim.push(sim.now + POLL_S, WAKE, wake)
 

@@ -154,3 +154,10 @@ def test_a_cluster_that_leaves_a_model_out_does_not_meet_the_slo(tmp_path: Path)
         (search,) = compare(msgspec.structs.replace(scenario, slo=slo), trace, ["shoal"])
         assert search.required_gpus == required
         assert search.runs[3].num_unserved_models == 1
+
+
+def test_a_shipped_scenario_is_found_by_name(tmp_path: Path) -> None:
+    from shoal.sim.cli import find_scenario
+
+    assert find_scenario("default").name == "default.toml" and find_scenario("default").is_file()
+    assert find_scenario(str(tmp_path / "mine.toml")) == tmp_path / "mine.toml"
