@@ -8,7 +8,7 @@ the wheel; everything else about the distribution is in pyproject.toml.
 
 from setuptools import find_packages, setup
 
-ROOTS = ("cli", "services", "shared", "kernels")
+ROOTS = ("cli", "services", "shared", "kernels", "sim")
 
 setup(
     packages=[f"shoal.{name}" for root in ROOTS for name in find_packages(include=[root, f"{root}.*"])],

@@ -10,6 +10,7 @@
     shoal status        nodes, GPUs, replicas and models
     shoal scale         set a model's desired replica count
     shoal evict         evict a model's replicas
+    shoal simulate      Shoal's policies on a simulated cluster (docs/simulation.md)
 """
 
 from __future__ import annotations
@@ -90,6 +91,11 @@ def build_parser() -> argparse.ArgumentParser:
             sub.add_argument("replicas", type=int)
         if name == "evict":
             sub.add_argument("--replica", help="the replica id (default: every replica)")
+
+    from shoal.sim.cli import add_simulate_arguments  # argparse only: numpy comes with the command
+
+    add_simulate_arguments(commands.add_parser(
+        "simulate", help="compare placement policies on a simulated cluster (docs/simulation.md)"))
     return parser
 
 
@@ -182,6 +188,10 @@ def main(argv: list[str] | None = None) -> int:
         from shoal.services.worker.main import run_worker
 
         return run_worker(args)
+    if args.command == "simulate":
+        from shoal.sim.cli import run_simulate
+
+        return run_simulate(args)
     if args.command == "demo-models":
         from shoal.cli.demo_models import make_demo_models
 

@@ -6,6 +6,6 @@ cd "$(dirname "$0")/.."
 tree=$(mktemp -d)
 trap 'rm -rf "$tree"' EXIT
 mkdir -p "$tree/shoal"
-for folder in cli shared services kernels; do ln -s "$PWD/$folder" "$tree/shoal/$folder"; done
+for folder in cli shared services kernels sim; do ln -s "$PWD/$folder" "$tree/shoal/$folder"; done
 python=${PYTHON:-$([[ -x .venv/bin/python ]] && echo .venv/bin/python || echo python3)}
 MYPYPATH="$tree" "$python" -m mypy --namespace-packages --explicit-package-bases -p shoal "$@"
