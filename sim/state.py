@@ -289,6 +289,7 @@ class ClusterState:
                     serving_since=replica.serving_since,
                     last_accessed=now if replica.running else replica.last_access,
                     fairness=replica.model.fairness,
+                    idle_timeout_s=replica.model.idle_timeout_s,
                 ))
         return views
 

@@ -26,7 +26,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
-from shoal.shared.placement.fairness import NoVictim, OccupantView, Victims, next_wake_step, select_victims
+from shoal.shared.placement.fairness import (
+    NoVictim,
+    OccupantView,
+    Victims,
+    get_voluntary_release_at,
+    next_wake_step,
+    select_victims,
+)
 from shoal.shared.placement.node_eval import get_single_gpu_allocation
 from shoal.shared.placement.planner import ClusterPlanner
 from shoal.shared.placement.snapshot import CandidateLevel
@@ -119,8 +126,11 @@ class WakeCoordinator:
     def _next(self, wake: Wake) -> None:
         """During the fairness wait: wait (re-check within a second) or preempt now."""
         sim = self.sim
+        occupants = sim.state.get_occupant_views(wake.need_by_slot, sim.now)
+        release_at = get_voluntary_release_at(occupants, (o.gpu_key for o in occupants))
         step, wait_s = next_wake_step(fits=False, intent_since=wake.started_at,
-                                      max_wait_s=wake.model.fairness.max_wait_s, now=sim.now)
+                                      max_wait_s=wake.model.fairness.max_wait_s, now=sim.now,
+                                      voluntary_release_at=release_at)
         if step == "wait":
             sim.push(sim.now + wait_s, WAKE, wake)
             return
