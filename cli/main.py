@@ -129,10 +129,10 @@ def _nats_url_for_tools(config: ShoalConfig) -> str:
     return "nats://127.0.0.1:4222"
 
 
-async def _with_bus(url: str, name: str, action: Callable[[Any], Awaitable[None]]) -> None:
+async def _with_bus(config: ShoalConfig, name: str, action: Callable[[Any], Awaitable[None]]) -> None:
     from shoal.shared.bus import connect
 
-    bus = await connect(url, name)
+    bus = await connect(_nats_url_for_tools(config), name, nats_config=config.nats)
     try:
         await action(bus)
     finally:
@@ -142,6 +142,7 @@ async def _with_bus(url: str, name: str, action: Callable[[Any], Awaitable[None]
 async def _run_service(config: ShoalConfig, args: argparse.Namespace) -> None:
     from shoal.cli import launcher
     from shoal.shared.metrics import Registry
+    from shoal.shared.nats_connect import redacted_url
 
     registry = Registry()
     url = config.nats.url or "nats://127.0.0.1:4222"
@@ -155,7 +156,7 @@ async def _run_service(config: ShoalConfig, args: argparse.Namespace) -> None:
         launcher.metrics_serving(registry, getattr(args, "metrics_host", "127.0.0.1"),
                                  getattr(args, "metrics_port", None)),
     ):
-        print(f"shoal {args.command} is up (NATS {url})", flush=True)
+        print(f"shoal {args.command} is up (NATS {redacted_url(url)})", flush=True)
         await launcher.wait_for_signal()
 
 
@@ -206,12 +207,12 @@ def main(argv: list[str] | None = None) -> int:
             with launcher.nats_for(config) as url:
                 asyncio.run(launcher.run_up(config, url))
         elif args.command == "inspect":
-            asyncio.run(_with_bus(_nats_url_for_tools(config), "shoal-inspect", lambda bus: inspect(bus, sys.stdout)))
+            asyncio.run(_with_bus(config, "shoal-inspect", lambda bus: inspect(bus, sys.stdout)))
         elif args.command == "status":
-            asyncio.run(_with_bus(_nats_url_for_tools(config), "shoal-status",
+            asyncio.run(_with_bus(config, "shoal-status",
                                   lambda bus: status(bus, sys.stdout, config.scheduler.placement)))
         elif args.command in ("scale", "evict"):
-            asyncio.run(_with_bus(_nats_url_for_tools(config), f"shoal-{args.command}",
+            asyncio.run(_with_bus(config, f"shoal-{args.command}",
                                   lambda bus: _scheduler_command(bus, args)))
         else:
             asyncio.run(_run_service(config, args))

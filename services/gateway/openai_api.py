@@ -20,7 +20,7 @@ import msgspec
 from msgspec import Meta, Struct
 
 from shoal.services.gateway.errors import BadRequest, PayloadTooLarge
-from shoal.shared.messages import ChatMessage, SamplingParams
+from shoal.shared.messages import ChatMessage, InferenceRequest, SamplingParams, encode_msgpack
 
 MAX_STOP_SEQUENCES = 4
 MAX_INT32 = 2**31 - 1
@@ -235,6 +235,21 @@ def completion_prompt(req: CompletionRequest, max_chars: int) -> tuple[str | Non
         return None, list(prompt)
     raise BadRequest("prompt must be one string or one list of token ids (batches are not supported)",
                      param="prompt")
+
+
+HEADER_ALLOWANCE_BYTES = 1024
+"""Room left in a NATS message for the request's headers (reply subject, ids, deadline)."""
+
+
+def check_fits_in_message(request: InferenceRequest, max_payload_bytes: int) -> None:
+    """413 when `request` would not fit in one NATS message (the server's ``max_payload``):
+    a publish would fail at any retry, so the client is told at once, not given a 503."""
+    num_bytes = len(encode_msgpack(request)) + HEADER_ALLOWANCE_BYTES
+    if num_bytes > max_payload_bytes:
+        raise PayloadTooLarge(
+            f"the request takes {num_bytes} bytes as a queue message; the NATS server takes at most "
+            f"{max_payload_bytes} (its max_payload): shorten the prompt",
+            param="prompt" if request.messages is None else "messages")
 
 
 def raise_prompt_too_large(num_chars: int, max_chars: int, param: str = "prompt") -> None:
