@@ -78,6 +78,8 @@ GET_ALL_INACTIVE_S = 5.0
 `get_all` deletes it itself)."""
 GET_ALL_BATCH = 256
 """KV entries fetched per round trip by `get_all`."""
+GET_ALL_ATTEMPTS = 3
+"""A `get_all` that JetStream answers with "unavailable" is tried this often."""
 
 
 class BusError(ShoalError, RuntimeError):
@@ -138,7 +140,21 @@ class TypedBucket(Generic[T]):
         come before entries that exist (an empty read of a full bucket). A pull consumer
         delivers nothing until fetched, so its pending count at creation is exact; each
         message's own pending count then says when the read is complete.
+
+        A read that JetStream answers with "unavailable" (a cluster moving a leader) is
+        started over, up to GET_ALL_ATTEMPTS times.
         """
+        for attempt in range(1, GET_ALL_ATTEMPTS + 1):
+            try:
+                return await self._read_all(prefix)
+            except nats.js.errors.ServiceUnavailableError:
+                if attempt == GET_ALL_ATTEMPTS:
+                    raise
+                log.info("kv_read_retrying", bucket=self.name, attempt=attempt)
+                await asyncio.sleep(0.2 * attempt)
+        raise AssertionError("unreachable: the last attempt returns or raises")
+
+    async def _read_all(self, prefix: str) -> dict[str, Versioned[T]]:
         stream = f"KV_{self.name}"
         config = ConsumerConfig(
             name=f"get-all-{uuid.uuid4().hex}",

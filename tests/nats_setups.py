@@ -50,10 +50,20 @@ class Users:
 @dataclass
 class NatsCluster:
     servers: list[EmbeddedNatsServer]
+    monitoring_ports: list[int]
 
     @property
     def url(self) -> str:
         return ",".join(server.url for server in self.servers if server.pid is not None)
+
+    async def get_client_names(self, index: int) -> list[str]:
+        """The names of the clients connected to server `index` (its monitoring ``/connz``)."""
+        import aiohttp
+
+        url = f"http://127.0.0.1:{self.monitoring_ports[index]}/connz?limit=4096"
+        async with aiohttp.ClientSession() as session, session.get(url) as response:
+            connections = (await response.json())["connections"] or []
+        return [c.get("name", "") for c in connections]
 
     def error_lines(self) -> list[str]:
         return [line for server in self.servers for line in server.error_lines]
@@ -68,16 +78,17 @@ def nats_cluster(root: Path, *, size: int = 3, extra_config: str = "", env: dict
                  ) -> Iterator[NatsCluster]:
     """`size` clustered nats-servers with JetStream, each with its own store under `root`."""
     cluster_ports = [free_port() for _ in range(size)]
+    monitoring_ports = [free_port() for _ in range(size)]
     routes = ",".join(f"nats://127.0.0.1:{port}" for port in cluster_ports)
     servers = [
         EmbeddedNatsServer(
             store_dir=root / f"n{i}", extra_config=extra_config, env=env,
             extra_args=["-n", f"n{i}", "--cluster_name", CLUSTER_NAME, "--cluster",
-                        f"nats://127.0.0.1:{port}", "--routes", routes],
+                        f"nats://127.0.0.1:{port}", "--routes", routes, "-m", str(monitoring_ports[i])],
         )
         for i, port in enumerate(cluster_ports)
     ]
-    cluster = NatsCluster(servers)
+    cluster = NatsCluster(servers, monitoring_ports)
     try:
         for server in servers:
             server.start()

@@ -44,6 +44,8 @@ log = structlog.get_logger(__name__)
 
 CANCEL_MEMORY_S = 900.0
 """How long a cancelled request id is remembered (queued copies are skipped)."""
+FETCH_RETRY_S = 0.5
+"""Pause before fetching again after JetStream answered a fetch with an error."""
 OFF_LOOP_PROMPT_CHARS = 16_384
 """Prompts longer than this are templated and tokenised in the worker's tokeniser thread: a
 prompt of megabytes takes seconds, and the event loop keeps streaming every other request's
@@ -203,6 +205,12 @@ class WorkerService:
                 continue
             except nats.errors.ConnectionClosedError:
                 return
+            except nats.errors.Error as exc:
+                # JetStream answers with an error status while its cluster elects a new leader
+                # (or the client reconnects to another server): wait and fetch again.
+                log.warning("fetch_failed_retrying", error=repr(exc))
+                await asyncio.sleep(FETCH_RETRY_S)
+                continue
             for msg in msgs:
                 if self._stopping.is_set() or not self._serving.is_set():
                     await msg.nak()  # fetched while the barrier went up: another replica takes it
