@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import ssl
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -522,9 +523,12 @@ async def connect(
     shown_url = redacted_url(url)
 
     refusals = PermissionRefusals()
+    refused_at_connect: asyncio.Future[Exception] = asyncio.get_running_loop().create_future()
 
     async def error_cb(exc: Exception) -> None:
         refusals.note(exc)
+        if not refused_at_connect.done() and not nc.is_connected and _is_permanent_refusal(exc):
+            refused_at_connect.set_result(exc)
         log.warning("nats_error", client=name, error=repr(exc))
 
     async def disconnected_cb() -> None:
@@ -538,19 +542,28 @@ async def connect(
 
     servers = [s.strip() for s in url.split(",") if s.strip()]
     nc = NATS()
+    connecting = asyncio.ensure_future(nc.connect(
+        servers=servers,
+        name=name,
+        connect_timeout=connect_timeout_s,
+        max_reconnect_attempts=-1,
+        reconnect_time_wait=0.5,
+        error_cb=error_cb,
+        disconnected_cb=disconnected_cb,
+        reconnected_cb=reconnected_cb,
+        allow_reconnect=True,
+        **connect_options(settings, role),
+    ))
     try:
-        await nc.connect(
-            servers=servers,
-            name=name,
-            connect_timeout=connect_timeout_s,
-            max_reconnect_attempts=-1,
-            reconnect_time_wait=0.5,
-            error_cb=error_cb,
-            disconnected_cb=disconnected_cb,
-            reconnected_cb=reconnected_cb,
-            allow_reconnect=True,
-            **connect_options(settings, role),
-        )
+        # nats-py retries a refused first connect for ever: a wrong password never gets right.
+        await asyncio.wait([connecting, refused_at_connect], return_when=asyncio.FIRST_COMPLETED)
+        if not connecting.done():
+            connecting.cancel()
+            await asyncio.gather(connecting, return_exceptions=True)
+            await nc.close()
+            raise BusError(f"NATS at {shown_url} refused {name}: {refused_at_connect.result()} (check the "
+                           f"[nats] credentials and TLS settings)")
+        connecting.result()
     except (TimeoutError, OSError, nats.errors.NoServersError) as exc:
         raise BusError(f"cannot connect to NATS at {shown_url}: {exc}") from exc
     except nats.errors.Error as exc:  # authorization refused, TLS required...
@@ -569,6 +582,12 @@ async def connect(
         replicas=TypedBucket(kvs[subjects.REPLICAS_BUCKET], replica_record_decoder, subjects.REPLICAS_BUCKET, js),
         nodes=TypedBucket(kvs[subjects.NODES_BUCKET], node_record_decoder, subjects.NODES_BUCKET, js),
     )
+
+
+def _is_permanent_refusal(error: Exception) -> bool:
+    """A connect error no retry cures: wrong credentials, a certificate the other side refuses."""
+    text = str(error).lower()
+    return isinstance(error, ssl.SSLError) or "authorization violation" in text or "authentication" in text
 
 
 async def _set_up(js: JetStreamContext, *, node_ttl_s: float, replicas: int, refusals: PermissionRefusals

@@ -50,6 +50,8 @@ class Grant:
     what: str
     publish: tuple[str, ...] = ()
     subscribe: tuple[str, ...] = ()
+    shown: str = ""
+    """How the docs' table shows `publish` when listing it would drown the table."""
 
 
 def kv_stream(bucket: str) -> str:
@@ -63,14 +65,20 @@ def _stream_info(names: tuple[str, ...]) -> tuple[str, ...]:
 ALL_STREAMS = (*STREAMS, *(kv_stream(b) for b in BUCKETS))
 
 
+def _names(names: tuple[str, ...]) -> str:
+    return ", ".join(f"`{name}`" for name in names)
+
+
 def bind_streams() -> Grant:
-    return Grant("find Shoal's streams and buckets", publish=_stream_info(ALL_STREAMS))
+    return Grant("find Shoal's streams and buckets", publish=_stream_info(ALL_STREAMS),
+                 shown=f"`{JS_API}.INFO`, `{JS_API}.STREAM.INFO.<stream>` of {_names(ALL_STREAMS)}")
 
 
 def create_streams() -> Grant:
     """Create a missing stream or bucket (never update or delete one: bus.py)."""
-    return Grant("create Shoal's streams and buckets when missing",
-                 publish=tuple(f"{JS_API}.STREAM.CREATE.{name}" for name in ALL_STREAMS))
+    return Grant("create Shoal's streams and buckets when missing (never update nor delete one)",
+                 publish=tuple(f"{JS_API}.STREAM.CREATE.{name}" for name in ALL_STREAMS),
+                 shown=f"`{JS_API}.STREAM.CREATE.<stream>` of the same")
 
 
 def _read_stream(stream: str) -> tuple[str, ...]:
@@ -83,8 +91,14 @@ def _read_stream(stream: str) -> tuple[str, ...]:
     )
 
 
+_READ_SHOWN = ("`{api}.DIRECT.GET`, `STREAM.MSG.GET`, `CONSUMER.CREATE / INFO / MSG.NEXT / DELETE` and "
+               "`$JS.FC` (ephemeral readers and watchers) on {names}")
+
+
 def read_kv(buckets: tuple[str, ...], what: str) -> Grant:
-    return Grant(what, publish=tuple(s for b in buckets for s in _read_stream(kv_stream(b))))
+    streams = tuple(kv_stream(b) for b in buckets)
+    return Grant(what, publish=tuple(s for stream in streams for s in _read_stream(stream)),
+                 shown=_READ_SHOWN.format(api=JS_API, names=_names(streams)))
 
 
 def write_kv(buckets: tuple[str, ...], what: str) -> Grant:
@@ -108,7 +122,8 @@ PERMISSIONS: dict[Role, tuple[Grant, ...]] = {
         Grant("read the queue's consumers (queue length)",
               publish=(f"{JS_API}.CONSUMER.LIST.{subjects.REQUESTS_STREAM}",
                        f"{JS_API}.CONSUMER.INFO.{subjects.REQUESTS_STREAM}.>")),
-        Grant("read SHOAL_EVENTS (the dashboard's event feed)", publish=_read_stream(subjects.EVENTS_STREAM)),
+        Grant("read SHOAL_EVENTS (the dashboard's event feed)", publish=_read_stream(subjects.EVENTS_STREAM),
+              shown=_READ_SHOWN.format(api=JS_API, names=_names((subjects.EVENTS_STREAM,)))),
         Grant("hear of requests that used up their deliveries", subscribe=(MAX_DELIVERIES_ADVISORY,)),
         read_kv(BUCKETS, "read (and watch) every bucket"),
     ),
@@ -214,22 +229,8 @@ def render_table() -> str:
     rows = ["| service (NATS user) | may | publish | subscribe |", "| --- | --- | --- | --- |"]
     for role in ROLES:
         for grant in PERMISSIONS[role]:
-            publish = "<br>".join(f"`{s}`" for s in _collapse(grant.publish))
+            publish = grant.shown or "<br>".join(f"`{s}`" for s in grant.publish)
             subscribe = "<br>".join(f"`{s}`" for s in grant.subscribe)
             rows.append(f"| {role} (`{user_name(role)}`) | {grant.what} | {publish} | {subscribe} |")
-        rows.append(f"| {role} (`{user_name(role)}`) | its request replies | | `{inbox_prefix(role)}.>` |")
+        rows.append(f"| {role} (`{user_name(role)}`) | read its request replies | | `{inbox_prefix(role)}.>` |")
     return "\n".join(rows) + "\n"
-
-
-def _collapse(items: tuple[str, ...]) -> list[str]:
-    """Shorten a grant's subjects for the docs: one line per JetStream API verb and stream
-    family (``$JS.API.DIRECT.GET.KV_{shoal_models,shoal_gpus}.>``)."""
-    shown: list[str] = []
-    for item in items:
-        for stream in sorted(ALL_STREAMS, key=len, reverse=True):
-            if f".{stream}" in item and stream.startswith("KV_"):
-                item = item.replace(stream, "KV_<bucket>")
-                break
-        if item not in shown:
-            shown.append(item)
-    return shown

@@ -1,10 +1,12 @@
-"""Shoal on a 3-node NATS JetStream cluster, every service as its own locked-down user.
+"""Shoal on a 3-node NATS JetStream cluster, every service as its own locked-down user, over
+mutual TLS.
 
-Three real nats-servers (clustered, JetStream, the authorization block compose ships), a
-scheduler, a node agent with a virtual GPU and a real worker of a demo model, a gateway on a
-real socket. Streams and buckets are created with three replicas. Under load, the server
-leading the request stream is killed (SIGKILL): every request is answered, no service or
-worker restarts, and no permission was ever refused.
+Three real nats-servers (clustered, JetStream, the authorization block compose ships, TLS
+with client certificates made at test time), a scheduler, a node agent with a virtual GPU
+and a real worker of a demo model (it gets its own user and the TLS files in its launch), a
+gateway on a real socket. Streams and buckets are created with three replicas. Under load, a
+server is killed (SIGKILL): every request is answered, no service or worker restarts, and no
+permission was ever refused.
 """
 
 from __future__ import annotations
@@ -35,9 +37,17 @@ from shoal.shared.config import (
     WorkerConfig,
 )
 from shoal.shared.messages import ModelSpec, ReplicaRecord
+from shoal.shared.nats_connect import tls_context
 from shoal.shared.nats_permissions import render_users, user_name
 from tests.e2e.conftest import free_port
-from tests.nats_setups import NatsCluster, Users, nats_cluster, wait_for_jetstream
+from tests.nats_setups import (
+    NatsCluster,
+    Users,
+    make_certificates,
+    nats_cluster,
+    tls_server_config,
+    wait_for_jetstream,
+)
 
 MODEL = "demo/llama-5m"
 REPLICAS = 3
@@ -56,20 +66,26 @@ class Shoal:
 @contextlib.asynccontextmanager
 async def shoal_on_cluster(tmp_path: Path, models_root: Path) -> AsyncIterator[Shoal]:
     users = Users()
-    with nats_cluster(tmp_path / "nats", extra_config=render_users(), env=users.server_env) as cluster:
+    certs = make_certificates(tmp_path / "certs")
+    tls = {"tls_ca_file": str(certs.ca_file), "tls_cert_file": str(certs.client_cert_file),
+           "tls_key_file": str(certs.client_key_file)}
+    with nats_cluster(tmp_path / "nats", extra_config=render_users() + tls_server_config(certs),
+                      env=users.server_env) as cluster:
         url = cluster.url
-        await wait_for_jetstream(url, user="shoal-admin", password=users.passwords["admin"])
+        admin_config = users.config(None, **tls)
+        await wait_for_jetstream(url, user=admin_config.user, password=admin_config.password,
+                                 tls=tls_context(admin_config))
         stack = contextlib.AsyncExitStack()
         async with stack:
             buses: list[Bus] = []
 
             async def bus_for(role: str) -> Bus:
-                bus = await connect(url, role, nats_config=users.config(role, replicas=REPLICAS), role=role)
+                bus = await connect(url, role, nats_config=users.config(role, replicas=REPLICAS, **tls), role=role)
                 buses.append(bus)
                 return bus
 
             stack.push_async_callback(lambda: asyncio.gather(*(b.close() for b in buses)))
-            agent_nats = users.config("node-agent", replicas=REPLICAS, workers=NatsCredentials(
+            agent_nats = users.config("node-agent", replicas=REPLICAS, **tls, workers=NatsCredentials(
                 user=user_name("worker"), password=users.passwords["worker"]))
             agent = NodeAgent(await bus_for("node-agent"), discover_gpus("virtual:1x4GiB"),
                               NodeConfig(node_id="node-a", models_root=str(models_root)), WorkerConfig(),
@@ -81,9 +97,9 @@ async def shoal_on_cluster(tmp_path: Path, models_root: Path) -> AsyncIterator[S
             stack.push_async_callback(scheduler.stop)
             port = free_port()
             runner = await start_gateway(GatewayConfig(port=port, request_timeout_s=120.0), url,
-                                         nats_config=users.config("gateway", replicas=REPLICAS))
+                                         nats_config=users.config("gateway", replicas=REPLICAS, **tls))
             stack.push_async_callback(runner.cleanup)
-            admin = await connect(url, "test", nats_config=users.config(None))
+            admin = await connect(url, "test", nats_config=admin_config)
             buses.append(admin)
             yield Shoal(cluster, admin, f"http://127.0.0.1:{port}", scheduler, agent)
 
