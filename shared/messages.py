@@ -62,7 +62,7 @@ class ChatMessage(Struct, omit_defaults=True):
 
 
 GREEDY_BELOW_TEMPERATURE = 1e-5
-"""A temperature below this samples greedily (vLLM's ``_SAMPLING_EPS``)."""
+"""A temperature (or top_p) below this samples greedily (vLLM's ``_SAMPLING_EPS``)."""
 
 
 class SamplingParams(Struct, omit_defaults=True):
@@ -81,9 +81,10 @@ class SamplingParams(Struct, omit_defaults=True):
     repetition_penalty: float = 1.0
 
     def __post_init__(self) -> None:
-        if self.temperature < GREEDY_BELOW_TEMPERATURE:
+        if self.temperature < GREEDY_BELOW_TEMPERATURE or self.top_p < GREEDY_BELOW_TEMPERATURE:
             # Logits divided by a temperature this small overflow float32 (1e-45 is 0 there):
-            # the softmax would be NaN. It means "the most likely token": greedy, as vLLM does.
+            # the softmax would be NaN; a top_p this small rounds to 0 in float32 and keeps no
+            # token. Both mean "the most likely token": greedy, as vLLM does for temperatures.
             self.temperature = 0.0
 
     @property

@@ -17,6 +17,7 @@ from aiohttp import web
 from shoal.services.gateway.errors import ErrorEnvelope
 from shoal.services.gateway.openai_api import (
     ChatCompletion,
+    ChatCompletionChunk,
     ChatCompletionRequest,
     Completion,
     CompletionRequest,
@@ -48,6 +49,16 @@ def _errors(refs: dict[str, dict[str, Any]], *statuses: int) -> dict[str, Any]:
             for status in statuses}
 
 
+def _sse_event(chunk: dict[str, Any], error: dict[str, Any]) -> dict[str, Any]:
+    """One server-sent event of a stream: a JSON chunk or error, or the final ``[DONE]``."""
+    return {"type": "object", "required": ["data"], "properties": {"data": {
+        "type": "string",
+        "if": {"const": "[DONE]"},
+        "then": True,
+        "else": {"contentMediaType": _JSON, "contentSchema": {"anyOf": [chunk, error]}},
+    }}}
+
+
 def _path_model() -> dict[str, Any]:
     return {"name": "model", "in": "path", "required": True, "schema": {"type": "string", "minLength": 1},
             "description": "a model key, e.g. demo/llama-5m (slashes included)"}
@@ -56,21 +67,22 @@ def _path_model() -> dict[str, Any]:
 @functools.cache
 def get_document() -> bytes:
     """The OpenAPI document (JSON bytes)."""
-    types = [ChatCompletionRequest, CompletionRequest, ChatCompletion, Completion, ModelList, ModelCard,
-             ErrorEnvelope, ModelConfig, ScaleBody, EvictBody, SchedulerReply]
+    types = [ChatCompletionRequest, CompletionRequest, ChatCompletion, ChatCompletionChunk, Completion, ModelList,
+             ModelCard, ErrorEnvelope, ModelConfig, ScaleBody, EvictBody, SchedulerReply]
     schemas, components = msgspec.json.schema_components(types, ref_template=_REF)
     refs = {t.__name__: schema for t, schema in zip(types, schemas, strict=True)}
     inference_errors = _errors(refs, 400, 401, 404, 413, 429, 503, 504)
     admin_errors = _errors(refs, 400, 401, 403, 404, 503)
 
-    def inference(summary: str, request: str, response: str) -> dict[str, Any]:
+    def inference(summary: str, request: str, response: str, chunk: str) -> dict[str, Any]:
         return {"post": {
             "summary": summary,
             "requestBody": {"required": True, "content": _content(refs[request])},
             "responses": {
-                "200": {"description": f"a {response}, or with `\"stream\": true` server-sent events ending "
-                                       "with `data: [DONE]`",
-                        "content": {**_content(refs[response]), "text/event-stream": {"schema": {"type": "string"}}}},
+                "200": {"description": f"a {response}, or with `\"stream\": true` server-sent events: {chunk}s, "
+                                       "an error after the stream started, then `data: [DONE]`",
+                        "content": {**_content(refs[response]),
+                                    "text/event-stream": {"schema": _sse_event(refs[chunk], refs["ErrorEnvelope"])}}},
                 **inference_errors,
             },
         }}
@@ -95,9 +107,9 @@ def get_document() -> bytes:
                                                              "content": _content(refs["ModelCard"])},
                                                      **_errors(refs, 401, 404)}}},
         "/v1/chat/completions": inference("chat completion (the model's chat template)", "ChatCompletionRequest",
-                                          "ChatCompletion"),
+                                          "ChatCompletion", "ChatCompletionChunk"),
         "/v1/completions": inference("text completion of one prompt (text or token ids)", "CompletionRequest",
-                                     "Completion"),
+                                     "Completion", "Completion"),
         "/admin/models": {"post": {"summary": "register (or update) a model",
                                    "requestBody": {"required": True, "content": _content(refs["ModelConfig"])},
                                    "responses": {"200": {"description": "the scheduler's reply",

@@ -1,11 +1,15 @@
-"""Mutual TLS with a real nats-server and certificates made at test time (none committed)."""
+"""Every way `[nats]` authenticates, against a real nats-server: a token, an NKey seed, mutual
+TLS (certificates made at test time, none committed). User/password: the cluster test and
+tests/e2e/test_secrets.py."""
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import nkeys
 import pytest
 
 from shoal.shared.bus import BusError, connect
@@ -54,3 +58,31 @@ async def test_a_client_the_server_cannot_trust_fails_at_once(tls_server: Embedd
     with pytest.raises(BusError, match="refused"):
         await connect(tls_server.url, "untrusted", nats_config=config)
     assert time.monotonic() - started < 10.0
+
+
+async def test_token_authentication(tmp_path: Path) -> None:
+    token = os.urandom(16).hex()
+    with EmbeddedNatsServer(store_dir=tmp_path / "js", extra_config=f'authorization {{ token: "{token}" }}') as server:
+        bus = await connect(server.url, "token-client", nats_config=NatsConfig(token=token))
+        await bus.close()
+        with pytest.raises(BusError, match="refused"):
+            await connect(server.url, "wrong-token", nats_config=NatsConfig(token="not-" + token))
+
+
+async def test_nkey_seed_authentication(tmp_path: Path) -> None:
+    seed = nkeys.encode_seed(os.urandom(32), nkeys.PREFIX_BYTE_USER)
+    public_key = nkeys.from_seed(bytearray(seed)).public_key.decode()
+    seed_file = tmp_path / "user.nk"
+    seed_file.write_bytes(seed)
+    seed_file.chmod(0o600)
+    config = f'authorization {{ users = [ {{ nkey: "{public_key}" }} ] }}'
+    with EmbeddedNatsServer(store_dir=tmp_path / "js", extra_config=config) as server:
+        bus = await connect(server.url, "nkey-client", nats_config=NatsConfig(nkey_seed_file=str(seed_file)))
+        try:
+            assert bus.nc.is_connected
+        finally:
+            await bus.close()
+        other = tmp_path / "other.nk"
+        other.write_bytes(nkeys.encode_seed(os.urandom(32), nkeys.PREFIX_BYTE_USER))
+        with pytest.raises(BusError, match="refused"):
+            await connect(server.url, "unknown-nkey", nats_config=NatsConfig(nkey_seed_file=str(other)))
