@@ -35,6 +35,10 @@ def _common(parser: argparse.ArgumentParser) -> None:
 def _gateway_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", help="gateway listen address (default 127.0.0.1)")
     parser.add_argument("--port", type=int, help="gateway port (default 8000)")
+    parser.add_argument("--insecure-open-admin", action="store_true", default=None,
+                        help="serve /admin with no key on a non-loopback --host (anyone who reaches the "
+                             "gateway may register, remove and scale models); without it such a gateway "
+                             "refuses to start")
 
 
 def _node_flags(parser: argparse.ArgumentParser) -> None:
@@ -107,6 +111,7 @@ def config_from_args(args: argparse.Namespace) -> ShoalConfig:
     put("nats", "url", getattr(args, "nats_url", None))
     put("gateway", "host", getattr(args, "host", None))
     put("gateway", "port", getattr(args, "port", None))
+    put("gateway", "insecure_open_admin", getattr(args, "insecure_open_admin", None))
     put("node", "node_id", getattr(args, "node_id", None))
     put("node", "gpus", getattr(args, "gpus", None))
     put("node", "models_root", getattr(args, "models_root", None))

@@ -1,0 +1,26 @@
+"""`shoal gateway` on a non-loopback address with an open admin API: refused at start unless
+``--insecure-open-admin`` (issue 11) says the operator means it."""
+
+from __future__ import annotations
+
+import pytest
+
+from shoal.cli.main import build_parser, config_from_args, main
+
+
+def test_a_gateway_open_to_the_network_is_refused_naming_the_flag(monkeypatch: pytest.MonkeyPatch,
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.delenv("SHOAL_GATEWAY_ADMIN_API_KEYS", raising=False)
+    monkeypatch.delenv("SHOAL_GATEWAY_API_KEYS", raising=False)
+    # Refused before any connection: nothing listens on port 1.
+    assert main(["gateway", "--host", "0.0.0.0", "--nats-url", "nats://127.0.0.1:1"]) == 1
+    error = capsys.readouterr().err
+    assert "admin API" in error and "--insecure-open-admin" in error and "SHOAL_GATEWAY_ADMIN_API_KEYS" in error
+
+
+@pytest.mark.parametrize("command", ["gateway", "up"])
+def test_the_insecure_flag_reaches_the_gateways_config(command: str) -> None:
+    parser = build_parser()
+    flagged = config_from_args(parser.parse_args([command, "--host", "0.0.0.0", "--insecure-open-admin"]))
+    assert flagged.gateway.insecure_open_admin and flagged.gateway.host == "0.0.0.0"
+    assert not config_from_args(parser.parse_args([command, "--host", "0.0.0.0"])).gateway.insecure_open_admin
