@@ -16,7 +16,7 @@ import ssl
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 import msgspec
 import nats
@@ -542,21 +542,23 @@ async def connect(
 
     servers = [s.strip() for s in url.split(",") if s.strip()]
     nc = NATS()
+    # nats-py annotates both timeouts as int but takes them as float seconds.
+    timeouts: dict[str, Any] = {"connect_timeout": connect_timeout_s, "reconnect_time_wait": 0.5}
     connecting = asyncio.ensure_future(nc.connect(
         servers=servers,
         name=name,
-        connect_timeout=connect_timeout_s,
         max_reconnect_attempts=-1,
-        reconnect_time_wait=0.5,
         error_cb=error_cb,
         disconnected_cb=disconnected_cb,
         reconnected_cb=reconnected_cb,
         allow_reconnect=True,
+        **timeouts,
         **connect_options(settings, role),
     ))
     try:
         # nats-py retries a refused first connect for ever: a wrong password never gets right.
-        await asyncio.wait([connecting, refused_at_connect], return_when=asyncio.FIRST_COMPLETED)
+        racing: list[asyncio.Future[Any]] = [connecting, refused_at_connect]
+        await asyncio.wait(racing, return_when=asyncio.FIRST_COMPLETED)
         if not connecting.done():
             connecting.cancel()
             await asyncio.gather(connecting, return_exceptions=True)

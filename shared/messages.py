@@ -218,6 +218,13 @@ class ModelSpec(ModelSettings, kw_only=True, omit_defaults=True):
         declared = msgspec.structs.asdict(settings)
         return cls(**declared, desired_replicas=settings.min_replicas, source=source, registered_at=registered_at)
 
+    def as_registration(self) -> ModelSpec:
+        """This spec as a new registration: its operator settings, source and time only. A
+        register command carries a whole spec; what the cluster learns (measured memory,
+        sizes, leases, failure holds) is never taken from a message a client could forge."""
+        settings = ModelSettings(**{name: getattr(self, name) for name in ModelSettings.__struct_fields__})
+        return ModelSpec.from_settings(settings, source=self.source, registered_at=self.registered_at)
+
 
 class Occupant(Struct, omit_defaults=True):
     """One replica's share of one GPU, inside a `GpuRecord`.

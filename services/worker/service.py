@@ -345,8 +345,8 @@ class WorkerService:
         if prompt_chars(request) <= OFF_LOOP_PROMPT_CHARS:
             return prompt_token_ids(self._tokenizer, request, self._vocab_size)  # type: ignore[arg-type]
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._tokenizing, prompt_token_ids, self._tokenizer, request,
-                                          self._vocab_size)
+        return await loop.run_in_executor(self._tokenizing, prompt_token_ids,  # type: ignore[arg-type]
+                                          self._tokenizer, request, self._vocab_size)
 
     @staticmethod
     async def _nak(msg: Msg) -> None:

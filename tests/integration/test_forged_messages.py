@@ -23,6 +23,7 @@ from shoal.shared.messages import (
     EnsureModel,
     ModelSpec,
     NodeReply,
+    RegisterModel,
     ReplicaRecord,
     WorkerEvent,
     node_reply_decoder,
@@ -135,3 +136,28 @@ async def test_the_scheduler_refuses_forged_counts_ids_names_and_bytes(serving: 
     status = await request_json(bus.nc, subjects.scheduler_subject("ensure"), EnsureModel(MODEL),
                                 scheduler_reply_decoder)
     assert status.ok, "the scheduler goes on serving"
+
+
+async def test_a_registration_sets_settings_never_what_the_cluster_measured(
+    serving: tuple[Bus, ReplicaRecord, Path]
+) -> None:
+    """A register command over the bus carries a whole ModelSpec: its learned fields (measured
+    memory, sizes, a lease, a failure hold) would let a client shrink a model's footprint or
+    block its placement. The scheduler keeps only the operator's settings."""
+    bus, _, _ = serving
+    learned = {"measured_serving_bytes": 1, "estimated_bytes": 1, "weight_bytes": 1, "num_parameters": 1,
+               "lease_owner": "forger", "lease_until": 4e9, "hold_until": 4e9, "num_failures": 99,
+               "wake_blocked_until": 4e9, "wake_blocked_reason": "forged"}
+    measured = await _measured(bus)
+    for key in (MODEL, "forged/new-model"):  # over a registration, and a new one
+        spec = {"key": key, "path": MODEL, "kv_cache_tokens": 4096, **learned}
+        reply = await request_json(bus.nc, subjects.scheduler_subject("register"),
+                                   msgspec.json.decode(msgspec.json.encode({"type": "register", "spec": spec}),
+                                                       type=RegisterModel), scheduler_reply_decoder)
+        assert reply.ok and reply.model is not None, reply
+        stored = (await bus.models.get(subjects.model_token(key)))
+        assert stored is not None
+        taken = {name for name, value in learned.items() if getattr(stored.value, name) == value}
+        assert not taken, f"{key}: the scheduler stored {taken} from the message"
+        assert stored.value.kv_cache_tokens == 4096, "the settings are taken"
+    assert await _measured(bus) in (measured, None), "a new footprint is unmeasured, never the forged figure"
