@@ -27,6 +27,7 @@ from shoal.shared.bus import connect
 from shoal.shared.config import ShoalConfig
 from shoal.shared.messages import ModelSpec, now
 from shoal.shared.metrics import Registry
+from shoal.shared.nats_connect import redacted_url
 from shoal.shared.nats_server import EmbeddedNatsServer
 
 log = structlog.get_logger(__name__)
@@ -63,7 +64,7 @@ def ensure_demo_models(config: ShoalConfig) -> None:
 
 @contextlib.asynccontextmanager
 async def scheduler_running(config: ShoalConfig, nats_url: str, registry: Registry) -> AsyncIterator[SchedulerService]:
-    bus = await connect(nats_url, "scheduler")
+    bus = await connect(nats_url, "scheduler", nats_config=config.nats, role="scheduler")
     scheduler = SchedulerService(bus, config.scheduler, metrics=registry)
     try:
         await scheduler.start(model_specs(config))
@@ -77,9 +78,9 @@ async def scheduler_running(config: ShoalConfig, nats_url: str, registry: Regist
 async def node_agent_running(config: ShoalConfig, nats_url: str, registry: Registry) -> AsyncIterator[NodeAgent]:
     node = msgspec.structs.replace(config.node, node_id=config.node.node_id_or_default(),
                                    models_root=str(Path(config.node.models_root).resolve()))
-    bus = await connect(nats_url, f"node-agent-{node.node_id}")
+    bus = await connect(nats_url, f"node-agent-{node.node_id}", nats_config=config.nats, role="node-agent")
     agent = NodeAgent(bus, discover_gpus(node.gpus), node, config.worker, config.logging, nats_url=nats_url,
-                      log_dir=Path(config.state_dir).resolve() / "logs", metrics=registry)
+                      nats_config=config.nats, log_dir=Path(config.state_dir).resolve() / "logs", metrics=registry)
     try:
         await agent.start()
         yield agent
@@ -90,7 +91,7 @@ async def node_agent_running(config: ShoalConfig, nats_url: str, registry: Regis
 
 @contextlib.asynccontextmanager
 async def gateway_running(config: ShoalConfig, nats_url: str, registry: Registry) -> AsyncIterator[None]:
-    runner = await start_gateway(config.gateway, nats_url, registry)
+    runner = await start_gateway(config.gateway, nats_url, registry, nats_config=config.nats)
     try:
         yield
     finally:
@@ -129,7 +130,7 @@ def nats_for(config: ShoalConfig) -> Iterator[str]:
         return
     state_dir = Path(config.state_dir).resolve()
     store = Path(config.nats.store_dir) if config.nats.store_dir else state_dir / "jetstream"
-    server = EmbeddedNatsServer(store_dir=store)
+    server = EmbeddedNatsServer(store_dir=store, max_payload_bytes=config.nats.max_payload_bytes)
     server.start()
     url_file = state_dir / NATS_URL_FILE
     try:
@@ -149,6 +150,7 @@ async def run_up(config: ShoalConfig, nats_url: str) -> None:
         await stack.enter_async_context(scheduler_running(config, nats_url, registry))
         await stack.enter_async_context(gateway_running(config, nats_url, registry))
         url = f"http://{config.gateway.host}:{config.gateway.port}/v1"
-        print(f"Shoal is up: OpenAI API at {url}  (NATS {nats_url}; Ctrl-C stops everything)", flush=True)
+        print(f"Shoal is up: OpenAI API at {url}  (NATS {redacted_url(nats_url)}; Ctrl-C stops everything)",
+              flush=True)
         await wait_for_signal()
         print("Shoal is stopping...", file=sys.stderr, flush=True)

@@ -36,6 +36,10 @@ def _common(parser: argparse.ArgumentParser) -> None:
 def _gateway_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", help="gateway listen address (default 127.0.0.1)")
     parser.add_argument("--port", type=int, help="gateway port (default 8000)")
+    parser.add_argument("--insecure-open-admin", action="store_true", default=None,
+                        help="serve /admin with no key on a non-loopback --host (anyone who reaches the "
+                             "gateway may register, remove and scale models); without it such a gateway "
+                             "refuses to start")
 
 
 def _node_flags(parser: argparse.ArgumentParser) -> None:
@@ -113,6 +117,7 @@ def config_from_args(args: argparse.Namespace) -> ShoalConfig:
     put("nats", "url", getattr(args, "nats_url", None))
     put("gateway", "host", getattr(args, "host", None))
     put("gateway", "port", getattr(args, "port", None))
+    put("gateway", "insecure_open_admin", getattr(args, "insecure_open_admin", None))
     put("node", "node_id", getattr(args, "node_id", None))
     put("node", "gpus", getattr(args, "gpus", None))
     put("node", "models_root", getattr(args, "models_root", None))
@@ -135,10 +140,10 @@ def _nats_url_for_tools(config: ShoalConfig) -> str:
     return "nats://127.0.0.1:4222"
 
 
-async def _with_bus(url: str, name: str, action: Callable[[Any], Awaitable[None]]) -> None:
+async def _with_bus(config: ShoalConfig, name: str, action: Callable[[Any], Awaitable[None]]) -> None:
     from shoal.shared.bus import connect
 
-    bus = await connect(url, name)
+    bus = await connect(_nats_url_for_tools(config), name, nats_config=config.nats)
     try:
         await action(bus)
     finally:
@@ -148,6 +153,7 @@ async def _with_bus(url: str, name: str, action: Callable[[Any], Awaitable[None]
 async def _run_service(config: ShoalConfig, args: argparse.Namespace) -> None:
     from shoal.cli import launcher
     from shoal.shared.metrics import Registry
+    from shoal.shared.nats_connect import redacted_url
 
     registry = Registry()
     url = config.nats.url or "nats://127.0.0.1:4222"
@@ -161,7 +167,7 @@ async def _run_service(config: ShoalConfig, args: argparse.Namespace) -> None:
         launcher.metrics_serving(registry, getattr(args, "metrics_host", "127.0.0.1"),
                                  getattr(args, "metrics_port", None)),
     ):
-        print(f"shoal {args.command} is up (NATS {url})", flush=True)
+        print(f"shoal {args.command} is up (NATS {redacted_url(url)})", flush=True)
         await launcher.wait_for_signal()
 
 
@@ -216,12 +222,12 @@ def main(argv: list[str] | None = None) -> int:
             with launcher.nats_for(config) as url:
                 asyncio.run(launcher.run_up(config, url))
         elif args.command == "inspect":
-            asyncio.run(_with_bus(_nats_url_for_tools(config), "shoal-inspect", lambda bus: inspect(bus, sys.stdout)))
+            asyncio.run(_with_bus(config, "shoal-inspect", lambda bus: inspect(bus, sys.stdout)))
         elif args.command == "status":
-            asyncio.run(_with_bus(_nats_url_for_tools(config), "shoal-status",
+            asyncio.run(_with_bus(config, "shoal-status",
                                   lambda bus: status(bus, sys.stdout, config.scheduler.placement)))
         elif args.command in ("scale", "evict"):
-            asyncio.run(_with_bus(_nats_url_for_tools(config), f"shoal-{args.command}",
+            asyncio.run(_with_bus(config, f"shoal-{args.command}",
                                   lambda bus: _scheduler_command(bus, args)))
         else:
             asyncio.run(_run_service(config, args))

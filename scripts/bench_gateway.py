@@ -55,6 +55,9 @@ from tests.e2e.conftest import start_shoal_up
 NUM_MODELS_RENDERED = 100
 
 
+DIRECT_GATEWAY_ID = "bench"
+
+
 class DirectClient:
     """Publishes requests like the gateway does and waits for their final replies."""
 
@@ -62,7 +65,7 @@ class DirectClient:
         self._bus = bus
         self._model = model
         self._waiting: dict[str, asyncio.Future[None]] = {}
-        self._prefix = "bench.reply."
+        self._prefix = subjects.reply_subject(DIRECT_GATEWAY_ID, "")  # workers answer only gateway inboxes
 
     async def start(self) -> None:
         async def on_reply(msg) -> None:  # type: ignore[no-untyped-def]
@@ -82,6 +85,7 @@ class DirectClient:
             params=SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
             deadline=time.time() + 120,
             reply_to=self._prefix + request_id,
+            gateway_id=DIRECT_GATEWAY_ID,
             prompt=prompt,
         )
         future = asyncio.get_running_loop().create_future()

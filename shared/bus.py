@@ -1,18 +1,22 @@
 """Connecting to NATS, creating Shoal's streams and buckets, typed KV access with CAS.
 
 `connect()` returns a `Bus`: the connection, its JetStream context and one
-`TypedBucket` per KV bucket of the NATS contract. Creating streams and buckets
-is idempotent: every service calls it at start, in any order.
+`TypedBucket` per KV bucket of the NATS contract. Every service calls it at start,
+in any order: a stream or bucket that is missing is created (with
+``nats.replicas`` replicas), one that exists is used as it is. Shoal never updates
+an existing stream: an operator's changes (``nats stream edit``: replicas, limits)
+survive every restart; differences from what Shoal would create are logged.
 """
 
 from __future__ import annotations
 
 import asyncio
 import random
+import ssl
 import uuid
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
-from typing import Generic, TypeVar
+from dataclasses import dataclass, field
+from typing import Any, Generic, TypeVar
 
 import msgspec
 import nats
@@ -35,6 +39,7 @@ from nats.js.api import (
 from nats.js.kv import KV_DEL, KV_MARKER_REASON, KV_OP, KV_PURGE, KeyValue
 
 from shoal.shared import subjects
+from shoal.shared.config import NatsConfig
 from shoal.shared.errors import ShoalError
 from shoal.shared.messages import (
     Event,
@@ -48,10 +53,13 @@ from shoal.shared.messages import (
     node_record_decoder,
     replica_record_decoder,
 )
+from shoal.shared.nats_connect import connect_options, redacted_url
+from shoal.shared.nats_permissions import Role
 
 log = structlog.get_logger(__name__)
 
 T = TypeVar("T", bound=msgspec.Struct)
+T2 = TypeVar("T2")
 
 # JetStream API error codes Shoal branches on (nats-server's errors.json).
 JS_STREAM_NAME_EXISTS = 10058
@@ -71,6 +79,8 @@ GET_ALL_INACTIVE_S = 5.0
 `get_all` deletes it itself)."""
 GET_ALL_BATCH = 256
 """KV entries fetched per round trip by `get_all`."""
+GET_ALL_ATTEMPTS = 3
+"""A `get_all` that JetStream answers with "unavailable" is tried this often."""
 
 
 class BusError(ShoalError, RuntimeError):
@@ -131,7 +141,21 @@ class TypedBucket(Generic[T]):
         come before entries that exist (an empty read of a full bucket). A pull consumer
         delivers nothing until fetched, so its pending count at creation is exact; each
         message's own pending count then says when the read is complete.
+
+        A read that JetStream answers with "unavailable" (a cluster moving a leader) is
+        started over, up to GET_ALL_ATTEMPTS times.
         """
+        for attempt in range(1, GET_ALL_ATTEMPTS + 1):
+            try:
+                return await self._read_all(prefix)
+            except nats.js.errors.ServiceUnavailableError:
+                if attempt == GET_ALL_ATTEMPTS:
+                    raise
+                log.info("kv_read_retrying", bucket=self.name, attempt=attempt)
+                await asyncio.sleep(0.2 * attempt)
+        raise AssertionError("unreachable: the last attempt returns or raises")
+
+    async def _read_all(self, prefix: str) -> dict[str, Versioned[T]]:
         stream = f"KV_{self.name}"
         config = ConsumerConfig(
             name=f"get-all-{uuid.uuid4().hex}",
@@ -270,7 +294,7 @@ NODE_TTL_S = 15.0
 """A node whose agent has not heartbeated for this long disappears from ``shoal_nodes``."""
 
 
-def _stream_configs() -> list[StreamConfig]:
+def _stream_configs(replicas: int = 1) -> list[StreamConfig]:
     return [
         StreamConfig(
             name=subjects.REQUESTS_STREAM,
@@ -281,6 +305,7 @@ def _stream_configs() -> list[StreamConfig]:
             discard=DiscardPolicy.OLD,
             duplicate_window=120.0,
             max_age=3600.0,
+            num_replicas=replicas,
         ),
         StreamConfig(
             name=subjects.EVENTS_STREAM,
@@ -291,29 +316,33 @@ def _stream_configs() -> list[StreamConfig]:
             discard=DiscardPolicy.OLD,
             max_msgs=100_000,
             max_age=7 * 24 * 3600.0,
+            num_replicas=replicas,
         ),
     ]
 
 
-def _bucket_configs(node_ttl_s: float) -> list[KeyValueConfig]:
+def _bucket_configs(node_ttl_s: float, replicas: int = 1) -> list[KeyValueConfig]:
     return [
         KeyValueConfig(
             bucket=subjects.MODELS_BUCKET,
             description="Shoal models: ModelSpec per model token, with measured serving memory",
             history=5,
             storage=StorageType.FILE,
+            replicas=replicas,
         ),
         KeyValueConfig(
             bucket=subjects.GPUS_BUCKET,
             description="Shoal GPUs: one key per <node>.<index>; occupants, intents, wake lock; CAS only",
             history=5,
             storage=StorageType.FILE,
+            replicas=replicas,
         ),
         KeyValueConfig(
             bucket=subjects.REPLICAS_BUCKET,
             description="Shoal replicas: <model token>.<replica id> -> node, GPUs, bytes, level, state",
             history=5,
             storage=StorageType.FILE,
+            replicas=replicas,
         ),
         KeyValueConfig(
             bucket=subjects.NODES_BUCKET,
@@ -321,51 +350,185 @@ def _bucket_configs(node_ttl_s: float) -> list[KeyValueConfig]:
             history=1,
             ttl=node_ttl_s,
             storage=StorageType.FILE,
+            replicas=replicas,
         ),
     ]
 
 
-async def _ensure_stream(js: JetStreamContext, config: StreamConfig) -> None:
+_COMPARED_FIELDS = ("subjects", "retention", "storage", "num_replicas", "max_age", "max_msgs",
+                    "duplicate_window", "discard")
+_CONTRACT_FIELDS = ("subjects", "retention")
+"""Fields Shoal relies on: a stream that differs there is logged as an error (and kept)."""
+
+
+_COMPARED_BUCKET_FIELDS = ("subjects", "storage", "num_replicas", "max_age")
+
+
+def _differences(ours: StreamConfig, theirs: StreamConfig, fields: tuple[str, ...]
+                 ) -> dict[str, tuple[object, object]]:
+    """Field -> (what Shoal would create, what the stream has), for the `fields` that differ."""
+    found = {}
+    for name in fields:
+        mine, have = getattr(ours, name), getattr(theirs, name)
+        if mine not in (None, 0) and mine != have:  # None, 0: the server's default
+            found[name] = (mine, have)
+    return found
+
+
+class StreamMissing(BusError):
+    """A stream or bucket of the NATS contract does not exist, and this connection may not
+    (or was told not to) create it."""
+
+
+class CreateRefused(BusError):
+    """The server refused this NATS user the creation of a stream (its permissions)."""
+
+
+@dataclass
+class PermissionRefusals:
+    """The subjects the server refused this connection (its ``-ERR`` lines, lower-cased by
+    nats-py), so a refused JetStream request fails at once instead of at its timeout."""
+
+    subjects: set[str] = field(default_factory=set)
+    changed: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def note(self, error: Exception) -> None:
+        text = str(error)
+        marker = "permissions violation for publish to "
+        if marker in text.lower():
+            self.subjects.add(text.lower().split(marker, 1)[1].strip().strip("'\"").strip('"'))
+            self.changed.set()
+
+    async def guard(self, request: Awaitable[T2], subject: str) -> T2:
+        """`request`'s result, or CreateRefused as soon as the server refuses `subject`."""
+        task = asyncio.ensure_future(request)
+        wanted = subject.lower()
+        while wanted not in self.subjects:
+            self.changed.clear()
+            waiter = asyncio.ensure_future(self.changed.wait())
+            done, _ = await asyncio.wait([task, waiter], return_when=asyncio.FIRST_COMPLETED)
+            waiter.cancel()
+            if task in done:
+                return task.result()
+        task.cancel()
+        raise CreateRefused(f"this NATS user may not publish to {subject}")
+
+
+async def _ensure_stream(js: JetStreamContext, config: StreamConfig, refusals: PermissionRefusals | None,
+                         *, create: bool) -> None:
+    """Create `config`'s stream if it is missing; an existing one is kept as it is."""
+    assert config.name is not None, "every Shoal stream has a name"
     try:
-        await js.add_stream(config)
-    except nats.js.errors.BadRequestError as exc:
-        if exc.err_code != JS_STREAM_NAME_EXISTS:
-            raise
-        # Exists with another configuration (an older or newer Shoal): bring it to ours.
-        await js.update_stream(config)
+        info = await js.stream_info(config.name)
+    except nats.js.errors.NotFoundError:
+        if not create:
+            raise StreamMissing(f"stream {config.name} does not exist") from None
+        try:
+            request = js.add_stream(config)
+            await (refusals.guard(request, f"$JS.API.STREAM.CREATE.{config.name}") if refusals else request)
+            log.info("stream_created", stream=config.name, replicas=config.num_replicas)
+            return
+        except nats.js.errors.BadRequestError as exc:
+            if exc.err_code != JS_STREAM_NAME_EXISTS:  # else: another process created it meanwhile
+                raise
+        info = await js.stream_info(config.name)
+    _log_kept(config, info.config, _COMPARED_FIELDS)
 
 
-async def _ensure_bucket(js: JetStreamContext, config: KeyValueConfig) -> KeyValue:
+def _log_kept(ours: StreamConfig, theirs: StreamConfig, fields: tuple[str, ...]) -> None:
+    differences = _differences(ours, theirs, fields)
+    if not differences:
+        return
+    shown = {name: {"shoal": str(mine), "stream": str(have)} for name, (mine, have) in differences.items()}
+    if any(name in _CONTRACT_FIELDS for name in differences):
+        log.error("stream_contract_differs", stream=ours.name, differences=shown,
+                  detail="Shoal relies on these fields; fix the stream (nats stream edit) or delete it")
+    else:
+        log.info("stream_config_kept", stream=ours.name, differences=shown)
+
+
+async def _ensure_bucket(js: JetStreamContext, config: KeyValueConfig, refusals: PermissionRefusals | None,
+                         *, create: bool) -> KeyValue:
+    """Create `config`'s bucket if it is missing; an existing one is kept as it is."""
     try:
-        return await js.create_key_value(config)
-    except nats.js.errors.BadRequestError as exc:
-        if exc.err_code != JS_STREAM_NAME_EXISTS:
-            raise
-        log.warning("kv_bucket_config_differs", bucket=config.bucket, detail=exc.description)
-        return await js.key_value(config.bucket)
+        kv = await js.key_value(config.bucket)
+    except nats.js.errors.BucketNotFoundError:
+        if not create:
+            raise StreamMissing(f"KV bucket {config.bucket} does not exist") from None
+        try:
+            request = js.create_key_value(config)
+            kv = await (refusals.guard(request, f"$JS.API.STREAM.CREATE.KV_{config.bucket}") if refusals
+                        else request)
+            log.info("kv_bucket_created", bucket=config.bucket, replicas=config.replicas)
+            return kv
+        except nats.js.errors.BadRequestError as exc:
+            if exc.err_code != JS_STREAM_NAME_EXISTS:  # else: another process created it meanwhile
+                raise
+        kv = await js.key_value(config.bucket)
+    info = await js.stream_info(f"KV_{config.bucket}")
+    ours = StreamConfig(name=f"KV_{config.bucket}", subjects=[f"$KV.{config.bucket}.>"], storage=config.storage,
+                        num_replicas=config.replicas, max_age=config.ttl or None)
+    _log_kept(ours, info.config, _COMPARED_BUCKET_FIELDS)
+    return kv
 
 
-async def ensure_resources(js: JetStreamContext, *, node_ttl_s: float = NODE_TTL_S) -> dict[str, KeyValue]:
-    """Create (or leave as they are) every stream and bucket of the NATS contract."""
-    for stream in _stream_configs():
-        await _ensure_stream(js, stream)
+async def ensure_resources(js: JetStreamContext, *, node_ttl_s: float = NODE_TTL_S, replicas: int = 1,
+                           create: bool = True, refusals: PermissionRefusals | None = None
+                           ) -> dict[str, KeyValue]:
+    """Create every stream and bucket of the NATS contract that is missing (with `replicas`
+    replicas); leave the ones that exist as they are.
+
+    Args:
+        create: False: only find them (StreamMissing for one that is not there).
+        refusals: the connection's refused subjects: a create the server refuses raises
+            CreateRefused at once.
+    """
+    for stream in _stream_configs(replicas):
+        await _ensure_stream(js, stream, refusals, create=create)
     buckets: dict[str, KeyValue] = {}
-    for bucket in _bucket_configs(node_ttl_s):
-        buckets[bucket.bucket] = await _ensure_bucket(js, bucket)
+    for bucket in _bucket_configs(node_ttl_s, replicas):
+        buckets[bucket.bucket] = await _ensure_bucket(js, bucket, refusals, create=create)
     return buckets
+
+
+SETUP_TIMEOUT_S = 30.0
+"""How long `connect` retries creating or finding the streams while JetStream is unavailable
+(a cluster electing its leaders)."""
+STREAMS_WAIT_S = 120.0
+"""How long a connection whose user may not create streams waits for them to appear."""
 
 
 async def connect(
     url: str,
     name: str,
     *,
+    nats_config: NatsConfig | None = None,
+    role: Role | None = None,
     connect_timeout_s: float = 5.0,
     node_ttl_s: float = NODE_TTL_S,
     on_disconnect: Callable[[], Awaitable[None]] | None = None,
 ) -> Bus:
-    """Connect to NATS as `name`, create Shoal's streams and buckets, return the handles."""
+    """Connect to NATS as `name`, create what is missing of Shoal's streams and buckets, return
+    the handles.
+
+    Args:
+        url: the server URL, or several comma-separated (a cluster: the client reconnects to
+            another server when its own goes).
+        nats_config: credentials, TLS and stream replicas (`NatsConfig`; its own `url` is not
+            read: `url` is the one to use, e.g. an embedded server's).
+        role: which Shoal service connects: its inbox prefix, for the per-service permissions
+            (`shared/nats_permissions.py`); None for tools and tests (nats-py's default).
+    """
+    settings = nats_config or NatsConfig()
+    shown_url = redacted_url(url)
+
+    refusals = PermissionRefusals()
+    refused_at_connect: asyncio.Future[Exception] = asyncio.get_running_loop().create_future()
 
     async def error_cb(exc: Exception) -> None:
+        refusals.note(exc)
+        if not refused_at_connect.done() and not nc.is_connected and _is_permanent_refusal(exc):
+            refused_at_connect.set_result(exc)
         log.warning("nats_error", client=name, error=repr(exc))
 
     async def disconnected_cb() -> None:
@@ -373,22 +536,43 @@ async def connect(
         if on_disconnect is not None:
             await on_disconnect()
 
+    async def reconnected_cb() -> None:
+        server = nc.connected_url.geturl() if nc.connected_url else ""
+        log.info("nats_reconnected", client=name, server=redacted_url(server))
+
+    servers = [s.strip() for s in url.split(",") if s.strip()]
+    nc = NATS()
+    # nats-py annotates both timeouts as int but takes them as float seconds.
+    timeouts: dict[str, Any] = {"connect_timeout": connect_timeout_s, "reconnect_time_wait": 0.5}
+    connecting = asyncio.ensure_future(nc.connect(
+        servers=servers,
+        name=name,
+        max_reconnect_attempts=-1,
+        error_cb=error_cb,
+        disconnected_cb=disconnected_cb,
+        reconnected_cb=reconnected_cb,
+        allow_reconnect=True,
+        **timeouts,
+        **connect_options(settings, role),
+    ))
     try:
-        nc = await nats.connect(
-            url,
-            name=name,
-            connect_timeout=connect_timeout_s,
-            max_reconnect_attempts=-1,
-            reconnect_time_wait=0.5,
-            error_cb=error_cb,
-            disconnected_cb=disconnected_cb,
-            allow_reconnect=True,
-        )
+        # nats-py retries a refused first connect for ever: a wrong password never gets right.
+        racing: list[asyncio.Future[Any]] = [connecting, refused_at_connect]
+        await asyncio.wait(racing, return_when=asyncio.FIRST_COMPLETED)
+        if not connecting.done():
+            connecting.cancel()
+            await asyncio.gather(connecting, return_exceptions=True)
+            await nc.close()
+            raise BusError(f"NATS at {shown_url} refused {name}: {refused_at_connect.result()} (check the "
+                           f"[nats] credentials and TLS settings)")
+        connecting.result()
     except (TimeoutError, OSError, nats.errors.NoServersError) as exc:
-        raise BusError(f"cannot connect to NATS at {url}: {exc}") from exc
+        raise BusError(f"cannot connect to NATS at {shown_url}: {exc}") from exc
+    except nats.errors.Error as exc:  # authorization refused, TLS required...
+        raise BusError(f"NATS at {shown_url} refused {name}: {exc}") from exc
     js = nc.jetstream(timeout=10.0)
     try:
-        kvs = await ensure_resources(js, node_ttl_s=node_ttl_s)
+        kvs = await _set_up(js, node_ttl_s=node_ttl_s, replicas=settings.replicas, refusals=refusals)
     except Exception:
         await nc.close()
         raise
@@ -400,6 +584,40 @@ async def connect(
         replicas=TypedBucket(kvs[subjects.REPLICAS_BUCKET], replica_record_decoder, subjects.REPLICAS_BUCKET, js),
         nodes=TypedBucket(kvs[subjects.NODES_BUCKET], node_record_decoder, subjects.NODES_BUCKET, js),
     )
+
+
+def _is_permanent_refusal(error: Exception) -> bool:
+    """A connect error no retry cures: wrong credentials, a certificate the other side refuses."""
+    text = str(error).lower()
+    return isinstance(error, ssl.SSLError) or "authorization violation" in text or "authentication" in text
+
+
+async def _set_up(js: JetStreamContext, *, node_ttl_s: float, replicas: int, refusals: PermissionRefusals
+                  ) -> dict[str, KeyValue]:
+    """`ensure_resources`, retried while JetStream is unavailable (a cluster electing its
+    leaders: up to SETUP_TIMEOUT_S). A user that may not create streams (a gateway, a worker)
+    waits for them instead, up to STREAMS_WAIT_S (a scheduler or node agent creates them)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + SETUP_TIMEOUT_S
+    create = True
+    while True:
+        try:
+            return await ensure_resources(js, node_ttl_s=node_ttl_s, replicas=replicas, create=create,
+                                          refusals=refusals)
+        except CreateRefused as exc:
+            log.info("waiting_for_streams", reason=str(exc),
+                     detail="this NATS user may not create Shoal's streams; a scheduler or node agent does")
+            create, deadline = False, loop.time() + STREAMS_WAIT_S
+        except StreamMissing as exc:
+            if loop.time() > deadline:
+                raise StreamMissing(f"{exc}, and this NATS user may not create it: start a scheduler or a "
+                                    f"node agent (their users may)") from exc
+            await asyncio.sleep(1.0)
+        except (TimeoutError, nats.errors.TimeoutError, nats.js.errors.ServiceUnavailableError) as exc:
+            if loop.time() > deadline:
+                raise BusError(f"JetStream did not answer while setting up Shoal's streams: {exc!r}") from exc
+            log.info("jetstream_unavailable_retrying", error=repr(exc))
+            await asyncio.sleep(0.5)
 
 
 async def ensure_model_consumer(js: JetStreamContext, model_key: str, *, ack_wait_s: float = 30.0) -> str:

@@ -57,11 +57,117 @@ def parse_bytes(text: str | int) -> int:
     return int(float(number) * _UNITS[(unit or "").upper()])
 
 
-class NatsConfig(Struct, forbid_unknown_fields=True, kw_only=True):
+MAX_STREAM_REPLICAS = 5
+"""JetStream's own bound on a stream's replicas."""
+DEFAULT_MAX_PAYLOAD_BYTES = 8 * 1024 * 1024
+"""The embedded server's ``max_payload`` (and compose's): above `GatewayConfig.max_body_bytes`,
+so every body the gateway accepts fits in one request message."""
+
+
+class NatsCredentials(Struct, forbid_unknown_fields=True, kw_only=True):
+    """One way to authenticate to NATS (or none): user/password, a token, an NKey seed or a
+    ``.creds`` file."""
+
+    user: str = ""
+    password: str = ""
+    """With ``user``: user/password authentication."""
+    token: str = ""
+    """Token authentication."""
+    nkey_seed_file: str = ""
+    """A file holding an NKey user seed (``SU...``): NKey authentication."""
+    creds_file: str = ""
+    """A ``.creds`` file (a user JWT and its seed, decentralised auth: ``nsc generate creds``)."""
+
+    def __post_init__(self) -> None:
+        methods = [name for name, value in (("user/password", self.user), ("token", self.token),
+                                            ("nkey_seed_file", self.nkey_seed_file),
+                                            ("creds_file", self.creds_file)) if value]
+        if len(methods) > 1:
+            raise ValueError(f"nats: use one way to authenticate, not {' and '.join(methods)}")
+        if self.password and not self.user:
+            raise ValueError("nats: a password needs a user")
+
+    @property
+    def is_set(self) -> bool:
+        return bool(self.user or self.token or self.nkey_seed_file or self.creds_file)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({_shown_fields(self)})"
+
+
+_SECRET_FIELDS = ("password", "token")
+
+
+def _shown_fields(struct: Struct) -> str:
+    """`struct`'s fields for a repr, secrets masked (a config object must never leak one into a log)."""
+    return ", ".join(f"{name}={'***' if name in _SECRET_FIELDS and value else repr(value)}"
+                     for name, value in msgspec.structs.asdict(struct).items())
+
+
+class NatsConfig(NatsCredentials, forbid_unknown_fields=True, kw_only=True):
+    """How every Shoal process reaches NATS: servers, credentials, TLS, stream replicas.
+
+    Secrets (``password``, ``token``) come from shoal.toml or the environment
+    (``SHOAL_NATS_PASSWORD``), never from a command-line flag; a worker gets them from its
+    node agent on stdin. ``repr`` hides them, and so do the logs (`redacted_url`)."""
+
     url: str = ""
-    """NATS server URL. Empty: `shoal up` starts an embedded nats-server."""
+    """NATS server URL, or several comma-separated (a cluster's servers: a client moves to
+    another one when its server goes). Empty: `shoal up` starts an embedded nats-server.
+    No credentials in it: ``user``/``password`` and the rest."""
     store_dir: str = ""
     """JetStream store of the embedded server. Empty: <state_dir>/jetstream."""
+    max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES
+    """The embedded server's largest message. An external server's is its own
+    ``max_payload`` (the gateway reads it from the server: a larger request is a 413)."""
+    replicas: int = 1
+    """Replicas of each stream and KV bucket Shoal creates: 1 on one server, 3 on a 3-node
+    cluster. Applied when a stream is created only: an existing stream keeps what it has (an
+    operator changes it with ``nats stream edit``; Shoal never undoes that)."""
+    tls_ca_file: str = ""
+    """CA bundle to verify the server with (TLS); empty: the system's."""
+    tls_cert_file: str = ""
+    """Client certificate (mutual TLS), with ``tls_key_file``."""
+    tls_key_file: str = ""
+    tls: bool = False
+    """Use TLS even without any file above (a server with a publicly trusted certificate);
+    any ``tls_*`` file turns it on too, as does a ``tls://`` URL."""
+    workers: NatsCredentials = field(default_factory=NatsCredentials)
+    """``[nats.workers]``: the credentials a node agent hands the workers it starts (a less
+    privileged NATS user than its own); none set: its own."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if bool(self.tls_cert_file) != bool(self.tls_key_file):
+            raise ValueError("nats.tls_cert_file and nats.tls_key_file go together (mutual TLS)")
+        if not 1 <= self.replicas <= MAX_STREAM_REPLICAS:
+            raise ValueError(f"nats.replicas must be in 1..{MAX_STREAM_REPLICAS}, got {self.replicas}")
+        if self.max_payload_bytes < 1024:
+            raise ValueError("nats.max_payload_bytes must be >= 1024")
+        for server in self.servers:
+            if "@" in server.partition("://")[2].partition("/")[0]:
+                raise ValueError("nats.url must not hold credentials (they would show in logs and `ps`): "
+                                 "set nats.user and nats.password (SHOAL_NATS_USER, SHOAL_NATS_PASSWORD) "
+                                 "or nats.token instead")
+
+    @property
+    def servers(self) -> list[str]:
+        """The server URLs of `url` (several for a cluster)."""
+        return [s.strip() for s in self.url.split(",") if s.strip()]
+
+    @property
+    def uses_tls(self) -> bool:
+        return bool(self.tls or self.tls_ca_file or self.tls_cert_file
+                    or any(s.startswith("tls://") for s in self.servers))
+
+    def for_workers(self, url: str) -> NatsConfig:
+        """What a node agent hands its workers: these settings at `url`, with `workers`'
+        credentials instead of its own when any are set."""
+        credentials = self.workers if self.workers.is_set else self
+        return msgspec.structs.replace(
+            self, url=url, user=credentials.user, password=credentials.password, token=credentials.token,
+            nkey_seed_file=credentials.nkey_seed_file, creds_file=credentials.creds_file,
+            workers=NatsCredentials())
 
 
 class GatewayConfig(Struct, forbid_unknown_fields=True, kw_only=True):
@@ -82,6 +188,9 @@ class GatewayConfig(Struct, forbid_unknown_fields=True, kw_only=True):
     stream_keepalive_s: float = 5.0
     """A stream with nothing to send for this long (a cold start, a replica restarting) gets
     an SSE comment line saying what it waits for, and again every this long."""
+    insecure_open_admin: bool = False
+    """Serve /admin with no key on a non-loopback address (anyone who reaches the gateway may
+    register, remove and scale models). Without it such a gateway refuses to start."""
 
     def __post_init__(self) -> None:
         if not 0 < self.port < 65536:
@@ -92,6 +201,8 @@ class GatewayConfig(Struct, forbid_unknown_fields=True, kw_only=True):
             raise ValueError("gateway.max_queue_per_model must be >= 1")
         if self.stream_keepalive_s <= 0:
             raise ValueError("gateway.stream_keepalive_s must be > 0")
+        if self.max_body_bytes < 1024 or self.max_prompt_chars < 1:
+            raise ValueError("gateway.max_body_bytes must be >= 1024 and max_prompt_chars >= 1")
 
 
 class SchedulerConfig(Struct, forbid_unknown_fields=True, kw_only=True):

@@ -36,13 +36,21 @@ newer one added (rolling upgrades). Decoders are built once, here.
 from __future__ import annotations
 
 import time
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
-from msgspec import Struct, field
+from msgspec import Meta, Struct, field
 
-from shoal.shared.model_settings import ModelSettings
-from shoal.shared.subjects import replica_name
+from shoal.shared.model_settings import MAX_REPLICAS, ModelSettings
+from shoal.shared.subjects import REPLICA_ID_PATTERN, replica_name
+
+ReplicaId = Annotated[str, Meta(pattern=REPLICA_ID_PATTERN)]
+"""Every replica id on the wire or in a record: a decoder refuses any other (a forged id
+must never become a subject, a KV key or a log file name)."""
+ReplyReplicaId = Annotated[str, Meta(pattern=r"^[A-Za-z0-9_-]{0,64}$")]
+"""A reply's replica id ("" when unknown)."""
+NumReplicas = Annotated[int, Meta(ge=0, le=MAX_REPLICAS)]
+"""A replica count a command or a record may ask for (the scheduler refuses more)."""
 
 # --------------------------------------------------------------------------- hot path
 
@@ -51,6 +59,10 @@ class ChatMessage(Struct, omit_defaults=True):
     role: str
     content: str
     name: str | None = None
+
+
+GREEDY_BELOW_TEMPERATURE = 1e-5
+"""A temperature (or top_p) below this samples greedily (vLLM's ``_SAMPLING_EPS``)."""
 
 
 class SamplingParams(Struct, omit_defaults=True):
@@ -67,6 +79,13 @@ class SamplingParams(Struct, omit_defaults=True):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.temperature < GREEDY_BELOW_TEMPERATURE or self.top_p < GREEDY_BELOW_TEMPERATURE:
+            # Logits divided by a temperature this small overflow float32 (1e-45 is 0 there):
+            # the softmax would be NaN; a top_p this small rounds to 0 in float32 and keeps no
+            # token. Both mean "the most likely token": greedy, as vLLM does for temperatures.
+            self.temperature = 0.0
 
     @property
     def is_reproducible(self) -> bool:
@@ -103,7 +122,7 @@ class TokenChunk(Struct, tag="chunk", tag_field="type", omit_defaults=True):
     seq: int
     text: str
     num_tokens: int = 1
-    replica_id: str = ""
+    replica_id: ReplyReplicaId = ""
 
 
 class FinalReply(Struct, tag="final", tag_field="type", omit_defaults=True):
@@ -115,7 +134,7 @@ class FinalReply(Struct, tag="final", tag_field="type", omit_defaults=True):
     finish_reason: str
     prompt_tokens: int
     completion_tokens: int
-    replica_id: str = ""
+    replica_id: ReplyReplicaId = ""
 
 
 ErrorType = Literal["invalid_request_error", "timeout", "unavailable", "server_error"]
@@ -131,7 +150,7 @@ class ErrorReply(Struct, tag="error", tag_field="type", omit_defaults=True):
     message: str
     error_type: ErrorType = "server_error"
     code: str | None = None
-    replica_id: str = ""
+    replica_id: ReplyReplicaId = ""
     param: str | None = None
     """The request field at fault, when the worker knows it (OpenAI's ``error.param``)."""
 
@@ -170,7 +189,7 @@ class ModelSpec(ModelSettings, kw_only=True, omit_defaults=True):
     weight_bytes: int | None = None
     """Raw checkpoint size: what a WARM replica holds in CPU RAM (filled in by inspection)."""
     num_parameters: int | None = None
-    desired_replicas: int = 0
+    desired_replicas: NumReplicas = 0
     """The replicas the scheduler keeps placed (at least `min_replicas` at registration)."""
     lease_owner: str | None = None
     """The scheduler committing a plan that changes this model's replicas right now."""
@@ -199,6 +218,13 @@ class ModelSpec(ModelSettings, kw_only=True, omit_defaults=True):
         declared = msgspec.structs.asdict(settings)
         return cls(**declared, desired_replicas=settings.min_replicas, source=source, registered_at=registered_at)
 
+    def as_registration(self) -> ModelSpec:
+        """This spec as a new registration: its operator settings, source and time only. A
+        register command carries a whole spec; what the cluster learns (measured memory,
+        sizes, leases, failure holds) is never taken from a message a client could forge."""
+        settings = ModelSettings(**{name: getattr(self, name) for name in ModelSettings.__struct_fields__})
+        return ModelSpec.from_settings(settings, source=self.source, registered_at=self.registered_at)
+
 
 class Occupant(Struct, omit_defaults=True):
     """One replica's share of one GPU, inside a `GpuRecord`.
@@ -208,7 +234,7 @@ class Occupant(Struct, omit_defaults=True):
     agent confirms it has), ``sleeping`` (parked WARM: holds only `residual_bytes`).
     """
 
-    replica_id: str
+    replica_id: ReplicaId
     model: str
     num_bytes: int
     """GPU bytes it holds on this GPU while not sleeping (its size when it wakes)."""
@@ -288,7 +314,7 @@ class GpuRecord(Struct, kw_only=True, omit_defaults=True):
 class ReplicaRecord(Struct, kw_only=True, omit_defaults=True):
     """One replica in ``shoal_replicas`` under ``<model token>.<replica id>``."""
 
-    replica_id: str
+    replica_id: ReplicaId
     model: str
     node_id: str
     gpu_bytes: dict[int, int] = field(default_factory=dict)
@@ -364,7 +390,7 @@ class EnsureModel(Struct, tag="ensure", tag_field="type"):
     """Gateway -> scheduler: make sure `model` has at least `min_replicas` replicas placed."""
 
     model: str
-    min_replicas: int = 1
+    min_replicas: NumReplicas = 1
 
 
 class RegisterModel(Struct, tag="register", tag_field="type"):
@@ -377,7 +403,7 @@ class RemoveModel(Struct, tag="remove", tag_field="type"):
 
 class ScaleModel(Struct, tag="scale", tag_field="type"):
     model: str
-    num_replicas: int
+    num_replicas: NumReplicas
     """The desired replica count."""
 
 
@@ -385,14 +411,14 @@ class EvictReplicas(Struct, tag="evict", tag_field="type"):
     """Evict one replica (`replica_id`) or every replica of `model`."""
 
     model: str
-    replica_id: str | None = None
+    replica_id: ReplicaId | None = None
 
 
 class ReplicaFailed(Struct, tag="replica_failed", tag_field="type"):
     """Node agent -> scheduler: a replica's worker failed; free it and re-place."""
 
     model: str
-    replica_id: str
+    replica_id: ReplicaId
     error: str
 
 
@@ -435,14 +461,14 @@ class CreateReplica(Struct, tag="create", tag_field="type"):
 
 
 class StopReplica(Struct, tag="stop", tag_field="type"):
-    replica_id: str
+    replica_id: ReplicaId
     reason: str = ""
 
 
 class CacheReplica(Struct, tag="to_cache", tag_field="type"):
     """Park a replica WARM: drain, weights to CPU RAM, GPU memory given back."""
 
-    replica_id: str
+    replica_id: ReplicaId
 
 
 class RestoreReplica(Struct, tag="from_cache", tag_field="type"):
@@ -491,14 +517,18 @@ class WorkerReply(Struct, omit_defaults=True):
 class WorkerEvent(Struct, tag="worker_event", tag_field="type", omit_defaults=True):
     """Worker -> its node agent: lifecycle of one replica."""
 
-    replica_id: str
+    replica_id: ReplicaId
     kind: Literal["loading", "ready", "failed", "cached", "restored", "stopped"]
     message: str = ""
-    measured_bytes: int | None = None
-    weight_bytes: int | None = None
+    measured_bytes: Annotated[int, Meta(ge=0)] | None = None
+    weight_bytes: Annotated[int, Meta(ge=0)] | None = None
     pid: int | None = None
     phase: LoadPhase | None = None
     """With ``loading``: the phase the worker enters now."""
+    token: str = ""
+    """The event token its node agent gave the worker at launch (`WorkerLaunch.event_token`):
+    the agent ignores events without it, so no other client can report for the replica (and,
+    say, lower its model's measured memory)."""
 
 
 class KvCacheStats(Struct, omit_defaults=True):
@@ -520,7 +550,7 @@ class WorkerStats(Struct, kw_only=True, omit_defaults=True):
     replica is doing. Counts (``num_*`` not ``_running``/``_waiting``) are totals since the
     worker started; gateways serve them as Prometheus counters."""
 
-    replica_id: str
+    replica_id: ReplicaId
     model: str
     node_id: str
     at: float

@@ -2,7 +2,8 @@
 
 Servers register endpoints with `add_json_endpoint`: the request is decoded
 with the endpoint's decoder (malformed -> error 400), the handler's exceptions
-are mapped to micro error codes (never a raw repr to the caller), and the
+are mapped to micro error codes (never a raw repr to the caller; a model name
+that no model can have is a 400), and the
 reply Struct is JSON-encoded. Clients call `request_json`, which raises
 `ServiceUnavailable`, `ServiceTimeout` or `ServiceError` instead of returning
 error bytes.
@@ -23,6 +24,7 @@ from nats.micro.service import Service
 
 from shoal.shared.errors import ShoalError
 from shoal.shared.messages import encode_json
+from shoal.shared.subjects import InvalidModelKey, InvalidModelToken
 
 log = structlog.get_logger(__name__)
 
@@ -104,6 +106,9 @@ async def add_json_endpoint(
             reply = await handle(command)
         except RequestError as exc:
             await request.respond_error(str(exc.code), str(exc))
+            return
+        except (InvalidModelKey, InvalidModelToken) as exc:  # a model name no model can have
+            await request.respond_error("400", str(exc))
             return
         except Exception:
             log.exception("handler_failed", endpoint=name)

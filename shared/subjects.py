@@ -184,6 +184,11 @@ def scheduler_subject(verb: str) -> str:
 
 
 _NODE_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
+REPLICA_ID_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"
+"""Replica ids (uuid hex when Shoal makes them) become subject tokens, KV key parts and log
+file names: every message and record that carries one checks it against this pattern."""
+_REPLICA_ID = re.compile(REPLICA_ID_PATTERN)
+_REPLY_TOKEN = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
 
 def validate_node_id(node_id: str) -> str:
@@ -191,3 +196,19 @@ def validate_node_id(node_id: str) -> str:
     if not _NODE_ID.fullmatch(node_id):
         raise ValueError(f"node id {node_id!r} must match [A-Za-z0-9_-]{{1,64}}")
     return node_id
+
+
+def validate_replica_id(replica_id: str) -> str:
+    """Replica ids become subject tokens, KV key parts and file names: `REPLICA_ID_PATTERN`."""
+    if not _REPLICA_ID.fullmatch(replica_id):
+        raise ValueError(f"replica id {replica_id!r} must match [A-Za-z0-9_-]{{1,64}}")
+    return replica_id
+
+
+def is_reply_subject(subject: str, gateway_id: str, request_id: str) -> bool:
+    """Whether `subject` is exactly ``shoal.reply.<gateway_id>.<request_id>`` with both ids
+    valid subject tokens (`[A-Za-z0-9_-]{1,64}`): the only subjects a worker answers on.
+    A request naming any other reply subject (``$KV.…``, ``shoal.node.…``, a wildcard) is
+    forged or broken, and gets no reply."""
+    return (bool(_REPLY_TOKEN.fullmatch(gateway_id)) and bool(_REPLY_TOKEN.fullmatch(request_id))
+            and subject == reply_subject(gateway_id, request_id))

@@ -14,8 +14,8 @@ from collections.abc import AsyncIterator
 import structlog
 from aiohttp import web
 
-from shoal.services.gateway import routes_admin, routes_openai, routes_ui
-from shoal.services.gateway.auth import auth_middleware, open_admin_warning
+from shoal.services.gateway import openapi, routes_admin, routes_openai, routes_ui
+from shoal.services.gateway.auth import auth_middleware, check_admin_exposure
 from shoal.services.gateway.cluster import ClusterView
 from shoal.services.gateway.dispatch import Dispatcher
 from shoal.services.gateway.errors import error_middleware
@@ -24,7 +24,7 @@ from shoal.services.gateway.request_ids import request_id_middleware
 from shoal.services.gateway.router import ReplyRouter
 from shoal.services.gateway.state import GATEWAY, GatewayState
 from shoal.shared.bus import connect
-from shoal.shared.config import GatewayConfig
+from shoal.shared.config import GatewayConfig, NatsConfig
 from shoal.shared.metrics import CONTENT_TYPE, Registry
 
 log = structlog.get_logger(__name__)
@@ -40,7 +40,11 @@ async def metrics(request: web.Request) -> web.Response:
     return web.Response(body=body.encode(), headers={"Content-Type": CONTENT_TYPE})
 
 
-def create_app(config: GatewayConfig, nats_url: str, registry: Registry | None = None) -> web.Application:
+def create_app(config: GatewayConfig, nats_url: str, registry: Registry | None = None, *,
+               nats_config: NatsConfig | None = None) -> web.Application:
+    """The gateway's application. Raises ConfigError, before anything starts, for an admin API
+    that would be open to the network (`auth.check_admin_exposure`)."""
+    exposure_warning = check_admin_exposure(config)
     app = web.Application(
         client_max_size=config.max_body_bytes,
         middlewares=[request_id_middleware, error_middleware, auth_middleware(config)],
@@ -49,7 +53,7 @@ def create_app(config: GatewayConfig, nats_url: str, registry: Registry | None =
 
     async def resources(app: web.Application) -> AsyncIterator[None]:
         gateway_id = config.gateway_id or uuid.uuid4().hex[:12]
-        bus = await connect(nats_url, f"gateway-{gateway_id}")
+        bus = await connect(nats_url, f"gateway-{gateway_id}", nats_config=nats_config, role="gateway")
         router = ReplyRouter(bus.nc, gateway_id)
         await router.start()
         cluster = ClusterView(bus)
@@ -69,9 +73,14 @@ def create_app(config: GatewayConfig, nats_url: str, registry: Registry | None =
                                        ["model"]),
             live=live,
         )
-        log.info("gateway_started", gateway=gateway_id)
-        if (warning := open_admin_warning(config)) is not None:
-            log.warning("admin_api_open", host=config.host, port=config.port, detail=warning)
+        log.info("gateway_started", gateway=gateway_id, max_payload_bytes=bus.nc.max_payload)
+        if config.max_body_bytes > bus.nc.max_payload:
+            log.warning("body_limit_above_nats_payload", max_body_bytes=config.max_body_bytes,
+                        max_payload_bytes=bus.nc.max_payload,
+                        detail="requests larger than the NATS server's max_payload get 413; raise the "
+                               "server's max_payload or lower gateway.max_body_bytes so they agree")
+        if exposure_warning is not None:
+            log.warning("admin_api_open", host=config.host, port=config.port, detail=exposure_warning)
         yield
         await live.stop()
         await cluster.stop()
@@ -86,12 +95,15 @@ def create_app(config: GatewayConfig, nats_url: str, registry: Registry | None =
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/health", healthz)
     app.router.add_get("/metrics", metrics)
+    openapi.add_routes(app)
     return app
 
 
-async def start_gateway(config: GatewayConfig, nats_url: str, registry: Registry | None = None) -> web.AppRunner:
+async def start_gateway(config: GatewayConfig, nats_url: str, registry: Registry | None = None, *,
+                        nats_config: NatsConfig | None = None) -> web.AppRunner:
     """Start serving on config.host:config.port; returns the runner (call `cleanup()` to stop)."""
-    runner = web.AppRunner(create_app(config, nats_url, registry), handler_cancellation=True, access_log=None)
+    runner = web.AppRunner(create_app(config, nats_url, registry, nats_config=nats_config),
+                           handler_cancellation=True, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, config.host, config.port, reuse_address=True)
     await site.start()

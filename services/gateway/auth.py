@@ -2,7 +2,8 @@
 
 ``gateway.api_keys`` guard /v1 and /ui/api (the dashboard's data); ``gateway.admin_api_keys``
 guard /admin and also work wherever an API key does. With no keys at all everything is
-open (and the gateway warns when that open admin API listens beyond loopback). Health,
+open; a gateway whose open admin API would listen beyond loopback refuses to start unless
+``gateway.insecure_open_admin`` is set (then it warns). Health,
 /metrics and the dashboard's page and static files are always open: they hold no secret.
 """
 
@@ -15,11 +16,11 @@ from collections.abc import Awaitable, Callable
 from aiohttp import web
 
 from shoal.services.gateway.errors import Forbidden, Unauthorized
-from shoal.shared.config import GatewayConfig
+from shoal.shared.config import ConfigError, GatewayConfig
 
-OPEN_PATHS = ("/healthz", "/health", "/metrics", "/ui", "/ui/")
-"""Open to all: probes, scrapers, and the dashboard's page (it holds no data: what it shows
-comes from /ui/api, which takes the keys of /v1)."""
+OPEN_PATHS = ("/healthz", "/health", "/metrics", "/ui", "/ui/", "/openapi.json")
+"""Open to all: probes, scrapers, the API's description, and the dashboard's page (it holds no
+data: what it shows comes from /ui/api, which takes the keys of /v1)."""
 OPEN_PREFIXES = ("/ui/static/",)
 
 
@@ -46,13 +47,24 @@ def is_loopback(host: str) -> bool:
         return False  # a host name, "" or "0.0.0.0"-like: assume it is reachable
 
 
-def open_admin_warning(config: GatewayConfig) -> str | None:
-    """Why the admin API is open to the network with this config, or None if it is not."""
-    if config.admin_api_keys or config.api_keys or is_loopback(config.host):
-        return None  # keys guard it (admin routes are off with only api_keys), or only this machine sees it
-    return (f"the admin API (/admin: register and remove models, scale, evict) is open to anyone who can reach "
-            f"{config.host}:{config.port}; set gateway.admin_api_keys (SHOAL_GATEWAY_ADMIN_API_KEYS=key1,key2) "
-            f"or listen on 127.0.0.1")
+def is_admin_open_to_network(config: GatewayConfig) -> bool:
+    """Whether /admin takes requests with no key from other machines with this config."""
+    # Keys guard it (admin routes are off with only api_keys), or only this machine sees it.
+    return not (config.admin_api_keys or config.api_keys or is_loopback(config.host))
+
+
+def check_admin_exposure(config: GatewayConfig) -> str | None:
+    """Refuse (ConfigError) a gateway whose admin API would be open to the network, unless
+    `GatewayConfig.insecure_open_admin` says so; then return the warning to log (else None)."""
+    if not is_admin_open_to_network(config):
+        return None
+    exposure = (f"the admin API (/admin: register and remove models, scale, evict) would be open to anyone who "
+                f"can reach {config.host}:{config.port}")
+    if not config.insecure_open_admin:
+        raise ConfigError(f"{exposure}; set gateway.admin_api_keys (SHOAL_GATEWAY_ADMIN_API_KEYS=key1,key2), "
+                          f"listen on 127.0.0.1, or accept it with gateway.insecure_open_admin = true "
+                          f"(--insecure-open-admin)")
+    return f"{exposure} (gateway.insecure_open_admin is set)"
 
 
 def check_admin(config: GatewayConfig, presented: str) -> None:

@@ -60,6 +60,10 @@ log = structlog.get_logger(__name__)
 
 FAILURE_CHECK_S = 1.0
 """While waiting, how often a request checks whether its model's replicas keep failing."""
+PUBLISH_RETRY_S = 30.0
+"""How long a request's publish is retried while the stream cannot take it (a NATS cluster
+electing a leader, the gateway reconnecting), within its deadline."""
+PUBLISH_RETRY_PAUSE_S = 0.25
 
 
 class StreamBroken(ApiError):
@@ -226,12 +230,23 @@ class Dispatcher:
             subjects.HDR_DEADLINE: f"{request.deadline:.3f}",
             subjects.HDR_MSG_ID: request.request_id,
         }
-        try:
-            ack = await self._bus.js.publish(subjects.infer_subject(request.model), encode_msgpack(request),
-                                             headers=headers, timeout=5.0)
-        except (TimeoutError, nats.errors.Error) as exc:
-            raise Unavailable(f"the request queue is unavailable: {exc}", retry_after_s=2.0) from exc
-        return ack.seq
+        payload = encode_msgpack(request)
+        give_up_at = min(request.deadline, time.time() + PUBLISH_RETRY_S)
+        while True:
+            try:
+                ack = await self._bus.js.publish(subjects.infer_subject(request.model), payload,
+                                                 headers=headers, timeout=5.0)
+                return ack.seq
+            except (TimeoutError, nats.errors.TimeoutError, nats.js.errors.NoStreamResponseError,
+                    nats.js.errors.ServiceUnavailableError, nats.errors.ConnectionReconnectingError) as exc:
+                # The stream's cluster is electing a leader, or this gateway reconnects to another
+                # server: publish again (the message id de-duplicates a publish that did land).
+                if time.time() >= give_up_at:
+                    raise Unavailable(f"the request queue is unavailable: {exc!r}", retry_after_s=2.0) from exc
+                log.info("publish_retrying", request_id=request.request_id, error=repr(exc))
+                await asyncio.sleep(PUBLISH_RETRY_PAUSE_S)
+            except nats.errors.Error as exc:
+                raise Unavailable(f"the request queue is unavailable: {exc}", retry_after_s=2.0) from exc
 
     async def _next_reply(self, inbox: ReplyInbox, request: InferenceRequest) -> Reply:
         """The next reply; 504 at the deadline, 503 if the model's replicas keep failing meanwhile."""

@@ -94,23 +94,25 @@ def error_for_status(status: int, message: str, *, code: str | None = None) -> A
     return error
 
 
-class _ErrorBody(msgspec.Struct):
+class ErrorBody(msgspec.Struct):
     message: str
     type: str
     code: str | None = None
     param: str | None = None
 
 
-class _ErrorEnvelope(msgspec.Struct):
-    error: _ErrorBody
+class ErrorEnvelope(msgspec.Struct):
+    """Every error response's body (OpenAI's)."""
+
+    error: ErrorBody
 
 
 _encoder = msgspec.json.Encoder()
 
 
 def error_payload(error: ApiError) -> bytes:
-    body = _ErrorBody(error.message, error.error_type, error.code, error.param)
-    return _encoder.encode(_ErrorEnvelope(body))
+    body = ErrorBody(error.message, error.error_type, error.code, error.param)
+    return _encoder.encode(ErrorEnvelope(body))
 
 
 def error_response(error: ApiError) -> web.Response:

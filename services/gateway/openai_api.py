@@ -20,7 +20,7 @@ import msgspec
 from msgspec import Meta, Struct
 
 from shoal.services.gateway.errors import BadRequest, PayloadTooLarge
-from shoal.shared.messages import ChatMessage, SamplingParams
+from shoal.shared.messages import ChatMessage, InferenceRequest, SamplingParams, encode_msgpack
 
 MAX_STOP_SEQUENCES = 4
 MAX_INT32 = 2**31 - 1
@@ -48,8 +48,12 @@ class TextPart(Struct):
     text: str | None = None
 
 
+ChatRole = Literal["system", "developer", "user", "assistant", "tool"]
+StopString = Annotated[str, Meta(min_length=1)]
+
+
 class InMessage(Struct):
-    role: str
+    role: ChatRole
     content: str | list[TextPart] | None = None
     name: str | None = None
 
@@ -63,7 +67,7 @@ class _Sampling(Struct, kw_only=True):
     max_tokens: MaxTokens | None = None
     temperature: Temperature | None = None
     top_p: TopP | None = None
-    stop: str | list[str] | None = None
+    stop: StopString | Annotated[list[StopString], Meta(max_length=MAX_STOP_SEQUENCES)] | None = None
     seed: Seed | None = None
     stream: bool | None = None
     stream_options: StreamOptions | None = None
@@ -82,7 +86,7 @@ class _Sampling(Struct, kw_only=True):
 
 
 class ChatCompletionRequest(_Sampling, kw_only=True):
-    messages: list[InMessage]
+    messages: Annotated[list[InMessage], Meta(min_length=1)]
     max_completion_tokens: MaxTokens | None = None
     logprobs: bool | None = None
     top_logprobs: TopLogprobs | None = None
@@ -96,8 +100,9 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
 
 
 class CompletionRequest(_Sampling, kw_only=True):
-    prompt: str | list[Any]
-    """A string, or one string / one token-id list in a list, or a token-id list."""
+    prompt: Annotated[str, Meta(min_length=1)] | Annotated[list[Any], Meta(min_length=1)]
+    """A string, or one string / one token-id list in a list, or a token-id list (not empty: a
+    model needs at least one token to go on from)."""
     logprobs: CompletionLogprobs | None = None
     echo: bool | None = None
     suffix: str | None = None
@@ -156,6 +161,10 @@ _UNSUPPORTED: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
 )
 
 
+UNSUPPORTED_FIELDS = tuple(name for name, _, _ in _UNSUPPORTED)
+"""Fields accepted only at their defaults."""
+
+
 def reject_unsupported(req: _Sampling) -> None:
     """400 naming the first field set to a value Shoal cannot honour (see the module doc)."""
     for name, honoured, message in _UNSUPPORTED:
@@ -176,9 +185,7 @@ def sampling_params(req: _Sampling, max_tokens: int | None, default_max_tokens: 
     if not req.model:
         raise BadRequest("model is required", param="model")
     reject_unsupported(req)
-    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
-    if len(stop) > MAX_STOP_SEQUENCES or any(not s for s in stop):
-        raise BadRequest(f"stop takes up to {MAX_STOP_SEQUENCES} non-empty strings", param="stop")
+    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])  # bounds: `StopString`
     return SamplingParams(
         max_tokens=max_tokens if max_tokens is not None else default_max_tokens,
         temperature=1.0 if req.temperature is None else req.temperature,
@@ -195,13 +202,10 @@ def sampling_params(req: _Sampling, max_tokens: int | None, default_max_tokens: 
 
 
 def chat_messages(req: ChatCompletionRequest, max_chars: int) -> list[ChatMessage]:
-    if not req.messages:
-        raise BadRequest("messages must hold at least one message", param="messages")
+    """The conversation to template (at least one message, known roles: checked at decoding)."""
     messages: list[ChatMessage] = []
     total_chars = 0
     for i, message in enumerate(req.messages):
-        if message.role not in ("system", "developer", "user", "assistant", "tool"):
-            raise BadRequest(f"messages[{i}].role {message.role!r} is not a chat role", param="messages")
         if isinstance(message.content, list):
             kinds = {part.type for part in message.content}
             if kinds - {"text"}:
@@ -223,6 +227,8 @@ def completion_prompt(req: CompletionRequest, max_chars: int) -> tuple[str | Non
     prompt: Any = req.prompt
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
         prompt = prompt[0]
+    if not prompt:
+        raise BadRequest("prompt is empty: send at least one character or token id", param="prompt")
     if isinstance(prompt, str):
         if len(prompt) > max_chars:
             raise_prompt_too_large(len(prompt), max_chars)
@@ -235,6 +241,21 @@ def completion_prompt(req: CompletionRequest, max_chars: int) -> tuple[str | Non
         return None, list(prompt)
     raise BadRequest("prompt must be one string or one list of token ids (batches are not supported)",
                      param="prompt")
+
+
+HEADER_ALLOWANCE_BYTES = 1024
+"""Room left in a NATS message for the request's headers (reply subject, ids, deadline)."""
+
+
+def check_fits_in_message(request: InferenceRequest, max_payload_bytes: int) -> None:
+    """413 when `request` would not fit in one NATS message (the server's ``max_payload``):
+    a publish would fail at any retry, so the client is told at once, not given a 503."""
+    num_bytes = len(encode_msgpack(request)) + HEADER_ALLOWANCE_BYTES
+    if num_bytes > max_payload_bytes:
+        raise PayloadTooLarge(
+            f"the request takes {num_bytes} bytes as a queue message; the NATS server takes at most "
+            f"{max_payload_bytes} (its max_payload): shorten the prompt",
+            param="prompt" if request.messages is None else "messages")
 
 
 def raise_prompt_too_large(num_chars: int, max_chars: int, param: str = "prompt") -> None:

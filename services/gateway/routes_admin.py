@@ -25,15 +25,15 @@ from shoal.shared.messages import (
     ModelSpec,
     RegisterModel,
     RemoveModel,
+    ReplicaId,
     ScaleModel,
     SchedulerCommand,
     scheduler_reply_decoder,
 )
 from shoal.shared.micro import ServiceCallError, ServiceError, ServiceUnavailable, request_json
+from shoal.shared.model_settings import MAX_REPLICAS
 
 routes = web.RouteTableDef()
-MAX_REPLICAS = 1024
-"""Replicas one model may ask for through the admin API (a typo must not flood the scheduler)."""
 
 
 class ScaleBody(msgspec.Struct, forbid_unknown_fields=True):
@@ -41,7 +41,7 @@ class ScaleBody(msgspec.Struct, forbid_unknown_fields=True):
 
 
 class EvictBody(msgspec.Struct, forbid_unknown_fields=True):
-    replica_id: str | None = None
+    replica_id: ReplicaId | None = None
 
 
 async def _command(request: web.Request, verb: str, command: SchedulerCommand) -> web.Response:
@@ -63,9 +63,7 @@ async def _command(request: web.Request, verb: str, command: SchedulerCommand) -
 async def register_model(request: web.Request) -> web.Response:
     """Register a model. Its path must stay under the models root (checked here) and hold a
     checkpoint a node agent can read (checked by the scheduler, which asks one: 400 if not)."""
-    model = decode_model_config(await request.read())
-    if model.min_replicas > MAX_REPLICAS:
-        raise BadRequest(f"min_replicas must be <= {MAX_REPLICAS}", param="min_replicas")
+    model = decode_model_config(await request.read())  # min_replicas <= MAX_REPLICAS: ModelSettings
     spec = ModelSpec.from_settings(model, source="admin", registered_at=time.time())
     return await _command(request, "register", RegisterModel(spec))
 

@@ -26,6 +26,7 @@ from shoal.services.gateway.openai_api import (
     ModelCard,
     ModelList,
     chat_messages,
+    check_fits_in_message,
     completion_prompt,
     decode_body,
     encoder,
@@ -102,6 +103,7 @@ async def _serve(request: web.Request, kind: Kind) -> web.StreamResponse:
             raise
         model_label = _label_for(state, body.model)
         inference, stream, include_usage = _inference_request(state, body, request[REQUEST_ID])
+        check_fits_in_message(inference, state.bus.nc.max_payload)
         with state.dispatcher.admitted(inference.model):
             started = time.monotonic()
             if stream:

@@ -13,6 +13,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import hmac
+import secrets
 import socket
 import time
 from collections.abc import Coroutine
@@ -32,7 +34,7 @@ from shoal.services.node_agent.release import record_parked, record_stopped
 from shoal.services.worker.launch import WorkerLaunch
 from shoal.shared import subjects
 from shoal.shared.bus import Bus, cas_update, publish_event
-from shoal.shared.config import LoggingConfig, NodeConfig, WorkerConfig
+from shoal.shared.config import LoggingConfig, NatsConfig, NodeConfig, WorkerConfig
 from shoal.shared.messages import (
     CacheReplica,
     CreateReplica,
@@ -79,6 +81,8 @@ class _Replica:
     process: WorkerProcess | None = None
     ready: asyncio.Event = field(default_factory=asyncio.Event)
     num_assert_restarts: int = 0
+    event_token: str = ""
+    """Given to the worker process in its launch; its events must carry it (`_on_worker_event`)."""
 
 
 class NodeAgent:
@@ -95,12 +99,15 @@ class NodeAgent:
         nats_url: str,
         log_dir: Path,
         metrics: Registry | None = None,
+        nats_config: NatsConfig | None = None,
     ) -> None:
         """Args:
         node: this node's settings, with `node_id` set and `models_root` absolute (workers
             and inspections resolve model paths against it).
         worker: handed to every worker this agent starts.
         nats_url: the URL workers connect to.
+        nats_config: the connection settings workers get (in their launch, on stdin: never on a
+            command line), with its ``workers`` credentials when set (`NatsConfig.for_workers`).
         log_dir: one log file per worker.
         """
         assert node.node_id, "the node agent needs its node id resolved (NodeConfig.node_id_or_default)"
@@ -111,6 +118,7 @@ class NodeAgent:
         self._worker = worker
         self._logging = logging
         self._nats_url = nats_url
+        self._nats_config = nats_config or NatsConfig()
         self._log_dir = log_dir
         self._inspecting = asyncio.Lock()
         self._replicas: dict[str, _Replica] = {}
@@ -267,7 +275,10 @@ class NodeAgent:
         return NodeReply(ok=True, message="spawned", pid=replica.process.pid)
 
     async def _launch(self, replica: _Replica) -> None:
-        launch = WorkerLaunch(nats_url=self._nats_url, node_id=self.node_id, models_root=self._node.models_root,
+        replica.event_token = secrets.token_hex(16)  # a new process, a new token
+        launch = WorkerLaunch(nats_url=self._nats_url, nats=self._nats_config.for_workers(self._nats_url),
+                              event_token=replica.event_token,
+                              node_id=self.node_id, models_root=self._node.models_root,
                               device=self._gpus.device, replica=replica.record, model=replica.spec,
                               worker=self._worker, logging=self._logging)
         replica.ready.clear()
@@ -357,6 +368,11 @@ class NodeAgent:
         replica = self._replicas.get(event.replica_id)
         if replica is None:
             raise RequestError(404, f"replica {event.replica_id} is not managed by node {self.node_id}")
+        if not hmac.compare_digest(event.token.encode(), replica.event_token.encode()):
+            # Only the worker this agent started knows the token: anyone else on the bus could
+            # otherwise report a replica ready, failed, or lower its model's measured memory.
+            log.warning("worker_event_refused", replica=event.replica_id, kind=event.kind)
+            raise RequestError(403, f"event for replica {event.replica_id} does not come from its worker")
         record = replica.record
         structlog.contextvars.bind_contextvars(model=record.model, replica=record.replica_id)
         if event.kind == "ready":

@@ -3,7 +3,9 @@
 Each worker is started in its own process group with a parent-death signal
 (Linux), so a node agent that dies without cleaning up still takes its workers
 with it. It reads its `WorkerLaunch` from stdin (nothing it is told shows on a
-command line). Output goes to one log file per replica under the state directory.
+command line); its environment is the agent's less Shoal's NATS secrets
+(`is_secret_env_var`), which it gets in the launch instead. Output goes to one log
+file per replica under the state directory.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import structlog
 
 from shoal.services.worker.launch import WorkerLaunch, encode_launch
 from shoal.shared.child_process import die_with_parent
+from shoal.shared.subjects import validate_replica_id
 
 log = structlog.get_logger(__name__)
 
@@ -57,12 +60,25 @@ class WorkerProcess:
 
 
 WORKER_ARGV = (sys.executable, "-m", "shoal.services.worker")
+SECRET_ENV_MARKERS = ("PASSWORD", "TOKEN", "API_KEYS")
+"""A ``SHOAL_*`` variable whose name holds one of these is a secret (``SHOAL_NATS_PASSWORD``,
+``SHOAL_GATEWAY_API_KEYS``...): a worker gets what it needs in its launch instead, and
+nothing else (`ps e` shows a process's environment)."""
+
+
+def is_secret_env_var(name: str) -> bool:
+    return name.startswith("SHOAL_") and any(marker in name for marker in SECRET_ENV_MARKERS)
+
+
+def worker_env() -> dict[str, str]:
+    """A worker's environment: the agent's without Shoal's secrets, with unbuffered output."""
+    return {**{k: v for k, v in os.environ.items() if not is_secret_env_var(k)}, "PYTHONUNBUFFERED": "1"}
 
 
 async def spawn_worker(launch: WorkerLaunch, log_dir: Path) -> WorkerProcess:
     """Start a worker process for `launch.replica`, hand it `launch` on stdin; its stdout
     and stderr go to ``<log_dir>/<replica_id>.log``."""
-    replica_id, model = launch.replica.replica_id, launch.replica.model
+    replica_id, model = validate_replica_id(launch.replica.replica_id), launch.replica.model  # a file name
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / f"{replica_id}.log"
     with open(log_path, "ab") as log_file:
@@ -73,7 +89,7 @@ async def spawn_worker(launch: WorkerLaunch, log_dir: Path) -> WorkerProcess:
             stderr=asyncio.subprocess.STDOUT,
             start_new_session=True,
             preexec_fn=die_with_parent,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            env=worker_env(),
         )
     assert process.stdin is not None, "the worker's stdin is a pipe"
     process.stdin.write(encode_launch(launch))

@@ -33,6 +33,7 @@ from shoal.shared.messages import (
 )
 from shoal.shared.metrics import Registry
 from shoal.shared.micro import RequestError
+from shoal.shared.model_settings import MAX_REPLICAS
 from shoal.shared.placement.config import PlacementConfig
 from shoal.shared.placement.memory_figure import UnknownModelMemory
 from shoal.shared.placement.planner import ClusterPlanner
@@ -78,6 +79,8 @@ class PlacementCommands:
         wake alive) or ``no_victim`` with why and when to retry. Without (the reconciler
         refilling a model short of replicas) it stops at what fits and keeps the desired
         count. Refused (``failing``) while the model backs off after failures (backoff.py)."""
+        if not 0 <= min_replicas <= MAX_REPLICAS:
+            raise RequestError(400, f"min_replicas must be in 0..{MAX_REPLICAS}")
         spec = await self._registry.inspect(await self._registry.require(model))
         if (held := backoff.get_held_reply(spec, self._clock())) is not None:
             return held
@@ -108,8 +111,8 @@ class PlacementCommands:
 
     async def scale(self, model: str, num_replicas: int) -> SchedulerReply:
         """Exactly `num_replicas` replicas (extra ones removed, missing ones placed)."""
-        if num_replicas < 0:
-            raise RequestError(400, "replicas must be >= 0")
+        if not 0 <= num_replicas <= MAX_REPLICAS:
+            raise RequestError(400, f"replicas must be in 0..{MAX_REPLICAS}")
         spec = await self._registry.inspect(await self._registry.require(model))
 
         def operate(planner: ClusterPlanner, specs: dict[str, ModelSpec]) -> None:

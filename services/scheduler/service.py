@@ -146,7 +146,7 @@ class SchedulerService:
             case EnsureModel(model=model, min_replicas=min_replicas):
                 return await self.ensure(model, min_replicas)
             case RegisterModel(spec=spec):
-                stored = await self.register(await self._registry.check_files(spec))
+                stored = await self.register(await self._registry.check_files(spec.as_registration()))
                 return SchedulerReply(ok=True, status="ok", model=stored)
             case RemoveModel(model=model):
                 return await self.remove(model)

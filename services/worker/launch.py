@@ -1,8 +1,9 @@
 """What a worker process is started with: one typed `WorkerLaunch`, read from stdin as JSON.
 
 The node agent writes it to the new process's stdin and closes it, so nothing a worker
-is told (its NATS URL, later its credentials) appears on a command line (`ps`). Run by
-hand: ``shoal worker < launch.json`` or ``shoal worker --launch launch.json``.
+is told (its NATS URL and credentials, its event token) appears on a command line (`ps`)
+or in its environment. Run by hand: ``shoal worker < launch.json`` or
+``shoal worker --launch launch.json`` (the file then holds the secrets: keep it private).
 
 Kept free of torch so `shoal --help` stays fast.
 """
@@ -17,7 +18,7 @@ from typing import TextIO
 import msgspec
 from msgspec import Struct
 
-from shoal.shared.config import LoggingConfig, WorkerConfig
+from shoal.shared.config import LoggingConfig, NatsConfig, WorkerConfig
 from shoal.shared.messages import ModelSpec, ReplicaRecord
 from shoal.shared.subjects import validate_node_id
 
@@ -26,6 +27,12 @@ class WorkerLaunch(Struct, forbid_unknown_fields=True, kw_only=True):
     """Everything one worker process needs, from its node agent."""
 
     nats_url: str
+    """The server(s) to connect to (comma-separated for a cluster)."""
+    nats: NatsConfig = msgspec.field(default_factory=NatsConfig)
+    """Credentials, TLS and the rest of the connection settings (its `url` is not read)."""
+    event_token: str = ""
+    """Sent back with every `WorkerEvent`: the node agent acts only on events that carry the
+    token it gave this process (nobody else on the bus can report for its replica)."""
     node_id: str
     models_root: str
     """Absolute; the model's path is relative to it."""

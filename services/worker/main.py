@@ -12,6 +12,7 @@ import asyncio
 import os
 import signal
 
+import msgspec
 import nats.errors
 import structlog
 import torch
@@ -62,6 +63,14 @@ def get_min_engine_bytes(launch: WorkerLaunch) -> MinEngineBytes:
     return get_min_engine_bytes_for(torch.device(launch.device), worker)
 
 
+def embedding_rows(model: object) -> int | None:
+    """How many token ids the model's input embedding holds (None if it has none to ask)."""
+    get_embeddings = getattr(model, "get_input_embeddings", None)
+    embeddings = get_embeddings() if callable(get_embeddings) else None
+    rows = getattr(embeddings, "num_embeddings", None)
+    return int(rows) if isinstance(rows, int) else None
+
+
 def measure_replica_bytes(loaded: LoadedModel, engine_bytes: int) -> int:
     """What this replica really holds on its GPU(s): torch's reservation on CUDA; on
     virtual GPUs its weights plus what its engine holds (KV pool, activation reserve)."""
@@ -70,8 +79,11 @@ def measure_replica_bytes(loaded: LoadedModel, engine_bytes: int) -> int:
     return loaded.weight_bytes + engine_bytes
 
 
-async def report(bus: Bus, node_id: str, event: WorkerEvent) -> None:
-    """Tell the node agent; a missing agent (a worker run by hand) is logged, not fatal."""
+async def report(bus: Bus, launch: WorkerLaunch, event: WorkerEvent) -> None:
+    """Tell the node agent (with the launch's event token); a missing agent (a worker run by
+    hand) is logged, not fatal."""
+    event = msgspec.structs.replace(event, token=launch.event_token)
+    node_id = launch.node_id
     try:
         await bus.nc.request(subjects.node_subject(node_id, "worker_event"), encode_json(event), timeout=5.0)
     except (nats.errors.NoRespondersError, nats.errors.TimeoutError) as exc:
@@ -81,10 +93,10 @@ async def report(bus: Bus, node_id: str, event: WorkerEvent) -> None:
 async def serve(launch: WorkerLaunch) -> int:
     replica = launch.replica
     structlog.contextvars.bind_contextvars(model=replica.model, replica=replica.replica_id)
-    bus = await connect(launch.nats_url, f"worker-{replica.replica_id}")
+    bus = await connect(launch.nats_url, f"worker-{replica.replica_id}", nats_config=launch.nats, role="worker")
     pid = os.getpid()
     try:
-        await report(bus, launch.node_id, WorkerEvent(replica.replica_id, "loading", pid=pid, phase="loading_weights"))
+        await report(bus, launch, WorkerEvent(replica.replica_id, "loading", pid=pid, phase="loading_weights"))
         device = torch.device(launch.device)
         attn = "shoal_paged" if launch.worker.engine == "paged" else None
         if attn:
@@ -99,15 +111,15 @@ async def serve(launch: WorkerLaunch) -> int:
             if launch.worker.engine == "paged":
                 from shoal.kernels import ops
 
-                await report(bus, launch.node_id, WorkerEvent(replica.replica_id, "loading", pid=pid,
+                await report(bus, launch, WorkerEvent(replica.replica_id, "loading", pid=pid,
                                                               phase="building_kernels"))
                 await asyncio.to_thread(ops.prepare, device)  # the engine finds them built
-                await report(bus, launch.node_id, WorkerEvent(replica.replica_id, "loading", pid=pid,
+                await report(bus, launch, WorkerEvent(replica.replica_id, "loading", pid=pid,
                                                               phase="warming_up"))
             engine, engine_bytes = await asyncio.to_thread(build_engine, launch, loaded)
         except (ModelLoadError, KernelBuildError, MemoryError) as exc:
             log.error("model_load_failed", error=str(exc))
-            await report(bus, launch.node_id, WorkerEvent(replica.replica_id, "failed", str(exc), pid=pid))
+            await report(bus, launch, WorkerEvent(replica.replica_id, "failed", str(exc), pid=pid))
             return 3
         measured = measure_replica_bytes(loaded, engine_bytes)
         identity = WorkerIdentity(replica.model, replica.replica_id, launch.node_id)
@@ -118,6 +130,7 @@ async def serve(launch: WorkerLaunch) -> int:
             identity,
             eos_token_ids=eos_token_ids(loaded.tokenizer, loaded.model),
             max_model_len=loaded.max_model_len,
+            vocab_size=embedding_rows(loaded.model),
         )
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
@@ -133,7 +146,7 @@ async def serve(launch: WorkerLaunch) -> int:
         stats_task = asyncio.create_task(stats.run())
         await report(
             bus,
-            launch.node_id,
+            launch,
             WorkerEvent(replica.replica_id, "ready", measured_bytes=measured, weight_bytes=loaded.weight_bytes, pid=pid),
         )
         log.info("worker_ready", measured_bytes=measured, weight_bytes=loaded.weight_bytes)
@@ -146,7 +159,7 @@ async def serve(launch: WorkerLaunch) -> int:
         await asyncio.gather(run_task, stats_task, return_exceptions=True)
         if runtime.engine is not None:
             await runtime.engine.close()
-        await report(bus, launch.node_id, WorkerEvent(replica.replica_id, "stopped", pid=pid))
+        await report(bus, launch, WorkerEvent(replica.replica_id, "stopped", pid=pid))
         return 0
     finally:
         await bus.close()

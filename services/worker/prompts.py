@@ -8,9 +8,22 @@ from shoal.services.worker.generation import RequestRejected
 from shoal.shared.messages import InferenceRequest
 
 
-def prompt_token_ids(tokenizer: PreTrainedTokenizerBase, request: InferenceRequest) -> list[int]:
+def prompt_chars(request: InferenceRequest) -> int:
+    """How many characters (or token ids) a request's prompt holds."""
+    if request.messages is not None:
+        return sum(len(m.content) for m in request.messages)
+    if request.prompt_token_ids is not None:
+        return len(request.prompt_token_ids)
+    return len(request.prompt or "")
+
+
+def prompt_token_ids(tokenizer: PreTrainedTokenizerBase, request: InferenceRequest,
+                     vocab_size: int | None = None) -> list[int]:
     """Chat requests are rendered with the model's chat template (generation prompt added);
-    completions are encoded as given. Raises RequestRejected (400) when that is impossible."""
+    completions are encoded as given. Raises RequestRejected (400) when that is impossible,
+    or when an id is not below `vocab_size` (the model's embedding rows; None: the
+    tokenizer's size): an id past the embedding must never reach the model."""
+    limit = len(tokenizer) if vocab_size is None else min(vocab_size, len(tokenizer))
     if request.messages is not None:
         if not getattr(tokenizer, "chat_template", None):
             raise RequestRejected(
@@ -21,14 +34,15 @@ def prompt_token_ids(tokenizer: PreTrainedTokenizerBase, request: InferenceReque
             text = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
         except Exception as exc:  # jinja errors come in many types; all mean "bad conversation"
             raise RequestRejected(f"chat template of {request.model!r} rejected the messages: {exc}") from exc
-        return list(tokenizer.encode(text, add_special_tokens=False))
-    if request.prompt_token_ids is not None:
-        vocab_size = len(tokenizer)
-        bad = [t for t in request.prompt_token_ids if not 0 <= t < vocab_size]
-        if bad:
-            raise RequestRejected(f"prompt token ids out of the vocabulary (size {vocab_size}): {bad[:5]}")
-        return list(request.prompt_token_ids)
-    return list(tokenizer.encode(request.prompt or "", add_special_tokens=True))
+        token_ids = list(tokenizer.encode(text, add_special_tokens=False))
+    elif request.prompt_token_ids is not None:
+        token_ids = list(request.prompt_token_ids)
+    else:
+        token_ids = list(tokenizer.encode(request.prompt or "", add_special_tokens=True))
+    bad = [t for t in token_ids if not 0 <= t < limit]
+    if bad:
+        raise RequestRejected(f"prompt token ids out of the vocabulary (size {limit}): {bad[:5]}")
+    return token_ids
 
 
 def eos_token_ids(tokenizer: PreTrainedTokenizerBase, model: object) -> frozenset[int]:

@@ -14,6 +14,7 @@ import asyncio
 import collections
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import msgspec
@@ -24,7 +25,7 @@ from nats.js import JetStreamContext
 
 from shoal.services.worker.activity import ActivityReporter
 from shoal.services.worker.generation import Engine, GenerationRequest, RequestRejected
-from shoal.services.worker.prompts import prompt_token_ids
+from shoal.services.worker.prompts import prompt_chars, prompt_token_ids
 from shoal.shared import subjects
 from shoal.shared.bus import Bus, ensure_model_consumer
 from shoal.shared.messages import (
@@ -43,6 +44,12 @@ log = structlog.get_logger(__name__)
 
 CANCEL_MEMORY_S = 900.0
 """How long a cancelled request id is remembered (queued copies are skipped)."""
+FETCH_RETRY_S = 0.5
+"""Pause before fetching again after JetStream answered a fetch with an error."""
+OFF_LOOP_PROMPT_CHARS = 16_384
+"""Prompts longer than this are templated and tokenised in the worker's tokeniser thread: a
+prompt of megabytes takes seconds, and the event loop keeps streaming every other request's
+tokens meanwhile. Shorter ones stay on the loop (a thread hop costs more than they do)."""
 
 
 @dataclass
@@ -82,15 +89,23 @@ class WorkerService:
         *,
         eos_token_ids: frozenset[int],
         max_model_len: int,
+        vocab_size: int | None = None,
         ack_wait_s: float = 30.0,
         max_fetch: int = 32,
     ) -> None:
+        """Args:
+        vocab_size: prompt token ids must be below it (the model's embedding rows, when fewer
+            than the tokenizer's tokens); None: the tokenizer's size.
+        """
         self._bus = bus
         self._engine = engine
         self._tokenizer = tokenizer
         self._identity = identity
         self._eos_token_ids = eos_token_ids
         self._max_model_len = max_model_len
+        self._vocab_size = vocab_size
+        # One thread: a tokenizer is not made to be used from several threads at once.
+        self._tokenizing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
         self._ack_wait_s = ack_wait_s
         self._max_fetch = max_fetch
         self._cancelled = _Cancelled()
@@ -142,6 +157,7 @@ class WorkerService:
         self._slot_freed.set()
         self._serving.set()
         await self._drain(drain_timeout_s)
+        self._tokenizing.shutdown(wait=False, cancel_futures=True)
 
     async def pause(self, drain_timeout_s: float = 30.0) -> None:
         """The barrier before sleep: take no new requests (they wait in the stream for
@@ -189,6 +205,12 @@ class WorkerService:
                 continue
             except nats.errors.ConnectionClosedError:
                 return
+            except nats.errors.Error as exc:
+                # JetStream answers with an error status while its cluster elects a new leader
+                # (or the client reconnects to another server): wait and fetch again.
+                log.warning("fetch_failed_retrying", error=repr(exc))
+                await asyncio.sleep(FETCH_RETRY_S)
+                continue
             for msg in msgs:
                 if self._stopping.is_set() or not self._serving.is_set():
                     await msg.nak()  # fetched while the barrier went up: another replica takes it
@@ -222,6 +244,12 @@ class WorkerService:
         headers = msg.headers or {}
         reply_to = headers.get(subjects.HDR_REPLY_TO) or request.reply_to
         logger = log.bind(request_id=request.request_id, model=request.model, replica=self._identity.replica_id)
+        if not subjects.is_reply_subject(reply_to, request.gateway_id, request.request_id):
+            # Only a gateway's reply inbox: a forged reply_to (``$KV.shoal_gpus.x``, another
+            # service's subject) must not make this worker publish there.
+            logger.error("request_reply_to_refused", reply_to=reply_to[:200], gateway=request.gateway_id[:64])
+            await msg.term()
+            return
         replier = _Replier(self._bus, reply_to, request.request_id, attempt, self._identity.replica_id)
         if request.request_id in self._cancelled:
             logger.info("request_skipped_cancelled")
@@ -253,7 +281,7 @@ class WorkerService:
 
     async def _generate(self, request: InferenceRequest, replier: _Replier, logger: structlog.BoundLogger) -> str:
         try:
-            token_ids = prompt_token_ids(self._tokenizer, request)  # type: ignore[arg-type]
+            token_ids = await self._tokenize(request)
             gen_request = GenerationRequest(
                 request_id=request.request_id,
                 prompt_token_ids=token_ids,
@@ -311,6 +339,14 @@ class WorkerService:
             finish_reason=output.finish_reason,
         )
         return "ok"
+
+    async def _tokenize(self, request: InferenceRequest) -> list[int]:
+        """The prompt's token ids; a long prompt is templated and tokenised off the event loop."""
+        if prompt_chars(request) <= OFF_LOOP_PROMPT_CHARS:
+            return prompt_token_ids(self._tokenizer, request, self._vocab_size)  # type: ignore[arg-type]
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._tokenizing, prompt_token_ids,  # type: ignore[arg-type]
+                                          self._tokenizer, request, self._vocab_size)
 
     @staticmethod
     async def _nak(msg: Msg) -> None:

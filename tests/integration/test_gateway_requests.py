@@ -17,7 +17,7 @@ from structlog.testing import capture_logs
 from shoal.services.gateway.app import create_app
 from shoal.shared import subjects
 from shoal.shared.bus import Bus
-from shoal.shared.config import GatewayConfig
+from shoal.shared.config import ConfigError, GatewayConfig
 from shoal.shared.messages import ModelSpec
 from shoal.shared.nats_server import EmbeddedNatsServer
 from tests.integration.gateway_harness import call, gateway_running, metric_value
@@ -191,24 +191,30 @@ async def test_admin_registration_checks_keys_paths_and_counts(gateway: str) -> 
 
 
 @pytest.mark.parametrize(
-    ("config", "warned"),
+    ("config", "outcome"),
     [
-        ({"host": "0.0.0.0"}, True),
-        ({"host": "::"}, True),
-        ({"host": "0.0.0.0", "admin_api_keys": ["k"]}, False),
-        ({"host": "0.0.0.0", "api_keys": ["k"]}, False),  # admin routes are off then
-        ({"host": "127.0.0.1"}, False),
-        ({"host": "localhost"}, False),
+        ({"host": "0.0.0.0"}, "refused"),
+        ({"host": "::"}, "refused"),
+        ({"host": "0.0.0.0", "insecure_open_admin": True}, "warned"),
+        ({"host": "0.0.0.0", "admin_api_keys": ["k"]}, "quiet"),
+        ({"host": "0.0.0.0", "api_keys": ["k"]}, "quiet"),  # admin routes are off then
+        ({"host": "127.0.0.1"}, "quiet"),
+        ({"host": "localhost"}, "quiet"),
     ],
 )
-async def test_startup_warns_when_the_admin_api_is_open_to_the_network(
-    nats_server: EmbeddedNatsServer, config: dict[str, Any], warned: bool
+async def test_an_admin_api_open_to_the_network_is_refused_unless_explicitly_allowed(
+    nats_server: EmbeddedNatsServer, config: dict[str, Any], outcome: str
 ) -> None:
+    if outcome == "refused":
+        with pytest.raises(ConfigError, match="SHOAL_GATEWAY_ADMIN_API_KEYS") as excinfo:
+            create_app(GatewayConfig(**config), nats_server.url)
+        assert "insecure_open_admin" in str(excinfo.value)
+        return
     runner = web.AppRunner(create_app(GatewayConfig(**config), nats_server.url))
     with capture_logs() as logs:
         await runner.setup()  # starts the app's resources; binds no socket
     await runner.cleanup()
     warnings = [entry for entry in logs if entry["event"] == "admin_api_open"]
-    assert bool(warnings) == warned, logs
-    if warned:
-        assert "SHOAL_GATEWAY_ADMIN_API_KEYS" in json.dumps(warnings[0])
+    assert bool(warnings) == (outcome == "warned"), logs
+    if warnings:
+        assert "insecure_open_admin" in json.dumps(warnings[0])

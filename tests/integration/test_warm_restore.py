@@ -89,7 +89,8 @@ async def _occupant_bytes(bus: Bus, replica_id: str) -> dict[int, tuple[int, str
 async def _complete(bus: Bus, request_id: str) -> FinalReply:
     request = InferenceRequest(request_id=request_id, model=MODEL,
                                params=SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True),
-                               deadline=time.time() + 120, reply_to=f"test.reply.{request_id}", prompt="Once upon")
+                               deadline=time.time() + 120, reply_to=subjects.reply_subject("test", request_id),
+                               gateway_id="test", prompt="Once upon")
     final: asyncio.Future[Reply] = asyncio.get_running_loop().create_future()
 
     async def on_reply(msg) -> None:  # type: ignore[no-untyped-def]

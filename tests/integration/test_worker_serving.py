@@ -7,6 +7,8 @@ import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import msgspec
+import nats.errors
 import pytest
 import torch
 
@@ -57,7 +59,8 @@ def _request(request_id: str, *, max_tokens: int = 5, deadline_s: float = 60.0, 
         model=MODEL,
         params=SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
         deadline=time.time() + deadline_s,
-        reply_to=f"test.reply.{request_id}",
+        reply_to=subjects.reply_subject("test", request_id),
+        gateway_id="test",
         prompt=kwargs.pop("prompt", "Once upon a time"),
         **kwargs,
     )
@@ -179,5 +182,54 @@ async def test_penalties_the_hf_engine_cannot_apply_get_400_naming_the_field(
     replies = await collector
     assert isinstance(replies[-1], ErrorReply)
     assert (replies[-1].status, replies[-1].param) == (400, "presence_penalty")
+    await worker.stop(drain_timeout_s=5.0)
+    await serving
+
+
+async def test_a_forged_reply_subject_gets_no_reply_and_the_request_is_dropped(bus: Bus, worker: WorkerService
+                                                                                ) -> None:
+    """A request whose reply subject is not its gateway's inbox (here: a KV key of shoal_gpus)
+    is termed: the worker publishes nothing there, and serves the next request as usual."""
+    serving = asyncio.create_task(worker.run())
+    forged = msgspec.structs.replace(_request("forged"), reply_to="$KV.shoal_gpus.node-a.0")
+    before = await bus.gpus.get("node-a.0")
+    watched = await bus.nc.subscribe("$KV.shoal_gpus.>")
+    await bus.js.publish(subjects.infer_subject(MODEL), encode_msgpack(forged),
+                         headers={subjects.HDR_REPLY_TO: forged.reply_to})
+    honest = _request("honest")
+    collector = asyncio.create_task(_collect(bus, honest.reply_to))
+    await asyncio.sleep(0.05)
+    await _publish(bus, honest)
+    assert isinstance((await collector)[-1], FinalReply)
+    with pytest.raises(nats.errors.TimeoutError):
+        await watched.next_msg(timeout=0.5)
+    assert await bus.gpus.get("node-a.0") == before is None
+    assert worker.num_requests_by_outcome["ok"] == 1
+    info = await bus.js.consumer_info(subjects.REQUESTS_STREAM, subjects.consumer_name(MODEL))
+    assert info.num_pending == 0 and info.num_ack_pending == 0, "the forged request was termed, not redelivered"
+    await worker.stop(drain_timeout_s=5.0)
+    await serving
+
+
+async def test_tokenising_a_huge_prompt_does_not_stall_the_other_requests(bus: Bus, worker: WorkerService) -> None:
+    """A 4 MiB prompt takes seconds to tokenise; it runs off the event loop, so a small request
+    published after it is answered first, and the huge one gets its 4xx (longer than the model)."""
+    serving = asyncio.create_task(worker.run())
+    await _publish(bus, _request("warm"))  # the first request of a process pays one-off costs
+    huge = _request("huge", prompt="All work and no play makes Jack a dull boy. " * (4 * 2**20 // 44))
+    small = _request("small")
+    arrivals: list[str] = []
+    collectors = [asyncio.create_task(_collect(bus, r.reply_to, timeout=300.0)) for r in (huge, small)]
+    for name, collector in (("huge", collectors[0]), ("small", collectors[1])):
+        collector.add_done_callback(lambda _, name=name: arrivals.append(name))
+    await asyncio.sleep(0.05)
+    await _publish(bus, huge)
+    await asyncio.sleep(0.3)  # the huge one is being tokenised
+    await _publish(bus, small)
+    huge_replies, small_replies = await asyncio.gather(*collectors)
+    assert isinstance(small_replies[-1], FinalReply)
+    error = huge_replies[-1]
+    assert isinstance(error, ErrorReply) and error.status in (400, 413), error
+    assert arrivals == ["small", "huge"], "the small request waited for the huge one's tokenisation"
     await worker.stop(drain_timeout_s=5.0)
     await serving

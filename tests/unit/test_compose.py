@@ -7,6 +7,7 @@ package, v1.29) parses and validates the file without one.
 from __future__ import annotations
 
 import json
+import os
 import re
 import shlex
 import shutil
@@ -17,8 +18,15 @@ from typing import Any
 import pytest
 import yaml
 
+from shoal.shared.nats_permissions import ADMIN_USER, ROLES, password_variable, render_users, user_name
+from shoal.shared.nats_server import find_nats_server_binary
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
-NATS_URL_ARGS = ["--nats-url", "nats://nats:4222"]
+NATS_NODES = ("nats-1", "nats-2", "nats-3")
+CLUSTER_URL = "nats://nats-1:4222,nats://nats-2:4222,nats://nats-3:4222"
+SECRETS = {"SHOAL_ADMIN_API_KEYS": "test-admin-key", **{password_variable(role): f"pw-{role}" for role in ROLES},
+           "SHOAL_NATS_ADMIN_PASSWORD": "pw-admin"}
+"""What scripts/compose_env.sh writes to .env: compose refuses to start without each."""
 SCHEDULER_METRICS_PORT = 9101
 NODE_AGENT_METRICS_PORT = 9102
 GRAFANA_DIR = REPO_ROOT / "docs" / "grafana"
@@ -28,19 +36,19 @@ def _metrics_args(port: int) -> list[str]:
     return ["--metrics-port", str(port), "--metrics-host", "0.0.0.0"]
 
 
-@pytest.fixture(scope="module")
-def compose_config() -> dict[str, Any]:
-    """The compose file as `docker-compose config` resolves it."""
+def _compose_config(env: dict[str, str]) -> subprocess.CompletedProcess[str]:
     binary = shutil.which("docker-compose")
     if binary is None:
         pytest.skip("the docker-compose binary is not installed (Debian package: docker-compose)")
-    result = subprocess.run(
-        [binary, "-f", "compose.yaml", "config"],
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    clean = {k: v for k, v in os.environ.items() if k not in SECRETS}
+    return subprocess.run([binary, "-f", "compose.yaml", "config"], cwd=REPO_ROOT, capture_output=True, text=True,
+                          timeout=60, env={**clean, **env})
+
+
+@pytest.fixture(scope="module")
+def compose_config() -> dict[str, Any]:
+    """The compose file as `docker-compose config` resolves it, with its secrets set."""
+    result = _compose_config(SECRETS)
     assert result.returncode == 0, result.stderr
     config = yaml.safe_load(result.stdout)
     assert isinstance(config, dict)
@@ -53,32 +61,52 @@ def _argv(service: dict[str, Any]) -> list[str]:
     return shlex.split(command) if isinstance(command, str) else command
 
 
-def test_compose_names_the_four_services_the_demo_models_job_and_the_monitoring_profile(
+def test_compose_names_the_services_the_demo_models_job_and_the_monitoring_profile(
     compose_config: dict[str, Any]
 ) -> None:
     services = compose_config["services"]
-    assert set(services) == {"nats", "gateway", "scheduler", "node-agent", "demo-models", "prometheus", "grafana"}
+    assert set(services) == {*NATS_NODES, "gateway", "scheduler", "node-agent", "demo-models", "prometheus",
+                             "grafana"}
     profiled = {name for name, service in services.items() if service.get("profiles")}
     assert profiled == {"prometheus", "grafana"}, "a plain `docker compose up` starts Shoal alone"
     assert all(services[name]["profiles"] == ["monitoring"] for name in profiled)
 
 
-def test_nats_runs_jetstream_on_a_volume(compose_config: dict[str, Any]) -> None:
-    nats = compose_config["services"]["nats"]
-    assert nats["image"] == "nats:2.10-alpine"
-    assert _argv(nats) == ["-js", "-sd", "/data", "-m", "8222"]
-    assert "nats-data:/data:rw" in nats["volumes"]
-    assert "nats-data" in compose_config["volumes"]
+def test_nats_runs_a_three_node_jetstream_cluster_with_shoals_users(compose_config: dict[str, Any]) -> None:
+    for name in NATS_NODES:
+        nats = compose_config["services"][name]
+        assert nats["image"] == "nats:2.10-alpine"
+        assert _argv(nats) == ["-c", "/etc/nats/nats.conf", "--name", name]
+        assert f"{name}-data:/data:rw" in nats["volumes"] and f"{name}-data" in compose_config["volumes"]
+        assert _mounts(nats)["/etc/nats"] == str(REPO_ROOT / "deploy" / "nats")
+        assert nats["environment"] == {password_variable(role): f"pw-{role}" for role in ROLES} | {
+            "SHOAL_NATS_ADMIN_PASSWORD": "pw-admin"}
+    config = (REPO_ROOT / "deploy" / "nats" / "nats.conf").read_text()
+    assert "routes: [\n    nats://nats-1:6222\n    nats://nats-2:6222\n    nats://nats-3:6222\n  ]" in config
+    assert "include ./shoal-users.conf" in config and "max_payload: 8MB" in config
+    assert (REPO_ROOT / "deploy" / "nats" / "shoal-users.conf").read_text() == render_users()
+
+
+def test_the_nats_config_compose_ships_is_valid_for_nats_server(tmp_path: Path) -> None:
+    """`nats-server -t` parses it (with the passwords in its environment, as compose gives them)."""
+    result = subprocess.run([find_nats_server_binary(), "-t", "-c", str(REPO_ROOT / "deploy" / "nats" / "nats.conf")],
+                            capture_output=True, text=True, timeout=30, env={**os.environ, **SECRETS})
+    assert result.returncode == 0 and "is valid" in result.stderr + result.stdout, result.stderr
+
+
+def test_compose_refuses_to_start_without_its_secrets() -> None:
+    for missing in SECRETS:
+        result = _compose_config({k: v for k, v in SECRETS.items() if k != missing})
+        assert result.returncode != 0 and missing in result.stderr and "compose_env.sh" in result.stderr
 
 
 def test_service_commands_are_the_cli_contract(compose_config: dict[str, Any]) -> None:
     services = compose_config["services"]
     gateway_args = ["--host", "0.0.0.0", "--port", "8000"]
-    assert _argv(services["gateway"]) == ["gateway", *NATS_URL_ARGS, *gateway_args]
-    assert _argv(services["scheduler"]) == ["scheduler", *NATS_URL_ARGS, *_metrics_args(SCHEDULER_METRICS_PORT)]
+    assert _argv(services["gateway"]) == ["gateway", *gateway_args]
+    assert _argv(services["scheduler"]) == ["scheduler", *_metrics_args(SCHEDULER_METRICS_PORT)]
     assert _argv(services["node-agent"]) == [
         "node-agent",
-        *NATS_URL_ARGS,
         "--node-id",
         "node-a",
         "--gpus",
@@ -91,15 +119,42 @@ def test_service_commands_are_the_cli_contract(compose_config: dict[str, Any]) -
         assert "ports" not in services[name], "their /metrics stay inside the compose network"
     for name in ("gateway", "scheduler", "node-agent"):
         assert services[name]["build"]["context"] == str(REPO_ROOT)
-        assert services[name]["depends_on"]["nats"] == {"condition": "service_healthy"}
-    assert set(services["gateway"]["depends_on"]) == set(services["node-agent"]["depends_on"]) == {"nats"}
+        assert {services[name]["depends_on"][node]["condition"] for node in NATS_NODES} == {"service_healthy"}
+    assert set(services["gateway"]["depends_on"]) == set(services["node-agent"]["depends_on"]) == set(NATS_NODES)
+
+
+def test_every_service_connects_to_the_whole_cluster_as_its_own_user(compose_config: dict[str, Any]) -> None:
+    services = compose_config["services"]
+    for name, role in (("gateway", "gateway"), ("scheduler", "scheduler"), ("node-agent", "node-agent")):
+        env = services[name]["environment"]
+        assert env["SHOAL_NATS_URL"] == CLUSTER_URL and env["SHOAL_NATS_REPLICAS"] == "3"
+        assert (env["SHOAL_NATS_USER"], env["SHOAL_NATS_PASSWORD"]) == (user_name(role), f"pw-{role}")
+        assert not any("--nats-url" in arg for arg in _argv(services[name])), "nothing about NATS on argv"
+    node_env = services["node-agent"]["environment"]
+    assert (node_env["SHOAL_NATS_WORKERS_USER"], node_env["SHOAL_NATS_WORKERS_PASSWORD"]) == (
+        user_name("worker"), "pw-worker")
+    assert ADMIN_USER in render_users()
 
 
 def test_gateway_is_published_on_loopback_with_keys_from_the_environment(compose_config: dict[str, Any]) -> None:
     gateway = compose_config["services"]["gateway"]
     assert gateway["ports"] == ["127.0.0.1:8000:8000/tcp"], "no open admin API on the network by default"
-    assert set(gateway["environment"]) == {"SHOAL_GATEWAY_ADMIN_API_KEYS", "SHOAL_GATEWAY_API_KEYS"}
-    assert "SHOAL_ADMIN_API_KEYS" in (REPO_ROOT / "compose.yaml").read_text()
+    assert gateway["environment"]["SHOAL_GATEWAY_ADMIN_API_KEYS"] == "test-admin-key"
+    assert gateway["environment"]["SHOAL_GATEWAY_API_KEYS"] == ""
+
+
+def test_compose_env_script_writes_every_secret_once(tmp_path: Path) -> None:
+    (tmp_path / "scripts").mkdir()
+    script = tmp_path / "scripts" / "compose_env.sh"
+    script.write_text((REPO_ROOT / "scripts" / "compose_env.sh").read_text())
+    subprocess.run(["bash", str(script)], check=True, capture_output=True, timeout=30)
+    written = dict(line.split("=", 1) for line in (tmp_path / ".env").read_text().splitlines())
+    assert set(written) == set(SECRETS) and len(set(written.values())) == len(SECRETS)
+    assert all(len(value) == 48 for value in written.values())
+    assert (tmp_path / ".env").stat().st_mode & 0o077 == 0, "only its owner may read it"
+    before = (tmp_path / ".env").read_text()
+    subprocess.run(["bash", str(script)], check=True, capture_output=True, timeout=30)
+    assert (tmp_path / ".env").read_text() == before, "an existing .env is kept"
 
 
 def test_scheduler_sees_the_models_so_they_get_registered(compose_config: dict[str, Any]) -> None:

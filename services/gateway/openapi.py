@@ -1,0 +1,149 @@
+"""``GET /openapi.json``: the gateway's HTTP API as an OpenAPI 3.1 document.
+
+Generated from the msgspec types the routes decode and encode (`msgspec.json.schema_components`),
+so the document cannot drift from what the gateway accepts: the request bodies are the very
+Structs `decode_body` validates against, with their bounds. Built once, on first use.
+Schemathesis fuzzes the gateway with it (tests/integration/test_fuzz_http.py).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import msgspec
+from aiohttp import web
+
+from shoal.services.gateway.errors import ErrorEnvelope
+from shoal.services.gateway.openai_api import (
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    Completion,
+    CompletionRequest,
+    ModelCard,
+    ModelList,
+)
+from shoal.services.gateway.routes_admin import EvictBody, ScaleBody
+from shoal.shared.config import ModelConfig
+from shoal.shared.messages import SchedulerReply
+from shoal.shared.version import SHOAL_VERSION
+
+OPENAPI_PATH = "/openapi.json"
+_REF = "#/components/schemas/{name}"
+_JSON = "application/json"
+
+
+def _content(ref: dict[str, Any]) -> dict[str, Any]:
+    return {_JSON: {"schema": ref}}
+
+
+def _errors(refs: dict[str, dict[str, Any]], *statuses: int) -> dict[str, Any]:
+    reasons = {400: "invalid request (the message names the field; `param` holds it)",
+               401: "a key is needed and none or a wrong one was sent", 403: "this key may not use the route",
+               404: "unknown model or route", 413: "the request or its prompt is too large",
+               429: "the model's queue in this gateway is full (Retry-After)",
+               503: "the model cannot be placed now, or NATS / the scheduler is unavailable (Retry-After)",
+               504: "the request's deadline passed"}
+    return {str(status): {"description": reasons[status], "content": _content(refs["ErrorEnvelope"])}
+            for status in statuses}
+
+
+def _sse_event(chunk: dict[str, Any], error: dict[str, Any]) -> dict[str, Any]:
+    """One server-sent event of a stream: a JSON chunk or error, or the final ``[DONE]``."""
+    return {"type": "object", "required": ["data"], "properties": {"data": {
+        "type": "string",
+        "if": {"const": "[DONE]"},
+        "then": True,
+        "else": {"contentMediaType": _JSON, "contentSchema": {"anyOf": [chunk, error]}},
+    }}}
+
+
+def _path_model() -> dict[str, Any]:
+    return {"name": "model", "in": "path", "required": True, "schema": {"type": "string", "minLength": 1},
+            "description": "a model key, e.g. demo/llama-5m (slashes included)"}
+
+
+@functools.cache
+def get_document() -> bytes:
+    """The OpenAPI document (JSON bytes)."""
+    types = [ChatCompletionRequest, CompletionRequest, ChatCompletion, ChatCompletionChunk, Completion, ModelList,
+             ModelCard, ErrorEnvelope, ModelConfig, ScaleBody, EvictBody, SchedulerReply]
+    schemas, components = msgspec.json.schema_components(types, ref_template=_REF)
+    refs = {t.__name__: schema for t, schema in zip(types, schemas, strict=True)}
+    inference_errors = _errors(refs, 400, 401, 404, 413, 429, 503, 504)
+    admin_errors = _errors(refs, 400, 401, 403, 404, 503)
+
+    def inference(summary: str, request: str, response: str, chunk: str) -> dict[str, Any]:
+        return {"post": {
+            "summary": summary,
+            "requestBody": {"required": True, "content": _content(refs[request])},
+            "responses": {
+                "200": {"description": f"a {response}, or with `\"stream\": true` server-sent events: {chunk}s, "
+                                       "an error after the stream started, then `data: [DONE]`",
+                        "content": {**_content(refs[response]),
+                                    "text/event-stream": {"schema": _sse_event(refs[chunk], refs["ErrorEnvelope"])}}},
+                **inference_errors,
+            },
+        }}
+
+    def admin(method: str, summary: str, body: str | None = None) -> dict[str, Any]:
+        operation: dict[str, Any] = {
+            "summary": summary, "parameters": [_path_model()],
+            "responses": {"200": {"description": "the scheduler's reply", "content": _content(refs["SchedulerReply"])},
+                          **admin_errors},
+        }
+        if body is not None:
+            operation["requestBody"] = {"required": True, "content": _content(refs[body])}
+        return {method: operation}
+
+    paths: dict[str, Any] = {
+        "/v1/models": {"get": {"summary": "every registered model",
+                               "responses": {"200": {"description": "the models",
+                                                     "content": _content(refs["ModelList"])},
+                                             **_errors(refs, 401)}}},
+        "/v1/models/{model}": {"get": {"summary": "one model", "parameters": [_path_model()],
+                                       "responses": {"200": {"description": "the model",
+                                                             "content": _content(refs["ModelCard"])},
+                                                     **_errors(refs, 401, 404)}}},
+        "/v1/chat/completions": inference("chat completion (the model's chat template)", "ChatCompletionRequest",
+                                          "ChatCompletion", "ChatCompletionChunk"),
+        "/v1/completions": inference("text completion of one prompt (text or token ids)", "CompletionRequest",
+                                     "Completion", "Completion"),
+        "/admin/models": {"post": {"summary": "register (or update) a model",
+                                   "requestBody": {"required": True, "content": _content(refs["ModelConfig"])},
+                                   "responses": {"200": {"description": "the scheduler's reply",
+                                                         "content": _content(refs["SchedulerReply"])},
+                                                 **admin_errors}}},
+        "/admin/models/{model}": admin("delete", "remove a model (its replicas stop)"),
+        "/admin/models/{model}/scale": admin("post", "set the desired replica count", "ScaleBody"),
+        "/admin/models/{model}/evict": admin("post", "evict every replica, or one", "EvictBody"),
+        "/healthz": {"get": {"summary": "200 while the gateway's NATS connection is up",
+                             "responses": {"200": {"description": "healthy"},
+                                           "503": {"description": "NATS is disconnected"}}}},
+        "/metrics": {"get": {"summary": "Prometheus metrics (text format)",
+                             "responses": {"200": {"description": "the exposition",
+                                                   "content": {"text/plain": {"schema": {"type": "string"}}}}}}},
+    }
+    document = {
+        "openapi": "3.1.0",
+        "info": {"title": "Shoal gateway", "version": SHOAL_VERSION,
+                 "description": "OpenAI-compatible API and Shoal's admin API (docs/api.md)."},
+        "paths": paths,
+        "components": {
+            "schemas": components,
+            "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer",
+                                           "description": "gateway.api_keys for /v1, gateway.admin_api_keys "
+                                                          "for /admin (none needed when none are set)"}},
+        },
+        "security": [{}, {"bearer": []}],
+    }
+    return msgspec.json.encode(document)
+
+
+async def openapi_json(_: web.Request) -> web.Response:
+    return web.Response(body=get_document(), content_type=_JSON)
+
+
+def add_routes(app: web.Application) -> None:
+    app.router.add_get(OPENAPI_PATH, openapi_json)
