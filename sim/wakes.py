@@ -8,10 +8,12 @@
             not committed)  ──nowhere──▶ blocked: the waiting requests fail (503) for
                                          max(1 s, the first victim's remaining minimum runtime)
     intents on the target GPUs (first come, first served)
-    fairness wait: every second until max_wait_s, claim if anything was released
-                                                                           `next_wake_step`
+    fairness wait: every second until max_wait_s, claim if anything was released; only
+                   while an occupant of the target sleeps by itself within it
+                   (`get_voluntary_release_at`), else preempt at once     `next_wake_step`
     victims: `select_victims` on the target GPUs (the seed baseline: the planner's own
-             evictions)  ──none──▶ blocked, as above
+             evictions)  ──none, only because a replica there is still loading──▶ re-check
+             every second  ──none──▶ blocked, as above
              (the lru baseline's target: the GPU whose victims were used least recently)
     a pass puts them to sleep (`sleep_replica`, reason preempted); they drain and park or stop
     claim every 0.5 s until placed, or blocked after the victims' drain timeout + 60 s
@@ -27,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
 from shoal.shared.placement.fairness import (
+    RECHECK_INTERVAL_S,
     NoVictim,
     OccupantView,
     Victims,
@@ -126,8 +129,9 @@ class WakeCoordinator:
     def _next(self, wake: Wake) -> None:
         """During the fairness wait: wait (re-check within a second) or preempt now."""
         sim = self.sim
-        occupants = sim.state.get_occupant_views(wake.need_by_slot, sim.now)
-        release_at = get_voluntary_release_at(occupants, (o.gpu_key for o in occupants))
+        state = sim.state
+        occupants = state.get_occupant_views(wake.need_by_slot, sim.now)
+        release_at = get_voluntary_release_at(occupants, {state.gpus[slot].key for slot in wake.need_by_slot})
         step, wait_s = next_wake_step(fits=False, intent_since=wake.started_at,
                                       max_wait_s=wake.model.fairness.max_wait_s, now=sim.now,
                                       voluntary_release_at=release_at)
@@ -136,10 +140,14 @@ class WakeCoordinator:
             return
         choice = self._choose_victims(wake)
         if isinstance(choice, NoVictim):
+            if choice.num_skipped.get("not_serving"):
+                # A replica still loading holds the memory: once it serves, fairness decides
+                # about it (as the scheduler's wake, which re-checks every second).
+                sim.push(sim.now + RECHECK_INTERVAL_S, WAKE, wake)
+                return
             self._block(wake.model, wake, choice, "no_victim")
             return
         wake.phase = "preempting"
-        state = sim.state
         victims = [state.replicas[r] for r in choice.replica_ids
                    if r in state.replicas and state.replicas[r].state == SERVING]
         if victims:

@@ -70,11 +70,11 @@ def kinds(sim: Simulator) -> list[tuple[float, str, str]]:
 SWAP_TRACE = [(0.0, "a"), (16.0, "b"), (40.0, "a")]
 
 
-def test_shoal_preempts_at_once_when_no_occupant_would_sleep_by_itself_and_parks() -> None:
+def test_shoal_preempts_at_once_when_no_occupant_would_sleep_by_itself() -> None:
     """a is created at 0 (ready at 5). b at 16: a has served 11 s (past its 10 s minimum
-    runtime) and has no idle timeout, so waiting could free nothing: b preempts a at once; a
-    parks for 1 s, b claims at the 0.5 s poll of 17 and is created by 22. a at 40 preempts b
-    the same way and is restored from CPU RAM in 2 s: ready at 43."""
+    runtime) and has no idle timeout, so waiting max_wait for it to sleep is pointless: b
+    preempts a at once; a parks for 1 s, b claims at the 0.5 s poll of 17 and is created by
+    22. a at 40 preempts b the same way and is restored from CPU RAM in 2 s: ready at 43."""
     sim, ttft = run(two_models(), make_trace(SWAP_TRACE), "shoal")
     assert ttft == pytest.approx([5.1, 6.1, 3.1])
     assert kinds(sim) == [
@@ -89,27 +89,23 @@ def test_shoal_preempts_at_once_when_no_occupant_would_sleep_by_itself_and_parks
     assert sim.metrics.waits_s == pytest.approx([5.0, 6.0, 3.0])
 
 
-def test_shoal_waits_while_an_occupant_would_sleep_by_itself_within_the_wait() -> None:
-    """a sleeps after 20 s idle. a's request at 3 ends at 5.2, so a would sleep by itself at
-    25.2; b at 16 would wait only until 21 (max_wait 5 s): 25.2 is past the wait, so b
-    preempts at once. With a 14 s idle timeout a would sleep at 19.2, inside the wait: b waits
-    and preempts nobody (a sleeps at the reconciler's round of 20, its park ends at 21)."""
-    def scenario(idle_timeout_s: float) -> Scenario:
-        return two_models(models=[
-            {"name": "a", "params_b": 1.0, "weight_bytes": "30GiB", "measured_bytes": "60GiB", "replicas": 0,
-             "sleep": {"idle_timeout_s": idle_timeout_s}},
-            {"name": "b", "params_b": 1.0, "weight_bytes": "30GiB", "measured_bytes": "60GiB", "replicas": 0},
-        ])
-
-    trace = [(0.0, "a"), (16.0, "b")]
-    late, _ = run(scenario(20.0), make_trace(trace), "shoal")
-    assert late.metrics.counters["evicted_preempted"] == 1
-    assert [e for e in kinds(late) if e[1] == "preempt"] == [(16.0, "preempt", "b")]
-    soon, _ = run(scenario(14.0), make_trace(trace), "shoal")
-    assert soon.metrics.counters["evicted_preempted"] == 0
-    assert soon.metrics.counters["evicted_idle"] == 1
-    assert [e for e in kinds(soon) if e[1] in ("preempt", "evict", "claimed")] == [
-        (20.0, "evict", "a"), (21.0, "claimed", "b")]
+def test_shoal_waits_out_the_fairness_wait_while_an_occupant_may_sleep_within_it() -> None:
+    """a sleeps after 5 idle seconds; its last request ends at 15.7, so it may sleep by itself
+    at 20.7, inside the 5 s wait of b (from 16 to 21): b waits. The reconciler's round that
+    would put a to sleep comes only at 25, so b preempts a at 21; a parks by 22, b claims at
+    the 22.0 poll and is created by 27."""
+    scenario = two_models(models=[
+        {"name": "a", "params_b": 1.0, "weight_bytes": "30GiB", "measured_bytes": "60GiB", "replicas": 0,
+         "sleep": {"idle_timeout_s": 5.0}},
+        {"name": "b", "params_b": 1.0, "weight_bytes": "30GiB", "measured_bytes": "60GiB", "replicas": 0},
+    ])
+    trace = make_trace([(0.0, "a"), (8.0, "a"), (12.0, "a"), (15.5, "a"), (16.0, "b")])
+    sim, ttft = run(scenario, trace, "shoal")
+    assert ttft == pytest.approx([5.1, 0.1, 0.1, 0.1, 11.1])
+    assert [e for e in kinds(sim) if e[0] >= 16.0] == [
+        (16.0, "wake", "b"), (21.0, "preempt", "b"), (21.0, "evict", "a"), (22.0, "released", "a"),
+        (22.0, "load", "b"), (22.0, "claimed", "b"), (27.0, "ready", "b")]
+    assert sim.metrics.counters["evicted_preempted"] == 1
 
 
 def test_lru_swaps_at_once_and_reloads_from_disk() -> None:
@@ -139,7 +135,7 @@ def test_one_model_per_gpu_serves_the_model_it_placed_and_refuses_the_other() ->
 def test_a_victim_inside_its_minimum_runtime_makes_the_waker_fail_until_it_is_eligible() -> None:
     """a is ready at 5; b at 6 finds only a, which has served 1 s of its 10: no victim, b's
     request fails (503) and b is refused until a is eligible at 15; b at 10 fails at once; b at
-    16 wakes normally: preempts at once, a parks by 17, b is created by 22."""
+    16 wakes normally: preempts at once (a never sleeps by itself), created by 22."""
     trace = make_trace([(0.0, "a"), (6.0, "b"), (10.0, "b"), (16.0, "b")])
     sim, ttft = run(two_models(), trace, "shoal")
     assert ttft[0] == pytest.approx(5.1)
@@ -161,10 +157,12 @@ def sleepy_a(idle_timeout_s: float) -> Scenario:
 
 
 @pytest.mark.parametrize(("idle_timeout_s", "b_at", "slept_at", "claimed_at"), [
-    # a's request ends at 5.2; the reconciler's rounds are every 5 s. b waits (a sleeps by
-    # itself within b's 5 s wait); once a is leaving, b polls every 0.5 s for its park to end.
-    (3.0, 9.5, 10.0, 11.0),   # idle from 8.2: the round at 10, parked at 11
-    (9.0, 12.5, 15.0, 16.0),  # idle from 14.2: the round at 15, parked at 16
+    # a's request ends at 5.2; the reconciler's rounds are every 5 s. b waits (a may sleep by
+    # itself within its wait); once a is leaving, no occupant will sleep by itself, the wait
+    # ends, and the memory a is giving back needs no victim: b claims at its next 0.5 s poll
+    # after a's park (1 s), without preempting.
+    (3.0, 9.5, 10.0, 11.0),   # idle from 8.2: the round at 10; b's check at 10.5 sees a leaving
+    (9.0, 12.5, 15.0, 16.0),  # idle from 14.2: the round at 15; b's check at 15.5 sees a leaving
 ])
 def test_memory_an_idle_model_gives_back_is_claimed_at_the_waiters_next_check_without_preempting(
         idle_timeout_s: float, b_at: float, slept_at: float, claimed_at: float) -> None:
@@ -205,10 +203,10 @@ def test_replicas_sharing_a_gpu_slow_each_other_by_their_share_of_it() -> None:
 
 
 def test_a_drain_that_times_out_hands_running_requests_back_to_the_queue() -> None:
-    """a (always on, minimum runtime 0) runs a 1,001-token answer (10 s) from 16.0; b preempts
-    a at once (a never sleeps by itself): a drains for its 2 s timeout, its request goes back
-    to a's queue at 18, a parks by 19 and b claims at its 19.0 poll. a's requeued request asks
-    for a wake at 18, but b's older intent keeps the memory a gives back: no victim, a 503."""
+    """a (always on, minimum runtime 0, never idle) runs a 1,001-token answer (10 s) from 16.0;
+    b preempts a at once: a drains for its 2 s timeout, its request goes back to a's queue at
+    18, a parks by 19 and b claims at its 19.0 poll. a's requeued request asks for a wake at
+    18, but b's older intent keeps the memory a gives back: no victim, a 503."""
     scenario = two_models(models=[
         {"name": "a", "params_b": 1.0, "weight_bytes": "30GiB", "measured_bytes": "60GiB", "replicas": 1,
          "fairness": {"min_runtime_s": 0.0}, "sleep": {"drain_timeout_s": 2.0}},
