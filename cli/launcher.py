@@ -90,7 +90,8 @@ async def node_agent_running(config: ShoalConfig, nats_url: str, registry: Regis
 
 @contextlib.asynccontextmanager
 async def gateway_running(config: ShoalConfig, nats_url: str, registry: Registry) -> AsyncIterator[None]:
-    runner = await start_gateway(config.gateway, nats_url, registry)
+    runner = await start_gateway(config.gateway, nats_url, registry,
+                                 session_ttl_s=config.worker.sessions.idle_timeout_s)
     try:
         yield
     finally:
