@@ -156,6 +156,9 @@ class WorkerConfig(Struct, forbid_unknown_fields=True, kw_only=True):
     """Most requests one replica's engine holds (running and waiting)."""
     max_num_batched_tokens: int = 2048
     """Token budget of one forward pass (longer prompts are prefilled in chunks)."""
+    prefix_caching: bool = True
+    """Reuse the KV of prompt prefixes other requests computed (block hashes, LRU of freed
+    blocks). Off only to measure what it saves (scripts/bench_sessions_live.py)."""
     torch_threads: int = 0
     """Intra-op threads of each worker. 0: torch's default."""
     runtime_overhead_bytes: int = DEFAULT_RUNTIME_OVERHEAD_BYTES
