@@ -55,6 +55,7 @@ from shoal.services.worker.launch import WorkerLaunch, encode_launch  # noqa: E4
 from shoal.shared import subjects  # noqa: E402
 from shoal.shared.bus import Bus, connect  # noqa: E402
 from shoal.shared.config import GatewayConfig, LoggingConfig, SessionConfig, WorkerConfig  # noqa: E402
+from shoal.shared.logs import configure_logging  # noqa: E402
 from shoal.shared.messages import ModelSpec, ReplicaRecord, WorkerStats, worker_stats_decoder  # noqa: E402
 from shoal.shared.nats_server import EmbeddedNatsServer  # noqa: E402
 from tests.e2e.conftest import free_port  # noqa: E402
@@ -279,7 +280,9 @@ async def run(args: argparse.Namespace) -> list[Result]:
             bus = await connect(server.url, "bench")
             port = free_port()
             runner = await start_gateway(GatewayConfig(port=port, request_timeout_s=600), server.url)
-            bench = Bench(args, bus, f"http://127.0.0.1:{port}", Path(tmp))
+            log_dir = args.log_dir or Path(tmp)
+            log_dir.mkdir(parents=True, exist_ok=True)
+            bench = Bench(args, bus, f"http://127.0.0.1:{port}", log_dir)
             await bus.nc.subscribe(subjects.STATS_WILDCARD, cb=bench.on_stats)
             results = []
             try:
@@ -316,7 +319,9 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=4)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, help="write every turn's figures here (JSON)")
+    parser.add_argument("--log-dir", type=Path, help="keep the workers' logs here (default: a temporary directory)")
     args = parser.parse_args()
+    configure_logging(level="warning")
     results = asyncio.run(run(args))
     print_table(results)
     if args.out:

@@ -142,23 +142,30 @@ class SessionKV:
         del self._token_ids[session_id], self._block_hashes[session_id]
         block_ids: list[int] = []
         pool = self._pool
-        # 1. leading dropped blocks still in the prefix cache, then the rest of the hole
+        # Every block the plan found in the prefix cache is taken before any is allocated: an
+        # allocation may evict cached-free blocks, the very ones the plan counted on.
         num_prefix_hits = start.num_prefix_hits
         pool.take_cached_prefix(block_hashes[:num_prefix_hits], block_ids)
+        revived: dict[int, int] = {}
+        for index, is_revived in enumerate(start.revived):
+            if is_revived:
+                found: list[int] = []
+                num_hits = pool.take_cached_prefix([block_hashes[plan.num_dropped_blocks + index]], found)
+                assert num_hits == 1, "a block found in the prefix cache is taken"
+                revived[index] = found[0]
+        # 1. leading dropped blocks still in the prefix cache (taken above), then the rest of the hole
         allocated = pool.try_allocate_n(plan.num_dropped_blocks - num_prefix_hits, block_ids)
         assert allocated, "the hole's blocks were counted"
-        # 2. copied-out blocks: their GPU copy if still cached, else a copy back
+        # 2. copied-out blocks: their GPU copy if still cached (taken above), else a copy back
         num_swapped = 0
         for index, host_block_id in enumerate(restore.host_block_ids):
-            if start.revived[index]:
-                num_hits = pool.take_cached_prefix([block_hashes[plan.num_dropped_blocks + index]], block_ids)
-                assert num_hits == 1, "a block found in the prefix cache is taken"
-            else:
+            block_id = revived.get(index)
+            if block_id is None:
                 block_id = pool.try_allocate()
                 assert block_id is not None, "copied-back blocks were counted"
                 self._pending_in.append((host_block_id, block_id))
-                block_ids.append(block_id)
                 num_swapped += 1
+            block_ids.append(block_id)
         # 3. blocks still on the GPU, in place; 4. room for the new tokens of this step
         block_ids += restore.gpu_block_ids
         allocated = pool.try_allocate_n(start.num_new_blocks, block_ids)
@@ -206,12 +213,22 @@ class SessionKV:
         self._apply(actions)
 
     def reclaim(self, num_blocks: int, keep_session_id: str | None = None) -> int:
-        """Free at least `num_blocks` pool blocks held by cached sessions; returns how many."""
+        """Free at least `num_blocks` pool blocks held by cached sessions (fewer only when no
+        session has a GPU chunk left to give); returns how many the pool gained.
+
+        A block two sessions share (a common system prompt, by hash) is freed only when both
+        let it go, so the policy may have to give up more chunks than blocks are wanted."""
         if num_blocks <= 0:
             return 0
-        num_freed, actions = self.cache.reclaim_gpu(num_blocks, keep_session_id)
-        self._apply(actions)
-        return num_freed
+        pool = self._pool
+        num_free_before = pool.get_num_free_blocks()
+        wanted = num_free_before + num_blocks
+        while (num_missing := wanted - pool.get_num_free_blocks()) > 0:
+            num_released, actions = self.cache.reclaim_gpu(num_missing, keep_session_id)
+            self._apply(actions)
+            if not num_released:
+                break
+        return pool.get_num_free_blocks() - num_free_before
 
     def take_swaps(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
         """(KV pool -> host, host -> KV pool) pairs for the next forward pass; drains."""
