@@ -36,6 +36,7 @@ import json
 import os
 import random
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -259,15 +260,24 @@ def print_table(results: list[Result]) -> None:
         print(f"| {result.kv_tokens} | {result.engine} | {s['returning_ttft_p50_ms']:.1f} ms | "
               f"{s['returning_ttft_p99_ms']:.1f} ms | {s['first_ttft_p50_ms']:.1f} ms | {s['tokens_per_s']:.0f} | "
               f"{s['turns_per_s']:.2f} | {sessions} | {reuse} | {s.get('prefix_cache_hit_rate', 0.0):.2f} |")
+    print()
     for kv_tokens in sorted({r.kv_tokens for r in results}):
-        by_engine = {r.engine: r.summary() for r in results if r.kv_tokens == kv_tokens}
-        if {"none", "tiered"} <= set(by_engine):
-            ratio = by_engine["none"]["returning_ttft_p50_ms"] / by_engine["tiered"]["returning_ttft_p50_ms"]
-            line = f"KV pool {kv_tokens}: returning-turn TTFT p50, none / tiered = {ratio:.2f}x"
-            if "prefix" in by_engine:
-                line += (f", prefix / tiered = "
-                         f"{by_engine['prefix']['returning_ttft_p50_ms'] / by_engine['tiered']['returning_ttft_p50_ms']:.2f}x")
-            print(line)
+        medians = {}
+        for engine in ENGINES:
+            runs = [r.summary() for r in results if r.kv_tokens == kv_tokens and r.engine == engine]
+            if runs:
+                medians[engine] = {key: statistics.median(float(run[key]) for run in runs)  # type: ignore[arg-type]
+                                   for key in ("returning_ttft_p50_ms", "returning_ttft_p99_ms", "tokens_per_s")}
+        text = ", ".join(f"{engine}: p50 {m['returning_ttft_p50_ms']:.1f} ms, p99 {m['returning_ttft_p99_ms']:.1f} ms, "
+                         f"{m['tokens_per_s']:.0f} tok/s" for engine, m in medians.items())
+        print(f"KV pool {kv_tokens} (medians over runs): {text}")
+        if "tiered" in medians:
+            tiered = medians["tiered"]
+            for baseline in ("none", "prefix"):
+                if baseline in medians:
+                    print(f"  returning-turn TTFT p50 {baseline} / tiered = "
+                          f"{medians[baseline]['returning_ttft_p50_ms'] / tiered['returning_ttft_p50_ms']:.2f}x, "
+                          f"throughput tiered / {baseline} = {tiered['tokens_per_s'] / medians[baseline]['tokens_per_s']:.2f}x")
 
 
 async def run(args: argparse.Namespace) -> list[Result]:
@@ -287,19 +297,18 @@ async def run(args: argparse.Namespace) -> list[Result]:
             results = []
             try:
                 for kv_tokens in args.kv_tokens:
-                    for engine in args.engines:
-                        results.append(await bench.measure(engine, kv_tokens, questions))
+                    for repeat in range(args.repeats):  # alternate the order: drift hits every engine alike
+                        for engine in (args.engines if repeat % 2 == 0 else args.engines[::-1]):
+                            results.append(await bench.measure(engine, kv_tokens, questions))
             finally:
                 await runner.cleanup()
                 await bus.close()
         finally:
             server.stop()
-    for kv_tokens in args.kv_tokens:
-        answers = {r.engine: sorted((t.session, t.index, t.answer) for t in r.turns)
-                   for r in results if r.kv_tokens == kv_tokens}
-        reference = next(iter(answers.values()))
-        for engine, got in answers.items():
-            assert got == reference, f"{engine} answered differently at a {kv_tokens}-token pool"
+    reference = sorted((t.session, t.index, t.answer) for t in results[0].turns)
+    for result in results:
+        got = sorted((t.session, t.index, t.answer) for t in result.turns)
+        assert got == reference, f"{result.engine} answered differently at a {result.kv_tokens}-token pool"
     return results
 
 
@@ -317,6 +326,7 @@ def main() -> None:
     parser.add_argument("--user-words", type=int, default=60)
     parser.add_argument("--answer-tokens", type=int, default=32)
     parser.add_argument("--concurrency", type=int, default=4)
+    parser.add_argument("--repeats", type=int, default=1, help="runs of each engine, in alternating order")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, help="write every turn's figures here (JSON)")
     parser.add_argument("--log-dir", type=Path, help="keep the workers' logs here (default: a temporary directory)")

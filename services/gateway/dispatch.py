@@ -37,7 +37,7 @@ import nats.errors
 import nats.js.errors
 import structlog
 
-from shoal.services.gateway.affinity import Route, choose_route, must_move
+from shoal.services.gateway.affinity import SHARED_QUEUE, Route, choose_route, must_move
 from shoal.services.gateway.attempts import AttemptTracker
 from shoal.services.gateway.cluster import ClusterView
 from shoal.services.gateway.errors import (
@@ -250,17 +250,19 @@ class Dispatcher:
     async def _route(self, request: InferenceRequest) -> Route:
         """Where `request` goes (`affinity.choose_route`), counted for a session's turn."""
         session_id = request.session_id
-        holder_id = None
-        if session_id is not None and self._session_routes is not None:
-            holder_id = await self._session_routes.get_replica(request.model, session_id)
+        if session_id is None or self._session_routes is None:
+            return SHARED_QUEUE["none"]  # the hot path of requests without a session: no lookups
+        holder_id = await self._session_routes.get_replica(request.model, session_id)
         stats = self._worker_stats
-        holder = self._cluster.get_replica(holder_id) if holder_id else None
-        others = [s for s in stats.get_current() if s.model == request.model and s.replica_id != holder_id]
-        route = choose_route(session_id, holder_id, holder, stats.get_latest(holder_id) if holder_id else None, others)
-        if session_id is not None:
-            self._session_turns.inc(model=request.model, route=route.reason)
-            log.debug("session_routed", request_id=request.request_id, session_id=session_id,
-                      replica=route.replica_id, reason=route.reason)
+        if holder_id is None:
+            route = choose_route(session_id, None, None, None, ())
+        else:
+            others = [s for s in stats.get_current() if s.model == request.model and s.replica_id != holder_id]
+            route = choose_route(session_id, holder_id, self._cluster.get_replica(holder_id),
+                                 stats.get_latest(holder_id), others)
+        self._session_turns.inc(model=request.model, route=route.reason)
+        log.debug("session_routed", request_id=request.request_id, session_id=session_id,
+                  replica=route.replica_id, reason=route.reason)
         return route
 
     async def _move_if_stranded(self, request: InferenceRequest, published: _Published) -> None:
