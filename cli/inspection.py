@@ -4,7 +4,8 @@
 and the micro services answering ``$SRV.PING`` (like ``nats stream ls``,
 ``nats kv ls`` / ``nats kv get`` and ``nats micro ls``). `status` shows the
 cluster as an operator wants it: nodes, each GPU with a usage bar and its
-occupants, replicas with their level and state, models with their memory figure.
+occupants, replicas with their level and state, models with their memory figure,
+and each serving replica's session cache (asked of the replicas themselves).
 """
 
 from __future__ import annotations
@@ -16,10 +17,21 @@ from typing import Any, TextIO
 
 import msgspec
 import nats.errors
+import nats.js.errors
 from nats.aio.msg import Msg
 
-from shoal.shared.bus import Bus
-from shoal.shared.messages import GpuRecord, ModelSpec, ReplicaRecord
+from shoal.shared import subjects
+from shoal.shared.bus import Bus, TypedBucket
+from shoal.shared.messages import (
+    GpuRecord,
+    ListSessions,
+    ModelSpec,
+    ReplicaRecord,
+    SessionList,
+    session_list_decoder,
+    session_route_decoder,
+)
+from shoal.shared.micro import ServiceCallError, request_json
 from shoal.shared.placement.config import PlacementConfig
 from shoal.shared.placement.memory_figure import UnknownModelMemory, get_memory_figure
 
@@ -29,8 +41,16 @@ STATUS_HEADER = "Status"
 NO_RESPONDERS_STATUS = "503"
 
 
+SESSIONS_TIMEOUT_S = 3.0
+"""How long `status` waits for a replica's sessions."""
+
+
 def _gib(num_bytes: int) -> str:
     return f"{num_bytes / 2**30:.2f} GiB"
+
+
+def _mib(num_bytes: int) -> str:
+    return f"{num_bytes / 2**20:.1f} MiB"
 
 
 async def ping_services(bus: Bus, wait_s: float = 3.0, quiet_s: float = 0.3) -> list[dict[str, Any]]:
@@ -87,7 +107,13 @@ async def inspect(bus: Bus, out: TextIO) -> None:
         for consumer in await bus.js.consumers_info(name):
             out.write(f"    consumer {consumer.name:<30} pending={consumer.num_pending} "
                       f"ack_pending={consumer.num_ack_pending} waiting={consumer.num_waiting}\n")
-    for bucket in (bus.models, bus.gpus, bus.replicas, bus.nodes):
+    buckets: list[TypedBucket[Any]] = [bus.models, bus.gpus, bus.replicas, bus.nodes]
+    try:  # made by the first gateway that starts
+        sessions = await bus.js.key_value(subjects.SESSIONS_BUCKET)
+        buckets.append(TypedBucket(sessions, session_route_decoder, subjects.SESSIONS_BUCKET, bus.js))
+    except nats.js.errors.BucketNotFoundError:
+        pass
+    for bucket in buckets:
         entries = await bucket.get_all()
         out.write(f"\nKV bucket {bucket.name} (nats kv ls {bucket.name}; nats kv get {bucket.name} <key>): "
                   f"{len(entries)} keys\n")
@@ -124,9 +150,10 @@ def replica_state_label(record: ReplicaRecord) -> str:
 
 def render_status(nodes: dict[str, Any], gpus: dict[str, GpuRecord], replicas: list[ReplicaRecord],
                   models: list[ModelSpec], out: TextIO, *, config: PlacementConfig | None = None,
-                  now: float | None = None) -> None:
+                  now: float | None = None, sessions: dict[str, SessionList | str] | None = None) -> None:
     """Write the cluster view; memory figures are computed with `config` (the scheduler's
-    placement knobs; default the policy's defaults)."""
+    placement knobs; default the policy's defaults). `sessions`: per serving replica, its
+    session list, or why it could not be had."""
     config = config or PlacementConfig()
     now = time.time() if now is None else now
     out.write(f"Nodes ({len(nodes)}):\n")
@@ -168,6 +195,38 @@ def render_status(nodes: dict[str, Any], gpus: dict[str, GpuRecord], replicas: l
         blocked = (f" wake blocked ({spec.wake_blocked_reason})"
                    if spec.wake_blocked_until is not None and spec.wake_blocked_until > now else "")
         out.write(f"  {spec.key:<28} desired={spec.desired_replicas} memory={figure} ({source}){flags}{blocked}\n")
+    if sessions:
+        render_sessions(replicas, sessions, out)
+
+
+def render_sessions(replicas: list[ReplicaRecord], sessions: dict[str, SessionList | str], out: TextIO) -> None:
+    """Each serving replica's session cache: sessions held, bytes per tier, turns that hit,
+    where returning turns' prompt tokens came from, swaps."""
+    out.write("\nSessions (the session cache of each serving replica):\n")
+    for record in sorted(replicas, key=lambda r: (r.model, r.created_at)):
+        answer = sessions.get(record.replica_id)
+        if answer is None:
+            continue
+        name = f"{record.model} {record.replica_id[:12]}"
+        if isinstance(answer, str):
+            out.write(f"  {name:<42} unavailable: {answer}\n")
+            continue
+        stats = answer.stats
+        if not answer.enabled or stats is None:
+            out.write(f"  {name:<42} no session cache\n")
+            continue
+        num_active = sum(1 for s in answer.sessions if s.active)
+        running = f" (+{num_active} with a turn running)" if num_active else ""
+        turns = stats.num_hits + stats.num_misses
+        hit_rate = f"{100 * stats.num_hits / turns:.0f}%" if turns else "-"
+        out.write(f"  {name:<42} {stats.num_sessions} cached{running}; GPU {_mib(stats.gpu_bytes)}, "
+                  f"CPU {_mib(stats.cpu_bytes)} of {_mib(stats.host_pool_bytes)}; "
+                  f"turns {stats.num_hits} hit / {stats.num_misses} miss ({hit_rate})\n")
+        out.write(f"  {'':<42} returning-turn tokens: {stats.num_gpu_reused_tokens} reused on GPU, "
+                  f"{stats.num_cpu_restored_tokens} from CPU, {stats.num_prefix_cached_tokens} from the prefix "
+                  f"cache, {stats.num_recomputed_tokens} recomputed, {stats.num_new_tokens} new; swap-in "
+                  f"{_mib(stats.swap_in_bytes)} ({stats.exposed_swap_seconds:.3f} s exposed), swap-out "
+                  f"{_mib(stats.swap_out_bytes)}\n")
 
 
 def _memory_figure(spec: ModelSpec, config: PlacementConfig) -> tuple[str, str]:
@@ -189,4 +248,19 @@ async def status(bus: Bus, out: TextIO, placement: PlacementConfig | None = None
     replicas = [v.value for v in (await bus.replicas.get_all()).values()]
     models = [v.value for v in (await bus.models.get_all()).values()]
     config = placement or PlacementConfig()
-    render_status(nodes, gpus, replicas, models, out, config=config)
+    sessions = await get_sessions(bus, [r for r in replicas if r.serving])
+    render_status(nodes, gpus, replicas, models, out, config=config, sessions=sessions)
+
+
+async def get_sessions(bus: Bus, replicas: list[ReplicaRecord]) -> dict[str, SessionList | str]:
+    """Each replica's sessions (``shoal.worker.<replica>.sessions``), or why it did not answer."""
+
+    async def ask(replica_id: str) -> SessionList | str:
+        try:
+            return await request_json(bus.nc, subjects.worker_subject(replica_id, "sessions"), ListSessions(),
+                                      session_list_decoder, timeout_s=SESSIONS_TIMEOUT_S)
+        except ServiceCallError as exc:
+            return str(exc)
+
+    answers = await asyncio.gather(*(ask(r.replica_id) for r in replicas))
+    return {r.replica_id: answer for r, answer in zip(replicas, answers, strict=True)}

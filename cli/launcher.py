@@ -91,7 +91,8 @@ async def node_agent_running(config: ShoalConfig, nats_url: str, registry: Regis
 
 @contextlib.asynccontextmanager
 async def gateway_running(config: ShoalConfig, nats_url: str, registry: Registry) -> AsyncIterator[None]:
-    runner = await start_gateway(config.gateway, nats_url, registry, nats_config=config.nats)
+    runner = await start_gateway(config.gateway, nats_url, registry, nats_config=config.nats,
+                                 session_ttl_s=config.worker.sessions.idle_timeout_s)
     try:
         yield
     finally:

@@ -74,6 +74,12 @@ JS_CONSUMER_ALREADY_EXISTS = 10148
 """JSConsumerAlreadyExists: a consumer of that name exists with another configuration."""
 MAX_DELIVERIES = 3
 """A request is tried at most this often (a worker dying mid-request counts as a try)."""
+MOVED_ATTEMPT_OFFSET = MAX_DELIVERIES
+"""`InferenceRequest.attempt_offset` of a request moved from a replica's own subject to the
+shared one: the first replica's attempts were 1..MAX_DELIVERIES, the moved ones come after."""
+REPLICA_CONSUMER_INACTIVE_S = 3600.0
+"""A replica's own consumer that nobody pulls from this long (its worker died) is deleted
+by the server; a worker that stops deletes its own."""
 GET_ALL_INACTIVE_S = 5.0
 """Server-side lifetime of a `get_all` consumer once nothing reads it (a safety net:
 `get_all` deletes it itself)."""
@@ -645,6 +651,31 @@ async def ensure_model_consumer(js: JetStreamContext, model_key: str, *, ack_wai
             raise
         log.warning("consumer_config_differs", consumer=durable, detail=exc.description)
     return durable
+
+
+async def ensure_replica_consumer(js: JetStreamContext, model_key: str, replica_id: str, *,
+                                  ack_wait_s: float = 30.0) -> str:
+    """Create (idempotently) the durable pull consumer of one replica's own subject
+    (`subjects.replica_infer_subject`): the session turns gateways send to this replica."""
+    name = subjects.replica_consumer_name(replica_id)
+    config = ConsumerConfig(
+        durable_name=name,
+        description=f"Shoal replica {replica_id} of {model_key}: session turns sent to it",
+        filter_subject=subjects.replica_infer_subject(model_key, replica_id),
+        ack_policy=AckPolicy.EXPLICIT,
+        ack_wait=ack_wait_s,
+        max_deliver=MAX_DELIVERIES,
+        max_ack_pending=4096,
+        max_waiting=64,
+        inactive_threshold=REPLICA_CONSUMER_INACTIVE_S,
+    )
+    try:
+        await js.add_consumer(subjects.REQUESTS_STREAM, config)
+    except nats.js.errors.BadRequestError as exc:
+        if exc.err_code != JS_CONSUMER_ALREADY_EXISTS:
+            raise
+        log.warning("consumer_config_differs", consumer=name, detail=exc.description)
+    return name
 
 
 async def publish_event(js: JetStreamContext, event: Event) -> None:

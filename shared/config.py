@@ -24,6 +24,7 @@ from msgspec import Struct, field
 
 from shoal.kernels.settings import KernelSettings
 from shoal.shared.errors import ShoalError
+from shoal.shared.kv_cache.session_settings import SessionSettings
 from shoal.shared.model_memory import DEFAULT_RUNTIME_OVERHEAD_BYTES
 from shoal.shared.model_settings import FairnessSettings, ModelSettings, SleepSettings
 from shoal.shared.placement.config import PlacementConfig
@@ -239,6 +240,22 @@ class NodeConfig(Struct, forbid_unknown_fields=True, kw_only=True):
         return self.node_id or default_node_id()
 
 
+DEFAULT_HOST_POOL_BYTES = 256 * 1024**2
+
+
+class SessionConfig(SessionSettings, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """``[worker.sessions]``: the session cache of every worker's engine (docs/sessions.md).
+    The engine's `SessionSettings` with unknown keys refused, plus whether it is on."""
+
+    enabled: bool = True
+    """Keep chat sessions' KV between turns (requests with a session id). Off: a session id
+    changes nothing."""
+    host_pool_bytes: int = DEFAULT_HOST_POOL_BYTES
+    """The CPU tier of each replica: host RAM (pinned on CUDA) beside its GPU allocation;
+    0: GPU tier only. A bare engine's default is 0; a worker's is 256 MiB (size it to the
+    sessions you expect: a few GiB per GPU for 7B models, docs/sessions.md)."""
+
+
 class WorkerConfig(Struct, forbid_unknown_fields=True, kw_only=True):
     """How every worker process runs (the node agent hands it to the workers it starts)."""
 
@@ -250,6 +267,9 @@ class WorkerConfig(Struct, forbid_unknown_fields=True, kw_only=True):
     """Most requests one replica's engine holds (running and waiting)."""
     max_num_batched_tokens: int = 2048
     """Token budget of one forward pass (longer prompts are prefilled in chunks)."""
+    prefix_caching: bool = True
+    """Reuse the KV of prompt prefixes other requests computed (block hashes, LRU of freed
+    blocks). Off only to measure what it saves (scripts/bench_sessions_live.py)."""
     torch_threads: int = 0
     """Intra-op threads of each worker. 0: torch's default."""
     runtime_overhead_bytes: int = DEFAULT_RUNTIME_OVERHEAD_BYTES
@@ -259,6 +279,9 @@ class WorkerConfig(Struct, forbid_unknown_fields=True, kw_only=True):
     """Which KV-cache kernel implementations the worker runs (``[worker.kernels]``, docs/kernels.md)."""
     stats_interval_s: float = 5.0
     """How often each worker publishes its stats (``shoal.stats.>``: /metrics, the dashboard)."""
+    sessions: SessionConfig = field(default_factory=SessionConfig)
+    """The session cache (``[worker.sessions]``, docs/sessions.md). Its `cost_profile_path`
+    may hold ``{model}``, replaced by the model's subject token: one saved profile per model."""
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:

@@ -2,14 +2,16 @@
 
 Channels and encodings:
 
-* hot path (msgpack): `InferenceRequest` on ``shoal.infer.<model>``; `Reply`
+* hot path (msgpack): `InferenceRequest` on ``shoal.infer.<model>`` (any replica) or
+  ``shoal.infer.<model>.<replica>`` (a session's turn sent to the replica holding its KV); `Reply`
   (`TokenChunk` | `FinalReply` | `ErrorReply`) on the request's reply subject;
   `CancelRequest` on ``shoal.cancel.<model>``.
 * worker stats (JSON, what ``nats sub 'shoal.stats.>'`` shows): `WorkerStats` on
   ``shoal.stats.<model>.<replica>``, every few seconds from each worker; gateways serve
   them on ``/metrics`` and the dashboard.
 * control plane (JSON, what `nats kv get` shows): the KV records `ModelSpec`,
-  `GpuRecord`, `ReplicaRecord`, `NodeRecord`; `Event` on ``shoal.event.<kind>``;
+  `GpuRecord`, `ReplicaRecord`, `NodeRecord`, `SessionRoute` (``shoal_sessions``);
+  `Event` on ``shoal.event.<kind>``;
   the commands of the micro services, one type per subject:
 
       shoal.scheduler.ensure            EnsureModel      -> SchedulerReply
@@ -26,6 +28,8 @@ Channels and encodings:
       shoal.node.inspect                InspectModel     -> ModelFacts   (any node agent)
       shoal.worker.<replica>.to_cache   CacheReplica     -> WorkerReply
       shoal.worker.<replica>.from_cache RestoreReplica   -> WorkerReply
+      shoal.worker.<replica>.sessions   ListSessions     -> SessionList
+      shoal.worker.<replica>.drop_session DropSession    -> DropSessionReply
 
   (`SCHEDULER_COMMANDS` maps each scheduler verb to its type.)
 
@@ -111,6 +115,14 @@ class InferenceRequest(Struct, tag="infer", tag_field="type", omit_defaults=True
     stream: bool = False
     gateway_id: str = ""
     created: float = 0.0
+    session_id: str | None = None
+    """The chat session this request is a turn of (``X-Session-Id`` or the body's
+    ``session_id``): a replica with a session cache keeps the turn's KV for the next turn."""
+    attempt_offset: int = 0
+    """Added to the delivery count to number this request's attempts: a request moved from a
+    replica's own subject to the shared one (that replica went away or sleeps) is published
+    again with `shoal.shared.bus.MOVED_ATTEMPT_OFFSET`, so its new attempts are newer than
+    any the first replica made (the gateway's redelivery rule, `services/gateway/attempts.py`)."""
 
 
 class TokenChunk(Struct, tag="chunk", tag_field="type", omit_defaults=True):
@@ -545,6 +557,47 @@ class KvCacheStats(Struct, omit_defaults=True):
     """Of those, blocks found (their K/V reused)."""
 
 
+class SessionStats(Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """A worker engine's session cache (docs/sessions.md): what `SessionKV.get_stats` returns,
+    and what a worker publishes inside `WorkerStats` (counts there are totals since the
+    worker started, across the engines a park and restore make)."""
+
+    num_sessions: int = 0
+    """Sessions cached between turns."""
+    gpu_bytes: int = 0
+    """KV pool bytes held by cached sessions."""
+    cpu_bytes: int = 0
+    """Host pool bytes holding sessions' chunks (copies ahead included)."""
+    host_pool_bytes: int = 0
+    num_hits: int = 0
+    """Turns with a session id that reused cached KV of their session."""
+    num_misses: int = 0
+    """Turns with a session id that found nothing of it to reuse (unknown, expired, edited)."""
+    num_gpu_reused_tokens: int = 0
+    """Prompt tokens whose K/V a returning turn found in the KV pool."""
+    num_cpu_restored_tokens: int = 0
+    """Prompt tokens whose K/V was copied back from the host pool."""
+    num_prefix_cached_tokens: int = 0
+    """Tokens of copied-out or dropped chunks taken back from the prefix cache instead."""
+    num_recomputed_tokens: int = 0
+    """History tokens recomputed: dropped chunks (or chunks cheaper to recompute than copy)."""
+    num_new_tokens: int = 0
+    """Prompt tokens of returning turns past what their session had cached."""
+    swap_in_bytes: int = 0
+    """Bytes copied CPU -> GPU (restored chunks)."""
+    swap_out_bytes: int = 0
+    """Bytes copied GPU -> CPU (demotions and copies ahead)."""
+    exposed_swap_seconds: float = 0.0
+    """Time forward passes waited for copies back to the GPU (not overlapped with compute)."""
+    num_demoted_chunks: int = 0
+    num_dropped_chunks: int = 0
+    num_expired_sessions: int = 0
+
+
+SESSION_GAUGES = ("num_sessions", "gpu_bytes", "cpu_bytes", "host_pool_bytes")
+"""`SessionStats` fields that are current values; every other field is a count."""
+
+
 class WorkerStats(Struct, kw_only=True, omit_defaults=True):
     """Worker -> gateways, every `interval_s` on ``shoal.stats.<model>.<replica>``: what one
     replica is doing. Counts (``num_*`` not ``_running``/``_waiting``) are totals since the
@@ -578,6 +631,64 @@ class WorkerStats(Struct, kw_only=True, omit_defaults=True):
     """Sequences summed over those steps (mean batch size: num_step_seqs / num_steps)."""
     step_seconds: float = 0.0
     """Time those steps took."""
+    sessions: SessionStats | None = None
+    """The engine's session cache; None without one (or while parked)."""
+
+
+class ListSessions(Struct, tag="sessions", tag_field="type"):
+    """Gateway -> one replica (``shoal.worker.<replica>.sessions``): the sessions it holds."""
+
+
+class SessionSummary(Struct, omit_defaults=True):
+    """One session a replica holds: cached between turns, or with a turn running now."""
+
+    session_id: str
+    active: bool = False
+    """A turn of it runs now (its KV belongs to the turn: no figures until it ends)."""
+    num_tokens: int = 0
+    """Tokens whose KV the session keeps (in whole blocks)."""
+    gpu_bytes: int = 0
+    cpu_bytes: int = 0
+    num_dropped_tokens: int = 0
+    """Leading tokens whose KV was dropped (recomputed when the session returns)."""
+    idle_s: float = 0.0
+    """Since its last turn ended."""
+
+
+class SessionList(Struct, omit_defaults=True):
+    """A replica's sessions, least recently active first, then those with a turn running."""
+
+    replica_id: str
+    model: str
+    node_id: str = ""
+    enabled: bool = False
+    """Whether the replica's engine keeps sessions at all (a paged engine with a session cache)."""
+    sessions: list[SessionSummary] = field(default_factory=list)
+    stats: SessionStats | None = None
+    """The session cache's figures (this engine's own counts, since it was built)."""
+
+
+class DropSession(Struct, tag="drop_session", tag_field="type"):
+    """Gateway -> one replica (``shoal.worker.<replica>.drop_session``): forget a session's KV."""
+
+    session_id: str
+
+
+class DropSessionReply(Struct, omit_defaults=True):
+    replica_id: str
+    dropped: bool = False
+    """Its cached KV was forgotten."""
+    active: bool = False
+    """A turn of it runs now: that turn's KV is kept when it ends (drop again afterwards)."""
+
+
+class SessionRoute(Struct, omit_defaults=True):
+    """``shoal_sessions`` under ``<model token>.<session id>``: the replica whose KV holds the
+    session (the last turn's final reply named it). Written by gateways, read by every gateway;
+    the bucket's TTL forgets routes idle for the session idle time."""
+
+    replica_id: str
+    updated_at: float = 0.0
 
 
 EventKind = Literal[
@@ -628,6 +739,11 @@ node_reply_decoder = msgspec.json.Decoder(NodeReply)
 worker_reply_decoder = msgspec.json.Decoder(WorkerReply)
 model_facts_decoder = msgspec.json.Decoder(ModelFacts)
 worker_stats_decoder = msgspec.json.Decoder(WorkerStats)
+list_sessions_decoder = msgspec.json.Decoder(ListSessions)
+session_list_decoder = msgspec.json.Decoder(SessionList)
+drop_session_decoder = msgspec.json.Decoder(DropSession)
+drop_session_reply_decoder = msgspec.json.Decoder(DropSessionReply)
+session_route_decoder = msgspec.json.Decoder(SessionRoute)
 
 model_spec_decoder = msgspec.json.Decoder(ModelSpec)
 gpu_record_decoder = msgspec.json.Decoder(GpuRecord)

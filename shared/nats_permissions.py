@@ -25,7 +25,8 @@ ADMIN_USER = "shoal-admin"
 """The operator's user (shoal status / inspect / scale / evict, the NATS CLI): every subject."""
 
 STREAMS = (subjects.REQUESTS_STREAM, subjects.EVENTS_STREAM)
-BUCKETS = (subjects.MODELS_BUCKET, subjects.GPUS_BUCKET, subjects.REPLICAS_BUCKET, subjects.NODES_BUCKET)
+BUCKETS = (subjects.MODELS_BUCKET, subjects.GPUS_BUCKET, subjects.REPLICAS_BUCKET, subjects.NODES_BUCKET,
+           subjects.SESSIONS_BUCKET)
 JS_API = "$JS.API"
 
 
@@ -126,6 +127,11 @@ PERMISSIONS: dict[Role, tuple[Grant, ...]] = {
               shown=_READ_SHOWN.format(api=JS_API, names=_names((subjects.EVENTS_STREAM,)))),
         Grant("hear of requests that used up their deliveries", subscribe=(MAX_DELIVERIES_ADVISORY,)),
         read_kv(BUCKETS, "read (and watch) every bucket"),
+        Grant("create the session routes' bucket when missing",
+              publish=(f"{JS_API}.STREAM.CREATE.{kv_stream(subjects.SESSIONS_BUCKET)}",)),
+        write_kv((subjects.SESSIONS_BUCKET,), "route a session's turns to the replica holding its KV"),
+        Grant("list and drop the sessions workers hold (the admin API)",
+              publish=(subjects.worker_subject("*", "sessions"), subjects.worker_subject("*", "drop_session"))),
     ),
     "scheduler": (
         bind_streams(),
@@ -166,11 +172,13 @@ PERMISSIONS: dict[Role, tuple[Grant, ...]] = {
                        f"{JS_API}.CONSUMER.INFO.{subjects.REQUESTS_STREAM}.>",
                        f"{JS_API}.CONSUMER.MSG.NEXT.{subjects.REQUESTS_STREAM}.>",
                        f"$JS.ACK.{subjects.REQUESTS_STREAM}.>")),
+        Grant("move the session turns left on its replica's own subject to its model's shared one",
+              publish=(f"{subjects.INFER_PREFIX}.*",)),
         Grant("hear cancels", subscribe=(f"{subjects.CANCEL_PREFIX}.>",)),
         Grant("send token chunks and final replies", publish=(f"{subjects.REPLY_PREFIX}.>",)),
         Grant("publish its stats", publish=(f"{subjects.STATS_PREFIX}.>",)),
         Grant("report to its node agent", publish=(f"{subjects.NODE_PREFIX}.*.worker_event",)),
-        Grant("serve shoal.worker.* (park, restore)", subscribe=(f"{subjects.WORKER_PREFIX}.>",)),
+        Grant("serve shoal.worker.* (park, restore, sessions)", subscribe=(f"{subjects.WORKER_PREFIX}.>",)),
         SERVICE_ENDPOINTS,
         read_kv((subjects.REPLICAS_BUCKET,), "read its replica's record"),
         write_kv((subjects.REPLICAS_BUCKET,), "write its replica's activity (CAS)"),

@@ -21,6 +21,9 @@ MODELS_BUCKET = "shoal_models"
 GPUS_BUCKET = "shoal_gpus"
 REPLICAS_BUCKET = "shoal_replicas"
 NODES_BUCKET = "shoal_nodes"
+SESSIONS_BUCKET = "shoal_sessions"
+"""Which replica holds each chat session's KV (``<model token>.<session id>``); gateways
+create it (services/gateway/session_routes.py)."""
 
 INFER_PREFIX = "shoal.infer"
 EVENT_PREFIX = "shoal.event"
@@ -41,6 +44,10 @@ HDR_REPLY_TO = "Shoal-Reply-To"
 HDR_REQUEST_ID = "Shoal-Request-Id"
 HDR_DEADLINE = "Shoal-Deadline"
 HDR_MSG_ID = "Nats-Msg-Id"
+MOVED_MSG_ID_SUFFIX = ".moved"
+"""A request moved from a replica's own subject to the shared one is published again with
+``Nats-Msg-Id: <request id>.moved``: whoever moves it (the replica, or the gateway when the
+replica is gone), the stream's duplicate window keeps one copy."""
 
 _SAFE = re.compile(r"[A-Za-z0-9_-]")
 _TOKEN = re.compile(r"(?:[A-Za-z0-9_-]|=[0-9A-F]{2})+")
@@ -52,6 +59,11 @@ MAX_CONSUMER_NAME_CHARS = 255
 MAX_MODEL_TOKEN_CHARS = MAX_CONSUMER_NAME_CHARS - len(CONSUMER_PREFIX)
 """A model's token must leave room for `CONSUMER_PREFIX` in its consumer name. Each
 character outside ``[A-Za-z0-9_-]`` takes 3 per UTF-8 byte (``日`` -> ``=E6=97=A5``)."""
+REPLICA_CONSUMER_PREFIX = "replica-"
+"""Prefix of a replica's own durable consumer (`replica_consumer_name`)."""
+MAX_SESSION_ID_CHARS = 128
+_SESSION_ID = re.compile(rf"[A-Za-z0-9_-]{{1,{MAX_SESSION_ID_CHARS}}}")
+_REPLICA_ID = re.compile(r"[A-Za-z0-9_-]{1,128}")
 
 
 class InvalidModelKey(ShoalError, ValueError):
@@ -60,6 +72,24 @@ class InvalidModelKey(ShoalError, ValueError):
 
 class InvalidModelToken(ShoalError, ValueError):
     """A subject token that no model key maps to."""
+
+
+class InvalidSessionId(ShoalError, ValueError):
+    """A session id that is empty, too long or has characters outside ``[A-Za-z0-9_-]``."""
+
+
+def validate_session_id(session_id: str) -> str:
+    """Return `session_id` if it can name a session, else raise InvalidSessionId.
+
+    1 to `MAX_SESSION_ID_CHARS` characters of ``[A-Za-z0-9_-]`` (UUIDs, ULIDs, base64url
+    ids): a session id becomes part of a KV key (``shoal_sessions``) and of log lines."""
+    if _SESSION_ID.fullmatch(session_id):
+        return session_id
+    if not session_id:
+        raise InvalidSessionId("session id is empty")
+    if len(session_id) > MAX_SESSION_ID_CHARS:
+        raise InvalidSessionId(f"session id is longer than {MAX_SESSION_ID_CHARS} characters")
+    raise InvalidSessionId("session id may only hold the characters A-Z a-z 0-9 _ -")
 
 
 def validate_model_key(model_key: str) -> str:
@@ -128,6 +158,28 @@ def model_key_from_token(token: str) -> str:
 
 def infer_subject(model_key: str) -> str:
     return f"{INFER_PREFIX}.{model_token(model_key)}"
+
+
+def replica_infer_subject(model_key: str, replica_id: str) -> str:
+    """A replica's own request subject (session affinity): ``shoal.infer.<model token>.<replica
+    id>``. Its filter does not overlap the model's shared ``shoal.infer.<model token>``, which a
+    work-queue stream requires of two consumers."""
+    return f"{INFER_PREFIX}.{model_token(model_key)}.{_replica_token(replica_id)}"
+
+
+def replica_consumer_name(replica_id: str) -> str:
+    """The durable pull consumer of a replica's own subject (only that replica fetches from it)."""
+    return f"{REPLICA_CONSUMER_PREFIX}{_replica_token(replica_id)}"
+
+
+def _replica_token(replica_id: str) -> str:
+    assert _REPLICA_ID.fullmatch(replica_id), f"replica id {replica_id!r} is not a subject token"
+    return replica_id
+
+
+def session_route_key(model_key: str, session_id: str) -> str:
+    """Key of a session's route in ``shoal_sessions``: ``<model token>.<session id>``."""
+    return f"{model_token(model_key)}.{validate_session_id(session_id)}"
 
 
 def cancel_subject(model_key: str) -> str:

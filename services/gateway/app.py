@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator
 import structlog
 from aiohttp import web
 
-from shoal.services.gateway import openapi, routes_admin, routes_openai, routes_ui
+from shoal.services.gateway import openapi, routes_admin, routes_openai, routes_sessions, routes_ui
 from shoal.services.gateway.auth import auth_middleware, check_admin_exposure
 from shoal.services.gateway.cluster import ClusterView
 from shoal.services.gateway.dispatch import Dispatcher
@@ -22,9 +22,10 @@ from shoal.services.gateway.errors import error_middleware
 from shoal.services.gateway.live import LiveFeeds
 from shoal.services.gateway.request_ids import request_id_middleware
 from shoal.services.gateway.router import ReplyRouter
+from shoal.services.gateway.session_routes import SessionRoutes
 from shoal.services.gateway.state import GATEWAY, GatewayState
 from shoal.shared.bus import connect
-from shoal.shared.config import GatewayConfig, NatsConfig
+from shoal.shared.config import GatewayConfig, NatsConfig, SessionConfig
 from shoal.shared.metrics import CONTENT_TYPE, Registry
 
 log = structlog.get_logger(__name__)
@@ -40,10 +41,16 @@ async def metrics(request: web.Request) -> web.Response:
     return web.Response(body=body.encode(), headers={"Content-Type": CONTENT_TYPE})
 
 
+DEFAULT_SESSION_TTL_S = SessionConfig().idle_timeout_s
+
+
 def create_app(config: GatewayConfig, nats_url: str, registry: Registry | None = None, *,
-               nats_config: NatsConfig | None = None) -> web.Application:
+               nats_config: NatsConfig | None = None,
+               session_ttl_s: float = DEFAULT_SESSION_TTL_S) -> web.Application:
     """The gateway's application. Raises ConfigError, before anything starts, for an admin API
-    that would be open to the network (`auth.check_admin_exposure`)."""
+    that would be open to the network (`auth.check_admin_exposure`). `session_ttl_s`: how long
+    a session's route outlives its last turn (the workers' ``[worker.sessions] idle_timeout_s``:
+    they forget its KV then)."""
     exposure_warning = check_admin_exposure(config)
     app = web.Application(
         client_max_size=config.max_body_bytes,
@@ -60,12 +67,16 @@ def create_app(config: GatewayConfig, nats_url: str, registry: Registry | None =
         await cluster.start()
         live = LiveFeeds(bus, cluster, registry)
         await live.start()
+        session_routes = SessionRoutes(bus.js, session_ttl_s)
+        await session_routes.start()
         app[GATEWAY] = GatewayState(
             config=config,
             bus=bus,
             router=router,
             cluster=cluster,
-            dispatcher=Dispatcher(bus, router, cluster, config, registry, on_first_token=live.ttft.observe),
+            dispatcher=Dispatcher(bus, router, cluster, config, registry, on_first_token=live.ttft.observe,
+                                  session_routes=session_routes, worker_stats=live.stats),
+            session_routes=session_routes,
             metrics=registry,
             requests_total=registry.counter("shoal_gateway_requests_total", "HTTP inference requests",
                                             ["model", "kind", "outcome"]),
@@ -91,6 +102,7 @@ def create_app(config: GatewayConfig, nats_url: str, registry: Registry | None =
     app.on_shutdown.append(routes_ui.end_event_streams)  # before aiohttp waits for open handlers
     app.router.add_routes(routes_openai.routes)
     app.router.add_routes(routes_admin.routes)
+    app.router.add_routes(routes_sessions.routes)
     routes_ui.add_routes(app)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/health", healthz)
@@ -100,9 +112,11 @@ def create_app(config: GatewayConfig, nats_url: str, registry: Registry | None =
 
 
 async def start_gateway(config: GatewayConfig, nats_url: str, registry: Registry | None = None, *,
-                        nats_config: NatsConfig | None = None) -> web.AppRunner:
+                        nats_config: NatsConfig | None = None,
+                        session_ttl_s: float = DEFAULT_SESSION_TTL_S) -> web.AppRunner:
     """Start serving on config.host:config.port; returns the runner (call `cleanup()` to stop)."""
-    runner = web.AppRunner(create_app(config, nats_url, registry, nats_config=nats_config),
+    runner = web.AppRunner(create_app(config, nats_url, registry, nats_config=nats_config,
+                                      session_ttl_s=session_ttl_s),
                            handler_cancellation=True, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, config.host, config.port, reuse_address=True)

@@ -12,6 +12,14 @@ dropped. When a new attempt begins after the client already holds text:
   never sent), and a streamed one ends with a clear error event.
 
 That rule is `attempts.AttemptTracker` (pure); `Dispatcher.run` does the I/O around it.
+
+Session affinity (docs/sessions.md): a turn of a chat session goes to the replica holding
+the session's KV, on that replica's own subject, when `affinity.choose_route` says so, else
+to the model's shared queue; its final reply's replica becomes the session's route
+(``shoal_sessions``). A turn waiting on a replica that goes away (`affinity.must_move`) is
+moved to the shared queue: deleted from the stream by its sequence number (which fails if the
+replica acked it, or moved it itself) and published again with its attempts numbered after
+the first replica's, so the redelivery rule above covers it.
 """
 
 from __future__ import annotations
@@ -24,10 +32,12 @@ from collections.abc import AsyncGenerator, Callable, Iterator
 from dataclasses import dataclass
 from typing import TypeAlias
 
+import msgspec
 import nats.errors
 import nats.js.errors
 import structlog
 
+from shoal.services.gateway.affinity import SHARED_QUEUE, Route, choose_route, must_move
 from shoal.services.gateway.attempts import AttemptTracker
 from shoal.services.gateway.cluster import ClusterView
 from shoal.services.gateway.errors import (
@@ -39,8 +49,10 @@ from shoal.services.gateway.errors import (
     error_for_status,
 )
 from shoal.services.gateway.router import ReplyInbox, ReplyRouter
+from shoal.services.gateway.session_routes import SessionRoutes
+from shoal.services.gateway.worker_metrics import WorkerStatsStore
 from shoal.shared import subjects
-from shoal.shared.bus import JS_NO_MESSAGE_FOUND, Bus
+from shoal.shared.bus import JS_NO_MESSAGE_FOUND, MOVED_ATTEMPT_OFFSET, Bus
 from shoal.shared.config import GatewayConfig
 from shoal.shared.messages import (
     CancelRequest,
@@ -81,14 +93,29 @@ class Restart:
 DispatchEvent: TypeAlias = TokenChunk | FinalReply | Restart
 
 
+@dataclass
+class _Published:
+    """Where a request's message is now: a replica's own subject (`replica_id`) or the shared
+    queue (None), at stream sequence `sequence`."""
+
+    replica_id: str | None
+    sequence: int
+
+
 class Dispatcher:
     def __init__(self, bus: Bus, router: ReplyRouter, cluster: ClusterView, config: GatewayConfig,
-                 metrics: Registry, *, on_first_token: Callable[[str, float], None] | None = None) -> None:
+                 metrics: Registry, *, on_first_token: Callable[[str, float], None] | None = None,
+                 session_routes: SessionRoutes | None = None, worker_stats: WorkerStatsStore | None = None) -> None:
         """Args:
         on_first_token: told (model, seconds) when a request's first token arrives (the
             dashboard's TTFT history), besides the TTFT histogram.
+        session_routes: which replica holds each session (None: no affinity, every request
+            goes to the shared queue).
+        worker_stats: the replicas' latest stats (saturation, whether they keep sessions).
         """
         self._bus = bus
+        self._session_routes = session_routes
+        self._worker_stats = worker_stats or WorkerStatsStore()
         self._on_first_token = on_first_token
         self._router = router
         self._cluster = cluster
@@ -99,6 +126,13 @@ class Dispatcher:
             "shoal_gateway_time_to_first_token_seconds", "From receipt to the first token", ["model"]
         )
         self._queued_gauge = metrics.gauge("shoal_gateway_requests_in_flight", "Requests waiting or running", ["model"])
+        self._session_turns = metrics.counter(
+            "shoal_gateway_session_turns_total", "Turns of chat sessions, by where they were sent", ["model", "route"]
+        )
+        self._moved = metrics.counter(
+            "shoal_gateway_requests_moved_total",
+            "Requests moved from a replica's own subject to the shared queue (the replica went away)", ["model"]
+        )
 
     @contextlib.contextmanager
     def admitted(self, model: str) -> Iterator[None]:
@@ -178,11 +212,12 @@ class Dispatcher:
         started = time.monotonic()
         finished = False
         tracker = AttemptTracker(reproducible=request.params.is_reproducible, restartable=restartable)
-        sequence: int | None = None
+        published: _Published | None = None
         try:
-            sequence = await self._publish(request)
+            route = await self._route(request)
+            published = _Published(route.replica_id, await self._publish(request, route.replica_id))
             while True:
-                reply = await self._next_reply(inbox, request)
+                reply = await self._next_reply(inbox, request, published)
                 for action in tracker.on_reply(reply):
                     match action:
                         case "resume":
@@ -202,6 +237,8 @@ class Dispatcher:
                         case "finish":
                             assert isinstance(reply, FinalReply), "only a final reply finishes"
                             finished = True
+                            if request.session_id is not None and reply.replica_id and self._session_routes:
+                                await self._session_routes.put(model, request.session_id, reply.replica_id)
                             yield reply
                             return
                         case "error":
@@ -211,7 +248,48 @@ class Dispatcher:
         finally:
             self._router.close(request.request_id)
             if not finished:
-                await self._cancel(request, "client disconnected or deadline passed", sequence)
+                await self._cancel(request, "client disconnected or deadline passed",
+                                   published.sequence if published else None)
+
+    async def _route(self, request: InferenceRequest) -> Route:
+        """Where `request` goes (`affinity.choose_route`), counted for a session's turn."""
+        session_id = request.session_id
+        if session_id is None or self._session_routes is None:
+            return SHARED_QUEUE["none"]  # the hot path of requests without a session: no lookups
+        holder_id = await self._session_routes.get_replica(request.model, session_id)
+        stats = self._worker_stats
+        if holder_id is None:
+            route = choose_route(session_id, None, None, None, ())
+        else:
+            others = [s for s in stats.get_current() if s.model == request.model and s.replica_id != holder_id]
+            route = choose_route(session_id, holder_id, self._cluster.get_replica(holder_id),
+                                 stats.get_latest(holder_id), others)
+        self._session_turns.inc(model=request.model, route=route.reason)
+        log.debug("session_routed", request_id=request.request_id, session_id=session_id,
+                  replica=route.replica_id, reason=route.reason)
+        return route
+
+    async def _move_if_stranded(self, request: InferenceRequest, published: _Published) -> None:
+        """Move a request waiting on a replica that will never answer it to the shared queue
+        (see the module doc); a no-op for any other request."""
+        if published.replica_id is None or not must_move(self._cluster.get_replica(published.replica_id)):
+            return
+        try:
+            await self._bus.js.delete_msg(subjects.REQUESTS_STREAM, published.sequence)
+        except nats.js.errors.APIError as exc:
+            if exc.err_code != JS_NO_MESSAGE_FOUND:
+                log.warning("request_move_failed", request_id=request.request_id, error=str(exc))
+                return
+            published.replica_id = None  # acked (answered), or moved by its replica already
+            return
+        except (TimeoutError, nats.errors.Error) as exc:
+            log.warning("request_move_failed", request_id=request.request_id, error=str(exc))
+            return
+        log.warning("request_moved_to_shared_queue", request_id=request.request_id, replica=published.replica_id)
+        self._moved.inc(model=request.model)
+        moved = msgspec.structs.replace(request, attempt_offset=MOVED_ATTEMPT_OFFSET)
+        published.sequence = await self._publish(moved, None, msg_id=request.request_id + subjects.MOVED_MSG_ID_SUFFIX)
+        published.replica_id = None
 
     @staticmethod
     def _worker_error(request: InferenceRequest, reply: ErrorReply) -> ApiError:
@@ -222,19 +300,22 @@ class Dispatcher:
             error.param = reply.param or ("prompt" if request.messages is None else "messages")
         return error
 
-    async def _publish(self, request: InferenceRequest) -> int:
-        """Publish to ``SHOAL_REQUESTS``; returns the message's stream sequence number."""
+    async def _publish(self, request: InferenceRequest, replica_id: str | None, *, msg_id: str | None = None) -> int:
+        """Publish to ``SHOAL_REQUESTS``, on `replica_id`'s own subject or (None) the model's
+        shared one; returns the message's stream sequence number."""
         headers = {
             subjects.HDR_REPLY_TO: request.reply_to,
             subjects.HDR_REQUEST_ID: request.request_id,
             subjects.HDR_DEADLINE: f"{request.deadline:.3f}",
-            subjects.HDR_MSG_ID: request.request_id,
+            subjects.HDR_MSG_ID: msg_id or request.request_id,
         }
+        subject = (subjects.replica_infer_subject(request.model, replica_id) if replica_id
+                   else subjects.infer_subject(request.model))
         payload = encode_msgpack(request)
         give_up_at = min(request.deadline, time.time() + PUBLISH_RETRY_S)
         while True:
             try:
-                ack = await self._bus.js.publish(subjects.infer_subject(request.model), payload,
+                ack = await self._bus.js.publish(subject, payload,
                                                  headers=headers, timeout=5.0)
                 return ack.seq
             except (TimeoutError, nats.errors.TimeoutError, nats.js.errors.NoStreamResponseError,
@@ -248,8 +329,9 @@ class Dispatcher:
             except nats.errors.Error as exc:
                 raise Unavailable(f"the request queue is unavailable: {exc}", retry_after_s=2.0) from exc
 
-    async def _next_reply(self, inbox: ReplyInbox, request: InferenceRequest) -> Reply:
-        """The next reply; 504 at the deadline, 503 if the model's replicas keep failing meanwhile."""
+    async def _next_reply(self, inbox: ReplyInbox, request: InferenceRequest, published: _Published) -> Reply:
+        """The next reply; 504 at the deadline, 503 if the model's replicas keep failing meanwhile.
+        A request stranded on a replica that went away is moved meanwhile."""
         while True:
             remaining = request.deadline - time.time()
             if remaining <= 0:
@@ -257,6 +339,7 @@ class Dispatcher:
             reply = await inbox.get(timeout_s=min(remaining, FAILURE_CHECK_S))
             if reply is not None:
                 return reply
+            await self._move_if_stranded(request, published)
             reason = self._cluster.failing_reason(request.model, time.time())
             if reason is not None:
                 raise Unavailable(f"model {request.model!r} cannot start: {reason}",

@@ -199,11 +199,15 @@ class LiveFeeds:
         queued: dict[str, int] = {}
         for consumer in consumers:
             name = consumer.name or ""
-            if not name.startswith(subjects.CONSUMER_PREFIX):
+            if name.startswith(subjects.CONSUMER_PREFIX):
+                token = name[len(subjects.CONSUMER_PREFIX):]
+            elif name.startswith(subjects.REPLICA_CONSUMER_PREFIX):  # turns sent to one replica
+                token = (consumer.config.filter_subject or "").removeprefix(subjects.INFER_PREFIX + ".").split(".")[0]
+            else:
                 continue
             try:
-                model = subjects.model_key_from_token(name[len(subjects.CONSUMER_PREFIX):])
+                model = subjects.model_key_from_token(token)
             except subjects.InvalidModelToken:
                 continue
-            queued[model] = consumer.num_pending or 0
+            queued[model] = queued.get(model, 0) + (consumer.num_pending or 0)
         return queued

@@ -5,7 +5,8 @@ be ``null`` may be ``null``, meaning absent. Numbers are bounded where they are
 declared (`msgspec.Meta`), so an out-of-range value is a 400 naming the field,
 never an overflow further in. Besides OpenAI's sampling fields (with
 ``presence_penalty`` and ``frequency_penalty``), vLLM's ``top_k``, ``min_p``,
-``repetition_penalty`` and ``ignore_eos`` are honoured. Fields Shoal knows but
+``repetition_penalty`` and ``ignore_eos`` are honoured, and Shoal's ``session_id`` (a chat
+session whose KV replicas keep between turns; also the ``X-Session-Id`` header). Fields Shoal knows but
 cannot honour (``n > 1``, ``logprobs``, ``logit_bias``, tools, ``echo``...) are
 accepted at their defaults and rejected with 400 naming the field otherwise,
 never silently dropped.
@@ -21,6 +22,7 @@ from msgspec import Meta, Struct
 
 from shoal.services.gateway.errors import BadRequest, PayloadTooLarge
 from shoal.shared.messages import ChatMessage, InferenceRequest, SamplingParams, encode_msgpack
+from shoal.shared.subjects import InvalidSessionId, validate_session_id
 
 MAX_STOP_SEQUENCES = 4
 MAX_INT32 = 2**31 - 1
@@ -79,6 +81,8 @@ class _Sampling(Struct, kw_only=True):
     top_k: TopK | None = None
     min_p: MinP | None = None
     repetition_penalty: RepetitionPenalty | None = None
+    session_id: str | None = None
+    """Shoal's: the chat session this request is a turn of (see `session_id_of`)."""
     user: str | None = None
     # Accepted at their defaults only (see `reject_unsupported`).
     n: NumChoices | None = None
@@ -170,6 +174,25 @@ def reject_unsupported(req: _Sampling) -> None:
     for name, honoured, message in _UNSUPPORTED:
         if not honoured(getattr(req, name, None)):
             raise BadRequest(message, code="unsupported_parameter", param=name)
+
+
+SESSION_HEADER = "X-Session-Id"
+
+
+def session_id_of(req: _Sampling, header: str | None) -> str | None:
+    """The request's session id: the body's ``session_id`` or the ``X-Session-Id`` header (both
+    may be given if equal); 1-128 characters of ``[A-Za-z0-9_-]``. A 400 names the field at fault."""
+    body = req.session_id
+    if body is not None and header is not None and body != header:
+        raise BadRequest(f"the {SESSION_HEADER} header and session_id differ; send one, or both equal",
+                         param="session_id")
+    session_id, field_name = (body, "session_id") if body is not None else (header, SESSION_HEADER)
+    if session_id is None:
+        return None
+    try:
+        return validate_session_id(session_id)
+    except InvalidSessionId as exc:
+        raise BadRequest(f"invalid {field_name}: {exc}", param=field_name) from exc
 
 
 def stream_mode(req: _Sampling) -> tuple[bool, bool]:

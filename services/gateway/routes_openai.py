@@ -19,6 +19,7 @@ from aiohttp import web
 from shoal.services.gateway.dispatch import Restart
 from shoal.services.gateway.errors import ApiError, NotFound, error_payload
 from shoal.services.gateway.openai_api import (
+    SESSION_HEADER,
     UNLIMITED_MAX_TOKENS,
     ChatCompletionRequest,
     CompletionRequest,
@@ -33,6 +34,7 @@ from shoal.services.gateway.openai_api import (
     full_response,
     model_named_in,
     sampling_params,
+    session_id_of,
     stream_chunk,
     stream_mode,
     usage,
@@ -102,7 +104,8 @@ async def _serve(request: web.Request, kind: Kind) -> web.StreamResponse:
             model_label = _label_for(state, model_named_in(raw))
             raise
         model_label = _label_for(state, body.model)
-        inference, stream, include_usage = _inference_request(state, body, request[REQUEST_ID])
+        inference, stream, include_usage = _inference_request(state, body, request[REQUEST_ID],
+                                                              request.headers.get(SESSION_HEADER))
         check_fits_in_message(inference, state.bus.nc.max_payload)
         with state.dispatcher.admitted(inference.model):
             started = time.monotonic()
@@ -133,8 +136,8 @@ def _label_for(state: GatewayState, model: str | None) -> str:
     return model if state.cluster.get_model(model) is not None else ""
 
 
-def _inference_request(state: GatewayState, body: ChatCompletionRequest | CompletionRequest, request_id: str
-                       ) -> tuple[InferenceRequest, bool, bool]:
+def _inference_request(state: GatewayState, body: ChatCompletionRequest | CompletionRequest, request_id: str,
+                       session_header: str | None) -> tuple[InferenceRequest, bool, bool]:
     """The request to publish, whether to stream, whether to send usage (400 for what is invalid)."""
     prompt: dict[str, Any]
     if isinstance(body, ChatCompletionRequest):
@@ -146,6 +149,9 @@ def _inference_request(state: GatewayState, body: ChatCompletionRequest | Comple
         text, token_ids = completion_prompt(body, state.config.max_prompt_chars)
         prompt = {"prompt": text, "prompt_token_ids": token_ids}
     stream, include_usage = stream_mode(body)
+    session_id = session_id_of(body, session_header)
+    if session_id is not None:
+        structlog.contextvars.bind_contextvars(session_id=session_id)
     created = time.time()
     inference = InferenceRequest(
         request_id=request_id,
@@ -156,6 +162,7 @@ def _inference_request(state: GatewayState, body: ChatCompletionRequest | Comple
         stream=stream,
         gateway_id=state.router.gateway_id,
         created=created,
+        session_id=session_id,
         **prompt,
     )
     return inference, stream, include_usage

@@ -10,6 +10,7 @@ from shoal.services.gateway.cluster import ClusterView
 from shoal.services.gateway.dispatch import Dispatcher
 from shoal.services.gateway.live import LiveFeeds
 from shoal.services.gateway.router import ReplyRouter
+from shoal.services.gateway.session_routes import SessionRoutes
 from shoal.shared.bus import Bus
 from shoal.shared.config import GatewayConfig
 from shoal.shared.metrics import Counter, Histogram, Registry
@@ -22,6 +23,8 @@ class GatewayState:
     router: ReplyRouter
     cluster: ClusterView
     dispatcher: Dispatcher
+    session_routes: SessionRoutes
+    """Which replica holds each chat session's KV (``shoal_sessions``)."""
     metrics: Registry
     requests_total: Counter
     latency: Histogram

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, SummaryMetricFamily
 from prometheus_client.registry import Collector
 
-from shoal.shared.messages import WorkerStats
+from shoal.shared.messages import SessionStats, WorkerStats
 
 STALE_INTERVALS = 3.0
 """A replica silent for this many of its publishing intervals is dropped."""
@@ -60,9 +60,28 @@ WORKER_METRICS: tuple[MetricSpec, ...] = (
                "Sequences preempted (their KV dropped, recomputed later)"),
     MetricSpec("shoal_worker_batch_size", "gauge", "Mean sequences per engine step over the last interval"),
     MetricSpec("shoal_worker_step_duration_seconds", "summary", "Engine steps (forward pass and sampling)"),
+    MetricSpec("shoal_worker_sessions", "gauge", "Chat sessions whose KV the replica keeps between turns"),
+    MetricSpec("shoal_worker_session_bytes", "gauge", "Bytes of cached sessions' KV, by tier (gpu, cpu)"),
+    MetricSpec("shoal_worker_session_host_pool_bytes", "gauge", "Bytes of the replica's host pool (the CPU tier)"),
+    MetricSpec("shoal_worker_session_turns_total", "counter",
+               "Turns with a session id, by result: hit (reused cached KV) or miss"),
+    MetricSpec("shoal_worker_session_tokens_total", "counter",
+               "Prompt tokens of returning turns, by source (gpu, cpu, prefix_cache, recomputed, new)"),
+    MetricSpec("shoal_worker_session_swap_bytes_total", "counter",
+               "Session KV bytes copied between tiers, by direction (in: CPU to GPU, out: GPU to CPU)"),
+    MetricSpec("shoal_worker_session_swap_exposed_seconds_total", "counter",
+               "Time forward passes waited for session KV copied back to the GPU"),
+    MetricSpec("shoal_worker_session_chunks_total", "counter",
+               "Session chunks moved by the eviction policy, by event (demoted to CPU, dropped)"),
+    MetricSpec("shoal_worker_session_expired_total", "counter", "Sessions forgotten after their idle timeout"),
 )
 """Every metric the collector serves (the docs table and the Grafana dashboard are checked
 against it)."""
+_DOCS = {spec.name: spec.documentation for spec in WORKER_METRICS}
+
+
+def _stale_after(stats: WorkerStats) -> float:
+    return max(MIN_STALE_S, STALE_INTERVALS * stats.interval_s)
 
 
 @dataclass
@@ -97,6 +116,13 @@ class WorkerStatsStore:
         exists); drops the others for good."""
         return [heard.stats for heard in self._current(is_known)]
 
+    def get_latest(self, replica_id: str) -> WorkerStats | None:
+        """The latest stats of `replica_id`, if heard recently."""
+        heard = self._heard.get(replica_id)
+        if heard is None or self._clock() - heard.received_at > _stale_after(heard.stats):
+            return None
+        return heard.stats
+
     def get_batch_size(self, replica_id: str) -> float | None:
         heard = self._heard.get(replica_id)
         return heard.batch_size if heard is not None else None
@@ -105,8 +131,7 @@ class WorkerStatsStore:
         at = self._clock()
         current = []
         for replica_id, heard in list(self._heard.items()):
-            stale_after = max(MIN_STALE_S, STALE_INTERVALS * heard.stats.interval_s)
-            if at - heard.received_at > stale_after or not is_known(heard.stats):
+            if at - heard.received_at > _stale_after(heard.stats) or not is_known(heard.stats):
                 del self._heard[replica_id]
             else:
                 current.append(heard)
@@ -128,7 +153,7 @@ class WorkerMetricsCollector(Collector):
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily | SummaryMetricFamily]:
         heard = self._store.collect_heard(self._is_known)
-        docs = {spec.name: spec.documentation for spec in WORKER_METRICS}
+        docs = _DOCS
 
         def gauge(name: str) -> GaugeMetricFamily:
             return GaugeMetricFamily(name, docs[name], labels=LABELS)
@@ -149,6 +174,7 @@ class WorkerMetricsCollector(Collector):
         batch = gauge("shoal_worker_batch_size")
         steps = SummaryMetricFamily("shoal_worker_step_duration_seconds", docs["shoal_worker_step_duration_seconds"],
                                     labels=LABELS)
+        sessions = _SessionFamilies(gauge, counter)
         for stats, batch_size in heard:
             labels = [stats.model, stats.replica_id, stats.node_id]
             running.add_metric(labels, stats.num_requests_running)
@@ -174,5 +200,46 @@ class WorkerMetricsCollector(Collector):
                 steps.add_metric(labels, count_value=stats.num_steps, sum_value=stats.step_seconds)
                 if batch_size is not None:
                     batch.add_metric(labels, batch_size)
+            if stats.sessions is not None:
+                sessions.add(labels, stats.sessions)
         yield from (running, waiting, requests, prompt, generated, last_request, serving, blocks, used, free, usage,
-                    kv_bytes, queries, hits, preemptions, batch, steps)
+                    kv_bytes, queries, hits, preemptions, batch, steps, *sessions.families())
+
+
+class _SessionFamilies:
+    """The session cache's metric families (docs/sessions.md, "Observability")."""
+
+    def __init__(self, gauge: Callable[[str], GaugeMetricFamily],
+                 counter: Callable[[str, tuple[str, ...]], CounterMetricFamily]) -> None:
+        self.cached = gauge("shoal_worker_sessions")
+        self.bytes = GaugeMetricFamily("shoal_worker_session_bytes", _DOCS["shoal_worker_session_bytes"],
+                                       labels=(*LABELS, "tier"))
+        self.host_pool = gauge("shoal_worker_session_host_pool_bytes")
+        self.turns = counter("shoal_worker_session_turns_total", ("result",))
+        self.tokens = counter("shoal_worker_session_tokens_total", ("source",))
+        self.swap = counter("shoal_worker_session_swap_bytes_total", ("direction",))
+        self.exposed = counter("shoal_worker_session_swap_exposed_seconds_total", ())
+        self.chunks = counter("shoal_worker_session_chunks_total", ("event",))
+        self.expired = counter("shoal_worker_session_expired_total", ())
+
+    def add(self, labels: list[str], stats: SessionStats) -> None:
+        self.cached.add_metric(labels, stats.num_sessions)
+        self.bytes.add_metric([*labels, "gpu"], stats.gpu_bytes)
+        self.bytes.add_metric([*labels, "cpu"], stats.cpu_bytes)
+        self.host_pool.add_metric(labels, stats.host_pool_bytes)
+        self.turns.add_metric([*labels, "hit"], stats.num_hits)
+        self.turns.add_metric([*labels, "miss"], stats.num_misses)
+        for source, count in (("gpu", stats.num_gpu_reused_tokens), ("cpu", stats.num_cpu_restored_tokens),
+                              ("prefix_cache", stats.num_prefix_cached_tokens),
+                              ("recomputed", stats.num_recomputed_tokens), ("new", stats.num_new_tokens)):
+            self.tokens.add_metric([*labels, source], count)
+        self.swap.add_metric([*labels, "in"], stats.swap_in_bytes)
+        self.swap.add_metric([*labels, "out"], stats.swap_out_bytes)
+        self.exposed.add_metric(labels, stats.exposed_swap_seconds)
+        self.chunks.add_metric([*labels, "demoted"], stats.num_demoted_chunks)
+        self.chunks.add_metric([*labels, "dropped"], stats.num_dropped_chunks)
+        self.expired.add_metric(labels, stats.num_expired_sessions)
+
+    def families(self) -> tuple[GaugeMetricFamily | CounterMetricFamily, ...]:
+        return (self.cached, self.bytes, self.host_pool, self.turns, self.tokens, self.swap, self.exposed,
+                self.chunks, self.expired)

@@ -25,9 +25,11 @@ from shoal.services.worker.launch import WorkerLaunch, add_worker_arguments, rea
 from shoal.services.worker.loader import LoadedModel, MinEngineBytes, ModelLoadError, load_model
 from shoal.services.worker.prompts import eos_token_ids
 from shoal.services.worker.service import WorkerIdentity, WorkerService
+from shoal.services.worker.sessions_api import add_session_endpoints
 from shoal.services.worker.stats import StatsPublisher
 from shoal.shared import subjects
 from shoal.shared.bus import Bus, connect
+from shoal.shared.kv_cache.session_settings import SessionSettings
 from shoal.shared.logs import configure_logging
 from shoal.shared.messages import (
     WorkerEvent,
@@ -37,8 +39,21 @@ from shoal.shared.messages import (
 log = structlog.get_logger(__name__)
 
 
+def get_session_settings(launch: WorkerLaunch) -> SessionSettings | None:
+    """The engine's session cache from ``[worker.sessions]`` (None when off); a ``{model}`` in
+    `cost_profile_path` becomes the model's subject token (one saved profile per model)."""
+    sessions = launch.worker.sessions
+    if not sessions.enabled:
+        return None
+    if sessions.cost_profile_path is not None and "{model}" in sessions.cost_profile_path:
+        path = sessions.cost_profile_path.replace("{model}", subjects.model_token(launch.model.key))
+        return msgspec.structs.replace(sessions, cost_profile_path=path)
+    return sessions
+
+
 def build_engine(launch: WorkerLaunch, loaded: LoadedModel, *, restoring: bool = False) -> tuple[Engine, int]:
-    """The engine and the bytes it holds beyond the weights (KV pool and activation reserve).
+    """The engine and the bytes it holds beyond the weights (KV pool and activation reserve;
+    the session cache's host pool is host memory besides the replica's allocation).
     `restoring`: rebuilt after a park, in a process that has run the model (no warm-up pass)."""
     worker = launch.worker
     if worker.engine == "hf":
@@ -48,7 +63,7 @@ def build_engine(launch: WorkerLaunch, loaded: LoadedModel, *, restoring: bool =
     from shoal.services.worker.engine.factory import build_paged_engine
 
     engine = build_paged_engine(loaded, worker, kv_cache_tokens=launch.model.kv_cache_tokens,
-                                warm_up=not restoring)
+                                sessions=get_session_settings(launch), warm_up=not restoring)
     return engine, engine.kv_cache_bytes + engine.reserve_bytes
 
 
@@ -140,6 +155,7 @@ async def serve(launch: WorkerLaunch) -> int:
                                  measure_replica_bytes, launch.model.sleep.drain_timeout_s,
                                  min_engine_bytes=get_min_engine_bytes(launch))
         control = await serve_control(bus, runtime)
+        await add_session_endpoints(control, identity, lambda: runtime.engine)
         run_task = asyncio.create_task(service.run())
         stats = StatsPublisher(bus, identity, service, lambda: runtime.engine, engine_kind=launch.worker.engine,
                                interval_s=launch.worker.stats_interval_s)

@@ -5,13 +5,15 @@ whichever replica has room takes the next request. The worker fetches only as
 many messages as its engine can admit now (the stream, not the worker's
 memory, is the queue), sends in-progress acks while generating, acks after the
 final message, and terms messages it must never run (malformed, expired,
-cancelled).
+cancelled). Besides, each replica pulls its own subject: the turns of chat
+sessions whose KV it holds, sent to it by the gateways (replica_queue.py).
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -26,6 +28,7 @@ from nats.js import JetStreamContext
 from shoal.services.worker.activity import ActivityReporter
 from shoal.services.worker.generation import Engine, GenerationRequest, RequestRejected
 from shoal.services.worker.prompts import prompt_chars, prompt_token_ids
+from shoal.services.worker.replica_queue import ReplicaQueue
 from shoal.shared import subjects
 from shoal.shared.bus import Bus, ensure_model_consumer
 from shoal.shared.messages import (
@@ -124,6 +127,10 @@ class WorkerService:
         self._handing_back = False
         self._activity = ActivityReporter(bus, identity.model, identity.replica_id,
                                           lambda: (self.last_request_at, len(self._tasks)))
+        self._own_queue = ReplicaQueue(bus.js, identity.model, identity.replica_id, ack_wait_s=ack_wait_s,
+                                       max_fetch=max_fetch, start=self._start, is_serving=lambda: self.is_serving,
+                                       stopping=self._stopping)
+        self._own_queue_task: asyncio.Task[None] | None = None
 
     @property
     def num_in_flight(self) -> int:
@@ -134,6 +141,11 @@ class WorkerService:
         """Taking new requests (not stopping, no barrier up before a park)."""
         return self._serving.is_set() and not self._stopping.is_set()
 
+    @property
+    def engine(self) -> Engine:
+        """The engine requests run on now (a restore replaces it)."""
+        return self._engine
+
     async def run(self) -> None:
         """Serve until `stop()`; then finish in-flight requests (see `stop`)."""
         js = self._bus.js
@@ -142,22 +154,30 @@ class WorkerService:
         pull = await js.pull_subscribe_bind(durable=durable, stream=subjects.REQUESTS_STREAM)
         cancels = await self._bus.nc.subscribe(subjects.cancel_subject(model), cb=self._on_cancel)
         reporting = asyncio.create_task(self._activity.run())
+        own_queue = self._own_queue_task = asyncio.create_task(self._own_queue.run())
         log.info("worker_serving", consumer=durable)
         try:
             await self._fetch_loop(pull)
         finally:
             reporting.cancel()
             await pull.unsubscribe()
+            if not self._stopping.is_set():  # the connection closed: nothing to move it with
+                own_queue.cancel()
+            await asyncio.gather(own_queue, return_exceptions=True)
             await cancels.unsubscribe()
 
     async def stop(self, drain_timeout_s: float = 30.0) -> None:
         """Stop taking requests; wait up to `drain_timeout_s` for in-flight ones, hand the rest
-        back to the queue (see `pause`)."""
+        back to the queue (see `pause`); turns sent to this replica that it did not start are
+        moved to the shared queue (replica_queue.py)."""
         self._stopping.set()
         self._slot_freed.set()
         self._serving.set()
         await self._drain(drain_timeout_s)
         self._tokenizing.shutdown(wait=False, cancel_futures=True)
+        if self._own_queue_task is not None:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._own_queue.done.wait(), timeout=10.0)
 
     async def pause(self, drain_timeout_s: float = 30.0) -> None:
         """The barrier before sleep: take no new requests (they wait in the stream for
@@ -215,9 +235,12 @@ class WorkerService:
                 if self._stopping.is_set() or not self._serving.is_set():
                     await msg.nak()  # fetched while the barrier went up: another replica takes it
                     continue
-                task = asyncio.create_task(self._handle(msg))
-                self._tasks.add(task)
-                task.add_done_callback(self._task_done)
+                self._start(msg)
+
+    def _start(self, msg: Msg) -> None:
+        task = asyncio.create_task(self._handle(msg))
+        self._tasks.add(task)
+        task.add_done_callback(self._task_done)
 
     def _task_done(self, task: asyncio.Task[None]) -> None:
         self._tasks.discard(task)
@@ -240,7 +263,7 @@ class WorkerService:
             log.error("request_malformed", error=str(exc), subject=msg.subject)
             await msg.term()
             return
-        attempt = msg.metadata.num_delivered or 1
+        attempt = request.attempt_offset + (msg.metadata.num_delivered or 1)
         headers = msg.headers or {}
         reply_to = headers.get(subjects.HDR_REPLY_TO) or request.reply_to
         logger = log.bind(request_id=request.request_id, model=request.model, replica=self._identity.replica_id)
@@ -250,6 +273,8 @@ class WorkerService:
             logger.error("request_reply_to_refused", reply_to=reply_to[:200], gateway=request.gateway_id[:64])
             await msg.term()
             return
+        if request.session_id is not None:
+            logger = logger.bind(session_id=request.session_id)
         replier = _Replier(self._bus, reply_to, request.request_id, attempt, self._identity.replica_id)
         if request.request_id in self._cancelled:
             logger.info("request_skipped_cancelled")
@@ -288,6 +313,7 @@ class WorkerService:
                 params=request.params,
                 eos_token_ids=self._eos_token_ids,
                 max_model_len=self._max_model_len,
+                session_id=request.session_id,
             )
             deadline_guard = asyncio.get_running_loop().call_at(
                 asyncio.get_running_loop().time() + max(0.0, request.deadline - now()),

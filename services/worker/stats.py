@@ -3,7 +3,7 @@
 Every `worker.stats_interval_s` the worker publishes one `WorkerStats` (JSON) on
 ``shoal.stats.<model token>.<replica id>``: requests running and waiting, finished
 requests by outcome, prompt and generated tokens, its engine's KV pool and prefix
-cache, preemptions and steps. Gateways subscribe to ``shoal.stats.>`` and serve the
+cache, its session cache, preemptions and steps. Gateways subscribe to ``shoal.stats.>`` and serve the
 figures on ``/metrics`` (per model and replica) and on the dashboard. Core NATS, no
 JetStream: a stats message nobody hears is simply superseded by the next one.
 
@@ -27,16 +27,19 @@ from shoal.services.worker.generation import Engine
 from shoal.services.worker.service import WorkerIdentity, WorkerService
 from shoal.shared import subjects
 from shoal.shared.bus import Bus
-from shoal.shared.messages import KvCacheStats, WorkerStats, encode_json, now
+from shoal.shared.messages import SESSION_GAUGES, KvCacheStats, SessionStats, WorkerStats, encode_json, now
 
 log = structlog.get_logger(__name__)
 
+SESSION_COUNTS = tuple(name for name in SessionStats.__struct_fields__ if name not in SESSION_GAUGES)
+"""The session cache's counts (hits, tokens, swapped bytes...): totals like the engine's."""
 ENGINE_COUNTS = ("num_preemptions", "num_steps", "num_step_seqs", "step_seconds", "num_cache_queries",
-                 "num_cache_hits")
+                 "num_cache_hits", *(f"sessions.{name}" for name in SESSION_COUNTS))
 
 
 def _engine_counts(stats: EngineStats) -> dict[str, float]:
     pool = stats.pool
+    sessions = stats.sessions or SessionStats()
     return {
         "num_preemptions": stats.num_preemptions,
         "num_steps": stats.num_steps,
@@ -44,7 +47,17 @@ def _engine_counts(stats: EngineStats) -> dict[str, float]:
         "step_seconds": stats.step_seconds,
         "num_cache_queries": pool.num_cache_hits + pool.num_cache_misses,
         "num_cache_hits": pool.num_cache_hits,
+        **{f"sessions.{name}": getattr(sessions, name) for name in SESSION_COUNTS},
     }
+
+
+def _session_stats(current: SessionStats, totals: dict[str, float]) -> SessionStats:
+    """The engine's current session figures, with its counts replaced by the worker's totals."""
+    fields = {name: getattr(current, name) for name in SESSION_GAUGES}
+    for name in SESSION_COUNTS:
+        total = totals[f"sessions.{name}"]
+        fields[name] = total if isinstance(getattr(current, name), float) else int(total)
+    return SessionStats(**fields)
 
 
 @dataclass
@@ -95,6 +108,7 @@ class StatsPublisher:
         totals = self._totals.update(self._get_generation(engine),
                                      _engine_counts(engine_stats) if engine_stats is not None else None)
         kv_cache = None
+        sessions = None
         if engine_stats is not None:
             pool = engine_stats.pool
             kv_cache = KvCacheStats(num_blocks=pool.num_blocks, num_used_blocks=pool.num_used_blocks,
@@ -102,6 +116,8 @@ class StatsPublisher:
                                     num_cache_queries=int(totals["num_cache_queries"]),
                                     num_cache_hits=int(totals["num_cache_hits"]))
             num_running, num_waiting = engine_stats.num_running, engine_stats.num_waiting
+            if engine_stats.sessions is not None:
+                sessions = _session_stats(engine_stats.sessions, totals)
         else:
             num_running, num_waiting = service.num_in_flight, 0
         return WorkerStats(
@@ -123,6 +139,7 @@ class StatsPublisher:
             num_steps=int(totals["num_steps"]),
             num_step_seqs=int(totals["num_step_seqs"]),
             step_seconds=totals["step_seconds"],
+            sessions=sessions,
         )
 
     def _get_generation(self, engine: Engine | None) -> int | None:

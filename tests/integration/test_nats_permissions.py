@@ -35,7 +35,7 @@ REFUSED: dict[Role, dict[str, list[str]]] = {
     "worker": {
         "publish": ["$KV.shoal_gpus.n.0", "$KV.shoal_models.m", "$KV.shoal_nodes.n",
                     "$JS.API.STREAM.CREATE.SHOAL_REQUESTS", "$JS.API.STREAM.MSG.DELETE.SHOAL_REQUESTS",
-                    "$JS.API.CONSUMER.DELETE.SHOAL_REQUESTS.infer-m", "shoal.infer.m", "shoal.node.n.create",
+                    "$JS.API.CONSUMER.DELETE.SHOAL_REQUESTS.infer-m", "shoal.infer.m.r", "shoal.node.n.create",
                     "shoal.scheduler.scale", "shoal.event.replica_ready", "shoal.cancel.m"],
         "subscribe": ["shoal.reply.>", "shoal.infer.>", "shoal.node.>", "_INBOX.>", "shoal.stats.>"],
     },
@@ -53,10 +53,11 @@ REFUSED: dict[Role, dict[str, list[str]]] = {
 """What each service must never be able to do."""
 
 ALLOWED: dict[Role, dict[str, list[str]]] = {
-    "gateway": {"publish": ["shoal.infer.m", "shoal.cancel.m", "shoal.scheduler.ensure"],
+    "gateway": {"publish": ["shoal.infer.m", "shoal.infer.m.r", "shoal.cancel.m", "shoal.scheduler.ensure",
+                            "$KV.shoal_sessions.m.s", "shoal.worker.r.sessions"],
                 "subscribe": ["shoal.reply.>", "shoal.stats.>", "_INBOX_gateway.>"]},
     "worker": {"publish": ["shoal.reply.g.r", "shoal.stats.m.r", "shoal.node.n.worker_event",
-                           "$KV.shoal_replicas.m.r"],
+                           "$KV.shoal_replicas.m.r", "shoal.infer.m"],
                "subscribe": ["shoal.cancel.>", "shoal.worker.>", "$SRV.>", "_INBOX_worker.>"]},
     "scheduler": {"publish": ["$KV.shoal_gpus.n.0", "$KV.shoal_replicas.m.r", "$KV.shoal_models.m",
                               "shoal.node.n.create", "shoal.event.replica_placed"],

@@ -6,10 +6,12 @@ import pytest
 
 from shoal.shared.config import (
     ConfigError,
+    SessionConfig,
     load_config,
     parse_bytes,
     parse_gpu_spec,
 )
+from shoal.shared.kv_cache.session_settings import SessionSettings
 from shoal.shared.messages import ModelSpec
 from shoal.shared.model_settings import ModelSettings, resolve_model_dir
 
@@ -149,3 +151,36 @@ def test_kernel_settings_are_worker_settings_and_the_old_variables_say_where_the
         load_config(None, environ={"SHOAL_CPU_ATTENTION": "torch"})
     with pytest.raises(ConfigError, match=r"cpu_attention"):
         load_config(None, environ={"SHOAL_WORKER_KERNELS_CPU_ATTENTION": "fast"})
+
+
+def test_the_session_cache_is_on_by_default_and_declared_once() -> None:
+    """``[worker.sessions]`` is the engine's `SessionSettings` (one declaration) plus `enabled`,
+    with a worker's host pool; a bare engine's settings keep theirs."""
+    sessions = load_config(None, environ={}).worker.sessions
+    assert isinstance(sessions, SessionSettings) and sessions.enabled
+    assert sessions.host_pool_bytes == 256 * 2**20 and SessionSettings().host_pool_bytes == 0
+    assert set(SessionConfig.__struct_fields__) == {*SessionSettings.__struct_fields__, "enabled"}
+    for name in set(SessionSettings.__struct_fields__) - {"host_pool_bytes"}:
+        assert getattr(sessions, name) == getattr(SessionSettings(), name), name
+
+
+def test_session_settings_from_the_file_and_the_environment(tmp_path: Path) -> None:
+    path = _write(tmp_path, '[worker.sessions]\nhost_pool_bytes = "1GiB"\nidle_timeout_s = 60\n'
+                            '[worker.sessions.cost_model]\nseconds_per_token = 1e-5\nseconds_per_token_pair = 1e-8\n')
+    config = load_config(path, environ={"SHOAL_WORKER_SESSIONS_ENABLED": "false",
+                                        "SHOAL_WORKER_SESSIONS_GPU_FRACTION": "0.5"})
+    sessions = config.worker.sessions
+    assert (sessions.host_pool_bytes, sessions.idle_timeout_s, sessions.gpu_fraction) == (2**30, 60.0, 0.5)
+    assert not sessions.enabled and sessions.cost_model is not None
+    assert sessions.cost_model.seconds_per_token == 1e-5
+
+
+@pytest.mark.parametrize("environ, needle", [
+    ({"SHOAL_WORKER_SESSIONS_GPU_FRACTION": "1.5"}, r"gpu_fraction .* within \[0, 1\] - at `\$\.worker\.sessions`"),
+    ({"SHOAL_WORKER_SESSIONS_IDLE_TIMEOUT_S": "0"}, r"idle_timeout_s and min_idle_s must be positive"),
+    ({"SHOAL_WORKER_SESSIONS_HOST_POOL_BYTES": "lots"}, r"not a byte size: 'lots'"),
+    ({"SHOAL_WORKER_SESSIONS_CHUNKS": "4"}, r"unknown field `chunks` - at `\$\.worker\.sessions`"),
+])
+def test_bad_session_settings_name_the_key(environ: dict[str, str], needle: str) -> None:
+    with pytest.raises(ConfigError, match=needle):
+        load_config(None, environ=environ)

@@ -153,3 +153,44 @@ def test_a_stale_session_is_forgotten_and_the_turn_starts_fresh() -> None:
     assert _shape(_run(scheduler)) == [("t2", 0, 12, True, False)]
     stats = sessions.get_stats()
     assert (stats.num_hits, stats.num_misses, stats.num_sessions) == (0, 2, 0)
+
+
+def test_copied_out_blocks_still_cached_are_taken_before_the_hole_evicts_them() -> None:
+    """A returning turn whose hole needs fresh blocks while the free stack is short: that
+    allocation evicts cached-free blocks, least recently used first, which may be the GPU
+    copies of the session's CPU chunks the plan means to take back. They are taken first.
+    (Found by scripts/bench_sessions_live.py: the step failed, and with it every request.)"""
+    scheduler, sessions, _ = _setup(num_blocks=10, gpu=0, cpu=2, budget=64)
+    pool = scheduler.kv_cache.pool
+    first = list(range(100, 117))  # 4 full blocks: chunk 0 (blocks 0, 1) dropped, chunk 1 (2, 3) to the CPU
+    scheduler.add(_seq("t1", first))
+    _finish(scheduler)
+    assert sessions.cache.get_tiers("s") == [Tier.DROPPED, Tier.CPU]
+    scheduler.add(_seq("o1", list(range(300, 331)), session_id=None, max_new=1))  # evicts 0 and 1, frees 8
+    _finish(scheduler)
+    assert pool.get_free_block_ids() == [1, 2, 3, 0, 9, 8, 7, 6, 5, 4]  # the stack, then the LRU: 2 and 3 first
+    scheduler.add(_seq("t2", [*first, 7, 7, 60, 61]))
+    plan = _run(scheduler)
+    assert _shape(plan) == [("t2", 0, 8, False, True), ("t2", 16, 5, True, False)]
+    assert scheduler.kv_cache.get_block_ids("t2") == [1, 0, 2, 3, 9, 8]  # hole: 1, 0; chunk 1 taken back: 2, 3
+    assert plan.swap_in_pairs == [], "the GPU copies were still there: nothing is copied back"
+    stats = sessions.get_stats()
+    assert (stats.num_recomputed_tokens, stats.num_prefix_cached_tokens, stats.num_cpu_restored_tokens) == (8, 8, 0)
+
+
+def test_reclaiming_gives_up_enough_chunks_to_free_blocks_that_sessions_share() -> None:
+    """Two sessions with the same first 8 tokens share those blocks (by hash): giving up one
+    session's reference frees no block, so a reclaim of pool blocks goes on to the next."""
+    scheduler, sessions, _ = _setup(num_blocks=8, gpu=8)
+    pool = scheduler.kv_cache.pool
+    shared = list(range(100, 108))  # 2 blocks, one chunk
+    scheduler.add(_seq("a", [*shared, 1, 2, 3, 4, 5], session_id="a"))  # 13 + 2 computed: 3 full blocks
+    _finish(scheduler)
+    scheduler.add(_seq("b", [*shared, 6, 7, 8, 9, 10], session_id="b"))  # its first 2 blocks: a's
+    _finish(scheduler)
+    assert sessions.get_num_gpu_blocks() == 6 and pool.get_stats().num_used_blocks == 4
+    assert pool.get_num_free_blocks() == 4
+    num_freed = sessions.reclaim(3)
+    assert num_freed >= 3 and pool.get_num_free_blocks() == 4 + num_freed, "the pool gained what was asked"
+    assert sessions.reclaim(100) == 8 - 4 - num_freed, "then everything, and no more than there is"
+    assert sessions.get_num_gpu_blocks() == 0

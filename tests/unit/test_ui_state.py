@@ -8,7 +8,7 @@ from typing import Any
 from shoal.services.gateway.cluster import ClusterView
 from shoal.services.gateway.progress import WaitProgress
 from shoal.services.gateway.ui_state import build_models, build_nodes, build_replicas
-from shoal.services.worker.stats import EngineTotals
+from shoal.services.worker.stats import ENGINE_COUNTS, EngineTotals
 from shoal.shared import subjects
 from shoal.shared.messages import (
     GpuInfo,
@@ -95,8 +95,7 @@ def test_a_waiting_stream_names_its_stage_and_its_replicas_phases() -> None:
 
 def test_engine_totals_carry_a_replaced_engine_s_counts_forward() -> None:
     totals = EngineTotals()
-    counts = dict.fromkeys(("num_preemptions", "num_steps", "num_step_seqs", "step_seconds", "num_cache_queries",
-                            "num_cache_hits"), 0.0)
+    counts = dict.fromkeys(ENGINE_COUNTS, 0.0)
     assert totals.update(1, counts | {"num_steps": 10})["num_steps"] == 10
     assert totals.update(1, counts | {"num_steps": 15})["num_steps"] == 15
     assert totals.update(None, None)["num_steps"] == 15, "parked: no engine, nothing lost"

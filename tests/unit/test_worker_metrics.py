@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from shoal.services.gateway.worker_metrics import WORKER_METRICS, WorkerMetricsCollector, WorkerStatsStore
-from shoal.shared.messages import KvCacheStats, WorkerStats
+from shoal.shared.messages import KvCacheStats, SessionStats, WorkerStats
 from shoal.shared.metrics import Registry
 from tests.integration.gateway_harness import find_sample, parse_samples
 
@@ -95,3 +95,52 @@ def test_collector_leaves_out_replicas_whose_record_is_gone() -> None:
     registry.register_collector(WorkerMetricsCollector(store, lambda s: s.replica_id == "r1"))
     replicas = {s.labels["replica"] for s in parse_samples(registry.render())}
     assert replicas == {"r1"}
+
+
+def test_the_session_cache_figures_by_tier_result_source_and_direction() -> None:
+    store = WorkerStatsStore(Clock())
+    sessions = SessionStats(num_sessions=7, gpu_bytes=4096, cpu_bytes=2048, host_pool_bytes=8192, num_hits=9,
+                            num_misses=3, num_gpu_reused_tokens=500, num_cpu_restored_tokens=64,
+                            num_prefix_cached_tokens=16, num_recomputed_tokens=32, num_new_tokens=90,
+                            swap_in_bytes=1024, swap_out_bytes=3072, exposed_swap_seconds=0.25,
+                            num_demoted_chunks=5, num_dropped_chunks=2, num_expired_sessions=1)
+    store.put(stats("r1", sessions=sessions))
+    store.put(stats("r2"))
+    registry = Registry()
+    registry.register_collector(WorkerMetricsCollector(store, lambda s: True))
+    text = registry.render()
+    a = 'model="org/m",replica="r1",node="n1"'
+    expected = {
+        f"shoal_worker_sessions{{{a}}}": 7,
+        f'shoal_worker_session_bytes{{{a},tier="gpu"}}': 4096,
+        f'shoal_worker_session_bytes{{{a},tier="cpu"}}': 2048,
+        f"shoal_worker_session_host_pool_bytes{{{a}}}": 8192,
+        f'shoal_worker_session_turns_total{{{a},result="hit"}}': 9,
+        f'shoal_worker_session_turns_total{{{a},result="miss"}}': 3,
+        f'shoal_worker_session_tokens_total{{{a},source="gpu"}}': 500,
+        f'shoal_worker_session_tokens_total{{{a},source="cpu"}}': 64,
+        f'shoal_worker_session_tokens_total{{{a},source="prefix_cache"}}': 16,
+        f'shoal_worker_session_tokens_total{{{a},source="recomputed"}}': 32,
+        f'shoal_worker_session_tokens_total{{{a},source="new"}}': 90,
+        f'shoal_worker_session_swap_bytes_total{{{a},direction="in"}}': 1024,
+        f'shoal_worker_session_swap_bytes_total{{{a},direction="out"}}': 3072,
+        f"shoal_worker_session_swap_exposed_seconds_total{{{a}}}": 0.25,
+        f'shoal_worker_session_chunks_total{{{a},event="demoted"}}': 5,
+        f'shoal_worker_session_chunks_total{{{a},event="dropped"}}': 2,
+        f"shoal_worker_session_expired_total{{{a}}}": 1,
+    }
+    for sample, value in expected.items():
+        assert find_sample(text, sample) == value, sample
+    r2 = {s.name for s in parse_samples(text) if s.labels.get("replica") == "r2"}
+    assert not {n for n in r2 if "session" in n}, "a replica without a session cache reports none"
+
+
+def test_the_latest_stats_of_a_replica_only_while_fresh() -> None:
+    clock = Clock()
+    store = WorkerStatsStore(clock)
+    store.put(stats("r1", interval_s=2.0, num_requests_waiting=4))
+    latest = store.get_latest("r1")
+    assert latest is not None and latest.num_requests_waiting == 4
+    assert store.get_latest("r2") is None
+    clock.now += 6.1
+    assert store.get_latest("r1") is None

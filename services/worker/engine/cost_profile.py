@@ -108,6 +108,12 @@ def get_prefill_points(chunk_tokens: int, max_pass_tokens: int, max_context_toke
         top = max(0, max_context_tokens - num_tokens)
         for context in sorted({0, top // 4, top // 2, top}):
             points.append((num_tokens, context))
+    if len(points) < 3:
+        # A pool of a block or two (the least an allocation may leave) has room for one pass
+        # shape only: time shorter passes too, so the three constants can still be fitted.
+        for num_tokens in sorted({1, max(1, max_pass_tokens // 2)}):
+            top = max(0, max_context_tokens - num_tokens)
+            points.extend(point for point in ((num_tokens, 0), (num_tokens, top)) if point not in points)
     return points
 
 

@@ -32,6 +32,7 @@ def make_engine_config(
         block_size=worker.block_size,
         max_num_seqs=worker.max_num_seqs,
         max_num_batched_tokens=max(worker.max_num_batched_tokens, worker.max_num_seqs),
+        enable_prefix_caching=worker.prefix_caching,
         num_blocks=num_blocks,
         max_kv_cache_tokens=kv_cache_tokens,
         # A CUDA context and allocator slack exist only on real GPUs.

@@ -82,7 +82,7 @@ class EngineConfig:
     max_num_batched_tokens: int = _WORKER.max_num_batched_tokens
     """Token budget of one forward pass (chunked prefill splits longer prompts); at least
     `max_num_seqs`, so every running sequence decodes in every step."""
-    enable_prefix_caching: bool = True
+    enable_prefix_caching: bool = _WORKER.prefix_caching
     num_blocks: int | None = None
     """Pool size in blocks; None sizes it from the allocation (`size_kv_pool`)."""
     max_kv_cache_tokens: int | None = None

@@ -29,9 +29,12 @@ from dataclasses import dataclass
 from shoal.services.worker.engine.sequence import Sequence
 from shoal.services.worker.generation import FinishReason
 from shoal.shared.kv_cache.block_pool import BlockHash, BlockPool
-from shoal.shared.kv_cache.cost_model import CostModel
 from shoal.shared.kv_cache.manager import KVCacheManager
 from shoal.shared.kv_cache.session_cache import RestorePlan, SessionActions, SessionCache, SessionInfo
+from shoal.shared.kv_cache.session_settings import SessionSettings
+from shoal.shared.messages import SessionStats
+
+__all__ = ["SessionKV", "SessionSettings", "SessionStats"]
 
 
 @dataclass(frozen=True)
@@ -44,75 +47,6 @@ class _StartPlan:
     """Blocks for the new tokens of the first step."""
     num_needed: int
     """Free blocks the start takes."""
-
-
-@dataclass(frozen=True)
-class SessionSettings:
-    """The engine's session cache (`EngineConfig.sessions`; None there: no session cache)."""
-
-    host_pool_bytes: int = 0
-    """Bytes of the CPU tier (the host pool; pinned memory on CUDA); 0: GPU tier only."""
-    blocks_per_chunk: int = 4
-    """KV blocks per (session, chunk): the unit moved to the CPU tier or dropped."""
-    gpu_fraction: float = 1.0
-    """Most of the KV pool cached sessions may hold; running requests reclaim it anyway."""
-    idle_timeout_s: float = 600.0
-    """A session idle this long is forgotten."""
-    min_idle_s: float = 1.0
-    """Retention values divide by idle time + this (docs/sessions.md)."""
-    copy_ahead_free_fraction: float = 0.05
-    """Copy GPU chunks to the CPU tier ahead of eviction while less than this fraction of
-    the KV pool is free (0: never)."""
-    cost_profile_path: str | None = None
-    """A saved cost profile (JSON): used when its key matches the served model and device,
-    else the cost model is measured at start and saved there."""
-    cost_model: CostModel | None = None
-    """A cost model to use as is (tests, simulations); None: the profile, or measure."""
-
-    def __post_init__(self) -> None:
-        if self.host_pool_bytes < 0:
-            raise ValueError(f"sessions.host_pool_bytes must be >= 0, got {self.host_pool_bytes}")
-        if self.blocks_per_chunk <= 0:
-            raise ValueError(f"sessions.blocks_per_chunk must be positive, got {self.blocks_per_chunk}")
-        if not 0.0 <= self.gpu_fraction <= 1.0 or not 0.0 <= self.copy_ahead_free_fraction <= 1.0:
-            raise ValueError("sessions.gpu_fraction and copy_ahead_free_fraction must be within [0, 1]")
-        if not self.idle_timeout_s > 0 or not self.min_idle_s > 0:
-            raise ValueError("sessions.idle_timeout_s and min_idle_s must be positive")
-
-
-@dataclass(frozen=True)
-class SessionStats:
-    """The session cache's figures: what phase 2 publishes as metrics and in `shoal status`."""
-
-    num_sessions: int
-    """Sessions cached between turns."""
-    gpu_bytes: int
-    """KV pool bytes held by cached sessions."""
-    cpu_bytes: int
-    """Host pool bytes holding sessions' chunks (copies ahead included)."""
-    host_pool_bytes: int
-    num_hits: int
-    """Turns with a session id that reused cached KV of their session."""
-    num_misses: int
-    """Turns with a session id that found nothing of it to reuse (unknown, expired, edited)."""
-    num_gpu_reused_tokens: int
-    """Prompt tokens whose K/V a returning turn found in the KV pool."""
-    num_cpu_restored_tokens: int
-    """Prompt tokens whose K/V was copied back from the host pool."""
-    num_prefix_cached_tokens: int
-    """Tokens of copied-out or dropped chunks taken back from the prefix cache instead."""
-    num_recomputed_tokens: int
-    """History tokens recomputed: dropped chunks (or chunks cheaper to recompute than copy)."""
-    num_new_tokens: int
-    """Prompt tokens of returning turns past what their session had cached."""
-    swap_in_bytes: int
-    swap_out_bytes: int
-    """Bytes copied GPU -> CPU (demotions and copies ahead)."""
-    exposed_swap_seconds: float
-    """Time forward passes waited for copies back to the GPU (not overlapped with compute)."""
-    num_demoted_chunks: int
-    num_dropped_chunks: int
-    num_expired_sessions: int
 
 
 class SessionKV:
@@ -208,23 +142,30 @@ class SessionKV:
         del self._token_ids[session_id], self._block_hashes[session_id]
         block_ids: list[int] = []
         pool = self._pool
-        # 1. leading dropped blocks still in the prefix cache, then the rest of the hole
+        # Every block the plan found in the prefix cache is taken before any is allocated: an
+        # allocation may evict cached-free blocks, the very ones the plan counted on.
         num_prefix_hits = start.num_prefix_hits
         pool.take_cached_prefix(block_hashes[:num_prefix_hits], block_ids)
+        revived: dict[int, int] = {}
+        for index, is_revived in enumerate(start.revived):
+            if is_revived:
+                found: list[int] = []
+                num_hits = pool.take_cached_prefix([block_hashes[plan.num_dropped_blocks + index]], found)
+                assert num_hits == 1, "a block found in the prefix cache is taken"
+                revived[index] = found[0]
+        # 1. leading dropped blocks still in the prefix cache (taken above), then the rest of the hole
         allocated = pool.try_allocate_n(plan.num_dropped_blocks - num_prefix_hits, block_ids)
         assert allocated, "the hole's blocks were counted"
-        # 2. copied-out blocks: their GPU copy if still cached, else a copy back
+        # 2. copied-out blocks: their GPU copy if still cached (taken above), else a copy back
         num_swapped = 0
         for index, host_block_id in enumerate(restore.host_block_ids):
-            if start.revived[index]:
-                num_hits = pool.take_cached_prefix([block_hashes[plan.num_dropped_blocks + index]], block_ids)
-                assert num_hits == 1, "a block found in the prefix cache is taken"
-            else:
+            block_id = revived.get(index)
+            if block_id is None:
                 block_id = pool.try_allocate()
                 assert block_id is not None, "copied-back blocks were counted"
                 self._pending_in.append((host_block_id, block_id))
-                block_ids.append(block_id)
                 num_swapped += 1
+            block_ids.append(block_id)
         # 3. blocks still on the GPU, in place; 4. room for the new tokens of this step
         block_ids += restore.gpu_block_ids
         allocated = pool.try_allocate_n(start.num_new_blocks, block_ids)
@@ -272,12 +213,22 @@ class SessionKV:
         self._apply(actions)
 
     def reclaim(self, num_blocks: int, keep_session_id: str | None = None) -> int:
-        """Free at least `num_blocks` pool blocks held by cached sessions; returns how many."""
+        """Free at least `num_blocks` pool blocks held by cached sessions (fewer only when no
+        session has a GPU chunk left to give); returns how many the pool gained.
+
+        A block two sessions share (a common system prompt, by hash) is freed only when both
+        let it go, so the policy may have to give up more chunks than blocks are wanted."""
         if num_blocks <= 0:
             return 0
-        num_freed, actions = self.cache.reclaim_gpu(num_blocks, keep_session_id)
-        self._apply(actions)
-        return num_freed
+        pool = self._pool
+        num_free_before = pool.get_num_free_blocks()
+        wanted = num_free_before + num_blocks
+        while (num_missing := wanted - pool.get_num_free_blocks()) > 0:
+            num_released, actions = self.cache.reclaim_gpu(num_missing, keep_session_id)
+            self._apply(actions)
+            if not num_released:
+                break
+        return pool.get_num_free_blocks() - num_free_before
 
     def take_swaps(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
         """(KV pool -> host, host -> KV pool) pairs for the next forward pass; drains."""
