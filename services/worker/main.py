@@ -17,6 +17,7 @@ import nats.errors
 import structlog
 import torch
 
+from shoal.kernels.cpu_build import default_cache_dirs
 from shoal.kernels.cuda_ext import KernelBuildError
 from shoal.kernels.settings import configure as configure_kernels
 from shoal.services.worker.control import ReplicaRuntime, serve_control
@@ -40,15 +41,16 @@ log = structlog.get_logger(__name__)
 
 
 def get_session_settings(launch: WorkerLaunch) -> SessionSettings | None:
-    """The engine's session cache from ``[worker.sessions]`` (None when off); a ``{model}`` in
-    `cost_profile_path` becomes the model's subject token (one saved profile per model)."""
+    """The engine's session cache from ``[worker.sessions]`` (None when off). A ``{model}`` in
+    `cost_profile_path` becomes the model's subject token (one saved profile per model); none
+    given: the per-user cache directory's ``cost-profiles/{model}.json``, so only a model's
+    first start on a machine pays for measuring it."""
     sessions = launch.worker.sessions
     if not sessions.enabled:
         return None
-    if sessions.cost_profile_path is not None and "{model}" in sessions.cost_profile_path:
-        path = sessions.cost_profile_path.replace("{model}", subjects.model_token(launch.model.key))
-        return msgspec.structs.replace(sessions, cost_profile_path=path)
-    return sessions
+    template = sessions.cost_profile_path or str(default_cache_dirs()[0] / "cost-profiles" / "{model}.json")
+    path = template.replace("{model}", subjects.model_token(launch.model.key))
+    return msgspec.structs.replace(sessions, cost_profile_path=path)
 
 
 def build_engine(launch: WorkerLaunch, loaded: LoadedModel, *, restoring: bool = False) -> tuple[Engine, int]:

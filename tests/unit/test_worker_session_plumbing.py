@@ -81,5 +81,5 @@ def test_the_smallest_pool_still_times_enough_pass_shapes_to_fit_a_cost_model() 
     samples = [PrefillSample(n, ctx, model.get_prefill_seconds(n, ctx)) for n, ctx in points]
     per_pass, per_token, per_pair = fit_prefill_costs(samples)
     assert abs(per_pass - 1e-3) < 1e-9 and abs(per_token - 1e-4) < 1e-9 and abs(per_pair - 1e-6) < 1e-9
-    assert get_prefill_points(64, 2048, 2048) == [(64, c) for c in (0, 496, 992, 1984)] + [
-        (256, c) for c in (0, 448, 896, 1792)], "a normal pool times what it did"
+    assert get_prefill_points(64, 2048, 2048) == [(64, c) for c in (0, 480, 960)] + [
+        (256, c) for c in (0, 384, 768)], "a normal pool times contexts up to PROFILE_MAX_CONTEXT_TOKENS"

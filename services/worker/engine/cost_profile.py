@@ -101,12 +101,21 @@ def get_cost_profile(
     return profile
 
 
+PROFILE_MAX_CONTEXT_TOKENS = 1024
+"""The longest context timed. The fit is linear in context (per token pair), so longer ones
+add start time (minutes for a 100M model on a busy CPU at 2K) and little accuracy."""
+PROFILE_REPEATS = 2
+"""Timed runs of each shape (after an untimed one); the least counts."""
+
+
 def get_prefill_points(chunk_tokens: int, max_pass_tokens: int, max_context_tokens: int) -> list[tuple[int, int]]:
-    """(new tokens, context tokens) of the timed passes: one and four chunks, at four contexts."""
+    """(new tokens, context tokens) of the timed passes: one and four chunks, at three contexts
+    up to `PROFILE_MAX_CONTEXT_TOKENS`."""
     points: list[tuple[int, int]] = []
+    max_context_tokens = min(max_context_tokens, PROFILE_MAX_CONTEXT_TOKENS)
     for num_tokens in sorted({max(1, min(chunk_tokens, max_pass_tokens)), max(1, min(4 * chunk_tokens, max_pass_tokens))}):
         top = max(0, max_context_tokens - num_tokens)
-        for context in sorted({0, top // 4, top // 2, top}):
+        for context in sorted({0, top // 2, top}):
             points.append((num_tokens, context))
     if len(points) < 3:
         # A pool of a block or two (the least an allocation may leave) has room for one pass
@@ -125,7 +134,7 @@ def measure_cost_model(
     chunk_tokens: int,
     max_pass_tokens: int,
     max_context_tokens: int,
-    num_repeats: int = 5,
+    num_repeats: int = PROFILE_REPEATS,
     clock: Callable[[], float] = time.perf_counter,
 ) -> CostProfile:
     """Time prefills (and, with a host pool, swaps) of the runner's model; fit a cost model.
