@@ -149,6 +149,8 @@ class CpuKernels:
         attention.restype = i64
         attention_isa.restype = i64
         self.library_path = library_path
+        self.library = library
+        """The loaded library (`shoal.kernels.cpu_model` binds its model functions on it)."""
         self.has_streaming_stores = bool(streaming())
         """False where the build has no streaming stores (not x86-64): every write uses memcpy."""
         self.decode_attention_enabled = decode_attention

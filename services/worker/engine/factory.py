@@ -38,6 +38,7 @@ def make_engine_config(
         # Before the worker reports ready (and its memory is measured): see warm_up.py.
         warm_up=True,
         sessions=sessions,
+        cpu_threads=worker.cpu_threads,
     )
 
 

@@ -18,6 +18,7 @@ from shoal.kernels import ops
 from shoal.kernels.attention_plan import plan_attention
 from shoal.services.worker.engine.attention import BATCH_KWARG, PagedBatch
 from shoal.services.worker.engine.batch_scheduler import StepPlan
+from shoal.services.worker.engine.native_forward import NativeForward, PackedModel, ThreadPolicy
 from shoal.shared.kv_cache.manager import KVCacheManager
 
 
@@ -48,9 +49,21 @@ class ModelRunner:
         block_size: tokens per block.
         num_host_blocks: blocks of the host pool (the session cache's CPU tier): same layout,
             in CPU memory (pinned when the model is on CUDA); 0 for none.
+        packed_model: the model's weights packed for the native forward (`native_forward`),
+            which then runs every pass instead of the model's modules.
+        threads: the native forward's thread policy.
     """
 
-    def __init__(self, model: Any, num_blocks: int, block_size: int, num_host_blocks: int = 0) -> None:
+    def __init__(
+        self,
+        model: Any,
+        num_blocks: int,
+        block_size: int,
+        num_host_blocks: int = 0,
+        *,
+        packed_model: PackedModel | None = None,
+        threads: ThreadPolicy | None = None,
+    ) -> None:
         config = model.config
         self.model = model
         self.block_size = block_size
@@ -74,6 +87,10 @@ class ModelRunner:
                 shape, dtype=self.dtype, device="cpu", pin_memory=self.device.type == "cuda"
             )
         self._swap_in_timing: tuple[float, Any, Any] | None = None
+        self.threads = threads or ThreadPolicy(max_threads=1)
+        self.native: NativeForward | None = None
+        if packed_model is not None:
+            self.native = NativeForward(packed_model, self.layer_caches, self.threads)
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -192,14 +209,17 @@ class ModelRunner:
             self._swap_in(step.swap_in_pairs)
         if step.copy_pairs is not None:
             ops.copy_blocks(self.kv_cache, step.copy_pairs)
-        output = self.model(
-            input_ids=step.input_ids,
-            position_ids=step.position_ids,
-            use_cache=False,
-            logits_to_keep=step.logits_to_keep,
-            **{BATCH_KWARG: step.batch},
-        )
-        logits = output.logits[0]
+        if self.native is not None:
+            logits = self.native.execute(step.input_ids, step.position_ids, step.batch, step.logits_to_keep)
+        else:
+            output = self.model(
+                input_ids=step.input_ids,
+                position_ids=step.position_ids,
+                use_cache=False,
+                logits_to_keep=step.logits_to_keep,
+                **{BATCH_KWARG: step.batch},
+            )
+            logits = output.logits[0]
         return logits if step.logits_order is None else logits.index_select(0, step.logits_order)
 
     def _swap_in(self, pairs: torch.Tensor) -> None:

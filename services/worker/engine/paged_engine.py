@@ -21,7 +21,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import structlog
 import torch
@@ -33,6 +33,13 @@ from shoal.services.worker.engine.attention import ATTN_IMPLEMENTATION, register
 from shoal.services.worker.engine.batch_scheduler import BatchScheduler, BatchSchedulerConfig, SequenceUpdate
 from shoal.services.worker.engine.cost_profile import get_cost_profile, get_profile_key
 from shoal.services.worker.engine.model_runner import ModelRunner
+from shoal.services.worker.engine.native_forward import (
+    PackedModel,
+    ThreadPolicy,
+    get_available_cores,
+    get_unsupported_reason,
+    pack_model,
+)
 from shoal.services.worker.engine.sampler import SamplingState, TokenHistory, sample
 from shoal.services.worker.engine.sequence import Sequence
 from shoal.services.worker.engine.session_kv import SessionKV, SessionSettings, SessionStats
@@ -92,7 +99,16 @@ class EngineConfig:
     """Kept out of the pool besides weights and activations (CUDA context, allocator slack)."""
     pack_cpu_linear_weights: bool = True
     """On the CPU, run float32 linear layers on oneDNN-packed weights (`packed_linear`),
-    1.1-2.5x faster than MKL's; the packed tensors replace the weights (same bytes)."""
+    1.1-2.5x faster than MKL's; the packed tensors replace the weights (same bytes). For
+    models the native forward does not run (with it, its own packed products serve)."""
+    native_forward: bool = True
+    """On the CPU, run a float32 Llama, Mistral or Qwen2 model's forward passes in Shoal's C
+    code (`native_forward`): every layer in one call, no transformers modules. Other models,
+    or False, run through transformers."""
+    cpu_threads: int | Literal["auto"] = _WORKER.cpu_threads
+    """Threads of the native forward: a number for every pass, or "auto": each pass takes
+    one thread or all it may (the cores available, at most torch's thread count), by its
+    size (`native_forward.ThreadPolicy`)."""
     warm_up: bool = False
     """Run one forward pass at the token budget (a small one on the CPU) while the engine is
     built (`warm_up.py`), so a server's memory is measured after its peak and its first
@@ -200,12 +216,28 @@ class PagedEngine:
         register_attention()
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
         model.eval()
-        self.packed_weight_bytes = (
-            packed_linear.pack_linear_weights(model) if config.pack_cpu_linear_weights else 0
-        )
-        """Weight bytes moved out of the model's parameters into oneDNN-packed tensors (CPU)."""
-        if self.packed_weight_bytes:
-            packed_linear.warm_up(model, min(config.max_num_seqs, packed_linear.EXACT_ROWS))
+        packed: PackedModel | None = None
+        self.forward: str = "transformers"
+        """What runs the forward passes: "native" (`native_forward`) or "transformers"."""
+        self.forward_reason: str | None = None
+        """Why not "native", on the CPU."""
+        if next(model.parameters()).device.type == "cpu":
+            self.forward_reason = (
+                get_unsupported_reason(model) if config.native_forward else "EngineConfig.native_forward is off"
+            )
+            if self.forward_reason is None:
+                packed = pack_model(model)
+                self.forward = "native"
+        if packed is not None:
+            self.packed_weight_bytes = packed.nbytes
+        else:
+            self.packed_weight_bytes = (
+                packed_linear.pack_linear_weights(model) if config.pack_cpu_linear_weights else 0
+            )
+            if self.packed_weight_bytes:
+                packed_linear.warm_up(model, min(config.max_num_seqs, packed_linear.EXACT_ROWS))
+        """Weight bytes moved out of the model's parameters into packed tensors (CPU): the
+        native forward's panels, or oneDNN's."""
         self.reserve_bytes = self._get_reserve_bytes(model)
         """Activations of one full step plus runtime overhead: kept out of the KV pool."""
         num_blocks = config.num_blocks or self._size_pool(model, allocation_bytes)
@@ -215,7 +247,14 @@ class PagedEngine:
             config.block_size
         )
         num_host_blocks = config.sessions.host_pool_bytes // block_bytes if config.sessions else 0
-        self._runner = ModelRunner(model, num_blocks, config.block_size, num_host_blocks)
+        self._runner = ModelRunner(
+            model,
+            num_blocks,
+            config.block_size,
+            num_host_blocks,
+            packed_model=packed,
+            threads=make_thread_policy(config.cpu_threads),
+        )
         self._pool = BlockPool(num_blocks, config.block_size, self._runner.kv_cache_bytes // num_blocks)
         self._kv_cache = KVCacheManager(self._pool, enable_prefix_caching=config.enable_prefix_caching)
         self.max_model_len = self._get_max_model_len(
@@ -295,6 +334,9 @@ class PagedEngine:
             prefix_caching=config.enable_prefix_caching,
             kernels=self.kernels,
             host_pool_bytes=self._runner.host_cache_bytes,
+            forward=self.forward,
+            forward_reason=self.forward_reason,
+            threads=self._runner.threads.fixed or f"auto (1-{self._runner.threads.max_threads})",
         )
 
     # ------------------------------------------------------------------ Engine protocol
@@ -592,6 +634,15 @@ class PagedEngine:
         if getattr(config, "use_sliding_window", True) and getattr(config, "sliding_window", None):
             limits.append(config.sliding_window)
         return min(limits)
+
+
+def make_thread_policy(cpu_threads: int | Literal["auto"]) -> ThreadPolicy:
+    """The native forward's threads: `cpu_threads` for every pass, or ("auto") per pass up to
+    the cores this process may use and torch's intra-op thread count (the worker's
+    ``torch_threads``), whichever is smaller."""
+    if cpu_threads != "auto":
+        return ThreadPolicy(max_threads=cpu_threads, fixed=cpu_threads)
+    return ThreadPolicy(max_threads=max(1, min(get_available_cores(), torch.get_num_threads())))
 
 
 def get_reserve_bytes(model_config: Any, dtype: torch.dtype, config: EngineConfig) -> int:
