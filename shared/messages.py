@@ -41,7 +41,7 @@ from typing import Any, Literal
 import msgspec
 from msgspec import Struct, field
 
-from shoal.shared.model_settings import ModelSettings
+from shoal.shared.model_settings import DEFAULT_KV_CACHE_TOKENS, ModelSettings
 from shoal.shared.subjects import replica_name
 
 # --------------------------------------------------------------------------- hot path
@@ -315,6 +315,8 @@ class ReplicaRecord(Struct, kw_only=True, omit_defaults=True):
     """Requests it was running at `last_request_at` (a stream counts until its last byte)."""
     phase: LoadPhase | None = None
     """While `state` is ``loading``: how far it got (the worker reports it to its node agent)."""
+    kv_cache_tokens: int | None = None
+    """Tokens the replica's KV pool holds, as its worker reported when ready (paged engine)."""
 
     @property
     def name(self) -> str:
@@ -456,7 +458,7 @@ class InspectModel(Struct, tag="inspect", tag_field="type"):
 
     path: str
     dtype: str = "auto"
-    kv_cache_tokens: int = 4096
+    kv_cache_tokens: int = DEFAULT_KV_CACHE_TOKENS
 
 
 NodeCommand = CreateReplica | StopReplica | CacheReplica | RestoreReplica
@@ -499,6 +501,8 @@ class WorkerEvent(Struct, tag="worker_event", tag_field="type", omit_defaults=Tr
     pid: int | None = None
     phase: LoadPhase | None = None
     """With ``loading``: the phase the worker enters now."""
+    kv_cache_tokens: int | None = None
+    """With ``ready``: tokens its engine's KV pool holds (paged engine)."""
 
 
 class KvCacheStats(Struct, omit_defaults=True):

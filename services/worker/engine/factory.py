@@ -63,7 +63,9 @@ def build_paged_engine(
 
     The pool gets `allocation_bytes` minus the measured weights, the activation reserve
     and the runtime overhead (`shoal.shared.model_memory`), capped at the model's KV
-    budget `kv_cache_tokens`; a replica with no allocation gets `DEFAULT_KV_CACHE_TOKENS`.
+    budget `kv_cache_tokens`; a replica with no allocation gets `kv_cache_tokens` (default
+    `DEFAULT_KV_CACHE_TOKENS`, 32 requests of 2,048 tokens). The pool's size is logged
+    (``engine.started``) and reported with the worker's ready event (``shoal status``).
     The engine runs its warm-up pass before it is returned. `sessions` turns the session
     cache on (docs/sessions.md); its host pool is CPU memory on top of the allocation.
 
@@ -74,7 +76,9 @@ def build_paged_engine(
     config = make_engine_config(
         loaded.device,
         worker,
-        num_blocks=None if loaded.allocation_bytes else -(-DEFAULT_KV_CACHE_TOKENS // worker.block_size),
+        num_blocks=None
+        if loaded.allocation_bytes
+        else -(-(kv_cache_tokens or DEFAULT_KV_CACHE_TOKENS) // worker.block_size),
         kv_cache_tokens=kv_cache_tokens,
         sessions=sessions,
     )

@@ -8,6 +8,8 @@ logits of each sampling sequence's last token are computed (`logits_to_keep`).
 
 from __future__ import annotations
 
+import math
+import mmap
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -20,6 +22,17 @@ from shoal.services.worker.engine.attention import BATCH_KWARG, PagedBatch
 from shoal.services.worker.engine.batch_scheduler import StepPlan
 from shoal.services.worker.engine.native_forward import NativeForward, PackedModel, ThreadPolicy
 from shoal.shared.kv_cache.manager import KVCacheManager
+
+
+def allocate_zeros_lazily(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A zeroed CPU tensor whose memory the system commits page by page as it is first
+    written: anonymous mmap pages read as zeros until then. A KV pool sized for its full
+    budget (`shoal.shared.model_settings.DEFAULT_KV_CACHE_TOKENS`) then takes the process's
+    memory as the load fills it, not all at start (`torch.zeros` writes every page)."""
+    num_bytes = math.prod(shape) * dtype.itemsize
+    if num_bytes == 0:
+        return torch.zeros(shape, dtype=dtype)
+    return torch.frombuffer(mmap.mmap(-1, num_bytes), dtype=dtype).view(shape)  # the tensor keeps the mmap
 
 
 @dataclass(frozen=True)
@@ -72,11 +85,11 @@ class ModelRunner:
         num_kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         # One tensor for the whole pool; the layout is drawn in `shoal.kernels.ops`.
-        self.kv_cache = torch.zeros(
-            (config.num_hidden_layers, 2, num_blocks, block_size, num_kv_heads, head_dim),
-            dtype=self.dtype,
-            device=self.device,
-        )
+        shape = (config.num_hidden_layers, 2, num_blocks, block_size, num_kv_heads, head_dim)
+        if self.device.type == "cpu":
+            self.kv_cache = allocate_zeros_lazily(shape, self.dtype)
+        else:
+            self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.layer_caches = [(layer[0], layer[1]) for layer in self.kv_cache]
         self.host_cache: torch.Tensor | None = None
         if num_host_blocks:

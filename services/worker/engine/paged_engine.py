@@ -329,6 +329,7 @@ class PagedEngine:
             "engine.started",
             num_blocks=num_blocks,
             block_size=config.block_size,
+            kv_cache_tokens=num_blocks * config.block_size,
             kv_cache_bytes=self._runner.kv_cache_bytes,
             max_model_len=self.max_model_len,
             prefix_caching=config.enable_prefix_caching,
@@ -400,6 +401,11 @@ class PagedEngine:
     def kv_cache_bytes(self) -> int:
         """Bytes of the KV block pool's tensor."""
         return self._runner.kv_cache_bytes
+
+    @property
+    def kv_cache_tokens(self) -> int:
+        """Tokens the KV block pool holds (all sequences together)."""
+        return self._pool.num_blocks * self.config.block_size
 
     def get_stats(self) -> EngineStats:
         with self._lock:
