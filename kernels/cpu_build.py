@@ -187,7 +187,7 @@ def _compile(compiler: Sequence[str], sources: Sequence[Path], directory: Path, 
     """
     fd, temporary = tempfile.mkstemp(prefix=f".{LIBRARY_STEM}-", suffix=".so", dir=directory)
     os.close(fd)
-    command = [*compiler, *COMPILE_FLAGS, "-o", temporary, *map(str, sources)]
+    command = [*compiler, *COMPILE_FLAGS, "-I", str(_CSRC), "-o", temporary, *map(str, sources)]
     try:
         try:
             result = subprocess.run(
