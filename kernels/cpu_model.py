@@ -102,6 +102,7 @@ class _Step(ctypes.Structure):
         ("act", _ptr),
         ("final_rows", _ptr),
         ("logits", _ptr),
+        ("argmax", _ptr),
         ("num_threads", _i64),
     ]
 
@@ -307,6 +308,8 @@ class StepBuffers:
     act: torch.Tensor
     final_rows: torch.Tensor
     logits: torch.Tensor | None
+    argmax: torch.Tensor
+    """int64 [logit rows]: each row's most likely token (with an lm_head)."""
 
     @classmethod
     def allocate(cls, weights: ModelWeights, num_tokens: int, num_logit_rows: int) -> StepBuffers:
@@ -326,6 +329,7 @@ class StepBuffers:
             act=empty(num_tokens, weights.intermediate_size),
             final_rows=empty(num_logit_rows, h),
             logits=None if weights.lm_head is None else empty(num_logit_rows, weights.vocab_size),
+            argmax=torch.empty(num_logit_rows, dtype=torch.int64),
         )
 
     @property
@@ -349,8 +353,8 @@ def run_forward(
     attend: Callable[[int], None] | None,
     num_threads: int,
 ) -> None:
-    """One batch through every layer: `buffers.final_rows` (and `buffers.logits` with an
-    lm_head) hold the wanted rows' results after it.
+    """One batch through every layer: `buffers.final_rows` (and `buffers.logits` and
+    `buffers.argmax` with an lm_head) hold the wanted rows' results after it.
 
     Args:
         token_ids, positions, slot_mapping: int64 [num_tokens], contiguous.
@@ -400,6 +404,7 @@ def run_forward(
         buffers.act.data_ptr(),
         buffers.final_rows.data_ptr(),
         0 if buffers.logits is None else buffers.logits.data_ptr(),
+        0 if buffers.logits is None else buffers.argmax.data_ptr(),
         num_threads,
     )
     status = weights.kernels.library.shoal_model_forward(ctypes.addressof(weights.struct), ctypes.addressof(step))

@@ -190,18 +190,14 @@ struct copy_job {
     int streaming;
 };
 
-static void copy_planes(void *arg, int thread, int num_threads) {
-    const struct copy_job *job = arg;
-    const int64_t first = job->num_planes * thread / num_threads;
-    const int64_t last = job->num_planes * (thread + 1) / num_threads;
-    for (int64_t plane = first; plane < last; ++plane) {
-        const char *src_plane = job->src + plane * job->src_plane_stride;
-        char *dst_plane = job->dst + plane * job->dst_plane_stride;
-        for (int64_t pair = 0; pair < job->num_pairs; ++pair) {
-            copy_chunk(dst_plane + job->pairs[2 * pair + 1] * job->block_bytes,
-                       src_plane + job->pairs[2 * pair] * job->block_bytes, (size_t)job->block_bytes,
-                       job->streaming);
-        }
+/* One plane (a layer's keys or values) of every pair. */
+static void copy_plane(const void *context, int64_t plane) {
+    const struct copy_job *job = context;
+    const char *src_plane = job->src + plane * job->src_plane_stride;
+    char *dst_plane = job->dst + plane * job->dst_plane_stride;
+    for (int64_t pair = 0; pair < job->num_pairs; ++pair) {
+        copy_chunk(dst_plane + job->pairs[2 * pair + 1] * job->block_bytes,
+                   src_plane + job->pairs[2 * pair] * job->block_bytes, (size_t)job->block_bytes, job->streaming);
     }
 #if SHOAL_X86_64
     if (job->streaming) {
@@ -222,6 +218,7 @@ int64_t shoal_copy_blocks_between(const char *src, char *dst, int64_t num_planes
     }
     struct copy_job job = {src,       dst,   num_planes, src_plane_stride, dst_plane_stride, block_bytes,
                            num_pairs, pairs, (int)streaming};
-    shoal_run_job(copy_planes, &job, (int)(num_threads < num_planes ? num_threads : num_planes));
+    const struct shoal_phase phase = {copy_plane, &job, num_planes};
+    shoal_run_phases(&phase, 1, (int)num_threads);
     return -1;
 }

@@ -88,6 +88,20 @@ void shoal_silu_mul_row(float *out, const float *gate, const float *up, int64_t 
     }
 }
 
+int64_t shoal_argmax(const float *row, int64_t n) {
+    int64_t best = 0;
+    for (int64_t i = 1; i < n; ++i) {
+        const float x = row[i], top = row[best];
+        if (top != top) {
+            break; /* a NaN is the maximum (torch.argmax's rule): the first one */
+        }
+        if (x > top || x != x) {
+            best = i;
+        }
+    }
+    return best;
+}
+
 /* --- the ops' entry points (shoal.kernels.cpu_kernels) ------------------------------------- */
 
 /* ops.rms_norm: out[r] = weight * norm(x[r] (+ residual[r], stored back)); strides in floats. */

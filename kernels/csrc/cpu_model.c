@@ -93,30 +93,56 @@ struct shoal_step {
     float *act;        /* [num_tokens, intermediate] */
     float *final_rows; /* [num_logit_rows, hidden] */
     float *logits;     /* [num_logit_rows, vocab] when the model has an lm_head */
+    int64_t *argmax;   /* [num_logit_rows]: each row's most likely token (with an lm_head), or NULL */
     int64_t num_threads;
 };
+
+enum phase_kind {
+    PHASE_EMBED,      /* rows: embedding rows and their rotary cos/sin */
+    PHASE_INPUT_NORM, /* rows: h += delta (not in layer 0); x = norm(h) */
+    PHASE_QKV,        /* panels */
+    PHASE_DECODE,     /* sequence groups: rotary, K/V write, attention of their rows */
+    PHASE_ROPE_WRITE, /* rows: rotary and K/V write (batches with prefill rows) */
+    PHASE_ATTEND,     /* one item: the caller's attention callback */
+    PHASE_O,          /* panels */
+    PHASE_POST_NORM,  /* rows */
+    PHASE_GATE_UP,    /* panels */
+    PHASE_DOWN,       /* panels */
+    PHASE_FINAL_NORM, /* logit rows */
+    PHASE_LM_HEAD,    /* panels */
+    PHASE_ARGMAX,     /* logit rows */
+};
+
+#define MAX_GROUPS (4 * SHOAL_MAX_THREADS)
 
 struct forward_job {
     const struct shoal_model *model;
     const struct shoal_step *step;
-    float *scratch; /* per thread: shoal_decode_scratch_floats */
-    int64_t scratch_floats;
     int isa;
-    int64_t seq_bounds[SHOAL_MAX_THREADS + 1]; /* decode sequences of each thread */
+    int64_t num_row_items;
+    int64_t num_groups;
+    int64_t group_bounds[MAX_GROUPS + 1]; /* decode sequences of each group */
 };
 
-static void split(int64_t count, int thread, int num_threads, int64_t *begin, int64_t *end) {
-    *begin = count * thread / num_threads;
-    *end = count * (thread + 1) / num_threads;
-}
+struct phase_context {
+    const struct forward_job *job;
+    int64_t layer;
+    int kind;
+    int64_t num_items;
+    int64_t num_units; /* rows, panels or logit rows the items share */
+};
 
-static void gemm_share(const struct shoal_linear *w, const float *x, int64_t x_stride, float *y, int64_t y_stride,
-                       int64_t num_rows, int thread, int num_threads, int isa) {
-    int64_t begin, end;
-    split(shoal_num_panels(w), thread, num_threads, &begin, &end);
-    if (begin < end) {
-        shoal_gemm_panels(w, x, x_stride, y, y_stride, num_rows, begin, end, isa);
+/* The attention's scratch of this thread, kept between calls (it only grows). */
+static _Thread_local float *tls_scratch;
+static _Thread_local int64_t tls_scratch_floats;
+
+static float *get_scratch(int64_t floats) {
+    if (tls_scratch_floats < floats) {
+        free(tls_scratch);
+        tls_scratch = malloc((size_t)floats * sizeof(float));
+        tls_scratch_floats = tls_scratch == NULL ? 0 : floats;
     }
+    return tls_scratch;
 }
 
 /* Rotary on a row's q and k heads, then its k and v into the layer's cache. */
@@ -133,82 +159,142 @@ static void rope_and_write(const struct shoal_model *m, const struct shoal_step 
                    m->num_slots, bytes >= STREAM_MIN_BYTES);
 }
 
-static void forward_thread(void *arg, int thread, int num_threads) {
-    struct forward_job *job = arg;
+static void run_phase_item(const void *context, int64_t item) {
+    const struct phase_context *c = context;
+    const struct forward_job *job = c->job;
     const struct shoal_model *m = job->model;
     const struct shoal_step *s = job->step;
+    const struct shoal_layer_weights *layer = c->layer >= 0 ? &m->layers[c->layer] : NULL;
     const int64_t hidden = m->hidden, d = m->head_dim;
     const int64_t qkv_stride = (m->num_heads + 2 * m->num_kv_heads) * d, attn_stride = m->num_heads * d;
-    const int64_t num_tokens = s->num_tokens;
-    int64_t row_begin, row_end;
-    split(num_tokens, thread, num_threads, &row_begin, &row_end);
+    const int64_t first = c->num_units * item / c->num_items, last = c->num_units * (item + 1) / c->num_items;
     const float eps = (float)m->eps;
+    const int64_t rows = s->num_tokens;
+    switch (c->kind) {
+    case PHASE_EMBED:
+        for (int64_t row = first; row < last; ++row) {
+            memcpy(s->hidden + row * hidden, m->embedding + s->token_ids[row] * hidden,
+                   (size_t)hidden * sizeof(float));
+            shoal_rope_row(s->rope + row * d, s->positions[row], m->inv_freq, d, (float)m->rope_scaling);
+        }
+        break;
+    case PHASE_INPUT_NORM:
+    case PHASE_POST_NORM: {
+        const int add = c->kind == PHASE_POST_NORM || c->layer > 0;
+        const float *weight = c->kind == PHASE_POST_NORM ? layer->post_norm : layer->input_norm;
+        shoal_rms_norm_rows(s->normed + first * hidden, hidden,
+                            (add ? s->delta : s->hidden) + first * hidden, hidden,
+                            add ? s->hidden + first * hidden : NULL, hidden, weight, last - first, hidden, eps);
+        break;
+    }
+    case PHASE_QKV:
+        shoal_gemm_panels(&layer->qkv, s->normed, hidden, s->qkv, qkv_stride, rows, first, last, job->isa);
+        break;
+    case PHASE_DECODE: {
+        const int64_t seq_begin = job->group_bounds[item], seq_end = job->group_bounds[item + 1];
+        for (int64_t seq = seq_begin; seq < seq_end; ++seq) {
+            rope_and_write(m, s, layer, s->decode->rows[seq], qkv_stride);
+        }
+        float *scratch = get_scratch(shoal_decode_scratch_floats(m->num_heads, d));
+        if (scratch == NULL) {
+            abort(); /* a few KB: out of memory here is not recoverable */
+        }
+        shoal_decode_attention_range(s->decode, seq_begin, seq_end, (char *)s->attn, attn_stride, d,
+                                     (const char *)s->qkv, qkv_stride, d, m->num_heads, layer->key_cache,
+                                     layer->value_cache, (float)m->scale, scratch);
+        break;
+    }
+    case PHASE_ROPE_WRITE:
+        for (int64_t row = first; row < last; ++row) {
+            rope_and_write(m, s, layer, row, qkv_stride);
+        }
+        break;
+    case PHASE_ATTEND:
+        s->attend(c->layer);
+        break;
+    case PHASE_O:
+        shoal_gemm_panels(&layer->o, s->attn, attn_stride, s->delta, hidden, rows, first, last, job->isa);
+        break;
+    case PHASE_GATE_UP:
+        shoal_gemm_panels(&layer->gate_up, s->normed, hidden, s->act, m->intermediate, rows, first, last, job->isa);
+        break;
+    case PHASE_DOWN:
+        shoal_gemm_panels(&layer->down, s->act, m->intermediate, s->delta, hidden, rows, first, last, job->isa);
+        break;
+    case PHASE_FINAL_NORM:
+        for (int64_t i = first; i < last; ++i) {
+            const int64_t row = s->logit_rows[i];
+            shoal_rms_norm_rows(s->final_rows + i * hidden, hidden, s->delta + row * hidden, hidden,
+                                s->hidden + row * hidden, hidden, m->final_norm, 1, hidden, eps);
+        }
+        break;
+    case PHASE_ARGMAX:
+        for (int64_t i = first; i < last; ++i) {
+            s->argmax[i] = shoal_argmax(s->logits + i * m->vocab, m->vocab);
+        }
+        break;
+    case PHASE_LM_HEAD:
+        shoal_gemm_panels(m->lm_head, s->final_rows, hidden, s->logits, m->vocab, s->num_logit_rows, first, last,
+                          job->isa);
+        break;
+    default:
+        break;
+    }
+}
 
-    for (int64_t row = row_begin; row < row_end; ++row) {
-        memcpy(s->hidden + row * hidden, m->embedding + s->token_ids[row] * hidden, (size_t)hidden * sizeof(float));
-        shoal_rope_row(s->rope + row * d, s->positions[row], m->inv_freq, d, (float)m->rope_scaling);
+/* Items of a product's phase: groups of panels of about PRODUCT_ITEM_MACS multiply-adds, so
+ * that claiming one costs little next to running it, and a thread streams a run of panels. */
+#define PRODUCT_ITEM_MACS 200000
+
+static int64_t product_items(const struct shoal_linear *w, int64_t num_rows) {
+    const int64_t panels = shoal_num_panels(w);
+    const int64_t per_panel = num_rows * w->num_in * SHOAL_PANEL;
+    if (per_panel <= 0) {
+        return 0;
     }
-    shoal_job_barrier();
-    for (int64_t index = 0; index < m->num_layers; ++index) {
-        const struct shoal_layer_weights *layer = &m->layers[index];
-        /* x = norm(h), after h += the previous layer's MLP output */
-        if (index == 0) {
-            shoal_rms_norm_rows(s->normed + row_begin * hidden, hidden, s->hidden + row_begin * hidden, hidden,
-                                NULL, 0, layer->input_norm, row_end - row_begin, hidden, eps);
-        } else {
-            shoal_rms_norm_rows(s->normed + row_begin * hidden, hidden, s->delta + row_begin * hidden, hidden,
-                                s->hidden + row_begin * hidden, hidden, layer->input_norm, row_end - row_begin,
-                                hidden, eps);
+    const int64_t per_item = (PRODUCT_ITEM_MACS + per_panel - 1) / per_panel;
+    return (panels + per_item - 1) / per_item;
+}
+
+static void add_phase(struct shoal_phase *phases, struct phase_context *contexts, int64_t *count,
+                      const struct forward_job *job, int64_t layer, int kind, int64_t num_items, int64_t num_units) {
+    if (num_items <= 0) {
+        return;
+    }
+    struct phase_context *c = &contexts[*count];
+    c->job = job;
+    c->layer = layer;
+    c->kind = kind;
+    c->num_items = num_items;
+    c->num_units = num_units;
+    phases[*count] = (struct shoal_phase){run_phase_item, c, num_items};
+    ++*count;
+}
+
+/* Groups of decode sequences of about equal total context (contiguous runs). */
+static int64_t group_sequences(const struct shoal_decode_plan *plan, int64_t num_groups, int64_t *bounds) {
+    if (num_groups > plan->num_seqs) {
+        num_groups = plan->num_seqs;
+    }
+    int64_t total = 0;
+    for (int64_t seq = 0; seq < plan->num_seqs; ++seq) {
+        total += plan->seq_lens[seq];
+    }
+    int64_t seq = 0, done = 0, count = 0;
+    bounds[0] = 0;
+    for (int64_t group = 1; group < num_groups; ++group) {
+        const int64_t target = total * group / num_groups;
+        while (seq < plan->num_seqs && done + plan->seq_lens[seq] / 2 < target) {
+            done += plan->seq_lens[seq++];
         }
-        shoal_job_barrier();
-        gemm_share(&layer->qkv, s->normed, hidden, s->qkv, qkv_stride, num_tokens, thread, num_threads, job->isa);
-        shoal_job_barrier();
-        if (s->decode != NULL) { /* each thread: its sequences' rows, then their attention */
-            const int64_t first = job->seq_bounds[thread], last = job->seq_bounds[thread + 1];
-            for (int64_t seq = first; seq < last; ++seq) {
-                rope_and_write(m, s, layer, s->decode->rows[seq], qkv_stride);
-            }
-            if (first < last) {
-                shoal_decode_attention_range(s->decode, first, last, (char *)s->attn, attn_stride, d,
-                                             (const char *)s->qkv, qkv_stride, d, m->num_heads, layer->key_cache,
-                                             layer->value_cache, (float)m->scale,
-                                             job->scratch + thread * job->scratch_floats);
-            }
-        } else {
-            for (int64_t row = row_begin; row < row_end; ++row) {
-                rope_and_write(m, s, layer, row, qkv_stride);
-            }
-            shoal_job_barrier();
-            if (thread == 0) {
-                s->attend(index);
-            }
+        if (seq > bounds[count]) {
+            bounds[++count] = seq;
         }
-        shoal_job_barrier();
-        gemm_share(&layer->o, s->attn, attn_stride, s->delta, hidden, num_tokens, thread, num_threads, job->isa);
-        shoal_job_barrier();
-        shoal_rms_norm_rows(s->normed + row_begin * hidden, hidden, s->delta + row_begin * hidden, hidden,
-                            s->hidden + row_begin * hidden, hidden, layer->post_norm, row_end - row_begin, hidden,
-                            eps);
-        shoal_job_barrier();
-        gemm_share(&layer->gate_up, s->normed, hidden, s->act, m->intermediate, num_tokens, thread, num_threads,
-                   job->isa);
-        shoal_job_barrier();
-        gemm_share(&layer->down, s->act, m->intermediate, s->delta, hidden, num_tokens, thread, num_threads,
-                   job->isa);
-        shoal_job_barrier();
     }
-    int64_t logit_begin, logit_end;
-    split(s->num_logit_rows, thread, num_threads, &logit_begin, &logit_end);
-    for (int64_t i = logit_begin; i < logit_end; ++i) {
-        const int64_t row = s->logit_rows[i];
-        shoal_rms_norm_rows(s->final_rows + i * hidden, hidden, s->delta + row * hidden, hidden,
-                            s->hidden + row * hidden, hidden, m->final_norm, 1, hidden, eps);
+    if (plan->num_seqs > bounds[count]) {
+        bounds[++count] = plan->num_seqs;
     }
-    if (m->lm_head != NULL) {
-        shoal_job_barrier();
-        gemm_share(m->lm_head, s->final_rows, hidden, s->logits, m->vocab, s->num_logit_rows, thread, num_threads,
-                   job->isa);
-    }
+    return count;
 }
 
 static int64_t check_step(const struct shoal_model *m, const struct shoal_step *s) {
@@ -242,24 +328,6 @@ static int64_t check_step(const struct shoal_model *m, const struct shoal_step *
     return FORWARD_OK;
 }
 
-/* The sequences of each thread: contiguous ranges of about equal total context. */
-static void split_sequences(const struct shoal_decode_plan *plan, int num_threads, int64_t *bounds) {
-    int64_t total = 0;
-    for (int64_t seq = 0; seq < plan->num_seqs; ++seq) {
-        total += plan->seq_lens[seq];
-    }
-    int64_t seq = 0, done = 0;
-    bounds[0] = 0;
-    for (int thread = 1; thread < num_threads; ++thread) {
-        const int64_t target = total * thread / num_threads;
-        while (seq < plan->num_seqs && done + plan->seq_lens[seq] / 2 < target) {
-            done += plan->seq_lens[seq++];
-        }
-        bounds[thread] = seq;
-    }
-    bounds[num_threads] = plan->num_seqs;
-}
-
 /* Runs the model over one batch (see the top of this file). Returns -1, or a negative code
  * (FORWARD_*) with nothing written when the batch is refused. */
 int64_t shoal_model_forward(const struct shoal_model *model, const struct shoal_step *step) {
@@ -271,23 +339,63 @@ int64_t shoal_model_forward(const struct shoal_model *model, const struct shoal_
     if (num_threads > SHOAL_MAX_THREADS) {
         num_threads = SHOAL_MAX_THREADS;
     }
+    const int64_t num_phases = model->num_layers * 9 + 5;
+    if (num_phases > SHOAL_MAX_PHASES) {
+        return FORWARD_BAD_GEOMETRY;
+    }
     struct forward_job job;
     job.model = model;
     job.step = step;
     job.isa = shoal_gemm_best_isa();
-    job.scratch = NULL;
-    job.scratch_floats = 0;
+    const int64_t rows = step->num_tokens;
+    job.num_row_items = rows < 4 * num_threads ? rows : 4 * num_threads;
+    job.num_groups = 0;
     if (step->decode != NULL) {
-        job.scratch_floats = shoal_decode_scratch_floats(model->num_heads, model->head_dim);
-        job.scratch = malloc((size_t)(job.scratch_floats * num_threads) * sizeof(float));
-        if (job.scratch == NULL) {
-            return FORWARD_NO_MEMORY;
-        }
-        split_sequences(step->decode, num_threads, job.seq_bounds);
+        job.num_groups = group_sequences(step->decode, num_threads == 1 ? 1 : 4 * num_threads, job.group_bounds);
     }
-    shoal_run_job(forward_thread, &job, num_threads);
-    free(job.scratch);
-    return FORWARD_OK;
+    struct shoal_phase *phases = malloc((size_t)num_phases * sizeof *phases);
+    struct phase_context *contexts = malloc((size_t)num_phases * sizeof *contexts);
+    if (phases == NULL || contexts == NULL) {
+        free(phases);
+        free(contexts);
+        return FORWARD_NO_MEMORY;
+    }
+    const int64_t row_items = job.num_row_items;
+    int64_t count = 0;
+    add_phase(phases, contexts, &count, &job, -1, PHASE_EMBED, row_items, rows);
+    for (int64_t layer = 0; layer < model->num_layers; ++layer) {
+        const struct shoal_layer_weights *w = &model->layers[layer];
+        add_phase(phases, contexts, &count, &job, layer, PHASE_INPUT_NORM, row_items, rows);
+        add_phase(phases, contexts, &count, &job, layer, PHASE_QKV, product_items(&w->qkv, rows),
+                  shoal_num_panels(&w->qkv));
+        if (step->decode != NULL) {
+            add_phase(phases, contexts, &count, &job, layer, PHASE_DECODE, job.num_groups, job.num_groups);
+        } else {
+            add_phase(phases, contexts, &count, &job, layer, PHASE_ROPE_WRITE, row_items, rows);
+            add_phase(phases, contexts, &count, &job, layer, PHASE_ATTEND, 1, 1);
+        }
+        add_phase(phases, contexts, &count, &job, layer, PHASE_O, product_items(&w->o, rows), shoal_num_panels(&w->o));
+        add_phase(phases, contexts, &count, &job, layer, PHASE_POST_NORM, row_items, rows);
+        add_phase(phases, contexts, &count, &job, layer, PHASE_GATE_UP, product_items(&w->gate_up, rows),
+                  shoal_num_panels(&w->gate_up));
+        add_phase(phases, contexts, &count, &job, layer, PHASE_DOWN, product_items(&w->down, rows),
+                  shoal_num_panels(&w->down));
+    }
+    const int64_t logit_rows = step->num_logit_rows;
+    add_phase(phases, contexts, &count, &job, -1, PHASE_FINAL_NORM,
+              logit_rows < 4 * num_threads ? logit_rows : 4 * num_threads, logit_rows);
+    if (model->lm_head != NULL) {
+        add_phase(phases, contexts, &count, &job, -1, PHASE_LM_HEAD, product_items(model->lm_head, logit_rows),
+                  shoal_num_panels(model->lm_head));
+        if (step->argmax != NULL) {
+            add_phase(phases, contexts, &count, &job, -1, PHASE_ARGMAX,
+                      logit_rows < 4 * num_threads ? logit_rows : 4 * num_threads, logit_rows);
+        }
+    }
+    const int status = shoal_run_phases(phases, count, num_threads);
+    free(phases);
+    free(contexts);
+    return status == 0 ? FORWARD_OK : FORWARD_BAD_GEOMETRY;
 }
 
 /* --- products alone (tests and benchmarks) ------------------------------------------------- */
@@ -300,11 +408,14 @@ struct gemm_job {
     int64_t y_stride;
     int64_t num_rows;
     int isa;
+    int64_t num_items;
 };
 
-static void gemm_thread(void *arg, int thread, int num_threads) {
-    const struct gemm_job *job = arg;
-    gemm_share(job->w, job->x, job->x_stride, job->y, job->y_stride, job->num_rows, thread, num_threads, job->isa);
+static void gemm_item(const void *context, int64_t item) {
+    const struct gemm_job *job = context;
+    const int64_t panels = shoal_num_panels(job->w);
+    shoal_gemm_panels(job->w, job->x, job->x_stride, job->y, job->y_stride, job->num_rows,
+                      panels * item / job->num_items, panels * (item + 1) / job->num_items, job->isa);
 }
 
 /* y = x W^T with a packed weight, on num_threads threads; isa: SHOAL_ISA_* or -1 for the best.
@@ -317,8 +428,13 @@ int64_t shoal_linear_forward(const struct shoal_linear *w, const float *x, int64
     } else if (isa > best) {
         return -4;
     }
-    struct gemm_job job = {w, x, x_stride, y, y_stride, num_rows, (int)isa};
-    shoal_run_job(gemm_thread, &job, (int)num_threads);
+    struct gemm_job job = {w, x, x_stride, y, y_stride, num_rows, (int)isa, product_items(w, num_rows)};
+    if (num_threads > 1 && job.num_items < num_threads) { /* small: still one item per thread */
+        const int64_t panels = shoal_num_panels(w);
+        job.num_items = panels < num_threads ? panels : num_threads;
+    }
+    const struct shoal_phase phase = {gemm_item, &job, job.num_items};
+    shoal_run_phases(&phase, 1, (int)num_threads);
     return -1;
 }
 

@@ -11,16 +11,20 @@
 /* --- threads (cpu_threads.c) ------------------------------------------------------------ */
 
 #define SHOAL_MAX_THREADS 64
+#define SHOAL_MAX_PHASES 4096
 
-/* A job runs on `num_threads` threads at once: the caller is thread 0. */
-typedef void (*shoal_job)(void *arg, int thread, int num_threads);
+/* One phase of a program: num_items independent items, run(context, item) for each, any
+ * thread, in any order; every item of the phases before is done when one of these starts. */
+struct shoal_phase {
+    void (*run)(const void *context, int64_t item);
+    const void *context;
+    int64_t num_items;
+};
 
-/* Runs job(arg, t, n) on threads t = 0 .. n-1 (the caller is thread 0) and returns when all
- * are done. One job at a time per process (callers are serialized). n = 1 runs it inline. */
-void shoal_run_job(shoal_job job, void *arg, int num_threads);
-
-/* Inside a job: waits until all its threads have arrived. Spins briefly, then sleeps. */
-void shoal_job_barrier(void);
+/* Runs the phases on the caller and up to num_threads - 1 helpers (one program at a time per
+ * process) and returns when every item is done. Returns 0, or -1 for more than
+ * SHOAL_MAX_PHASES phases or 2^20 - 1 items (nothing run). */
+int shoal_run_phases(const struct shoal_phase *phases, int64_t num_phases, int num_threads);
 
 /* --- products (cpu_gemm.c) --------------------------------------------------------------- */
 
@@ -68,6 +72,9 @@ void shoal_rotary_row(float *row, int64_t num_heads, int64_t head_stride, int64_
  * transformers' rotary embedding computes them in float32: freq = (float)position * inv_freq,
  * then cos and sin (rounded from double: within an ulp of torch's), times scaling. */
 void shoal_rope_row(float *out, int64_t position, const float *inv_freq, int64_t head_dim, float scaling);
+
+/* The index of the largest of n values, the first on a tie; the first NaN if any (torch.argmax). */
+int64_t shoal_argmax(const float *row, int64_t n);
 
 /* out[j] = silu(gate[j]) * up[j] = gate[j] / (1 + exp(-gate[j])) * up[j], j < n. */
 void shoal_silu_mul_row(float *out, const float *gate, const float *up, int64_t n);

@@ -1,12 +1,26 @@
-/* The native library's threads: a small pool that runs one job at a time on the calling
- * thread and up to SHOAL_MAX_THREADS - 1 helpers, with a barrier between a job's phases.
+/* The native library's threads: the calling thread and up to SHOAL_MAX_THREADS - 1 helpers
+ * run a program of phases (shoal_run_phases), each phase a number of independent work items
+ * that depend on every item of the phases before.
  *
- * Why not OpenMP: torch already runs its own OpenMP runtime in the process, and two
- * runtimes spinning on two cores fight each other. These helpers spin only briefly
- * (SPIN_NS) while they wait, for a job or at a barrier, then sleep on a futex: a decode step
- * of a small model is a fraction of a millisecond and its phases a few microseconds, so
- * waking a sleeping thread for each would cost more than the phase; but a helper that spun
- * between steps would take the core from the worker's event loop and NATS.
+ * Work is claimed, not assigned: each thread takes the next unclaimed item from one shared
+ * counter, waits (only) until the phases before that item's are complete, runs it and counts
+ * it done. A helper that is not on a core while the program runs (the worker's event loop,
+ * NATS or another process holds it) simply claims nothing: the caller does the work, instead
+ * of waiting at a barrier for a thread that is not running. It waits only for items another
+ * thread has claimed and not finished.
+ *
+ * The claim counter carries the program's generation, so a helper that wakes late for a
+ * finished program cannot claim an item of it, nor of the next one, by mistake:
+ *
+ *   claim word  =  generation (24 bits) | number of items (20) | next item (20)
+ *
+ * A successful claim (a compare-and-swap on that word) means the program is live: its
+ * caller waits for every item to be done before it returns, so what the program points to
+ * stays valid while the item runs.
+ *
+ * Why not OpenMP: torch runs its own OpenMP runtime in the process, and two runtimes
+ * spinning on two cores fight each other. Waiting threads here spin briefly (SPIN_NS), then
+ * sleep on a futex.
  */
 #define _GNU_SOURCE
 #include <limits.h>
@@ -29,6 +43,11 @@
 
 /* How long a waiting thread spins before it sleeps. */
 #define SPIN_NS 50000
+
+#define ITEM_BITS 20
+#define MAX_ITEMS ((1u << ITEM_BITS) - 1)
+#define GENERATION_SHIFT (2 * ITEM_BITS)
+#define GENERATION_MASK ((1u << 24) - 1)
 
 static inline void cpu_relax(void) {
 #if defined(__x86_64__) || defined(__i386__)
@@ -62,14 +81,18 @@ static void futex_wake_all(atomic_uint *word) {
 #endif
 }
 
-/* Returns once *word != seen: spins SPIN_NS, then sleeps (counted in *sleepers, so that
- * signal_change knows whether to make the system call). Sequentially consistent
- * operations on both sides: a signaller either sees the sleeper counted or the sleeper
- * sees the new value before it sleeps (and futex_wait re-checks it atomically). */
-static void wait_for_change(atomic_uint *word, unsigned seen, atomic_int *sleepers) {
+/* Returns once *word >= target (reached(value) below): spins SPIN_NS, then sleeps (counted in
+ * *sleepers so that wakers know whether to make the system call). Sequentially consistent
+ * operations on both sides: a waker either sees the sleeper counted, or the sleeper sees the
+ * new value before it sleeps (and futex_wait re-checks it atomically). */
+static int reached(unsigned value, unsigned target, int until_changed) {
+    return until_changed ? value != target : value >= target;
+}
+
+static void wait_on(atomic_uint *word, unsigned target, int until_changed, atomic_int *sleepers) {
     uint64_t deadline = 0;
     for (unsigned i = 1;; ++i) {
-        if (atomic_load_explicit(word, memory_order_acquire) != seen) {
+        if (reached(atomic_load_explicit(word, memory_order_acquire), target, until_changed)) {
             return;
         }
         if ((i & 255u) == 0) {
@@ -83,13 +106,17 @@ static void wait_for_change(atomic_uint *word, unsigned seen, atomic_int *sleepe
         cpu_relax();
     }
     atomic_fetch_add(sleepers, 1);
-    while (atomic_load(word) == seen) {
-        futex_wait(word, seen);
+    for (;;) {
+        const unsigned value = atomic_load(word);
+        if (reached(value, target, until_changed)) {
+            break;
+        }
+        futex_wait(word, value);
     }
     atomic_fetch_sub(sleepers, 1);
 }
 
-static void signal_change(atomic_uint *word, atomic_int *sleepers) {
+static void bump(atomic_uint *word, atomic_int *sleepers) {
     atomic_fetch_add(word, 1);
     if (atomic_load(sleepers) > 0) {
         futex_wake_all(word);
@@ -98,47 +125,57 @@ static void signal_change(atomic_uint *word, atomic_int *sleepers) {
 
 static pthread_mutex_t submit_lock = PTHREAD_MUTEX_INITIALIZER;
 static int num_helpers; /* started, under submit_lock */
-static unsigned helper_start_generation[SHOAL_MAX_THREADS];
+static unsigned helper_start_posts[SHOAL_MAX_THREADS];
 
-static atomic_uint job_generation;
-static atomic_int job_sleepers;
-static shoal_job current_job;
-static void *current_arg;
-static int current_threads;
+static atomic_uint posts; /* bumped when a program is posted: helpers sleep on it */
+static atomic_int post_sleepers;
+static _Atomic uint64_t claim_word;
+static atomic_uint num_done; /* items of the live program done */
+static atomic_int done_sleepers;
+static const struct shoal_phase *program;
+static int64_t phase_ends[SHOAL_MAX_PHASES]; /* cumulative item counts */
+static int program_threads;                  /* threads the caller wants at most */
 
-static atomic_uint barrier_arrived;
-static atomic_uint barrier_generation;
-static atomic_int barrier_sleepers;
-
-/* The number of threads of the job this thread is running (1 outside jobs). */
-static _Thread_local int tls_job_threads = 1;
-
-void shoal_job_barrier(void) {
-    const int n = tls_job_threads;
-    if (n <= 1) {
-        return;
-    }
-    const unsigned generation = atomic_load(&barrier_generation);
-    if (atomic_fetch_add(&barrier_arrived, 1) == (unsigned)n - 1) {
-        atomic_store(&barrier_arrived, 0); /* before anyone can leave: they wait for the generation */
-        signal_change(&barrier_generation, &barrier_sleepers);
-    } else {
-        wait_for_change(&barrier_generation, generation, &barrier_sleepers);
+/* Claims and runs items of the live program of `generation` until none is left. */
+static void run_items(uint64_t generation) {
+    int64_t phase = 0;
+    for (;;) {
+        uint64_t word = atomic_load(&claim_word);
+        uint64_t item;
+        for (;;) {
+            if ((word >> GENERATION_SHIFT) != generation) {
+                return; /* another program: this one is over */
+            }
+            item = word & MAX_ITEMS;
+            if (item >= ((word >> ITEM_BITS) & MAX_ITEMS)) {
+                return; /* all claimed */
+            }
+            if (atomic_compare_exchange_weak(&claim_word, &word, word + 1)) {
+                break;
+            }
+        }
+        while (phase_ends[phase] <= (int64_t)item) {
+            ++phase;
+        }
+        const int64_t first = phase == 0 ? 0 : phase_ends[phase - 1];
+        if (first > 0) {
+            wait_on(&num_done, (unsigned)first, 0, &done_sleepers);
+        }
+        const struct shoal_phase *p = &program[phase];
+        p->run(p->context, (int64_t)item - first);
+        bump(&num_done, &done_sleepers);
     }
 }
 
 static void *helper_main(void *arg) {
     const int index = (int)(intptr_t)arg; /* 1 .. */
-    unsigned seen = helper_start_generation[index];
+    unsigned seen = helper_start_posts[index];
     for (;;) {
-        wait_for_change(&job_generation, seen, &job_sleepers);
-        seen = atomic_load(&job_generation);
-        const int n = current_threads;
-        if (index < n) {
-            tls_job_threads = n;
-            current_job(current_arg, index, n);
-            shoal_job_barrier(); /* the job's end: after it the caller may post the next one */
-            tls_job_threads = 1;
+        wait_on(&posts, seen, 1, &post_sleepers);
+        seen = atomic_load(&posts);
+        const uint64_t word = atomic_load(&claim_word);
+        if (index < program_threads) {
+            run_items(word >> GENERATION_SHIFT);
         }
     }
     return NULL;
@@ -148,7 +185,7 @@ static void *helper_main(void *arg) {
 static int start_helpers(int wanted) {
     while (num_helpers < wanted) {
         const int index = num_helpers + 1;
-        helper_start_generation[index] = atomic_load(&job_generation);
+        helper_start_posts[index] = atomic_load(&posts);
         pthread_attr_t attributes;
         pthread_attr_init(&attributes);
         pthread_attr_setdetachstate(&attributes, PTHREAD_CREATE_DETACHED);
@@ -163,29 +200,43 @@ static int start_helpers(int wanted) {
     return num_helpers;
 }
 
-void shoal_run_job(shoal_job job, void *arg, int num_threads) {
+int shoal_run_phases(const struct shoal_phase *phases, int64_t num_phases, int num_threads) {
+    if (num_phases > SHOAL_MAX_PHASES) {
+        return -1;
+    }
+    int64_t total = 0;
+    for (int64_t i = 0; i < num_phases; ++i) {
+        total += phases[i].num_items;
+    }
+    if (total > MAX_ITEMS) {
+        return -1;
+    }
     if (num_threads > SHOAL_MAX_THREADS) {
         num_threads = SHOAL_MAX_THREADS;
     }
-    if (num_threads <= 1) {
-        const int outer = tls_job_threads;
-        tls_job_threads = 1;
-        job(arg, 0, 1);
-        tls_job_threads = outer;
-        return;
+    if (num_threads <= 1 || total <= 1) { /* inline: no atomics, no helpers */
+        for (int64_t i = 0; i < num_phases; ++i) {
+            for (int64_t item = 0; item < phases[i].num_items; ++item) {
+                phases[i].run(phases[i].context, item);
+            }
+        }
+        return 0;
     }
     pthread_mutex_lock(&submit_lock);
     const int helpers = start_helpers(num_threads - 1);
-    if (helpers + 1 < num_threads) {
-        num_threads = helpers + 1;
+    program = phases;
+    int64_t end = 0;
+    for (int64_t i = 0; i < num_phases; ++i) {
+        end += phases[i].num_items;
+        phase_ends[i] = end;
     }
-    current_job = job;
-    current_arg = arg;
-    current_threads = num_threads;
-    tls_job_threads = num_threads;
-    signal_change(&job_generation, &job_sleepers);
-    job(arg, 0, num_threads);
-    shoal_job_barrier();
-    tls_job_threads = 1;
+    program_threads = helpers + 1 < num_threads ? helpers + 1 : num_threads;
+    atomic_store(&num_done, 0);
+    const uint64_t generation = ((atomic_load(&claim_word) >> GENERATION_SHIFT) + 1) & GENERATION_MASK;
+    atomic_store(&claim_word, (generation << GENERATION_SHIFT) | ((uint64_t)total << ITEM_BITS));
+    bump(&posts, &post_sleepers);
+    run_items(generation);
+    wait_on(&num_done, (unsigned)total, 0, &done_sleepers);
     pthread_mutex_unlock(&submit_lock);
+    return 0;
 }

@@ -101,6 +101,9 @@ class ModelRunner:
             )
         self._swap_in_timing: tuple[float, Any, Any] | None = None
         self.threads = threads or ThreadPolicy(max_threads=1)
+        self.last_argmax: torch.Tensor | None = None
+        """The last `execute`'s most likely token per row of its logits (same order), when the
+        native forward computed it; None otherwise."""
         self.native: NativeForward | None = None
         if packed_model is not None:
             self.native = NativeForward(packed_model, self.layer_caches, self.threads)
@@ -222,8 +225,12 @@ class ModelRunner:
             self._swap_in(step.swap_in_pairs)
         if step.copy_pairs is not None:
             ops.copy_blocks(self.kv_cache, step.copy_pairs)
+        self.last_argmax = None
         if self.native is not None:
             logits = self.native.execute(step.input_ids, step.position_ids, step.batch, step.logits_to_keep)
+            argmax = self.native.last_argmax
+            if argmax is not None:
+                self.last_argmax = argmax if step.logits_order is None else argmax.index_select(0, step.logits_order)
         else:
             output = self.model(
                 input_ids=step.input_ids,

@@ -248,6 +248,9 @@ class NativeForward:
         """Per layer (the products)."""
         self._buffers: StepBuffers | None = None
         self._rows = torch.arange(0)
+        self.last_argmax: torch.Tensor | None = None
+        """int64 [rows kept]: the last pass's most likely token per row (None without an
+        lm_head of its own: tied to the embedding, the logits are a torch product)."""
 
     def _get_buffers(self, num_tokens: int, num_logit_rows: int) -> StepBuffers:
         buffers = self._buffers
@@ -280,8 +283,18 @@ class NativeForward:
             decode_address = native.address
         weights = self.weights
         heads, kv_heads, head_dim = weights.num_heads, weights.num_kv_heads, weights.head_dim
+        num_threads = self.threads.get_num_threads(num_tokens, self.multiply_adds_per_token)
 
-        def attend(layer: int) -> None:
+        def attend(layer: int) -> None:  # on whichever of the forward's threads claims it
+            previous = torch.get_num_threads()  # per thread: the others wait for this phase
+            torch.set_num_threads(num_threads)
+            try:
+                with torch.inference_mode():
+                    attend_layer(layer)
+            finally:
+                torch.set_num_threads(previous)
+
+        def attend_layer(layer: int) -> None:
             qkv = buffers.qkv[:num_tokens]
             query = qkv[:, : heads * head_dim].view(num_tokens, heads, head_dim)
             key = qkv[:, heads * head_dim : (heads + kv_heads) * head_dim].view(num_tokens, kv_heads, head_dim)
@@ -299,8 +312,10 @@ class NativeForward:
             logit_rows=logit_rows,
             decode_plan_address=decode_address,
             attend=None if decode_address is not None else attend,
-            num_threads=self.threads.get_num_threads(num_tokens, self.multiply_adds_per_token),
+            num_threads=num_threads,
         )
         if buffers.logits is not None:
+            self.last_argmax = buffers.argmax[:num_logit_rows]
             return buffers.logits[:num_logit_rows]
+        self.last_argmax = None
         return torch.nn.functional.linear(buffers.final_rows[:num_logit_rows], weights.embedding)

@@ -16,6 +16,7 @@ again only by the next plan, after the pass.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import threading
 import time
@@ -141,6 +142,16 @@ class EngineStats:
     """Time those passes took (forward and sampling)."""
 
 
+@dataclass(frozen=True, eq=False)
+class _Tokens:
+    """New tokens of one request, for its consumer to turn into text (requests without stop
+    strings: their detokenization runs on the event loop, off the step thread); with `final`,
+    the request's last output, whose text and token count the consumer fills in."""
+
+    token_ids: tuple[int, ...]
+    final: GenerationOutput | None = None
+
+
 @dataclass(eq=False)
 class _RequestState:
     """What the step thread needs to answer one request."""
@@ -150,10 +161,13 @@ class _RequestState:
     sampling: SamplingState
     text: TextStream
     loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue[GenerationOutput]
+    queue: asyncio.Queue[GenerationOutput | _Tokens]
     num_unsent_tokens: int = 0
     """Tokens whose text is held back (half a character, a possible stop string)."""
     finished: bool = False
+    detokenize_in_step: bool = False
+    """With stop strings the step thread detokenizes (a stop string ends the sequence in the
+    step that completes it); without, the consumer does (`_Tokens`)."""
 
 
 @dataclass
@@ -161,10 +175,11 @@ class _Outbox:
     """Outputs of one step, grouped by event loop: one thread-safe call per loop per step."""
 
     by_loop: dict[
-        asyncio.AbstractEventLoop, list[tuple[asyncio.Queue[GenerationOutput], GenerationOutput]]
+        asyncio.AbstractEventLoop,
+        list[tuple[asyncio.Queue[GenerationOutput | _Tokens], GenerationOutput | _Tokens]],
     ] = field(default_factory=dict)
 
-    def put(self, state: _RequestState, output: GenerationOutput) -> None:
+    def put(self, state: _RequestState, output: GenerationOutput | _Tokens) -> None:
         self.by_loop.setdefault(state.loop, []).append((state.queue, output))
 
     def send(self) -> None:
@@ -173,7 +188,9 @@ class _Outbox:
                 loop.call_soon_threadsafe(_deliver, items)
 
 
-def _deliver(items: list[tuple[asyncio.Queue[GenerationOutput], GenerationOutput]]) -> None:
+def _deliver(
+    items: list[tuple[asyncio.Queue[GenerationOutput | _Tokens], GenerationOutput | _Tokens]],
+) -> None:
     for queue, output in items:
         queue.put_nowait(output)
 
@@ -360,12 +377,29 @@ class PagedEngine:
                 model or the KV pool takes (413), or the request id is in use.
         """
         state = self._admit(request)
+        stream, num_unsent = state.text, 0
         try:
             while True:
-                output = await state.queue.get()
-                yield output
-                if output.finished:
+                item = await state.queue.get()
+                if isinstance(item, GenerationOutput):
+                    yield item
+                    if item.finished:
+                        return
+                    continue
+                # tokens the step thread left for us to detokenize (no stop strings)
+                text = ""
+                for token_id in item.token_ids:
+                    num_unsent += 1
+                    text += stream.push(token_id)
+                final = item.final
+                if final is not None:
+                    if final.finish_reason != "cancelled":
+                        text += stream.finish()
+                    yield dataclasses.replace(final, text=text, num_new_tokens=num_unsent)
                     return
+                if text:
+                    yield GenerationOutput(request.request_id, text, num_unsent)
+                    num_unsent = 0
         finally:
             if not state.finished:  # the consumer went away: stop generating for it
                 self.cancel(request.request_id)
@@ -484,6 +518,7 @@ class PagedEngine:
                 TextStream(self._tokenizer, params.stop),
                 loop,
                 asyncio.Queue(),
+                detokenize_in_step=bool(params.stop),
             )
             self._requests[request.request_id] = state
             self._scheduler.add(seq)
@@ -495,6 +530,11 @@ class PagedEngine:
     # ------------------------------------------------------------------ the step thread
 
     def _run_steps(self) -> None:
+        if self.forward == "native":
+            # torch's ops in this thread are small (inputs, sampling): one thread each, no
+            # fork/join per op (the native forward has threads of its own; `torch_threads`
+            # still applies to torch work in other threads). Per thread, not process-wide.
+            torch.set_num_threads(1)
         while True:
             try:
                 if not self._step():
@@ -535,7 +575,7 @@ class PagedEngine:
         started = time.perf_counter()
         try:
             logits = self._runner.execute(step)
-            token_ids = sample(logits, sampling_states, histories)
+            token_ids = sample(logits, sampling_states, histories, self._runner.last_argmax)
         except Exception as exc:  # a failed pass fails its requests, never the engine
             log.exception("engine.forward_failed", num_seqs=len(plan.chunks))
             if self._sessions is not None:
@@ -559,6 +599,12 @@ class PagedEngine:
     def _emit(self, update: SequenceUpdate, outbox: _Outbox) -> None:
         """Turn a new token into text; end the request on a stop string or a finish reason."""
         state = self._requests[update.seq.seq_id]
+        if not state.detokenize_in_step:
+            if update.finish_reason is not None:
+                self._finish(state, update.finish_reason, outbox, token_ids=(update.token_id,))
+            else:
+                outbox.put(state, _Tokens((update.token_id,)))
+            return
         state.num_unsent_tokens += 1
         delta = state.text.push(update.token_id)
         if state.text.stopped:
@@ -578,23 +624,27 @@ class PagedEngine:
         *,
         delta: str = "",
         error: str | None = None,
+        token_ids: tuple[int, ...] = (),
     ) -> None:
+        """Ends a request: its last output (or, detokenized by its consumer, its last tokens
+        and that output without its text)."""
         state.finished = True
         del self._requests[state.request.request_id]
-        text = delta + (state.text.finish() if finish_reason != "cancelled" else "")
-        outbox.put(
-            state,
-            GenerationOutput(
-                state.request.request_id,
-                text,
-                state.num_unsent_tokens,
-                finished=True,
-                finish_reason=finish_reason,
-                num_prompt_tokens=state.seq.num_prompt_tokens,
-                num_completion_tokens=state.seq.num_output_tokens,
-                error=error,
-            ),
+        final = GenerationOutput(
+            state.request.request_id,
+            "",
+            state.num_unsent_tokens,
+            finished=True,
+            finish_reason=finish_reason,
+            num_prompt_tokens=state.seq.num_prompt_tokens,
+            num_completion_tokens=state.seq.num_output_tokens,
+            error=error,
         )
+        if not state.detokenize_in_step:
+            outbox.put(state, _Tokens(token_ids, final))
+            return
+        text = delta + (state.text.finish() if finish_reason != "cancelled" else "")
+        outbox.put(state, dataclasses.replace(final, text=text))
 
     def _fail(self, seq_ids: list[str], exc: Exception) -> None:
         outbox = _Outbox()
