@@ -39,6 +39,9 @@
 #endif
 
 #define TILE_MAX_ROWS 12 /* the most rows of any micro-kernel */
+#ifndef PREFETCH_STEPS
+#define PREFETCH_STEPS 64 /* how many k steps (128 bytes of panel each) ahead the kernels prefetch */
+#endif
 
 int64_t shoal_num_panels(const struct shoal_linear *w) {
     return (w->num_out + SHOAL_PANEL - 1) / SHOAL_PANEL;
@@ -153,8 +156,8 @@ static const micro_kernel generic_kernels[5] = {NULL, generic_1, generic_2, gene
         for (; k + CH <= num_in; k += CH) {                                                                  \
             { /* the panel 32 steps ahead: from memory for the first block of rows, L2 after */      \
                 for (int c = 0; c < CH; ++c) {                                                               \
-                    _mm_prefetch((const char *)(panel + (k + c + 32) * 32), _MM_HINT_T0);                    \
-                    _mm_prefetch((const char *)(panel + (k + c + 32) * 32 + 16), _MM_HINT_T0);               \
+                    _mm_prefetch((const char *)(panel + (k + c + PREFETCH_STEPS) * 32), _MM_HINT_T0);                  \
+                    _mm_prefetch((const char *)(panel + (k + c + PREFETCH_STEPS) * 32 + 16), _MM_HINT_T0);               \
                 }                                                                                            \
             }                                                                                                \
             for (int c = 0; c < CH; ++c) {                                                                   \

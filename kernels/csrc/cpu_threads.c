@@ -25,6 +25,7 @@
 #define _GNU_SOURCE
 #include <limits.h>
 #include <pthread.h>
+#include <sched.h>
 #include <stdatomic.h>
 #include <stdint.h>
 #include <time.h>
@@ -37,12 +38,16 @@
 #include <unistd.h>
 #define SHOAL_HAVE_FUTEX 1
 #else
-#include <sched.h>
 #define SHOAL_HAVE_FUTEX 0
 #endif
 
 /* How long a waiting thread spins before it sleeps. */
 #define SPIN_NS 50000
+/* How long a helper that finished a program keeps looking for the next one (yielding its core
+ * to any other thread that wants it) before it sleeps: an engine's steps come a fraction of a
+ * millisecond apart, and waking a sleeping thread costs tens to hundreds of microseconds on a
+ * virtual machine, during which the caller runs the next program alone. */
+#define IDLE_YIELD_NS 2000000
 
 #define ITEM_BITS 20
 #define MAX_ITEMS ((1u << ITEM_BITS) - 1)
@@ -89,18 +94,21 @@ static int reached(unsigned value, unsigned target, int until_changed) {
     return until_changed ? value != target : value >= target;
 }
 
-static void wait_on(atomic_uint *word, unsigned target, int until_changed, atomic_int *sleepers) {
-    uint64_t deadline = 0;
+static void wait_on(atomic_uint *word, unsigned target, int until_changed, atomic_int *sleepers,
+                    uint64_t yield_ns) {
+    uint64_t start = 0;
     for (unsigned i = 1;; ++i) {
         if (reached(atomic_load_explicit(word, memory_order_acquire), target, until_changed)) {
             return;
         }
         if ((i & 255u) == 0) {
             const uint64_t now = now_ns();
-            if (deadline == 0) {
-                deadline = now + SPIN_NS;
-            } else if (now > deadline) {
+            if (start == 0) {
+                start = now;
+            } else if (now > start + SPIN_NS + yield_ns) {
                 break;
+            } else if (now > start + SPIN_NS) {
+                sched_yield(); /* any other thread that wants this core runs first */
             }
         }
         cpu_relax();
@@ -159,7 +167,7 @@ static void run_items(uint64_t generation) {
         }
         const int64_t first = phase == 0 ? 0 : phase_ends[phase - 1];
         if (first > 0) {
-            wait_on(&num_done, (unsigned)first, 0, &done_sleepers);
+            wait_on(&num_done, (unsigned)first, 0, &done_sleepers, 0);
         }
         const struct shoal_phase *p = &program[phase];
         p->run(p->context, (int64_t)item - first);
@@ -171,7 +179,7 @@ static void *helper_main(void *arg) {
     const int index = (int)(intptr_t)arg; /* 1 .. */
     unsigned seen = helper_start_posts[index];
     for (;;) {
-        wait_on(&posts, seen, 1, &post_sleepers);
+        wait_on(&posts, seen, 1, &post_sleepers, IDLE_YIELD_NS);
         seen = atomic_load(&posts);
         const uint64_t word = atomic_load(&claim_word);
         if (index < program_threads) {
@@ -236,7 +244,7 @@ int shoal_run_phases(const struct shoal_phase *phases, int64_t num_phases, int n
     atomic_store(&claim_word, (generation << GENERATION_SHIFT) | ((uint64_t)total << ITEM_BITS));
     bump(&posts, &post_sleepers);
     run_items(generation);
-    wait_on(&num_done, (unsigned)total, 0, &done_sleepers);
+    wait_on(&num_done, (unsigned)total, 0, &done_sleepers, 0);
     pthread_mutex_unlock(&submit_lock);
     return 0;
 }

@@ -179,7 +179,8 @@ def test_packing_twice_returns_the_first_packing(models_root: Path) -> None:
 
 def test_auto_threads_share_only_large_passes() -> None:
     policy = native_forward.ThreadPolicy(max_threads=2)
-    assert policy.get_num_threads(1, 3_000_000) == 1
-    assert policy.get_num_threads(64, 3_000_000) == 2
+    assert policy.get_num_threads(1, 740_000) == 1  # llama-5m, one sequence
+    assert policy.get_num_threads(8, 740_000) == 2
+    assert policy.get_num_threads(1, 7_470_000) == 2  # llama-100m: its weights stream from memory
     assert native_forward.ThreadPolicy(max_threads=1).get_num_threads(1000, 10**9) == 1
     assert native_forward.ThreadPolicy(max_threads=4, fixed=3).get_num_threads(1, 1) == 3

@@ -143,25 +143,33 @@ class ModelRunner:
         block_tables: list[list[int]] = []
         chunks = plan.chunks
         order: list[int] | range = range(len(chunks))
-        if device.type == "cpu":
+        if device.type == "cpu" and self.native is None:
             # Decoding sequences first, shortest context first: the CPU attention's length
-            # groups are then runs of rows, read and written in place (no row gathers).
+            # groups are then runs of rows, read and written in place (no row gathers). The
+            # native forward's decode attention takes rows in any order.
             order = sorted(
                 order, key=lambda i: (chunks[i].num_new_tokens != 1, chunks[i].num_computed_tokens)
             )
+        get_block_ids = kv_cache_manager.get_block_ids
         for index in order:
             chunk = chunks[index]
             start = chunk.num_computed_tokens
-            end = start + chunk.num_new_tokens
-            input_ids += chunk.seq.token_ids[start:end]
-            position_ids += range(start, end)
-            block_ids = kv_cache_manager.get_block_ids(chunk.seq.seq_id)
-            position = start
-            while position < end:  # one range per block touched, not one item per token
-                block_end = min(end, (position // block_size + 1) * block_size)
-                base = block_ids[position // block_size] * block_size - (position // block_size) * block_size
-                slot_mapping += range(base + position, base + block_end)
-                position = block_end
+            block_ids = get_block_ids(chunk.seq.seq_id)
+            if chunk.num_new_tokens == 1:  # a decode row (most rows): no ranges, no loop
+                end = start + 1
+                input_ids.append(chunk.seq.token_ids[start])
+                position_ids.append(start)
+                slot_mapping.append(block_ids[start // block_size] * block_size + start % block_size)
+            else:
+                end = start + chunk.num_new_tokens
+                input_ids += chunk.seq.token_ids[start:end]
+                position_ids += range(start, end)
+                position = start
+                while position < end:  # one range per block touched, not one item per token
+                    block_end = min(end, (position // block_size + 1) * block_size)
+                    base = block_ids[position // block_size] * block_size - (position // block_size) * block_size
+                    slot_mapping += range(base + position, base + block_end)
+                    position = block_end
             seq_lens.append(end)
             query_start_loc.append(len(input_ids))
             block_tables.append(block_ids)

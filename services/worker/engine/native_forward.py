@@ -189,17 +189,20 @@ def get_available_cores() -> int:
 @dataclass(frozen=True)
 class ThreadPolicy:
     """How many threads a pass takes: `fixed` when set, else ("auto") one thread for a pass
-    whose products are too small to share, up to `max_threads` for the rest.
+    whose products are too small to share, `max_threads` for the rest.
 
-    Two threads meet at a barrier 7 times per layer, and on a machine whose other cores run
-    the worker's event loop, NATS and the gateway, the second thread is not always on a core
-    when the first arrives. A pass is worth sharing when its products (multiply-adds) are
-    many times that cost (docs/engine.md, "Threads").
+    Measured on the 2-core development VM, idle (docs/engine.md, "Threads"): two threads
+    took llama-100m's decode step of one sequence from 10.3 to 6.0 ms (its 372 MB of weights
+    stream from memory at ~60 GB/s on two cores, ~36 on one), llama-5m's of 8 sequences from
+    0.49 to 0.31 ms, and left llama-5m's single sequence (0.74 M multiply-adds per layer) at
+    0.19 ms, where a second thread only adds claims and cache-line transfers. Work is
+    claimed item by item (cpu_threads.c): a second thread that the event loop or NATS holds
+    costs the pass little.
     """
 
     max_threads: int
     fixed: int | None = None
-    min_shared_multiply_adds: int = 48_000_000
+    min_shared_multiply_adds: int = 2_000_000
     """Multiply-adds per layer below which a pass runs on one thread (auto)."""
 
     def get_num_threads(self, num_tokens: int, multiply_adds_per_token: int) -> int:
