@@ -107,9 +107,12 @@ class _Step(ctypes.Structure):
     ]
 
 
+_bound: set[int] = set()
+
+
 def _bind(library: ctypes.CDLL) -> None:
     """Declares the model functions' signatures on a loaded library (once)."""
-    if getattr(library, "_shoal_model_bound", False):
+    if id(library) in _bound:
         return
     library.shoal_pack_linear.argtypes = [_ptr, _i64, _i64, _i64, _ptr]
     library.shoal_pack_linear.restype = None
@@ -119,7 +122,7 @@ def _bind(library: ctypes.CDLL) -> None:
     library.shoal_model_forward.restype = _i64
     library.shoal_gemm_isa.argtypes = []
     library.shoal_gemm_isa.restype = _i64
-    library._shoal_model_bound = True
+    _bound.add(id(library))
 
 
 def get_gemm_isa(kernels: CpuKernels) -> int:
@@ -382,7 +385,7 @@ def run_forward(
                 return
             try:
                 user(layer)
-            except BaseException as error:  # noqa: BLE001 - ctypes would print and drop it
+            except BaseException as error:  # ctypes would print it and drop it
                 errors.append(error)
 
         callback = AttendCallback(call)

@@ -93,11 +93,11 @@ class ModelRunner:
         self.layer_caches = [(layer[0], layer[1]) for layer in self.kv_cache]
         self.host_cache: torch.Tensor | None = None
         if num_host_blocks:
-            shape = list(self.kv_cache.shape)
-            shape[2] = num_host_blocks
+            host_shape = list(self.kv_cache.shape)
+            host_shape[2] = num_host_blocks
             # Pinned on CUDA: the swap kernel reads and writes it through its mapped address.
             self.host_cache = torch.zeros(
-                shape, dtype=self.dtype, device="cpu", pin_memory=self.device.type == "cuda"
+                host_shape, dtype=self.dtype, device="cpu", pin_memory=self.device.type == "cuda"
             )
         self._swap_in_timing: tuple[float, Any, Any] | None = None
         self.threads = threads or ThreadPolicy(max_threads=1)

@@ -64,9 +64,9 @@ def get_unsupported_reason(model: Any) -> str | None:
         return f"head_dim {head_dim} is not a multiple of 16 (the native decode attention's step)"
     if config.intermediate_size % 16:
         return f"intermediate_size {config.intermediate_size} is not a multiple of 16"
-    if any(layer_type != "full_attention" for layer_type in getattr(config, "layer_types", None) or []):
-        if getattr(config, "use_sliding_window", False):
-            return "sliding-window layers"
+    layer_types = getattr(config, "layer_types", None) or []
+    if getattr(config, "use_sliding_window", False) and any(kind != "full_attention" for kind in layer_types):
+        return "sliding-window layers"
     inner = getattr(model, "model", None)
     if inner is None or not hasattr(inner, "rotary_emb") or not hasattr(inner, "layers"):
         return "not a decoder with model.layers and model.rotary_emb"

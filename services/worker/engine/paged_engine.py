@@ -340,6 +340,8 @@ class PagedEngine:
         self._num_steps = 0
         self._num_step_seqs = 0
         self._step_seconds = 0.0
+        self._pending: _Outbox | None = None
+        """A step's outputs, sent when the next pass starts (`_send_pending`), under the lock."""
         self._thread = threading.Thread(target=self._run_steps, name="shoal-engine", daemon=True)
         self._thread.start()
         log.info(
@@ -408,6 +410,7 @@ class PagedEngine:
         """Stop `request_id` now and free its KV blocks; False if it is not running here."""
         outbox = _Outbox()
         with self._lock:
+            self._send_pending()  # what the request already generated comes first
             state = self._requests.get(request_id)
             if state is None or state.finished:
                 return False
@@ -424,6 +427,7 @@ class PagedEngine:
         await asyncio.to_thread(self._thread.join)
         outbox = _Outbox()
         with self._lock:
+            self._send_pending()
             for state in list(self._requests.values()):
                 self._scheduler.finish(state.request.request_id, "cancelled")
                 self._finish(state, "cancelled", outbox)
@@ -547,6 +551,7 @@ class PagedEngine:
         """Plan, run and apply one forward pass; False once the engine is closed."""
         with self._lock:
             while not self._closed and not self._scheduler.get_num_unfinished():
+                self._send_pending()
                 if self._sessions is not None and self._sessions.get_stats().num_sessions:
                     # Idle with sessions cached: wake now and then to forget expired ones.
                     self._sessions.expire()
@@ -554,6 +559,7 @@ class PagedEngine:
                 else:
                     self._wakeup.wait()
             if self._closed:
+                self._send_pending()
                 return False
             if self._sessions is not None:
                 self._sessions.expire()
@@ -563,6 +569,7 @@ class PagedEngine:
                 # Only when every unfinished request waits for blocks no one will free:
                 # admission rejects such prompts, so this is a bug; don't spin on it.
                 log.error("engine.empty_plan", num_waiting=self._scheduler.get_num_waiting())
+                self._send_pending()
                 self._wakeup.wait(timeout=0.1)
                 return True
             step = self._runner.prepare(plan, self._kv_cache)
@@ -572,6 +579,10 @@ class PagedEngine:
             if any(state.has_penalties for state in sampling_states):
                 # The lists themselves: only this thread appends to them (`update`, below).
                 histories = [TokenHistory(seq.token_ids, seq.num_prompt_tokens) for seq in sampled]
+            # The previous step's outputs go now, not when that step ended: their consumers
+            # (detokenization, NATS) then run on the event loop while this pass runs without
+            # the GIL, instead of holding the GIL the step thread needs to start the pass.
+            self._send_pending()
         started = time.perf_counter()
         try:
             logits = self._runner.execute(step)
@@ -593,7 +604,7 @@ class PagedEngine:
             self._step_seconds += elapsed
             for update in self._scheduler.update(plan, token_ids):
                 self._emit(update, outbox)
-        outbox.send()
+            self._pending = outbox
         return True
 
     def _emit(self, update: SequenceUpdate, outbox: _Outbox) -> None:
@@ -646,9 +657,16 @@ class PagedEngine:
         text = delta + (state.text.finish() if finish_reason != "cancelled" else "")
         outbox.put(state, dataclasses.replace(final, text=text))
 
+    def _send_pending(self) -> None:
+        """Sends the last step's outputs if not yet sent (call under the lock)."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.send()
+
     def _fail(self, seq_ids: list[str], exc: Exception) -> None:
         outbox = _Outbox()
         with self._lock:
+            self._send_pending()
             for seq_id in seq_ids:
                 state = self._requests.get(seq_id)
                 if state is not None and not state.finished:
