@@ -90,6 +90,7 @@ class _Step(ctypes.Structure):
         ("positions", _ptr),
         ("slot_mapping", _ptr),
         ("decode", _ptr),
+        ("decode_rows_are_sequences", _i64),
         ("attend", AttendCallback),
         ("num_logit_rows", _i64),
         ("logit_rows", _ptr),
@@ -355,6 +356,7 @@ def run_forward(
     decode_plan_address: int | None,
     attend: Callable[[int], None] | None,
     num_threads: int,
+    decode_rows_are_sequences: bool = True,
 ) -> None:
     """One batch through every layer: `buffers.final_rows` (and `buffers.logits` and
     `buffers.argmax` with an lm_head) hold the wanted rows' results after it.
@@ -362,12 +364,15 @@ def run_forward(
     Args:
         token_ids, positions, slot_mapping: int64 [num_tokens], contiguous.
         logit_rows: int64 [n]: the rows whose final hidden state (and logits) are wanted.
-        decode_plan_address: a `DecodePlan`'s address when every row is one decoding
-            sequence's (attention then runs natively); None otherwise.
+        decode_plan_address: a `DecodePlan` with one entry per row (a decode row, or a prefill
+            row planned as a sequence that ends at its position): attention then runs natively;
+            None otherwise.
         attend: called with the layer index after that layer's K/V are written, when there is
             no decode plan: fills `buffers.attn` from `buffers.qkv` (the engine's torch
             attention). An exception it raises is re-raised after the pass.
         num_threads: threads for this pass.
+        decode_rows_are_sequences: every plan entry is a different sequence's only row (a
+            decode step): a row's K/V write and attention run in one phase.
 
     Raises:
         ForwardError: the batch was refused (an index out of range).
@@ -395,6 +400,7 @@ def run_forward(
         positions.data_ptr(),
         slot_mapping.data_ptr(),
         decode_plan_address,
+        int(decode_rows_are_sequences),
         callback if callback is not None else AttendCallback(),
         logit_rows.shape[0],
         logit_rows.data_ptr(),

@@ -6,10 +6,13 @@
  *
  *   h += delta; x = RMSNorm(h)          rows           (layer 0: h = embeddings, no add)
  *   qkv = x Wqkv^T (+ bias)              panels         one product for q, k and v
- *   rotary(q, k); write_kv(k, v)         rows / seqs    then attention: decode rows here
- *   attention                            seqs           (shoal_decode_attention_range);
- *                                                       any other batch: the caller's
- *                                                       callback, on thread 0 (torch)
+ *   rotary(q, k); write_kv(k, v)         rows
+ *   attention                            row groups     with a decode plan, one entry per row
+ *                                                       (shoal_decode_attention_range: a
+ *                                                       decode row, or a prefill row as a
+ *                                                       sequence ending at its position);
+ *                                                       otherwise the caller's callback, on
+ *                                                       whichever thread claims it (torch)
  *   delta = attn Wo^T                    panels
  *   h += delta; x = RMSNorm(h)           rows
  *   act = SiLU(x Wg^T) * (x Wu^T)        panels         one product, SiLU * up fused
@@ -80,7 +83,10 @@ struct shoal_step {
     const int64_t *token_ids;
     const int64_t *positions;
     const int64_t *slot_mapping;
-    const struct shoal_decode_plan *decode; /* every row a decode row: attention here */
+    const struct shoal_decode_plan *decode; /* one entry per row: attention here (see below) */
+    int64_t decode_rows_are_sequences;     /* every entry a different sequence's only row (no prefill
+                                              rows): each thread writes and attends its own rows in
+                                              one phase; otherwise all K/V are written first */
     shoal_attend_fn attend;                 /* otherwise, per layer, on thread 0 */
     int64_t num_logit_rows;
     const int64_t *logit_rows;
@@ -101,8 +107,9 @@ enum phase_kind {
     PHASE_EMBED,      /* rows: embedding rows and their rotary cos/sin */
     PHASE_INPUT_NORM, /* rows: h += delta (not in layer 0); x = norm(h) */
     PHASE_QKV,        /* panels */
-    PHASE_DECODE,     /* sequence groups: rotary, K/V write, attention of their rows */
-    PHASE_ROPE_WRITE, /* rows: rotary and K/V write (batches with prefill rows) */
+    PHASE_DECODE,     /* groups of plan entries: (rotary and K/V write when every row is its own
+                         sequence's, then) attention of their rows */
+    PHASE_ROPE_WRITE, /* rows: rotary and K/V write, when rows of one sequence attend to each other */
     PHASE_ATTEND,     /* one item: the caller's attention callback */
     PHASE_O,          /* panels */
     PHASE_POST_NORM,  /* rows */
@@ -192,7 +199,7 @@ static void run_phase_item(const void *context, int64_t item) {
         break;
     case PHASE_DECODE: {
         const int64_t seq_begin = job->group_bounds[item], seq_end = job->group_bounds[item + 1];
-        for (int64_t seq = seq_begin; seq < seq_end; ++seq) {
+        for (int64_t seq = seq_begin; seq < seq_end && s->decode_rows_are_sequences; ++seq) {
             rope_and_write(m, s, layer, s->decode->rows[seq], qkv_stride);
         }
         float *scratch = get_scratch(shoal_decode_scratch_floats(m->num_heads, d));
@@ -369,6 +376,9 @@ int64_t shoal_model_forward(const struct shoal_model *model, const struct shoal_
         add_phase(phases, contexts, &count, &job, layer, PHASE_QKV, product_items(&w->qkv, rows),
                   shoal_num_panels(&w->qkv));
         if (step->decode != NULL) {
+            if (!step->decode_rows_are_sequences) { /* a row may attend to K/V another thread writes */
+                add_phase(phases, contexts, &count, &job, layer, PHASE_ROPE_WRITE, row_items, rows);
+            }
             add_phase(phases, contexts, &count, &job, layer, PHASE_DECODE, job.num_groups, job.num_groups);
         } else {
             add_phase(phases, contexts, &count, &job, layer, PHASE_ROPE_WRITE, row_items, rows);

@@ -97,6 +97,7 @@ class Sequences:
         self.num_computed = [0] * len(prompts)
         blocks_each = 64 // BLOCK_SIZE
         self.tables = [list(range(i * blocks_each, (i + 1) * blocks_each)) for i in range(len(prompts))]
+        self.argmaxes: list[torch.Tensor | None] = []
 
     def step(self) -> torch.Tensor:
         """Computes every token not yet computed (a prefill, or one decode row per sequence)."""
@@ -114,7 +115,10 @@ class Sequences:
         batch = PagedBatch(layer_caches=self.runner.layer_caches, slot_mapping=torch.tensor(slots), cpu_plan=plan)
         assert self.runner.native is not None
         keep: int | torch.Tensor = 0 if len(last_rows) == len(input_ids) else torch.tensor(last_rows)
-        return self.runner.native.execute(torch.tensor([input_ids]), torch.tensor([positions]), batch, keep).clone()
+        logits = self.runner.native.execute(torch.tensor([input_ids]), torch.tensor([positions]), batch, keep).clone()
+        argmax = self.runner.native.last_argmax
+        self.argmaxes.append(None if argmax is None else argmax.clone())
+        return logits
 
 
 def hf_last_logits(model: torch.nn.Module, tokens: list[int]) -> torch.Tensor:
@@ -123,7 +127,12 @@ def hf_last_logits(model: torch.nn.Module, tokens: list[int]) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("key", ["demo/llama-5m", "demo/qwen2-25m"])
-def test_logits_match_transformers_for_prefill_and_decode_on_any_thread_count(models_root: Path, key: str) -> None:
+@pytest.mark.parametrize("prefill_attention", ["native", "torch"])
+def test_logits_match_transformers_for_prefill_and_decode_on_any_thread_count(
+    models_root: Path, key: str, prefill_attention: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if prefill_attention == "torch":  # every prefill through the per-layer torch callback
+        monkeypatch.setattr(native_forward, "MAX_NATIVE_PREFILL_SCORES", 0)
     reference = AutoModelForCausalLM.from_pretrained(models_root / key).eval()
     model = AutoModelForCausalLM.from_pretrained(models_root / key).eval()
     assert native_forward.get_unsupported_reason(model) is None
@@ -135,7 +144,7 @@ def test_logits_match_transformers_for_prefill_and_decode_on_any_thread_count(mo
         runner = ModelRunner(model, 3 * 64 // BLOCK_SIZE, BLOCK_SIZE, packed_model=packed,
                              threads=native_forward.ThreadPolicy(max_threads=threads, fixed=threads))
         sequences = Sequences(runner, prompts)
-        steps = [sequences.step()]  # the prefills: torch attention through the per-layer callback
+        steps = [sequences.step()]  # the prefills
         for _ in range(3):  # decode rows only: everything native
             for seq, tokens in enumerate(sequences.tokens):
                 tokens.append(int(steps[-1][seq].argmax()))
@@ -144,6 +153,9 @@ def test_logits_match_transformers_for_prefill_and_decode_on_any_thread_count(mo
             for seq, tokens in enumerate(sequences.tokens):
                 expected = hf_last_logits(reference, tokens[: len(tokens) - 3 + step])
                 torch.testing.assert_close(logits[seq], expected, rtol=1e-4, atol=1e-4)
+            argmax = sequences.argmaxes[step]
+            if packed.lm_head is not None:  # computed in C with the logits
+                assert argmax is not None and torch.equal(argmax, logits.argmax(dim=-1))
         logits_by_threads.append(steps)
     for one, two in zip(*logits_by_threads, strict=True):
         assert torch.equal(one, two), "thread count must not change a single bit"

@@ -21,12 +21,15 @@ native attention does not take, no native library).
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from shoal.kernels import cpu_kernels, reference
+from shoal.kernels.attention_plan import AttentionPlan
+from shoal.kernels.cpu_kernels import DecodePlan
 from shoal.kernels.cpu_model import (
     LayerWeights,
     ModelWeights,
@@ -42,6 +45,11 @@ _UNSUPPORTED_ROPE_TYPES = frozenset({"dynamic", "longrope"})
 a table computed once would not hold them."""
 BUFFER_ROWS_STEP = 64
 """Activation buffers grow to the largest pass seen, in steps of this many rows."""
+MAX_NATIVE_PREFILL_SCORES = 128 * 128
+"""A pass whose prefills each have at most this many (query row, position) pairs runs its
+attention natively, every prefill row as a sequence that ends at its position (the decode
+kernel; no Python callback); longer prefills run torch's batched products instead, which
+reuse each K/V row across the query rows (docs/engine.md)."""
 
 
 def get_unsupported_reason(model: Any) -> str | None:
@@ -255,6 +263,25 @@ class NativeForward:
         """int64 [rows kept]: the last pass's most likely token per row (None without an
         lm_head of its own: tied to the embedding, the logits are a torch product)."""
 
+    def _plan_rows(self, plan: AttentionPlan, num_tokens: int) -> DecodePlan | None:
+        """Every row of the batch as a native decode entry: a decode row as it is, a prefill
+        row as its sequence cut after the row's position (causal attention, row by row)."""
+        batch = plan.decode_sequences
+        tables: list[Sequence[int]] = []
+        lens: list[int] = []
+        rows: list[int] = []
+        for seq, seq_len in enumerate(batch.seq_lens):
+            start, end = batch.query_start_loc[seq], batch.query_start_loc[seq + 1]
+            first_position = seq_len - (end - start)
+            table = batch.block_tables[seq]
+            for row in range(start, end):
+                tables.append(table)
+                lens.append(first_position + row - start + 1)
+                rows.append(row)
+        if len(rows) != num_tokens:
+            return None
+        return self.packed.kernels.plan_decode(batch.key_cache, tables, lens, rows)
+
     def _get_buffers(self, num_tokens: int, num_logit_rows: int) -> StepBuffers:
         buffers = self._buffers
         if buffers is None or buffers.num_tokens < num_tokens or buffers.num_logit_rows < num_logit_rows:
@@ -281,9 +308,13 @@ class NativeForward:
         buffers = self._get_buffers(num_tokens, num_logit_rows)
         logit_rows = self._rows[:num_tokens] if isinstance(logits_to_keep, int) else logits_to_keep
         native = plan.native_decode
-        decode_address = None
+        decode_address, rows_are_sequences = None, True
         if not plan.prefills and native is not None and native.num_seqs == num_tokens:
             decode_address = native.address
+        elif plan.prefills and all(p.num_queries * p.seq_len <= MAX_NATIVE_PREFILL_SCORES for p in plan.prefills):
+            native = self._plan_rows(plan, num_tokens)
+            if native is not None:
+                decode_address, rows_are_sequences = native.address, False
         weights = self.weights
         heads, kv_heads, head_dim = weights.num_heads, weights.num_kv_heads, weights.head_dim
         num_threads = self.threads.get_num_threads(num_tokens, self.multiply_adds_per_token)
@@ -316,6 +347,7 @@ class NativeForward:
             decode_plan_address=decode_address,
             attend=None if decode_address is not None else attend,
             num_threads=num_threads,
+            decode_rows_are_sequences=rows_are_sequences,
         )
         if buffers.logits is not None:
             self.last_argmax = buffers.argmax[:num_logit_rows]
