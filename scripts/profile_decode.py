@@ -160,7 +160,7 @@ def serve(engine: Any, prompts: list[list[int]], max_tokens: int) -> tuple[float
 
 
 def time_phases(engine: Any, tokenizer: Any, c: int, args: argparse.Namespace) -> dict[str, Any]:
-    from shoal.services.worker.engine import paged_engine
+    from shoal.services.worker.engine import outputs, paged_engine
     from shoal.services.worker.generation import TextStream
 
     timer = PhaseTimer()
@@ -173,7 +173,7 @@ def time_phases(engine: Any, tokenizer: Any, c: int, args: argparse.Namespace) -
         timer.wrap(engine._scheduler, "update", "scheduler_update"),
         timer.wrap(engine, "_emit", "emit"),
         timer.wrap(TextStream, "push", "detokenize"),
-        timer.wrap(paged_engine._Outbox, "send", "handoff"),
+        timer.wrap(outputs.Outbox, "send", "handoff"),
     ]
     loop_cpu, walls, per_run = [], [], []
     try:

@@ -21,7 +21,7 @@ import itertools
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import structlog
@@ -34,16 +34,16 @@ from shoal.services.worker.engine.attention import ATTN_IMPLEMENTATION, register
 from shoal.services.worker.engine.batch_scheduler import BatchScheduler, BatchSchedulerConfig, SequenceUpdate
 from shoal.services.worker.engine.cost_profile import get_cost_profile, get_profile_key
 from shoal.services.worker.engine.model_runner import ModelRunner
-from shoal.services.worker.engine.native_forward import (
-    PackedModel,
-    ThreadPolicy,
-    get_available_cores,
-    get_unsupported_reason,
-    pack_model,
-)
+from shoal.services.worker.engine.native_forward import PackedModel, get_unsupported_reason, pack_model
+from shoal.services.worker.engine.outputs import Outbox, RequestState, Tokens
 from shoal.services.worker.engine.sampler import SamplingState, TokenHistory, sample
 from shoal.services.worker.engine.sequence import Sequence
 from shoal.services.worker.engine.session_kv import SessionKV, SessionSettings, SessionStats
+from shoal.services.worker.engine.sizing import (
+    get_reserve_bytes,
+    make_thread_policy,
+    measure_weight_bytes,
+)
 from shoal.services.worker.engine.warm_up import get_warm_up_lengths, warm_up
 from shoal.services.worker.generation import (
     FinishReason,
@@ -59,7 +59,6 @@ from shoal.shared.kv_cache.cost_model import CostProfile
 from shoal.shared.kv_cache.manager import KVCacheManager
 from shoal.shared.kv_cache.session_cache import SessionCache, SessionCacheConfig, SessionInfo
 from shoal.shared.model_memory import (
-    get_activation_bytes,
     get_model_shape,
     size_kv_pool,
 )
@@ -140,59 +139,6 @@ class EngineStats:
     """Sequences summed over those passes (mean batch size: num_step_seqs / num_steps)."""
     step_seconds: float = 0.0
     """Time those passes took (forward and sampling)."""
-
-
-@dataclass(frozen=True, eq=False)
-class _Tokens:
-    """New tokens of one request, for its consumer to turn into text (requests without stop
-    strings: their detokenization runs on the event loop, off the step thread); with `final`,
-    the request's last output, whose text and token count the consumer fills in."""
-
-    token_ids: tuple[int, ...]
-    final: GenerationOutput | None = None
-
-
-@dataclass(eq=False)
-class _RequestState:
-    """What the step thread needs to answer one request."""
-
-    request: GenerationRequest
-    seq: Sequence
-    sampling: SamplingState
-    text: TextStream
-    loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue[GenerationOutput | _Tokens]
-    num_unsent_tokens: int = 0
-    """Tokens whose text is held back (half a character, a possible stop string)."""
-    finished: bool = False
-    detokenize_in_step: bool = False
-    """With stop strings the step thread detokenizes (a stop string ends the sequence in the
-    step that completes it); without, the consumer does (`_Tokens`)."""
-
-
-@dataclass
-class _Outbox:
-    """Outputs of one step, grouped by event loop: one thread-safe call per loop per step."""
-
-    by_loop: dict[
-        asyncio.AbstractEventLoop,
-        list[tuple[asyncio.Queue[GenerationOutput | _Tokens], GenerationOutput | _Tokens]],
-    ] = field(default_factory=dict)
-
-    def put(self, state: _RequestState, output: GenerationOutput | _Tokens) -> None:
-        self.by_loop.setdefault(state.loop, []).append((state.queue, output))
-
-    def send(self) -> None:
-        for loop, items in self.by_loop.items():
-            if not loop.is_closed():
-                loop.call_soon_threadsafe(_deliver, items)
-
-
-def _deliver(
-    items: list[tuple[asyncio.Queue[GenerationOutput | _Tokens], GenerationOutput | _Tokens]],
-) -> None:
-    for queue, output in items:
-        queue.put_nowait(output)
 
 
 class PagedEngine:
@@ -331,7 +277,7 @@ class PagedEngine:
             self._kv_cache,
             self._sessions,
         )
-        self._requests: dict[str, _RequestState] = {}
+        self._requests: dict[str, RequestState] = {}
         self._arrivals = itertools.count()
         self._mean_request_blocks = 1.0
         self._lock = threading.Lock()
@@ -340,7 +286,7 @@ class PagedEngine:
         self._num_steps = 0
         self._num_step_seqs = 0
         self._step_seconds = 0.0
-        self._pending: _Outbox | None = None
+        self._pending: Outbox | None = None
         """A step's outputs, sent when the next pass starts (`_send_pending`), under the lock."""
         self._thread = threading.Thread(target=self._run_steps, name="shoal-engine", daemon=True)
         self._thread.start()
@@ -408,7 +354,7 @@ class PagedEngine:
 
     def cancel(self, request_id: str) -> bool:
         """Stop `request_id` now and free its KV blocks; False if it is not running here."""
-        outbox = _Outbox()
+        outbox = Outbox()
         with self._lock:
             self._send_pending()  # what the request already generated comes first
             state = self._requests.get(request_id)
@@ -425,7 +371,7 @@ class PagedEngine:
             self._closed = True
             self._wakeup.notify()
         await asyncio.to_thread(self._thread.join)
-        outbox = _Outbox()
+        outbox = Outbox()
         with self._lock:
             self._send_pending()
             for state in list(self._requests.values()):
@@ -484,7 +430,7 @@ class PagedEngine:
 
     # ------------------------------------------------------------------ admission
 
-    def _admit(self, request: GenerationRequest) -> _RequestState:
+    def _admit(self, request: GenerationRequest) -> RequestState:
         num_prompt_tokens = len(request.prompt_token_ids)
         max_model_len = min(self.max_model_len, request.max_model_len or self.max_model_len)
         if num_prompt_tokens == 0:
@@ -515,7 +461,7 @@ class PagedEngine:
                 eos_token_ids,
                 session_id=request.session_id,
             )
-            state = _RequestState(
+            state = RequestState(
                 request,
                 seq,
                 SamplingState.from_params(params),
@@ -595,7 +541,7 @@ class PagedEngine:
             self._fail([chunk.seq.seq_id for chunk in plan.chunks], exc)
             return True
         elapsed = time.perf_counter() - started
-        outbox = _Outbox()
+        outbox = Outbox()
         with self._lock:
             if self._sessions is not None:
                 self._sessions.end_step(self._runner.take_swap_in_seconds())
@@ -607,14 +553,14 @@ class PagedEngine:
             self._pending = outbox
         return True
 
-    def _emit(self, update: SequenceUpdate, outbox: _Outbox) -> None:
+    def _emit(self, update: SequenceUpdate, outbox: Outbox) -> None:
         """Turn a new token into text; end the request on a stop string or a finish reason."""
         state = self._requests[update.seq.seq_id]
         if not state.detokenize_in_step:
             if update.finish_reason is not None:
                 self._finish(state, update.finish_reason, outbox, token_ids=(update.token_id,))
             else:
-                outbox.put(state, _Tokens((update.token_id,)))
+                outbox.put(state, Tokens((update.token_id,)))
             return
         state.num_unsent_tokens += 1
         delta = state.text.push(update.token_id)
@@ -629,9 +575,9 @@ class PagedEngine:
 
     def _finish(
         self,
-        state: _RequestState,
+        state: RequestState,
         finish_reason: FinishReason,
-        outbox: _Outbox,
+        outbox: Outbox,
         *,
         delta: str = "",
         error: str | None = None,
@@ -652,7 +598,7 @@ class PagedEngine:
             error=error,
         )
         if not state.detokenize_in_step:
-            outbox.put(state, _Tokens(token_ids, final))
+            outbox.put(state, Tokens(token_ids, final))
             return
         text = delta + (state.text.finish() if finish_reason != "cancelled" else "")
         outbox.put(state, dataclasses.replace(final, text=text))
@@ -664,7 +610,7 @@ class PagedEngine:
             pending.send()
 
     def _fail(self, seq_ids: list[str], exc: Exception) -> None:
-        outbox = _Outbox()
+        outbox = Outbox()
         with self._lock:
             self._send_pending()
             for seq_id in seq_ids:
@@ -708,33 +654,3 @@ class PagedEngine:
         if getattr(config, "use_sliding_window", True) and getattr(config, "sliding_window", None):
             limits.append(config.sliding_window)
         return min(limits)
-
-
-def make_thread_policy(cpu_threads: int | Literal["auto"]) -> ThreadPolicy:
-    """The native forward's threads: `cpu_threads` for every pass, or ("auto") per pass up to
-    the cores this process may use and torch's intra-op thread count (the worker's
-    ``torch_threads``), whichever is smaller."""
-    if cpu_threads != "auto":
-        return ThreadPolicy(max_threads=cpu_threads, fixed=cpu_threads)
-    return ThreadPolicy(max_threads=max(1, min(get_available_cores(), torch.get_num_threads())))
-
-
-def get_reserve_bytes(model_config: Any, dtype: torch.dtype, config: EngineConfig) -> int:
-    """What the engine keeps out of its KV pool besides the weights: activations of one step
-    at the token budget, logits of `max_num_seqs` rows, and the runtime overhead."""
-    shape = get_model_shape(model_config, dtype)
-    activation_bytes = get_activation_bytes(shape, config.max_num_batched_tokens, config.max_num_seqs)
-    return activation_bytes + config.runtime_overhead_bytes
-
-
-def get_min_engine_bytes(model_config: Any, dtype: torch.dtype, config: EngineConfig) -> int:
-    """The least an allocation must hold besides the weights for the engine to start: its
-    reserve and one KV block (with less, sizing the pool raises `KVPoolTooSmall`)."""
-    block_bytes = get_model_shape(model_config, dtype).get_kv_bytes_per_block(config.block_size)
-    return get_reserve_bytes(model_config, dtype, config) + block_bytes
-
-
-def measure_weight_bytes(model: torch.nn.Module) -> int:
-    """Bytes of a model's parameters and buffers."""
-    return sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
-
