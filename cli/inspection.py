@@ -186,8 +186,9 @@ def render_status(nodes: dict[str, Any], gpus: dict[str, GpuRecord], replicas: l
         gpus_text = ",".join(f"{record.node_id}.{i}" for i in sorted(record.gpu_bytes)) or "-"
         in_flight = f", {record.num_in_flight} in flight" if record.num_in_flight else ""
         phase = f" ({record.loading_phase})" if record.loading_phase else ""
+        pool = f", KV pool {record.kv_cache_tokens:,} tokens" if record.kv_cache_tokens else ""
         out.write(f"  {record.name:<60} {record.level:<4} {replica_state_label(record) + phase:<30} on {gpus_text:<14} "
-                  f"last access {_ago(record.last_request_at, now)}{in_flight}\n")
+                  f"last access {_ago(record.last_request_at, now)}{in_flight}{pool}\n")
     out.write(f"\nModels ({len(models)}):\n")
     for spec in sorted(models, key=lambda m: m.key):
         figure, source = _memory_figure(spec, config)

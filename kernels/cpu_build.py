@@ -35,16 +35,27 @@ log = structlog.get_logger(__name__)
 _CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCE = _CSRC / "cpu_cache_ops.c"
 ATTENTION_SOURCE = _CSRC / "cpu_attention.c"
-SOURCES = (SOURCE, ATTENTION_SOURCE)
-"""What the library is compiled from (and its cache key hashes)."""
+SOURCES = (
+    SOURCE,
+    ATTENTION_SOURCE,
+    _CSRC / "cpu_threads.c",
+    _CSRC / "cpu_gemm.c",
+    _CSRC / "cpu_fused.c",
+    _CSRC / "cpu_model.c",
+)
+"""What the library is compiled from (and its cache key hashes, with `HEADERS`)."""
+HEADERS = (_CSRC / "cpu_model.h", _CSRC / "cpu_vec.h")
+"""Included by the sources: part of the cache key, not of the compile command."""
 LIBRARY_STEM = "shoal_cpu_kernels"
 """The built library is ``<stem>-<hash>.so`` in the cache directory."""
-ABI_VERSION = 2
+ABI_VERSION = 3
 """What ``shoal_cpu_kernels_abi()`` must return: the C signatures `shoal.kernels.cpu_kernels`
 calls. Part of the cache key."""
-COMPILE_FLAGS = ("-O3", "-std=c11", "-fPIC", "-shared", "-ffp-contract=fast")
+COMPILE_FLAGS = ("-O3", "-std=c11", "-fPIC", "-shared", "-pthread", "-ffp-contract=fast")
 """``-ffp-contract=fast`` lets the attention kernel's AVX2 code fuse its products and sums
-(FMA); ``-std=c11`` alone turns that off. Nothing else in the library computes on floats."""
+(FMA); ``-std=c11`` alone turns that off. The model forward's files turn it off again for
+their element-wise arithmetic (Hugging Face's rounding) and use explicit FMAs in their
+products. ``-pthread``: the forward's thread pool (cpu_threads.c)."""
 COMPILE_TIMEOUT_S = 120
 
 
@@ -144,7 +155,7 @@ def build(compiler: Sequence[str], cache_dirs: Sequence[Path], sources: Sequence
         NativeBuildError: no compiler, no private cache directory, or the compile failed.
     """
     digest = hashlib.sha256()
-    for source in sources:
+    for source in (*sources, *(HEADERS if sources == SOURCES else ())):
         try:
             digest.update(hashlib.sha256(source.read_bytes()).digest())
         except OSError as error:
@@ -176,7 +187,7 @@ def _compile(compiler: Sequence[str], sources: Sequence[Path], directory: Path, 
     """
     fd, temporary = tempfile.mkstemp(prefix=f".{LIBRARY_STEM}-", suffix=".so", dir=directory)
     os.close(fd)
-    command = [*compiler, *COMPILE_FLAGS, "-o", temporary, *map(str, sources)]
+    command = [*compiler, *COMPILE_FLAGS, "-I", str(_CSRC), "-o", temporary, *map(str, sources)]
     try:
         try:
             result = subprocess.run(

@@ -138,6 +138,10 @@ class CpuKernels:
             write_kv = library.shoal_write_kv
             attention = library.shoal_decode_attention
             attention_isa = library.shoal_decode_attention_isa
+            copy_between = library.shoal_copy_blocks_between
+            rms_norm = library.shoal_rms_norm
+            rotary = library.shoal_rotary
+            silu_mul = library.shoal_silu_mul
         except (OSError, AttributeError) as error:
             raise NativeBuildError(f"cannot load {library_path}: {error}") from error
         if abi() != ABI_VERSION:
@@ -148,7 +152,19 @@ class CpuKernels:
         attention.argtypes = [ptr, ptr, i64, i64, ptr, i64, i64, i64, i64, ptr, ptr, ctypes.c_double, i64]
         attention.restype = i64
         attention_isa.restype = i64
+        copy_between.argtypes = [ptr, ptr, i64, i64, i64, i64, i64, i64, ptr, i64, i64, i64]
+        copy_between.restype = i64
+        self._copy_between = copy_between
+        rms_norm.argtypes = [ptr, i64, ptr, i64, ptr, i64, ptr, i64, i64, ctypes.c_double]
+        rms_norm.restype = None
+        rotary.argtypes = [ptr, i64, i64, i64, ptr, i64, i64, i64, ptr, ptr, i64, i64, i64]
+        rotary.restype = None
+        silu_mul.argtypes = [ptr, i64, ptr, i64, i64, i64]
+        silu_mul.restype = None
+        self._rms_norm, self._rotary, self._silu_mul = rms_norm, rotary, silu_mul
         self.library_path = library_path
+        self.library = library
+        """The loaded library (`shoal.kernels.cpu_model` binds its model functions on it)."""
         self.has_streaming_stores = bool(streaming())
         """False where the build has no streaming stores (not x86-64): every write uses memcpy."""
         self.decode_attention_enabled = decode_attention
@@ -241,6 +257,110 @@ class CpuKernels:
             slot = int(slot_mapping[bad_token])
             raise IndexError(
                 f"write_kv: token {bad_token}'s slot {slot} is past the cache's {num_slots} slots"
+            )
+        return True
+
+    # --- the fused layer ops (`shoal.kernels.layer_ops`), float32 ---------------------------
+
+    def rms_norm(
+        self,
+        out: torch.Tensor,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        eps: float,
+        residual: torch.Tensor | None,
+    ) -> bool:
+        """`layer_ops.rms_norm` in C (arguments already checked against its contract);
+        False (nothing done) unless every tensor is float32 on the CPU."""
+        tensors = (out, x, weight) if residual is None else (out, x, weight, residual)
+        if not all(t.is_cpu and t.dtype is torch.float32 for t in tensors) or not weight.is_contiguous():
+            return False
+        self._rms_norm(
+            out.data_ptr(), out.stride(0), x.data_ptr(), x.stride(0),
+            None if residual is None else residual.data_ptr(), 0 if residual is None else residual.stride(0),
+            weight.data_ptr(), x.shape[0], x.shape[1], eps,
+        )
+        return True
+
+    def rotary_embedding(self, query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
+        """`layer_ops.rotary_embedding` in C (arguments already checked); False (nothing done)
+        unless every tensor is float32 on the CPU."""
+        if not all(t.is_cpu and t.dtype is torch.float32 for t in (query, key, cos, sin)):
+            return False
+        self._rotary(
+            query.data_ptr(), query.stride(0), query.stride(1), query.shape[1],
+            key.data_ptr(), key.stride(0), key.stride(1), key.shape[1],
+            cos.data_ptr(), sin.data_ptr(), cos.stride(0), query.shape[0], query.shape[2],
+        )
+        return True
+
+    def silu_mul(self, out: torch.Tensor, gate_up: torch.Tensor) -> bool:
+        """`layer_ops.silu_mul` in C (arguments already checked); False (nothing done) unless
+        both tensors are float32 on the CPU."""
+        if not all(t.is_cpu and t.dtype is torch.float32 for t in (out, gate_up)):
+            return False
+        self._silu_mul(out.data_ptr(), out.stride(0), gate_up.data_ptr(), gate_up.stride(0), out.shape[0],
+                       out.shape[1])
+        return True
+
+    def copy_blocks_between(
+        self, src_cache: torch.Tensor, dst_cache: torch.Tensor, block_mapping: torch.Tensor
+    ) -> bool:
+        """`shoal.kernels.ops.swap_blocks` in C: every pair's block, every layer, key and value,
+        copied straight from one pool into the other, in one pass (the torch version gathers
+        into a temporary, then scatters). A move of at least `STREAM_MIN_BYTES` shares its
+        layers among torch's intra-op thread count, as torch's own large copies do.
+
+        Returns:
+            Whether it copied; False (nothing done) for tensors it does not take: not all on
+            the CPU, not contiguous, mismatched layouts, or a mapping that is not int64
+            [num_pairs, 2] contiguous.
+
+        Raises:
+            IndexError: a pair names a block outside its pool (nothing was copied).
+        """
+        src_shape, dst_shape = src_cache.shape, dst_cache.shape
+        if not (
+            src_cache.is_cpu
+            and dst_cache.is_cpu
+            and block_mapping.is_cpu
+            and src_cache.dtype is dst_cache.dtype
+            and block_mapping.dtype is torch.int64
+            and block_mapping.dim() == 2
+            and block_mapping.shape[1] == 2
+            and block_mapping.is_contiguous()
+            and len(src_shape) == 6
+            and len(dst_shape) == 6
+            and src_shape[:2] == dst_shape[:2]
+            and src_shape[3:] == dst_shape[3:]
+            and src_cache.is_contiguous()
+            and dst_cache.is_contiguous()
+        ):
+            return False
+        num_pairs = block_mapping.shape[0]
+        if num_pairs == 0:
+            return True
+        block_bytes = src_cache[0, 0, 0].numel() * src_cache.element_size()
+        num_src_blocks, num_dst_blocks = src_shape[2], dst_shape[2]
+        bad = self._copy_between(
+            src_cache.data_ptr(),
+            dst_cache.data_ptr(),
+            src_shape[0] * 2,
+            num_src_blocks * block_bytes,
+            num_dst_blocks * block_bytes,
+            block_bytes,
+            num_src_blocks,
+            num_dst_blocks,
+            block_mapping.data_ptr(),
+            num_pairs,
+            int(src_shape[0] * 2 * num_pairs * block_bytes >= STREAM_MIN_BYTES),
+            torch.get_num_threads() if num_pairs * block_bytes * src_shape[0] >= STREAM_MIN_BYTES else 1,
+        )
+        if bad >= 0:
+            src, dst = (int(v) for v in block_mapping[bad])
+            raise IndexError(
+                f"swap_blocks: pair {bad} ({src} -> {dst}) names a block outside its pool "
+                f"({num_src_blocks} source blocks, {num_dst_blocks} destination blocks)"
             )
         return True
 

@@ -18,7 +18,7 @@ import torch
 from shoal.shared.errors import ShoalError
 
 CSRC_DIR = Path(__file__).resolve().parent / "csrc"
-SOURCES = ("bindings.cpp", "cache_ops.cu", "paged_attention.cu")
+SOURCES = ("bindings.cpp", "cache_ops.cu", "paged_attention.cu", "layer_ops.cu")
 EXTENSION_NAME = "shoal_kv_ops"
 
 
@@ -38,8 +38,9 @@ def load_extension() -> ModuleType:
     instead of recompiling.
 
     Returns:
-        The module with ``write_kv``, ``paged_attention``, ``copy_blocks`` and
-        ``swap_blocks`` (see kernels/csrc/bindings.cpp).
+        The module with ``write_kv``, ``paged_attention``, ``copy_blocks``,
+        ``swap_blocks``, ``rms_norm``, ``rotary_embedding`` and ``silu_mul`` (see
+        kernels/csrc/bindings.cpp).
 
     Raises:
         KernelBuildError: CUDA is unavailable, or compiling or loading failed.

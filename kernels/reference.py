@@ -418,7 +418,23 @@ def copy_blocks(kv_cache: torch.Tensor, block_mapping: torch.Tensor) -> None:
 
 
 def swap_blocks(src_cache: torch.Tensor, dst_cache: torch.Tensor, block_mapping: torch.Tensor) -> None:
-    """Copies (src, dst) block pairs between two pools; see `shoal.kernels.ops.swap_blocks`."""
+    """Copies (src, dst) block pairs between two pools; see `shoal.kernels.ops.swap_blocks`.
+
+    On CPU pools this is the native single-pass copy (`CpuKernels.copy_blocks_between`) where
+    it was built; otherwise, and for tensors it does not take, `swap_blocks_torch`.
+    """
+    if block_mapping.numel() == 0:
+        return
+    if src_cache.is_cpu and dst_cache.is_cpu:
+        native = cpu_kernels.try_load()
+        if native is not None and native.copy_blocks_between(src_cache, dst_cache, block_mapping.contiguous()):
+            return
+    swap_blocks_torch(src_cache, dst_cache, block_mapping)
+
+
+def swap_blocks_torch(src_cache: torch.Tensor, dst_cache: torch.Tensor, block_mapping: torch.Tensor) -> None:
+    """`swap_blocks` in plain torch (a gather into a temporary, then a scatter): the fallback
+    of the native copy and its reference in tests."""
     if block_mapping.numel() == 0:
         return
     num_layers = src_cache.shape[0]

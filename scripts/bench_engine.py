@@ -10,9 +10,11 @@ arrive together at t0 and each path serves them all:
     hf-cb       transformers' continuous batching (the manager behind generate_batch(),
                 driven directly so each request keeps its own max_new_tokens; warmed up
                 once, outside the timings)
-    floor       NOT an engine: Shoal's exact batches with write_kv and paged_attention
+    floor       NOT an engine: Shoal's exact batches through the model's transformers
+                modules (EngineConfig.native_forward off) with write_kv and paged_attention
                 replaced by no-ops (wrong tokens, same lengths and schedule). It times the
-                Hugging Face forward passes alone, a floor no engine that runs them can beat.
+                Hugging Face forward passes alone, a floor no engine that runs them can beat
+                (Shoal's native forward pass, docs/engine.md, does not run them).
 
 Reported per run: output tokens/s (all requests' generated tokens / time from t0 to the
 last completion: prefill included), decode tokens/s (the tokens after each request's first
@@ -73,7 +75,8 @@ from transformers.generation.streamers import BaseStreamer
 
 from shoal.cli.demo_models import make_demo_models
 from shoal.kernels import ops, reference
-from shoal.services.worker.engine.paged_engine import EngineConfig, PagedEngine
+from shoal.services.worker.engine.engine_config import EngineConfig
+from shoal.services.worker.engine.paged_engine import PagedEngine
 from shoal.services.worker.generation import GenerationRequest
 from shoal.shared.messages import SamplingParams
 
@@ -364,7 +367,11 @@ def _make_runner(
             tokenizer,
             allocation_bytes=GiB,
             config=EngineConfig(
-                max_num_seqs=64, max_num_batched_tokens=max_num_batched_tokens, runtime_overhead_bytes=0
+                max_num_seqs=64,
+                max_num_batched_tokens=max_num_batched_tokens,
+                runtime_overhead_bytes=0,
+                # the floor times transformers' forward passes, which Shoal's native one replaces
+                native_forward=name == "shoal",
             ),
         )
         run = run_shoal if name == "shoal" else run_without_attention

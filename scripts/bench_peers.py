@@ -236,6 +236,20 @@ async def complete_once(base_url: str, model: str, prompt: str, max_tokens: int)
                                        completion_body(model, prompt, max_tokens), time.perf_counter())
 
 
+STATS_INTERVAL_S = 1.0
+"""The workers' stats interval under the benchmark (``SHOAL_WORKER_STATS_INTERVAL_S``), so the
+preemption counter read from /metrics is at most this old."""
+
+
+async def read_shoal_preemptions(base_url: str, model: str) -> int:
+    """Requests the model's replicas have preempted since they started (their engines' own
+    counter, as the gateway exports it), read after one stats interval has passed."""
+    await asyncio.sleep(1.5 * STATS_INTERVAL_S)
+    async with aiohttp.ClientSession() as session, session.get(base_url + "/metrics") as response:
+        response.raise_for_status()
+        return int(wl.sum_metric(await response.text(), "shoal_worker_preemptions_total", model))
+
+
 async def llama_tokenize(base_url: str, text: str) -> list[int]:
     """llama-server's tokens for `text`, special tokens added as for a completion."""
     async with aiohttp.ClientSession() as session, session.post(
@@ -382,6 +396,7 @@ class Bench:
         candidates = get_parallel_candidates(c, self.args.parallel)
         try:
             asyncio.run(run_side(self.shoal_url, model, self._prompts(maker, warm), warm))
+            preemptions_before = asyncio.run(read_shoal_preemptions(self.shoal_url, model))
             if len(candidates) > 1:  # pilot: each candidate twice (A B B A), its best run kept
                 rates: dict[int, float] = {}
                 for parallel in candidates + candidates[::-1]:
@@ -424,6 +439,7 @@ class Bench:
                 row.num_rounds, row.num_busy_rounds = round_index, round_index - num_quiet
             finally:
                 server.stop()
+            row.num_shoal_preemptions = asyncio.run(read_shoal_preemptions(self.shoal_url, model)) - preemptions_before
             row.shoal, row.llama = wl.best_run(runs["shoal"]), wl.best_run(runs["llama"])
         except CellFailed as exc:
             row.notes.append(str(exc))
@@ -512,7 +528,8 @@ def render_section(args: argparse.Namespace, reports: list[ModelReport], *, comm
         f"with a run that started on a busy machine repeated, up to {args.max_extra_rounds} more: the last "
         "column); "
         "TTFT = mean time to the first streamed text. `--parallel`: the best of a pilot at C and C/2 "
-        "slots (each measured twice).",
+        "slots (each measured twice). Shoal preemptions: its engines' own counter over the cell's runs "
+        "(`shoal_worker_preemptions_total` on the gateway's /metrics).",
         "",
         wl.render_table(rows),
     ]
@@ -557,9 +574,11 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory(prefix="bench-peers-") as state:
         logs = Path(state) / "bench-logs"
         logs.mkdir()
-        shoal = start_shoal_up(args.models_root.resolve(), Path(state) / "shoal", "--log-level", "warning")
-        shoal_command = (f"SHOAL_WORKER_TORCH_THREADS={args.threads} shoal up --port <free> --models-root "
-                         f"<models root> --state-dir <temp> --gpus virtual:2x16GiB")
+        shoal = start_shoal_up(args.models_root.resolve(), Path(state) / "shoal", "--log-level", "warning",
+                               env={"SHOAL_WORKER_STATS_INTERVAL_S": str(STATS_INTERVAL_S)})
+        shoal_command = (f"SHOAL_WORKER_TORCH_THREADS={args.threads} SHOAL_WORKER_STATS_INTERVAL_S="
+                         f"{STATS_INTERVAL_S:g} shoal up --port <free> --models-root <models root> --state-dir <temp> "
+                         f"--gpus virtual:2x16GiB")
         bench = Bench(args, llama, shoal.base_url, logs)
         try:
             for model in args.models:

@@ -190,6 +190,8 @@ class Row:
     num_rounds: int = 0
     num_busy_rounds: int = 0
     """Rounds in which a run started while other processes held the cores."""
+    num_shoal_preemptions: int | None = None
+    """Requests Shoal's engine preempted during the cell (its own counter, from /metrics)."""
 
     @property
     def ratio(self) -> float | None:
@@ -220,8 +222,8 @@ def render_table(rows: Sequence[Row]) -> str:
     """The markdown table: one line per (model, prompt length, C)."""
     lines = [
         "| model | prompt tokens (mean; range) | C | Shoal tok/s | llama.cpp tok/s | Shoal / llama.cpp "
-        "| TTFT Shoal ms | TTFT llama.cpp ms | llama.cpp --parallel | rounds (busy) |",
-        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| TTFT Shoal ms | TTFT llama.cpp ms | llama.cpp --parallel | rounds (busy) | Shoal preemptions |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for row in rows:
         ratio = row.ratio
@@ -229,9 +231,21 @@ def render_table(rows: Sequence[Row]) -> str:
             f"| {row.model} | {_fmt_prompt(row.workload)} | {row.workload.concurrency} | "
             f"{_fmt_rate(row.shoal)} | {_fmt_rate(row.llama)} | "
             f"{'—' if ratio is None else f'**{ratio:.2f}**'} | {_fmt_ttft(row.shoal)} | "
-            f"{_fmt_ttft(row.llama)} | {row.parallel} | {row.num_rounds} ({row.num_busy_rounds}) |"
+            f"{_fmt_ttft(row.llama)} | {row.parallel} | {row.num_rounds} ({row.num_busy_rounds}) | "
+            f"{'—' if row.num_shoal_preemptions is None else row.num_shoal_preemptions} |"
         )
     return "\n".join(lines)
+
+
+def sum_metric(exposition: str, name: str, model: str) -> float:
+    """The sum over series of Prometheus metric `name` whose ``model`` label is `model`, from a
+    text exposition (a gateway's /metrics)."""
+    total = 0.0
+    label = f'model="{model}"'
+    for line in exposition.splitlines():
+        if line.startswith(name + "{") and label in line.split("}", 1)[0]:
+            total += float(line.rsplit(" ", 1)[1])
+    return total
 
 
 # --- docs ---------------------------------------------------------------------------------------

@@ -60,6 +60,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "request of the default workload)")
     parser.add_argument("--kv-cache-tokens", type=int, default=0,
                         help="cap the KV pool at this many tokens (0: no cap; `shoal up` caps at 4,096)")
+    parser.add_argument("--forward", choices=["native", "transformers"], default="native",
+                        help="the engine's forward pass: Shoal's native C code (default, as shipped) or the model's "
+                             "transformers modules (passes 2 and 3 split only that one)")
+    parser.add_argument("--cpu-threads", default="auto", help="EngineConfig.cpu_threads: auto or a number")
     parser.add_argument("--runs", type=int, default=3, help="timed runs per level (pass 1); the median step is kept")
     parser.add_argument("--models-root", type=Path,
                         default=Path(os.environ.get("SHOAL_TEST_MODELS_ROOT", REPO / "models")))
@@ -156,7 +160,7 @@ def serve(engine: Any, prompts: list[list[int]], max_tokens: int) -> tuple[float
 
 
 def time_phases(engine: Any, tokenizer: Any, c: int, args: argparse.Namespace) -> dict[str, Any]:
-    from shoal.services.worker.engine import paged_engine
+    from shoal.services.worker.engine import outputs, paged_engine
     from shoal.services.worker.generation import TextStream
 
     timer = PhaseTimer()
@@ -169,7 +173,7 @@ def time_phases(engine: Any, tokenizer: Any, c: int, args: argparse.Namespace) -
         timer.wrap(engine._scheduler, "update", "scheduler_update"),
         timer.wrap(engine, "_emit", "emit"),
         timer.wrap(TextStream, "push", "detokenize"),
-        timer.wrap(paged_engine._Outbox, "send", "handoff"),
+        timer.wrap(outputs.Outbox, "send", "handoff"),
     ]
     loop_cpu, walls, per_run = [], [], []
     try:
@@ -282,7 +286,7 @@ def instrumented_forward(engine: Any, timer: CategoryTimer) -> Iterator[None]:
     from transformers import AttentionInterface
     from transformers.models.llama import modeling_llama
 
-    from shoal.kernels import cpu_native
+    from shoal.kernels import cpu_kernels
     from shoal.services.worker.engine import attention
 
     around = "attention: Python and small ops around the kernels"
@@ -292,8 +296,8 @@ def instrumented_forward(engine: Any, timer: CategoryTimer) -> Iterator[None]:
             if label is not None:
                 stack.enter_context(timer.wrapped(module, "forward", label))
         stack.enter_context(timer.wrapped(modeling_llama, "apply_rotary_pos_emb", "rotary"))
-        stack.enter_context(timer.wrapped(cpu_native.CpuKernels, "write_kv", "attention: native write_kv"))
-        stack.enter_context(timer.wrapped(cpu_native.DecodePlan, "run", "attention: native decode kernel"))
+        stack.enter_context(timer.wrapped(cpu_kernels.CpuKernels, "write_kv", "attention: native write_kv"))
+        stack.enter_context(timer.wrapped(cpu_kernels.DecodePlan, "run", "attention: native decode kernel"))
         stack.enter_context(timer.wrapped(_AttentionHolder, "forward", around))
         AttentionInterface.register(attention.ATTN_IMPLEMENTATION, _AttentionHolder.forward)
         stack.callback(attention.register_attention)
@@ -410,7 +414,8 @@ def count_ops(engine: Any, tokenizer: Any, c: int, args: argparse.Namespace) -> 
 def engine_mode(args: argparse.Namespace) -> list[dict[str, Any]]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from shoal.services.worker.engine.paged_engine import EngineConfig, PagedEngine
+    from shoal.services.worker.engine.engine_config import EngineConfig
+    from shoal.services.worker.engine.paged_engine import PagedEngine
 
     torch.set_num_threads(args.threads)
     results = []
@@ -419,13 +424,16 @@ def engine_mode(args: argparse.Namespace) -> list[dict[str, Any]]:
         tokenizer = AutoTokenizer.from_pretrained(path)
         model = AutoModelForCausalLM.from_pretrained(path).eval()
         config = EngineConfig(max_num_seqs=64, max_num_batched_tokens=2048, warm_up=True,
-                              max_kv_cache_tokens=args.kv_cache_tokens or None)
+                              max_kv_cache_tokens=args.kv_cache_tokens or None,
+                              native_forward=args.forward == "native",
+                              cpu_threads="auto" if args.cpu_threads == "auto" else int(args.cpu_threads))
         engine = PagedEngine(model, tokenizer, allocation_bytes=int(args.allocation_gib * GiB), config=config)
         try:
             for c in (int(x) for x in args.concurrency.split(",")):
-                result = {"model": key, "c": c, **time_phases(engine, tokenizer, c, args),
-                          **time_forward(engine, tokenizer, c, args), **count_ops(engine, tokenizer, c, args),
-                          "num_preemptions": engine.get_stats().num_preemptions}
+                result = {"model": key, "c": c, "forward": engine.forward, **time_phases(engine, tokenizer, c, args)}
+                if engine.forward == "transformers":  # the native pass is one C call: no modules to wrap
+                    result |= {**time_forward(engine, tokenizer, c, args), **count_ops(engine, tokenizer, c, args)}
+                result["num_preemptions"] = engine.get_stats().num_preemptions
                 print(json.dumps(result), flush=True)
                 results.append(result)
         finally:

@@ -54,7 +54,7 @@ LOOP_RULES: tuple[tuple[str, str], ...] = (
     ("msgspec", "event loop: msgspec"),
     ("shoal/services/worker", "event loop: worker service"),
     ("services/worker", "event loop: worker service"),
-    ("_deliver", "event loop: worker service"),
+    ("deliver", "event loop: worker service"),
     ("asyncio", "event loop: asyncio"),
 )
 

@@ -271,7 +271,13 @@ class WorkerConfig(Struct, forbid_unknown_fields=True, kw_only=True):
     """Reuse the KV of prompt prefixes other requests computed (block hashes, LRU of freed
     blocks). Off only to measure what it saves (scripts/bench_sessions_live.py)."""
     torch_threads: int = 0
-    """Intra-op threads of each worker. 0: torch's default."""
+    """Intra-op threads of each worker's torch ops. 0: torch's default (the cores)."""
+    cpu_threads: int | Literal["auto"] = "auto"
+    """Threads of the CPU engine's native forward pass (docs/engine.md, "Threads"): a number
+    for every pass, or ``auto``: each pass takes one thread, or as many as the worker may use
+    (the cores of its CPU affinity, at most ``torch_threads`` when set) when its products are
+    large enough to share, so small models never wait on a second thread that the event loop,
+    NATS or the gateway holds."""
     runtime_overhead_bytes: int = DEFAULT_RUNTIME_OVERHEAD_BYTES
     """CUDA context and allocator slack a replica holds besides weights, activations and KV
     (real GPUs only); part of the memory estimate made from a model's config."""
@@ -288,6 +294,8 @@ class WorkerConfig(Struct, forbid_unknown_fields=True, kw_only=True):
             raise ValueError("worker.block_size, max_num_seqs and max_num_batched_tokens must be >= 1")
         if self.torch_threads < 0 or self.runtime_overhead_bytes < 0:
             raise ValueError("worker.torch_threads and runtime_overhead_bytes must be >= 0")
+        if self.cpu_threads != "auto" and self.cpu_threads < 1:
+            raise ValueError('worker.cpu_threads must be "auto" or >= 1')
         if self.stats_interval_s <= 0:
             raise ValueError("worker.stats_interval_s must be > 0")
 

@@ -45,7 +45,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta, Struct, field
 
-from shoal.shared.model_settings import MAX_REPLICAS, ModelSettings
+from shoal.shared.model_settings import DEFAULT_KV_CACHE_TOKENS, MAX_REPLICAS, ModelSettings
 from shoal.shared.subjects import REPLICA_ID_PATTERN, replica_name
 
 ReplicaId = Annotated[str, Meta(pattern=REPLICA_ID_PATTERN)]
@@ -353,6 +353,8 @@ class ReplicaRecord(Struct, kw_only=True, omit_defaults=True):
     """Requests it was running at `last_request_at` (a stream counts until its last byte)."""
     phase: LoadPhase | None = None
     """While `state` is ``loading``: how far it got (the worker reports it to its node agent)."""
+    kv_cache_tokens: int | None = None
+    """Tokens the replica's KV pool holds, as its worker reported when ready (paged engine)."""
 
     @property
     def name(self) -> str:
@@ -494,7 +496,7 @@ class InspectModel(Struct, tag="inspect", tag_field="type"):
 
     path: str
     dtype: str = "auto"
-    kv_cache_tokens: int = 4096
+    kv_cache_tokens: int = DEFAULT_KV_CACHE_TOKENS
 
 
 NodeCommand = CreateReplica | StopReplica | CacheReplica | RestoreReplica
@@ -541,6 +543,8 @@ class WorkerEvent(Struct, tag="worker_event", tag_field="type", omit_defaults=Tr
     """The event token its node agent gave the worker at launch (`WorkerLaunch.event_token`):
     the agent ignores events without it, so no other client can report for the replica (and,
     say, lower its model's measured memory)."""
+    kv_cache_tokens: int | None = None
+    """With ``ready``: tokens its engine's KV pool holds (paged engine)."""
 
 
 class KvCacheStats(Struct, omit_defaults=True):

@@ -24,7 +24,11 @@ from shoal.shared.subjects import InvalidModelKey, validate_model_key
 
 Dtype = Literal["auto", "float32", "float16", "bfloat16"]
 SleepLevel = Literal["warm", "cold"]
-DEFAULT_KV_CACHE_TOKENS = 4096
+DEFAULT_KV_CACHE_TOKENS = 32 * 2048
+"""A replica's default KV budget: 32 concurrent requests of 2,048 tokens (prompt and output;
+the demo models' whole context) without preemption. The memory estimate placement reserves
+(`shoal.shared.model_memory`) counts it, so a replica is placed with room for it; a model
+that needs another figure sets ``kv_cache_tokens`` (docs/engine.md, "KV pool size")."""
 MAX_REPLICAS = 1024
 """Replicas one model may have (desired, or asked for): a typo or a forged command must not
 flood the scheduler."""

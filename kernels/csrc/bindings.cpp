@@ -16,6 +16,8 @@
 #include <c10/util/Exception.h>
 #include <torch/csrc/utils/pybind.h>
 
+#include <optional>
+
 #include "kv_ops.h"
 
 namespace {
@@ -229,6 +231,98 @@ void swap_blocks(const at::Tensor& src_cache, at::Tensor& dst_cache, const at::T
   launch_copy(src_cache, dst_cache, block_mapping, "swap_blocks");
 }
 
+void check_matrix(const at::Tensor& tensor, const at::Tensor& like, const char* name) {
+  TORCH_CHECK(tensor.dim() == 2, name, " must be 2-D, got ", tensor.sizes());
+  TORCH_CHECK(tensor.scalar_type() == like.scalar_type(), name, " must be ", like.scalar_type(), ", got ",
+              tensor.scalar_type());
+  TORCH_CHECK(tensor.size(1) == 0 || tensor.stride(1) == 1, name, "'s last dim must be contiguous");
+  check_on(tensor, like.device(), name);
+}
+
+void rms_norm(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight, double eps,
+              const std::optional<at::Tensor>& residual) {
+  const c10::Device device = x.device();
+  TORCH_CHECK(device.is_cuda(), "rms_norm: x must be a CUDA tensor");
+  check_matrix(x, x, "x");
+  check_matrix(out, x, "out");
+  TORCH_CHECK(out.sizes() == x.sizes(), "out must have x's shape ", x.sizes(), ", got ", out.sizes());
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == x.size(1) && weight.is_contiguous() &&
+                  weight.scalar_type() == x.scalar_type(),
+              "weight must be contiguous [", x.size(1), "] of x's dtype");
+  check_on(weight, device, "weight");
+  const c10::DeviceGuard guard(device);
+  shoal::RmsNormArgs args{};
+  args.out = out.data_ptr();
+  args.x = x.data_ptr();
+  args.weight = weight.data_ptr();
+  args.num_rows = x.size(0);
+  args.hidden = x.size(1);
+  args.out_stride = out.stride(0);
+  args.x_stride = x.stride(0);
+  if (residual.has_value()) {
+    check_matrix(*residual, x, "residual");
+    TORCH_CHECK(residual->sizes() == x.sizes(), "residual must have x's shape");
+    args.residual = residual->data_ptr();
+    args.residual_stride = residual->stride(0);
+  }
+  args.eps = static_cast<float>(eps);
+  args.dtype = scalar_type(x);
+  check_launch(shoal::rms_norm(args, current_stream(device)), "rms_norm");
+}
+
+void rotary_embedding(at::Tensor& query, at::Tensor& key, const at::Tensor& cos, const at::Tensor& sin) {
+  const c10::Device device = query.device();
+  TORCH_CHECK(device.is_cuda(), "rotary_embedding: query must be a CUDA tensor");
+  TORCH_CHECK(query.dim() == 3 && key.dim() == 3 && query.size(0) == key.size(0) && query.size(2) == key.size(2),
+              "query and key must be [num_tokens, heads, head_dim], got ", query.sizes(), " and ", key.sizes());
+  TORCH_CHECK(query.size(2) % 2 == 0, "head_dim must be even, got ", query.size(2));
+  TORCH_CHECK((query.numel() == 0 || query.stride(2) == 1) && (key.numel() == 0 || key.stride(2) == 1),
+              "query's and key's last dims must be contiguous");
+  TORCH_CHECK(key.scalar_type() == query.scalar_type(), "key must be ", query.scalar_type());
+  check_on(key, device, "key");
+  check_matrix(cos, query, "cos");
+  check_matrix(sin, query, "sin");
+  TORCH_CHECK(cos.sizes() == sin.sizes() && cos.stride(0) == sin.stride(0) && cos.size(0) == query.size(0) &&
+                  cos.size(1) == query.size(2),
+              "cos and sin must be [num_tokens, head_dim] with one layout, got ", cos.sizes(), " and ", sin.sizes());
+  const c10::DeviceGuard guard(device);
+  shoal::RotaryArgs args{};
+  args.query = query.data_ptr();
+  args.key = key.data_ptr();
+  args.cos = cos.data_ptr();
+  args.sin = sin.data_ptr();
+  args.num_tokens = query.size(0);
+  args.num_query_heads = query.size(1);
+  args.num_key_heads = key.size(1);
+  args.head_dim = query.size(2);
+  args.query_token_stride = query.stride(0);
+  args.query_head_stride = query.stride(1);
+  args.key_token_stride = key.stride(0);
+  args.key_head_stride = key.stride(1);
+  args.cos_sin_stride = cos.stride(0);
+  args.dtype = scalar_type(query);
+  check_launch(shoal::rotary_embedding(args, current_stream(device)), "rotary_embedding");
+}
+
+void silu_mul(at::Tensor& out, const at::Tensor& gate_up) {
+  const c10::Device device = gate_up.device();
+  TORCH_CHECK(device.is_cuda(), "silu_mul: gate_up must be a CUDA tensor");
+  check_matrix(gate_up, gate_up, "gate_up");
+  check_matrix(out, gate_up, "out");
+  TORCH_CHECK(gate_up.size(1) % 2 == 0 && out.size(0) == gate_up.size(0) && out.size(1) * 2 == gate_up.size(1),
+              "gate_up must be [rows, 2 n] and out [rows, n], got ", gate_up.sizes(), " and ", out.sizes());
+  const c10::DeviceGuard guard(device);
+  shoal::SiluMulArgs args{};
+  args.out = out.data_ptr();
+  args.gate_up = gate_up.data_ptr();
+  args.num_rows = out.size(0);
+  args.n = out.size(1);
+  args.out_stride = out.stride(0);
+  args.gate_up_stride = gate_up.stride(0);
+  args.dtype = scalar_type(gate_up);
+  check_launch(shoal::silu_mul(args, current_stream(device)), "silu_mul");
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -237,4 +331,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention, "Varlen causal paged attention with GQA");
   m.def("copy_blocks", &copy_blocks, "Copy blocks inside one pool, all layers");
   m.def("swap_blocks", &swap_blocks, "Copy blocks between pools (GPU <-> pinned CPU), all layers");
+  m.def("rms_norm", &rms_norm, "RMSNorm of rows, after an optional residual add");
+  m.def("rotary_embedding", &rotary_embedding, "Rotary embedding of query and key, in place");
+  m.def("silu_mul", &silu_mul, "SiLU(gate) * up");
 }

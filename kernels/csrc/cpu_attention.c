@@ -35,6 +35,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "cpu_model.h"
+
 #if defined(__GNUC__) && !defined(__clang__)
 /* 32-byte vectors as arguments of (always inlined) functions built without AVX. */
 #pragma GCC diagnostic ignored "-Wpsabi"
@@ -58,21 +60,6 @@ enum {
 #define CHUNK 16 /* head_dim elements per step: two 8-float vectors */
 #define TILE 32  /* tokens scored before their values are summed (one rescale per tile) */
 #define MAX_SUBGROUP 8
-
-/* The batch of decoding sequences, built once per forward pass (kernels/cpu_native.py's
- * DecodePlan mirrors it) and used by every layer. */
-struct shoal_decode_plan {
-    int64_t num_seqs;
-    const int32_t *block_tables; /* [num_seqs, table_stride] block ids */
-    int64_t table_stride;
-    const int32_t *seq_lens; /* [num_seqs] context lengths, >= 1 */
-    const int32_t *rows;     /* [num_seqs] each sequence's query (and output) row */
-    int64_t num_blocks;      /* of the caches the plan is used with */
-    int64_t block_size;
-    int64_t num_kv_heads;
-    int64_t head_dim;
-    int64_t dtype;
-};
 
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
 
@@ -510,7 +497,8 @@ static int tile_row_pointers(const int32_t *table, int64_t start, int64_t seq_le
 
 /* The whole batch. tiles: the ISA's tile functions for the plan's dtype, by subgroup size
  * 1, 2, 4, 8. */
-static void decode_batch(const struct shoal_decode_plan *plan, int64_t num_heads, char *out, int64_t out_token_stride,
+static void decode_batch(const struct shoal_decode_plan *plan, int64_t seq_begin, int64_t seq_end, int64_t num_heads,
+                         char *out, int64_t out_token_stride,
                          int64_t out_head_stride, const char *query, int64_t query_token_stride,
                          int64_t query_head_stride, const char *key_cache, const char *value_cache, float scale,
                          const struct scratch *s, const tile_function tiles[4]) {
@@ -521,7 +509,7 @@ static void decode_batch(const struct shoal_decode_plan *plan, int64_t num_heads
     const int64_t row_bytes = num_kv_heads * head_dim * element_bytes; /* one token's K (or V) */
     const char *key_rows[2][TILE];
     const char *value_rows[2][TILE];
-    for (int64_t seq = 0; seq < plan->num_seqs; ++seq) {
+    for (int64_t seq = seq_begin; seq < seq_end; ++seq) {
         const int32_t *table = plan->block_tables + seq * plan->table_stride;
         const int64_t seq_len = plan->seq_lens[seq], row = plan->rows[seq];
         for (int64_t head = 0; head < num_heads; ++head) {
@@ -576,6 +564,22 @@ static void decode_batch(const struct shoal_decode_plan *plan, int64_t num_heads
     }
 }
 
+int64_t shoal_decode_scratch_floats(int64_t num_heads, int64_t head_dim) {
+    return num_heads * (2 * head_dim + 2) + MAX_SUBGROUP * (TILE + 1);
+}
+
+static struct scratch make_scratch(float *memory, int64_t num_heads, int64_t head_dim) {
+    const int64_t head_floats = num_heads * head_dim;
+    struct scratch s;
+    s.q = memory;
+    s.acc = s.q + head_floats;
+    s.running_max = s.acc + head_floats;
+    s.running_sum = s.running_max + num_heads;
+    s.alpha = s.running_sum + num_heads;
+    s.scores = s.alpha + MAX_SUBGROUP;
+    return s;
+}
+
 /* The fastest code path this CPU runs: ISA_AVX2 or ISA_BASELINE. */
 int64_t shoal_decode_attention_isa(void) {
 #if SHOAL_HAS_AVX2_PATH
@@ -591,7 +595,7 @@ int64_t shoal_decode_attention_isa(void) {
  * returns DECODE_OK, DECODE_BAD_GEOMETRY, or the first sequence with a length below 1, a
  * row outside [0, num_tokens), more blocks than its table has, or a block id outside
  * [0, num_blocks). */
-static int64_t check_plan(const struct shoal_decode_plan *plan, int64_t num_tokens, int64_t num_heads) {
+int64_t shoal_decode_check(const struct shoal_decode_plan *plan, int64_t num_tokens, int64_t num_heads) {
     if (plan->head_dim <= 0 || plan->head_dim % CHUNK || plan->num_kv_heads <= 0 || num_heads <= 0 ||
         num_heads % plan->num_kv_heads || plan->block_size <= 0 || plan->num_seqs < 0 ||
         plan->dtype < DTYPE_FLOAT32 || plan->dtype > DTYPE_FLOAT16) {
@@ -628,7 +632,7 @@ int64_t shoal_decode_attention(const struct shoal_decode_plan *plan, char *out, 
                                int64_t out_head_stride, const char *query, int64_t query_token_stride,
                                int64_t query_head_stride, int64_t num_tokens, int64_t num_heads,
                                const char *key_cache, const char *value_cache, double scale, int64_t isa) {
-    const int64_t checked = check_plan(plan, num_tokens, num_heads);
+    const int64_t checked = shoal_decode_check(plan, num_tokens, num_heads);
     if (checked != DECODE_OK) {
         return checked;
     }
@@ -641,27 +645,41 @@ int64_t shoal_decode_attention(const struct shoal_decode_plan *plan, char *out, 
     if (plan->num_seqs == 0) {
         return DECODE_OK;
     }
-    const int64_t per_head = 2 * plan->head_dim + 2;
-    float *memory = malloc((size_t)(num_heads * per_head + MAX_SUBGROUP * (TILE + 1)) * sizeof(float));
+    float *memory = malloc((size_t)shoal_decode_scratch_floats(num_heads, plan->head_dim) * sizeof(float));
     if (memory == NULL) {
         return DECODE_NO_MEMORY;
     }
-    const int64_t head_floats = num_heads * plan->head_dim;
-    struct scratch s;
-    s.q = memory;
-    s.acc = s.q + head_floats;
-    s.running_max = s.acc + head_floats;
-    s.running_sum = s.running_max + num_heads;
-    s.alpha = s.running_sum + num_heads;
-    s.scores = s.alpha + MAX_SUBGROUP;
-const tile_function *tiles = tiles_baseline[plan->dtype];
+    const struct scratch s = make_scratch(memory, num_heads, plan->head_dim);
+    const tile_function *tiles = tiles_baseline[plan->dtype];
 #if SHOAL_HAS_AVX2_PATH
     if (isa == ISA_AVX2) {
         tiles = tiles_avx2[plan->dtype];
     }
 #endif
-    decode_batch(plan, num_heads, out, out_token_stride, out_head_stride, query, query_token_stride, query_head_stride,
+    decode_batch(plan, 0, plan->num_seqs, num_heads, out, out_token_stride, out_head_stride, query, query_token_stride, query_head_stride,
                  key_cache, value_cache, (float)scale, &s, tiles);
     free(memory);
     return DECODE_OK;
+}
+
+/* Sequences [seq_begin, seq_end) of a checked plan (shoal_decode_check), the best code path,
+ * with the caller's scratch: the native model forward's attention, run by several threads
+ * over disjoint ranges of sequences. */
+void shoal_decode_attention_range(const struct shoal_decode_plan *plan, int64_t seq_begin, int64_t seq_end,
+                                  char *out, int64_t out_token_stride, int64_t out_head_stride, const char *query,
+                                  int64_t query_token_stride, int64_t query_head_stride, int64_t num_heads,
+                                  const char *key_cache, const char *value_cache, float scale, float *scratch) {
+    static int64_t best = -1;
+    if (best < 0) {
+        best = shoal_decode_attention_isa();
+    }
+    const struct scratch s = make_scratch(scratch, num_heads, plan->head_dim);
+    const tile_function *tiles = tiles_baseline[plan->dtype];
+#if SHOAL_HAS_AVX2_PATH
+    if (best == ISA_AVX2) {
+        tiles = tiles_avx2[plan->dtype];
+    }
+#endif
+    decode_batch(plan, seq_begin, seq_end, num_heads, out, out_token_stride, out_head_stride, query,
+                 query_token_stride, query_head_stride, key_cache, value_cache, scale, &s, tiles);
 }

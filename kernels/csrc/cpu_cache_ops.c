@@ -13,6 +13,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "cpu_model.h"
+
 #if defined(__x86_64__) || defined(_M_X64)
 #include <emmintrin.h>
 #define SHOAL_X86_64 1
@@ -25,7 +27,7 @@
 #define CACHED_PREFETCH_DISTANCE 2
 
 /* Bumped whenever shoal_write_kv's signature changes; the loader checks it. */
-int64_t shoal_cpu_kernels_abi(void) { return 2; }
+int64_t shoal_cpu_kernels_abi(void) { return 3; }
 
 /* Whether this build has streaming stores (x86-64); elsewhere every copy is memcpy. */
 int64_t shoal_cpu_kernels_streaming(void) { return SHOAL_X86_64; }
@@ -169,5 +171,54 @@ int64_t shoal_write_kv(const char *key, const char *value, int64_t key_token_str
         _mm_sfence(); /* streaming stores are weakly ordered: make them visible before returning */
     }
 #endif
+    return -1;
+}
+
+/* swap_blocks (and copy_blocks) on the CPU: for every (src, dst) pair of block_mapping and
+ * every plane (layer x key/value), the block's bytes from the source pool into the
+ * destination pool, in one pass and no temporary, the planes shared among num_threads
+ * threads. A plane of a pool is num_blocks blocks of block_bytes bytes, plane_stride bytes
+ * from the next plane's start. pairs: num_pairs (src, dst) int64 pairs. streaming:
+ * non-temporal stores (a large move: the destination is not read soon after).
+ *
+ * Returns -1, or the first pair with a block id outside its pool (nothing copied then). */
+struct copy_job {
+    const char *src;
+    char *dst;
+    int64_t num_planes, src_plane_stride, dst_plane_stride, block_bytes, num_pairs;
+    const int64_t *pairs;
+    int streaming;
+};
+
+/* One plane (a layer's keys or values) of every pair. */
+static void copy_plane(const void *context, int64_t plane) {
+    const struct copy_job *job = context;
+    const char *src_plane = job->src + plane * job->src_plane_stride;
+    char *dst_plane = job->dst + plane * job->dst_plane_stride;
+    for (int64_t pair = 0; pair < job->num_pairs; ++pair) {
+        copy_chunk(dst_plane + job->pairs[2 * pair + 1] * job->block_bytes,
+                   src_plane + job->pairs[2 * pair] * job->block_bytes, (size_t)job->block_bytes, job->streaming);
+    }
+#if SHOAL_X86_64
+    if (job->streaming) {
+        _mm_sfence();
+    }
+#endif
+}
+
+int64_t shoal_copy_blocks_between(const char *src, char *dst, int64_t num_planes, int64_t src_plane_stride,
+                                  int64_t dst_plane_stride, int64_t block_bytes, int64_t num_src_blocks,
+                                  int64_t num_dst_blocks, const int64_t *pairs, int64_t num_pairs,
+                                  int64_t streaming, int64_t num_threads) {
+    for (int64_t pair = 0; pair < num_pairs; ++pair) {
+        const int64_t from = pairs[2 * pair], to = pairs[2 * pair + 1];
+        if (from < 0 || from >= num_src_blocks || to < 0 || to >= num_dst_blocks) {
+            return pair;
+        }
+    }
+    struct copy_job job = {src,       dst,   num_planes, src_plane_stride, dst_plane_stride, block_bytes,
+                           num_pairs, pairs, (int)streaming};
+    const struct shoal_phase phase = {copy_plane, &job, num_planes};
+    shoal_run_phases(&phase, 1, (int)num_threads);
     return -1;
 }

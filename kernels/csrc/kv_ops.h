@@ -81,6 +81,49 @@ struct CopyBlocksArgs {
   int64_t block_bytes;  // block_size * num_kv_heads * head_dim * element_bytes
 };
 
+// The fused layer ops (layer_ops.cu; kernels/layer_ops.py). Strides in elements; the last
+// dim of every tensor contiguous. The tensors share `dtype`.
+struct RmsNormArgs {
+  void* out;             // [num_rows, hidden]
+  const void* x;         // [num_rows, hidden]
+  void* residual;        // [num_rows, hidden], updated to residual + x; nullptr for none
+  const void* weight;    // [hidden]
+  int64_t num_rows;
+  int64_t hidden;
+  int64_t out_stride;
+  int64_t x_stride;
+  int64_t residual_stride;
+  float eps;
+  ScalarType dtype;
+};
+
+struct RotaryArgs {
+  void* query;           // [num_tokens, num_query_heads, head_dim], in place
+  void* key;             // [num_tokens, num_key_heads, head_dim], in place
+  const void* cos;       // [num_tokens, head_dim] (the first half is read; transformers' halves are equal)
+  const void* sin;
+  int64_t num_tokens;
+  int64_t num_query_heads;
+  int64_t num_key_heads;
+  int64_t head_dim;
+  int64_t query_token_stride;
+  int64_t query_head_stride;
+  int64_t key_token_stride;
+  int64_t key_head_stride;
+  int64_t cos_sin_stride;
+  ScalarType dtype;
+};
+
+struct SiluMulArgs {
+  void* out;             // [num_rows, n]
+  const void* gate_up;   // [num_rows, 2 n]: gate then up
+  int64_t num_rows;
+  int64_t n;
+  int64_t out_stride;
+  int64_t gate_up_stride;
+  ScalarType dtype;
+};
+
 // Head dims up to this many are supported by paged_attention.
 constexpr int64_t kMaxHeadDim = 256;
 
@@ -90,6 +133,9 @@ cudaError_t write_kv(const WriteKvArgs& args, cudaStream_t stream);
 cudaError_t paged_attention_plan(const PagedAttentionArgs& args, PagedAttentionPlan* plan);
 cudaError_t paged_attention(const PagedAttentionArgs& args, cudaStream_t stream);
 cudaError_t copy_blocks(const CopyBlocksArgs& args, cudaStream_t stream);
+cudaError_t rms_norm(const RmsNormArgs& args, cudaStream_t stream);
+cudaError_t rotary_embedding(const RotaryArgs& args, cudaStream_t stream);
+cudaError_t silu_mul(const SiluMulArgs& args, cudaStream_t stream);
 
 // The device address of a pinned (page-locked) host pointer, usable by kernels.
 // Fails for pageable memory.

@@ -377,7 +377,8 @@ class NodeAgent:
         structlog.contextvars.bind_contextvars(model=record.model, replica=record.replica_id)
         if event.kind == "ready":
             replica.ready.set()
-            await self._became_ready(replica, self._measure(record, event.pid, event.measured_bytes), event.pid)
+            await self._became_ready(replica, self._measure(record, event.pid, event.measured_bytes), event.pid,
+                                     kv_cache_tokens=event.kv_cache_tokens)
         elif event.kind == "loading" and event.phase is not None:
             await self._set_state(record, "loading", phase=event.phase)
         elif event.kind == "failed":
@@ -387,9 +388,11 @@ class NodeAgent:
         return NodeReply(ok=True)
 
     async def _became_ready(self, replica: _Replica, measured: int | None, pid: int | None, *,
-                            restored: bool = False) -> None:
+                            restored: bool = False, kv_cache_tokens: int | None = None) -> None:
         record = replica.record
         changes: dict[str, object] = {"pid": pid, "measured_bytes": measured}
+        if kv_cache_tokens is not None:
+            changes["kv_cache_tokens"] = kv_cache_tokens
         if not restored:
             changes["ready_at"] = now()
         await self._set_state(record, "ready", **changes)

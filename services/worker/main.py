@@ -165,7 +165,8 @@ async def serve(launch: WorkerLaunch) -> int:
         await report(
             bus,
             launch,
-            WorkerEvent(replica.replica_id, "ready", measured_bytes=measured, weight_bytes=loaded.weight_bytes, pid=pid),
+            WorkerEvent(replica.replica_id, "ready", measured_bytes=measured, weight_bytes=loaded.weight_bytes, pid=pid,
+                        kv_cache_tokens=getattr(engine, "kv_cache_tokens", None)),
         )
         log.info("worker_ready", measured_bytes=measured, weight_bytes=loaded.weight_bytes)
         stop_task = asyncio.create_task(stop.wait())

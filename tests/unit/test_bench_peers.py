@@ -162,16 +162,28 @@ def test_render_table_rows_ratio_and_gaps() -> None:
     workload = wl.Workload(2048, (1920, 1847, 1920), 128, clipped=True)
     rows = [
         wl.Row("demo/llama-5m", wl.Workload(64, (64,), 128), run(1.0, (0.02,)), run(0.5, (0.01,)), parallel=1,
-               num_rounds=3, num_busy_rounds=1),
+               num_rounds=3, num_busy_rounds=1, num_shoal_preemptions=0),
         wl.Row("demo/llama-100m", workload, None, run(10.0, (1.0, 2.0, 3.0)), parallel=2, notes=["HTTP 504"]),
     ]
     table = wl.render_table(rows).splitlines()
     assert table[0].startswith("| model | prompt tokens")
     assert len(table) == 4
-    assert table[2] == "| demo/llama-5m | ~64 (64) | 1 | 128.0 | 256.0 | **0.50** | 20 | 10 | 1 | 3 (1) |"
+    assert table[2] == "| demo/llama-5m | ~64 (64) | 1 | 128.0 | 256.0 | **0.50** | 20 | 10 | 1 | 3 (1) | 0 |"
     assert table[3] == ("| demo/llama-100m | ~2,048 (1,896; 1,847–1,920) clipped | 3 | — | 38.4 | — | — | "
-                        "2,000 | 2 | 0 (0) |")
+                        "2,000 | 2 | 0 (0) | — |")
     assert rows[0].ratio == pytest.approx(0.5) and rows[1].ratio is None
+
+
+def test_sum_metric_adds_the_model_s_series_only() -> None:
+    exposition = "\n".join([
+        "# HELP shoal_worker_preemptions_total Requests preempted",
+        'shoal_worker_preemptions_total{model="demo/llama-5m",replica="a",node="n"} 3.0',
+        'shoal_worker_preemptions_total{model="demo/llama-5m",replica="b",node="n"} 4.0',
+        'shoal_worker_preemptions_total{model="demo/llama-100m",replica="c",node="n"} 9.0',
+        'shoal_worker_preemptions_created{model="demo/llama-5m",replica="a",node="n"} 1.7e9',
+    ])
+    assert wl.sum_metric(exposition, "shoal_worker_preemptions_total", "demo/llama-5m") == 7.0
+    assert wl.sum_metric(exposition, "shoal_worker_preemptions_total", "demo/other") == 0.0
 
 
 # --- the docs section -------------------------------------------------------------------------------

@@ -7,8 +7,10 @@ from typing import Any
 
 import torch
 
-from shoal.services.worker.engine.paged_engine import EngineConfig, PagedEngine, get_min_engine_bytes
+from shoal.services.worker.engine.engine_config import EngineConfig
+from shoal.services.worker.engine.paged_engine import PagedEngine
 from shoal.services.worker.engine.session_kv import SessionSettings
+from shoal.services.worker.engine.sizing import get_min_engine_bytes
 from shoal.services.worker.loader import LoadedModel
 from shoal.shared.config import WorkerConfig
 from shoal.shared.model_settings import DEFAULT_KV_CACHE_TOKENS
@@ -42,6 +44,7 @@ def make_engine_config(
         # only ever raises the memory figure (placement/memory_figure.py).
         warm_up=warm_up,
         sessions=sessions,
+        cpu_threads=worker.cpu_threads,
     )
 
 
@@ -67,7 +70,9 @@ def build_paged_engine(
 
     The pool gets `allocation_bytes` minus the measured weights, the activation reserve
     and the runtime overhead (`shoal.shared.model_memory`), capped at the model's KV
-    budget `kv_cache_tokens`; a replica with no allocation gets `DEFAULT_KV_CACHE_TOKENS`.
+    budget `kv_cache_tokens`; a replica with no allocation gets `kv_cache_tokens` (default
+    `DEFAULT_KV_CACHE_TOKENS`, 32 requests of 2,048 tokens). The pool's size is logged
+    (``engine.started``) and reported with the worker's ready event (``shoal status``).
     The engine runs its warm-up pass before it is returned. `sessions` turns the session
     cache on (docs/sessions.md); its host pool is CPU memory on top of the allocation.
 
@@ -78,7 +83,9 @@ def build_paged_engine(
     config = make_engine_config(
         loaded.device,
         worker,
-        num_blocks=None if loaded.allocation_bytes else -(-DEFAULT_KV_CACHE_TOKENS // worker.block_size),
+        num_blocks=None
+        if loaded.allocation_bytes
+        else -(-(kv_cache_tokens or DEFAULT_KV_CACHE_TOKENS) // worker.block_size),
         kv_cache_tokens=kv_cache_tokens,
         sessions=sessions,
         warm_up=warm_up,

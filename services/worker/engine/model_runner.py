@@ -8,6 +8,8 @@ logits of each sampling sequence's last token are computed (`logits_to_keep`).
 
 from __future__ import annotations
 
+import math
+import mmap
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -18,7 +20,19 @@ from shoal.kernels import ops
 from shoal.kernels.attention_plan import plan_attention
 from shoal.services.worker.engine.attention import BATCH_KWARG, PagedBatch
 from shoal.services.worker.engine.batch_scheduler import StepPlan
+from shoal.services.worker.engine.native_forward import NativeForward, PackedModel, ThreadPolicy
 from shoal.shared.kv_cache.manager import KVCacheManager
+
+
+def allocate_zeros_lazily(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A zeroed CPU tensor whose memory the system commits page by page as it is first
+    written: anonymous mmap pages read as zeros until then. A KV pool sized for its full
+    budget (`shoal.shared.model_settings.DEFAULT_KV_CACHE_TOKENS`) then takes the process's
+    memory as the load fills it, not all at start (`torch.zeros` writes every page)."""
+    num_bytes = math.prod(shape) * dtype.itemsize
+    if num_bytes == 0:
+        return torch.zeros(shape, dtype=dtype)
+    return torch.frombuffer(mmap.mmap(-1, num_bytes), dtype=dtype).view(shape)  # the tensor keeps the mmap
 
 
 @dataclass(frozen=True)
@@ -48,9 +62,21 @@ class ModelRunner:
         block_size: tokens per block.
         num_host_blocks: blocks of the host pool (the session cache's CPU tier): same layout,
             in CPU memory (pinned when the model is on CUDA); 0 for none.
+        packed_model: the model's weights packed for the native forward (`native_forward`),
+            which then runs every pass instead of the model's modules.
+        threads: the native forward's thread policy.
     """
 
-    def __init__(self, model: Any, num_blocks: int, block_size: int, num_host_blocks: int = 0) -> None:
+    def __init__(
+        self,
+        model: Any,
+        num_blocks: int,
+        block_size: int,
+        num_host_blocks: int = 0,
+        *,
+        packed_model: PackedModel | None = None,
+        threads: ThreadPolicy | None = None,
+    ) -> None:
         config = model.config
         self.model = model
         self.block_size = block_size
@@ -59,21 +85,28 @@ class ModelRunner:
         num_kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         # One tensor for the whole pool; the layout is drawn in `shoal.kernels.ops`.
-        self.kv_cache = torch.zeros(
-            (config.num_hidden_layers, 2, num_blocks, block_size, num_kv_heads, head_dim),
-            dtype=self.dtype,
-            device=self.device,
-        )
+        shape = (config.num_hidden_layers, 2, num_blocks, block_size, num_kv_heads, head_dim)
+        if self.device.type == "cpu":
+            self.kv_cache = allocate_zeros_lazily(shape, self.dtype)
+        else:
+            self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.layer_caches = [(layer[0], layer[1]) for layer in self.kv_cache]
         self.host_cache: torch.Tensor | None = None
         if num_host_blocks:
-            shape = list(self.kv_cache.shape)
-            shape[2] = num_host_blocks
+            host_shape = list(self.kv_cache.shape)
+            host_shape[2] = num_host_blocks
             # Pinned on CUDA: the swap kernel reads and writes it through its mapped address.
             self.host_cache = torch.zeros(
-                shape, dtype=self.dtype, device="cpu", pin_memory=self.device.type == "cuda"
+                host_shape, dtype=self.dtype, device="cpu", pin_memory=self.device.type == "cuda"
             )
         self._swap_in_timing: tuple[float, Any, Any] | None = None
+        self.threads = threads or ThreadPolicy(max_threads=1)
+        self.last_argmax: torch.Tensor | None = None
+        """The last `execute`'s most likely token per row of its logits (same order), when the
+        native forward computed it; None otherwise."""
+        self.native: NativeForward | None = None
+        if packed_model is not None:
+            self.native = NativeForward(packed_model, self.layer_caches, self.threads)
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -110,25 +143,33 @@ class ModelRunner:
         block_tables: list[list[int]] = []
         chunks = plan.chunks
         order: list[int] | range = range(len(chunks))
-        if device.type == "cpu":
+        if device.type == "cpu" and self.native is None:
             # Decoding sequences first, shortest context first: the CPU attention's length
-            # groups are then runs of rows, read and written in place (no row gathers).
+            # groups are then runs of rows, read and written in place (no row gathers). The
+            # native forward's decode attention takes rows in any order.
             order = sorted(
                 order, key=lambda i: (chunks[i].num_new_tokens != 1, chunks[i].num_computed_tokens)
             )
+        get_block_ids = kv_cache_manager.get_block_ids
         for index in order:
             chunk = chunks[index]
             start = chunk.num_computed_tokens
-            end = start + chunk.num_new_tokens
-            input_ids += chunk.seq.token_ids[start:end]
-            position_ids += range(start, end)
-            block_ids = kv_cache_manager.get_block_ids(chunk.seq.seq_id)
-            position = start
-            while position < end:  # one range per block touched, not one item per token
-                block_end = min(end, (position // block_size + 1) * block_size)
-                base = block_ids[position // block_size] * block_size - (position // block_size) * block_size
-                slot_mapping += range(base + position, base + block_end)
-                position = block_end
+            block_ids = get_block_ids(chunk.seq.seq_id)
+            if chunk.num_new_tokens == 1:  # a decode row (most rows): no ranges, no loop
+                end = start + 1
+                input_ids.append(chunk.seq.token_ids[start])
+                position_ids.append(start)
+                slot_mapping.append(block_ids[start // block_size] * block_size + start % block_size)
+            else:
+                end = start + chunk.num_new_tokens
+                input_ids += chunk.seq.token_ids[start:end]
+                position_ids += range(start, end)
+                position = start
+                while position < end:  # one range per block touched, not one item per token
+                    block_end = min(end, (position // block_size + 1) * block_size)
+                    base = block_ids[position // block_size] * block_size - (position // block_size) * block_size
+                    slot_mapping += range(base + position, base + block_end)
+                    position = block_end
             seq_lens.append(end)
             query_start_loc.append(len(input_ids))
             block_tables.append(block_ids)
@@ -192,14 +233,21 @@ class ModelRunner:
             self._swap_in(step.swap_in_pairs)
         if step.copy_pairs is not None:
             ops.copy_blocks(self.kv_cache, step.copy_pairs)
-        output = self.model(
-            input_ids=step.input_ids,
-            position_ids=step.position_ids,
-            use_cache=False,
-            logits_to_keep=step.logits_to_keep,
-            **{BATCH_KWARG: step.batch},
-        )
-        logits = output.logits[0]
+        self.last_argmax = None
+        if self.native is not None:
+            logits = self.native.execute(step.input_ids, step.position_ids, step.batch, step.logits_to_keep)
+            argmax = self.native.last_argmax
+            if argmax is not None:
+                self.last_argmax = argmax if step.logits_order is None else argmax.index_select(0, step.logits_order)
+        else:
+            output = self.model(
+                input_ids=step.input_ids,
+                position_ids=step.position_ids,
+                use_cache=False,
+                logits_to_keep=step.logits_to_keep,
+                **{BATCH_KWARG: step.batch},
+            )
+            logits = output.logits[0]
         return logits if step.logits_order is None else logits.index_select(0, step.logits_order)
 
     def _swap_in(self, pairs: torch.Tensor) -> None:

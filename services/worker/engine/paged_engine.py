@@ -16,11 +16,11 @@ again only by the next plan, after the pass.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import structlog
@@ -32,10 +32,19 @@ from shoal.services.worker.engine import packed_linear
 from shoal.services.worker.engine.attention import ATTN_IMPLEMENTATION, register_attention
 from shoal.services.worker.engine.batch_scheduler import BatchScheduler, BatchSchedulerConfig, SequenceUpdate
 from shoal.services.worker.engine.cost_profile import get_cost_profile, get_profile_key
+from shoal.services.worker.engine.engine_config import EngineConfig, EngineStats
 from shoal.services.worker.engine.model_runner import ModelRunner
+from shoal.services.worker.engine.native_forward import PackedModel, get_unsupported_reason, pack_model
+from shoal.services.worker.engine.outputs import Outbox, RequestState, Tokens
 from shoal.services.worker.engine.sampler import SamplingState, TokenHistory, sample
 from shoal.services.worker.engine.sequence import Sequence
-from shoal.services.worker.engine.session_kv import SessionKV, SessionSettings, SessionStats
+from shoal.services.worker.engine.session_kv import SessionKV
+from shoal.services.worker.engine.sizing import (
+    get_max_model_len,
+    get_reserve_bytes,
+    make_thread_policy,
+    size_pool,
+)
 from shoal.services.worker.engine.warm_up import get_warm_up_lengths, warm_up
 from shoal.services.worker.generation import (
     FinishReason,
@@ -44,16 +53,12 @@ from shoal.services.worker.generation import (
     RequestRejected,
     TextStream,
 )
-from shoal.services.worker.loader import ModelLoadError
-from shoal.shared.config import WorkerConfig
-from shoal.shared.kv_cache.block_pool import BlockPool, BlockPoolStats
+from shoal.shared.kv_cache.block_pool import BlockPool
 from shoal.shared.kv_cache.cost_model import CostProfile
 from shoal.shared.kv_cache.manager import KVCacheManager
 from shoal.shared.kv_cache.session_cache import SessionCache, SessionCacheConfig, SessionInfo
 from shoal.shared.model_memory import (
-    get_activation_bytes,
     get_model_shape,
-    size_kv_pool,
 )
 
 log = structlog.get_logger(__name__)
@@ -63,103 +68,7 @@ SESSION_EXPIRY_INTERVAL_S = 1.0
 """How often an idle engine with cached sessions looks for expired ones."""
 
 
-_WORKER = WorkerConfig()
-
-
-class KVPoolTooSmall(ModelLoadError):
-    """The allocation leaves no room for a KV block pool after weights and reserve."""
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    """How one engine runs. The defaults are the ``[worker]`` settings' (declared once, in
-    `shoal.shared.config.WorkerConfig`); `factory.make_engine_config` builds one from them."""
-
-    block_size: int = _WORKER.block_size
-    """Tokens per KV block."""
-    max_num_seqs: int = _WORKER.max_num_seqs
-    """Most requests in the engine (running and waiting); also bounds `num_free_slots`."""
-    max_num_batched_tokens: int = _WORKER.max_num_batched_tokens
-    """Token budget of one forward pass (chunked prefill splits longer prompts); at least
-    `max_num_seqs`, so every running sequence decodes in every step."""
-    enable_prefix_caching: bool = _WORKER.prefix_caching
-    num_blocks: int | None = None
-    """Pool size in blocks; None sizes it from the allocation (`size_kv_pool`)."""
-    max_kv_cache_tokens: int | None = None
-    """The model's KV budget: a pool sized from a generous allocation stops here, so the
-    memory a replica is measured to hold is what it needs, not all it was given."""
-    runtime_overhead_bytes: int = _WORKER.runtime_overhead_bytes
-    """Kept out of the pool besides weights and activations (CUDA context, allocator slack)."""
-    pack_cpu_linear_weights: bool = True
-    """On the CPU, run float32 linear layers on oneDNN-packed weights (`packed_linear`),
-    1.1-2.5x faster than MKL's; the packed tensors replace the weights (same bytes)."""
-    warm_up: bool = False
-    """Run one forward pass at the token budget (a small one on the CPU) while the engine is
-    built (`warm_up.py`), so a server's memory is measured after its peak and its first
-    request pays no first-pass costs. The worker's factory turns it on."""
-    sessions: SessionSettings | None = None
-    """The session cache (docs/sessions.md): a finished turn of a request with a
-    `session_id` keeps its KV for the session's next turn. None: no session cache."""
-
-    def __post_init__(self) -> None:
-        assert self.block_size > 0, f"block_size must be positive, got {self.block_size}"
-        assert self.num_blocks is None or self.num_blocks > 0, (
-            f"num_blocks must be positive, got {self.num_blocks}"
-        )
-
-
-@dataclass(frozen=True)
-class EngineStats:
-    pool: BlockPoolStats
-    num_running: int
-    num_waiting: int
-    num_preemptions: int
-    """Sequences preempted (K/V dropped, recomputed later) since the engine started."""
-    sessions: SessionStats | None = None
-    """The session cache's figures (None without one)."""
-    num_steps: int = 0
-    """Forward passes run since the engine started."""
-    num_step_seqs: int = 0
-    """Sequences summed over those passes (mean batch size: num_step_seqs / num_steps)."""
-    step_seconds: float = 0.0
-    """Time those passes took (forward and sampling)."""
-
-
-@dataclass(eq=False)
-class _RequestState:
-    """What the step thread needs to answer one request."""
-
-    request: GenerationRequest
-    seq: Sequence
-    sampling: SamplingState
-    text: TextStream
-    loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue[GenerationOutput]
-    num_unsent_tokens: int = 0
-    """Tokens whose text is held back (half a character, a possible stop string)."""
-    finished: bool = False
-
-
-@dataclass
-class _Outbox:
-    """Outputs of one step, grouped by event loop: one thread-safe call per loop per step."""
-
-    by_loop: dict[
-        asyncio.AbstractEventLoop, list[tuple[asyncio.Queue[GenerationOutput], GenerationOutput]]
-    ] = field(default_factory=dict)
-
-    def put(self, state: _RequestState, output: GenerationOutput) -> None:
-        self.by_loop.setdefault(state.loop, []).append((state.queue, output))
-
-    def send(self) -> None:
-        for loop, items in self.by_loop.items():
-            if not loop.is_closed():
-                loop.call_soon_threadsafe(_deliver, items)
-
-
-def _deliver(items: list[tuple[asyncio.Queue[GenerationOutput], GenerationOutput]]) -> None:
-    for queue, output in items:
-        queue.put_nowait(output)
+_DEFAULT_CONFIG = EngineConfig()
 
 
 class PagedEngine:
@@ -188,7 +97,7 @@ class PagedEngine:
         tokenizer: Any,
         *,
         allocation_bytes: int | None = None,
-        config: EngineConfig = EngineConfig(),
+        config: EngineConfig = _DEFAULT_CONFIG,
         max_model_len: int | None = None,
         session_clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -200,27 +109,54 @@ class PagedEngine:
         register_attention()
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
         model.eval()
-        self.packed_weight_bytes = (
-            packed_linear.pack_linear_weights(model) if config.pack_cpu_linear_weights else 0
-        )
-        """Weight bytes moved out of the model's parameters into oneDNN-packed tensors (CPU)."""
-        if self.packed_weight_bytes:
-            packed_linear.warm_up(model, min(config.max_num_seqs, packed_linear.EXACT_ROWS))
-        self.reserve_bytes = self._get_reserve_bytes(model)
+        packed: PackedModel | None = None
+        self.forward: str = "transformers"
+        """What runs the forward passes: "native" (`native_forward`) or "transformers"."""
+        self.forward_reason: str | None = None
+        """Why not "native", on the CPU."""
+        if next(model.parameters()).device.type == "cpu":
+            self.forward_reason = (
+                get_unsupported_reason(model) if config.native_forward else "EngineConfig.native_forward is off"
+            )
+            if self.forward_reason is None:
+                packed = pack_model(model)
+                self.forward = "native"
+        if packed is not None:
+            self.packed_weight_bytes = packed.nbytes
+        else:
+            self.packed_weight_bytes = (
+                packed_linear.pack_linear_weights(model) if config.pack_cpu_linear_weights else 0
+            )
+            if self.packed_weight_bytes:
+                packed_linear.warm_up(model, min(config.max_num_seqs, packed_linear.EXACT_ROWS))
+        """Weight bytes moved out of the model's parameters into packed tensors (CPU): the
+        native forward's panels, or oneDNN's."""
+        self.reserve_bytes = get_reserve_bytes(model.config, next(model.parameters()).dtype, config)
         """Activations of one full step plus runtime overhead: kept out of the KV pool."""
-        num_blocks = config.num_blocks or self._size_pool(model, allocation_bytes)
+        num_blocks = config.num_blocks or size_pool(
+            model,
+            allocation_bytes,
+            packed_weight_bytes=self.packed_weight_bytes,
+            reserve_bytes=self.reserve_bytes,
+            block_size=config.block_size,
+        )
         if config.max_kv_cache_tokens:
             num_blocks = min(num_blocks, max(1, -(-config.max_kv_cache_tokens // config.block_size)))
         block_bytes = get_model_shape(model.config, next(model.parameters()).dtype).get_kv_bytes_per_block(
             config.block_size
         )
         num_host_blocks = config.sessions.host_pool_bytes // block_bytes if config.sessions else 0
-        self._runner = ModelRunner(model, num_blocks, config.block_size, num_host_blocks)
+        self._runner = ModelRunner(
+            model,
+            num_blocks,
+            config.block_size,
+            num_host_blocks,
+            packed_model=packed,
+            threads=make_thread_policy(config.cpu_threads),
+        )
         self._pool = BlockPool(num_blocks, config.block_size, self._runner.kv_cache_bytes // num_blocks)
         self._kv_cache = KVCacheManager(self._pool, enable_prefix_caching=config.enable_prefix_caching)
-        self.max_model_len = self._get_max_model_len(
-            model.config, max_model_len, num_blocks * config.block_size
-        )
+        self.max_model_len = get_max_model_len(model.config, max_model_len, num_blocks * config.block_size)
         self.num_warm_up_tokens = 0
         """Tokens of the warm-up pass run at construction (0: none)."""
         if config.warm_up:
@@ -275,7 +211,7 @@ class PagedEngine:
             self._kv_cache,
             self._sessions,
         )
-        self._requests: dict[str, _RequestState] = {}
+        self._requests: dict[str, RequestState] = {}
         self._arrivals = itertools.count()
         self._mean_request_blocks = 1.0
         self._lock = threading.Lock()
@@ -284,17 +220,23 @@ class PagedEngine:
         self._num_steps = 0
         self._num_step_seqs = 0
         self._step_seconds = 0.0
+        self._pending: Outbox | None = None
+        """A step's outputs, sent when the next pass starts (`_send_pending`), under the lock."""
         self._thread = threading.Thread(target=self._run_steps, name="shoal-engine", daemon=True)
         self._thread.start()
         log.info(
             "engine.started",
             num_blocks=num_blocks,
             block_size=config.block_size,
+            kv_cache_tokens=num_blocks * config.block_size,
             kv_cache_bytes=self._runner.kv_cache_bytes,
             max_model_len=self.max_model_len,
             prefix_caching=config.enable_prefix_caching,
             kernels=self.kernels,
             host_pool_bytes=self._runner.host_cache_bytes,
+            forward=self.forward,
+            forward_reason=self.forward_reason,
+            threads=self._runner.threads.fixed or f"auto (1-{self._runner.threads.max_threads})",
         )
 
     # ------------------------------------------------------------------ Engine protocol
@@ -317,20 +259,38 @@ class PagedEngine:
                 model or the KV pool takes (413), or the request id is in use.
         """
         state = self._admit(request)
+        stream, num_unsent = state.text, 0
         try:
             while True:
-                output = await state.queue.get()
-                yield output
-                if output.finished:
+                item = await state.queue.get()
+                if isinstance(item, GenerationOutput):
+                    yield item
+                    if item.finished:
+                        return
+                    continue
+                # tokens the step thread left for us to detokenize (no stop strings)
+                text = ""
+                for token_id in item.token_ids:
+                    num_unsent += 1
+                    text += stream.push(token_id)
+                final = item.final
+                if final is not None:
+                    if final.finish_reason != "cancelled":
+                        text += stream.finish()
+                    yield dataclasses.replace(final, text=text, num_new_tokens=num_unsent)
                     return
+                if text:
+                    yield GenerationOutput(request.request_id, text, num_unsent)
+                    num_unsent = 0
         finally:
             if not state.finished:  # the consumer went away: stop generating for it
                 self.cancel(request.request_id)
 
     def cancel(self, request_id: str) -> bool:
         """Stop `request_id` now and free its KV blocks; False if it is not running here."""
-        outbox = _Outbox()
+        outbox = Outbox()
         with self._lock:
+            self._send_pending()  # what the request already generated comes first
             state = self._requests.get(request_id)
             if state is None or state.finished:
                 return False
@@ -345,8 +305,9 @@ class PagedEngine:
             self._closed = True
             self._wakeup.notify()
         await asyncio.to_thread(self._thread.join)
-        outbox = _Outbox()
+        outbox = Outbox()
         with self._lock:
+            self._send_pending()
             for state in list(self._requests.values()):
                 self._scheduler.finish(state.request.request_id, "cancelled")
                 self._finish(state, "cancelled", outbox)
@@ -358,6 +319,11 @@ class PagedEngine:
     def kv_cache_bytes(self) -> int:
         """Bytes of the KV block pool's tensor."""
         return self._runner.kv_cache_bytes
+
+    @property
+    def kv_cache_tokens(self) -> int:
+        """Tokens the KV block pool holds (all sequences together)."""
+        return self._pool.num_blocks * self.config.block_size
 
     def get_stats(self) -> EngineStats:
         with self._lock:
@@ -398,7 +364,7 @@ class PagedEngine:
 
     # ------------------------------------------------------------------ admission
 
-    def _admit(self, request: GenerationRequest) -> _RequestState:
+    def _admit(self, request: GenerationRequest) -> RequestState:
         num_prompt_tokens = len(request.prompt_token_ids)
         max_model_len = min(self.max_model_len, request.max_model_len or self.max_model_len)
         if num_prompt_tokens == 0:
@@ -429,13 +395,14 @@ class PagedEngine:
                 eos_token_ids,
                 session_id=request.session_id,
             )
-            state = _RequestState(
+            state = RequestState(
                 request,
                 seq,
                 SamplingState.from_params(params),
                 TextStream(self._tokenizer, params.stop),
                 loop,
                 asyncio.Queue(),
+                detokenize_in_step=bool(params.stop),
             )
             self._requests[request.request_id] = state
             self._scheduler.add(seq)
@@ -447,6 +414,11 @@ class PagedEngine:
     # ------------------------------------------------------------------ the step thread
 
     def _run_steps(self) -> None:
+        if self.forward == "native":
+            # torch's ops in this thread are small (inputs, sampling): one thread each, no
+            # fork/join per op (the native forward has threads of its own; `torch_threads`
+            # still applies to torch work in other threads). Per thread, not process-wide.
+            torch.set_num_threads(1)
         while True:
             try:
                 if not self._step():
@@ -459,6 +431,7 @@ class PagedEngine:
         """Plan, run and apply one forward pass; False once the engine is closed."""
         with self._lock:
             while not self._closed and not self._scheduler.get_num_unfinished():
+                self._send_pending()
                 if self._sessions is not None and self._sessions.get_stats().num_sessions:
                     # Idle with sessions cached: wake now and then to forget expired ones.
                     self._sessions.expire()
@@ -466,6 +439,7 @@ class PagedEngine:
                 else:
                     self._wakeup.wait()
             if self._closed:
+                self._send_pending()
                 return False
             if self._sessions is not None:
                 self._sessions.expire()
@@ -475,6 +449,7 @@ class PagedEngine:
                 # Only when every unfinished request waits for blocks no one will free:
                 # admission rejects such prompts, so this is a bug; don't spin on it.
                 log.error("engine.empty_plan", num_waiting=self._scheduler.get_num_waiting())
+                self._send_pending()
                 self._wakeup.wait(timeout=0.1)
                 return True
             step = self._runner.prepare(plan, self._kv_cache)
@@ -484,10 +459,14 @@ class PagedEngine:
             if any(state.has_penalties for state in sampling_states):
                 # The lists themselves: only this thread appends to them (`update`, below).
                 histories = [TokenHistory(seq.token_ids, seq.num_prompt_tokens) for seq in sampled]
+            # The previous step's outputs go now, not when that step ended: their consumers
+            # (detokenization, NATS) then run on the event loop while this pass runs without
+            # the GIL, instead of holding the GIL the step thread needs to start the pass.
+            self._send_pending()
         started = time.perf_counter()
         try:
             logits = self._runner.execute(step)
-            token_ids = sample(logits, sampling_states, histories)
+            token_ids = sample(logits, sampling_states, histories, self._runner.last_argmax)
         except Exception as exc:  # a failed pass fails its requests, never the engine
             log.exception("engine.forward_failed", num_seqs=len(plan.chunks))
             if self._sessions is not None:
@@ -496,7 +475,7 @@ class PagedEngine:
             self._fail([chunk.seq.seq_id for chunk in plan.chunks], exc)
             return True
         elapsed = time.perf_counter() - started
-        outbox = _Outbox()
+        outbox = Outbox()
         with self._lock:
             if self._sessions is not None:
                 self._sessions.end_step(self._runner.take_swap_in_seconds())
@@ -505,12 +484,18 @@ class PagedEngine:
             self._step_seconds += elapsed
             for update in self._scheduler.update(plan, token_ids):
                 self._emit(update, outbox)
-        outbox.send()
+            self._pending = outbox
         return True
 
-    def _emit(self, update: SequenceUpdate, outbox: _Outbox) -> None:
+    def _emit(self, update: SequenceUpdate, outbox: Outbox) -> None:
         """Turn a new token into text; end the request on a stop string or a finish reason."""
         state = self._requests[update.seq.seq_id]
+        if not state.detokenize_in_step:
+            if update.finish_reason is not None:
+                self._finish(state, update.finish_reason, outbox, token_ids=(update.token_id,))
+            else:
+                outbox.put(state, Tokens((update.token_id,)))
+            return
         state.num_unsent_tokens += 1
         delta = state.text.push(update.token_id)
         if state.text.stopped:
@@ -524,92 +509,47 @@ class PagedEngine:
 
     def _finish(
         self,
-        state: _RequestState,
+        state: RequestState,
         finish_reason: FinishReason,
-        outbox: _Outbox,
+        outbox: Outbox,
         *,
         delta: str = "",
         error: str | None = None,
+        token_ids: tuple[int, ...] = (),
     ) -> None:
+        """Ends a request: its last output (or, detokenized by its consumer, its last tokens
+        and that output without its text)."""
         state.finished = True
         del self._requests[state.request.request_id]
-        text = delta + (state.text.finish() if finish_reason != "cancelled" else "")
-        outbox.put(
-            state,
-            GenerationOutput(
-                state.request.request_id,
-                text,
-                state.num_unsent_tokens,
-                finished=True,
-                finish_reason=finish_reason,
-                num_prompt_tokens=state.seq.num_prompt_tokens,
-                num_completion_tokens=state.seq.num_output_tokens,
-                error=error,
-            ),
+        final = GenerationOutput(
+            state.request.request_id,
+            "",
+            state.num_unsent_tokens,
+            finished=True,
+            finish_reason=finish_reason,
+            num_prompt_tokens=state.seq.num_prompt_tokens,
+            num_completion_tokens=state.seq.num_output_tokens,
+            error=error,
         )
+        if not state.detokenize_in_step:
+            outbox.put(state, Tokens(token_ids, final))
+            return
+        text = delta + (state.text.finish() if finish_reason != "cancelled" else "")
+        outbox.put(state, dataclasses.replace(final, text=text))
+
+    def _send_pending(self) -> None:
+        """Sends the last step's outputs if not yet sent (call under the lock)."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.send()
 
     def _fail(self, seq_ids: list[str], exc: Exception) -> None:
-        outbox = _Outbox()
+        outbox = Outbox()
         with self._lock:
+            self._send_pending()
             for seq_id in seq_ids:
                 state = self._requests.get(seq_id)
                 if state is not None and not state.finished:
                     self._scheduler.finish(seq_id, "error")
                     self._finish(state, "error", outbox, error=f"{type(exc).__name__}: {exc}")
         outbox.send()
-
-    # ------------------------------------------------------------------ sizing
-
-    def _get_reserve_bytes(self, model: Any) -> int:
-        return get_reserve_bytes(model.config, next(model.parameters()).dtype, self.config)
-
-    def _size_pool(self, model: Any, allocation_bytes: int | None) -> int:
-        if allocation_bytes is None:
-            raise ValueError("PagedEngine needs allocation_bytes or config.num_blocks")
-        shape = get_model_shape(model.config, next(model.parameters()).dtype)
-        weight_bytes = measure_weight_bytes(model) + self.packed_weight_bytes
-        reserve_bytes = self.reserve_bytes
-        num_blocks = size_kv_pool(
-            allocation_bytes,
-            weight_bytes,
-            reserve_bytes,
-            shape.get_kv_bytes_per_block(self.config.block_size),
-        )
-        if num_blocks == 0:
-            raise KVPoolTooSmall(
-                f"allocation of {allocation_bytes} bytes leaves no KV block: weights take {weight_bytes}, "
-                f"activations and runtime overhead {reserve_bytes}"
-            )
-        return num_blocks
-
-    @staticmethod
-    def _get_max_model_len(config: Any, requested: int | None, pool_tokens: int) -> int:
-        limits = [config.max_position_embeddings, pool_tokens]
-        if requested is not None:
-            limits.append(requested)
-        # Paged attention attends to the whole context: serve sliding-window models only
-        # within their window, where full attention is exact.
-        if getattr(config, "use_sliding_window", True) and getattr(config, "sliding_window", None):
-            limits.append(config.sliding_window)
-        return min(limits)
-
-
-def get_reserve_bytes(model_config: Any, dtype: torch.dtype, config: EngineConfig) -> int:
-    """What the engine keeps out of its KV pool besides the weights: activations of one step
-    at the token budget, logits of `max_num_seqs` rows, and the runtime overhead."""
-    shape = get_model_shape(model_config, dtype)
-    activation_bytes = get_activation_bytes(shape, config.max_num_batched_tokens, config.max_num_seqs)
-    return activation_bytes + config.runtime_overhead_bytes
-
-
-def get_min_engine_bytes(model_config: Any, dtype: torch.dtype, config: EngineConfig) -> int:
-    """The least an allocation must hold besides the weights for the engine to start: its
-    reserve and one KV block (with less, sizing the pool raises `KVPoolTooSmall`)."""
-    block_bytes = get_model_shape(model_config, dtype).get_kv_bytes_per_block(config.block_size)
-    return get_reserve_bytes(model_config, dtype, config) + block_bytes
-
-
-def measure_weight_bytes(model: torch.nn.Module) -> int:
-    """Bytes of a model's parameters and buffers."""
-    return sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
-

@@ -73,13 +73,20 @@ class TokenHistory:
 
 
 def sample(
-    logits: torch.Tensor, states: list[SamplingState], histories: Sequence[TokenHistory] | None = None
+    logits: torch.Tensor,
+    states: list[SamplingState],
+    histories: Sequence[TokenHistory] | None = None,
+    argmax: torch.Tensor | None = None,
 ) -> list[int]:
     """One token per row of `logits` [num_rows, vocab_size], row i sampled per `states[i]`.
 
     Args:
         histories: each row's tokens so far; needed (and read) only for rows with penalties.
+        argmax: each row's argmax, already computed (the native forward's); used when every
+            row is greedy without penalties.
     """
+    if argmax is not None and all(state.generator is None and not state.has_penalties for state in states):
+        return argmax.tolist()
     penalized_rows = [row for row, state in enumerate(states) if state.has_penalties]
     if penalized_rows:
         assert histories is not None and len(histories) == len(states), "penalties need each row's tokens"

@@ -1,0 +1,423 @@
+"""ctypes bindings of the native library's model forward (kernels/csrc/cpu_model.c) and of
+its packed float32 products (cpu_gemm.c).
+
+`PackedLinear` holds one weight in the products' panel layout; `ModelWeights` holds a
+decoder's packed weights and the C structure that describes them; `run_forward` runs one
+batch through every layer. The engine's adapter from a Hugging Face model to these is
+`shoal.services.worker.engine.native_forward`. Everything here is float32 on the CPU.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from shoal.kernels.cpu_kernels import CpuKernels
+
+PANEL = 32
+"""Output columns per packed panel (cpu_model.h's SHOAL_PANEL)."""
+EPILOGUE_STORE, EPILOGUE_SILU_MUL = 0, 1
+ISA_BEST, ISA_GENERIC, ISA_AVX2, ISA_AVX512 = -1, 0, 1, 2
+ISA_NAMES = {ISA_GENERIC: "generic", ISA_AVX2: "avx2", ISA_AVX512: "avx512"}
+
+_FORWARD_ERRORS = {
+    -2: "a token id is outside the vocabulary",
+    -3: "a position is negative",
+    -4: "a slot is outside the KV cache",
+    -5: "the decode plan does not match the batch or the cache",
+    -6: "a logit row is outside the batch",
+    -7: "no memory for the attention's scratch",
+    -8: "the batch is empty or has no attention",
+}
+
+_i64, _ptr, _f64 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_double
+AttendCallback = ctypes.CFUNCTYPE(None, ctypes.c_int64)
+
+
+class _Linear(ctypes.Structure):
+    """cpu_model.h's ``struct shoal_linear``."""
+
+    _fields_ = [("panels", _ptr), ("bias", _ptr), ("num_out", _i64), ("num_in", _i64), ("epilogue", _i64)]
+
+
+class _LayerWeights(ctypes.Structure):
+    """cpu_model.c's ``struct shoal_layer_weights``."""
+
+    _fields_ = [
+        ("input_norm", _ptr),
+        ("post_norm", _ptr),
+        ("qkv", _Linear),
+        ("o", _Linear),
+        ("gate_up", _Linear),
+        ("down", _Linear),
+        ("key_cache", _ptr),
+        ("value_cache", _ptr),
+    ]
+
+
+class _Model(ctypes.Structure):
+    """cpu_model.c's ``struct shoal_model``."""
+
+    _fields_ = [
+        ("num_layers", _i64),
+        ("hidden", _i64),
+        ("num_heads", _i64),
+        ("num_kv_heads", _i64),
+        ("head_dim", _i64),
+        ("intermediate", _i64),
+        ("vocab", _i64),
+        ("eps", _f64),
+        ("scale", _f64),
+        ("embedding", _ptr),
+        ("final_norm", _ptr),
+        ("lm_head", _ptr),
+        ("inv_freq", _ptr),
+        ("rope_scaling", _f64),
+        ("num_slots", _i64),
+        ("layers", _ptr),
+    ]
+
+
+class _Step(ctypes.Structure):
+    """cpu_model.c's ``struct shoal_step``."""
+
+    _fields_ = [
+        ("num_tokens", _i64),
+        ("token_ids", _ptr),
+        ("positions", _ptr),
+        ("slot_mapping", _ptr),
+        ("decode", _ptr),
+        ("decode_rows_are_sequences", _i64),
+        ("attend", AttendCallback),
+        ("num_logit_rows", _i64),
+        ("logit_rows", _ptr),
+        ("rope", _ptr),
+        ("hidden", _ptr),
+        ("delta", _ptr),
+        ("normed", _ptr),
+        ("qkv", _ptr),
+        ("attn", _ptr),
+        ("act", _ptr),
+        ("final_rows", _ptr),
+        ("logits", _ptr),
+        ("argmax", _ptr),
+        ("num_threads", _i64),
+    ]
+
+
+_bound: set[int] = set()
+
+
+def _bind(library: ctypes.CDLL) -> None:
+    """Declares the model functions' signatures on a loaded library (once)."""
+    if id(library) in _bound:
+        return
+    library.shoal_pack_linear.argtypes = [_ptr, _i64, _i64, _i64, _ptr]
+    library.shoal_pack_linear.restype = None
+    library.shoal_linear_forward.argtypes = [_ptr, _ptr, _i64, _ptr, _i64, _i64, _i64, _i64]
+    library.shoal_linear_forward.restype = _i64
+    library.shoal_model_forward.argtypes = [_ptr, _ptr]
+    library.shoal_model_forward.restype = _i64
+    library.shoal_gemm_isa.argtypes = []
+    library.shoal_gemm_isa.restype = _i64
+    _bound.add(id(library))
+
+
+def get_gemm_isa(kernels: CpuKernels) -> int:
+    """The products' code path on this CPU: `ISA_AVX512`, `ISA_AVX2` or `ISA_GENERIC`."""
+    _bind(kernels.library)
+    return int(kernels.library.shoal_gemm_isa())
+
+
+class PackedLinear:
+    """A float32 weight [num_out, num_in] (and bias) in the products' panel layout.
+
+    Args:
+        kernels: the loaded native library.
+        weight: [num_out, num_in]; with `silu_mul`, the gate rows then the up rows
+            ([2 x intermediate, num_in], intermediate a multiple of 16): the product then
+            returns SiLU(gate) * up, [rows, intermediate].
+        bias: [num_out] or None.
+    """
+
+    def __init__(
+        self, kernels: CpuKernels, weight: torch.Tensor, bias: torch.Tensor | None = None, *, silu_mul: bool = False
+    ) -> None:
+        library = kernels.library
+        _bind(library)
+        if weight.dtype != torch.float32 or weight.dim() != 2 or not weight.is_cpu:
+            raise ValueError(f"PackedLinear takes a float32 CPU matrix, got {weight.dtype} {tuple(weight.shape)}")
+        num_out, num_in = weight.shape
+        if silu_mul and (num_out % 32 or num_out == 0):
+            raise ValueError(f"a gate/up weight needs 2 x a multiple of 16 rows, got {num_out}")
+        weight = weight.contiguous()
+        num_panels = -(-num_out // PANEL)
+        self.panels = torch.empty(num_panels * num_in * PANEL, dtype=torch.float32)
+        library.shoal_pack_linear(
+            weight.data_ptr(), num_out, num_in, EPILOGUE_SILU_MUL if silu_mul else EPILOGUE_STORE,
+            self.panels.data_ptr(),
+        )
+        self.bias = None if bias is None else bias.detach().to(torch.float32).contiguous().clone()
+        if self.bias is not None and self.bias.shape != (num_out,):
+            raise ValueError(f"bias must be [{num_out}], got {tuple(self.bias.shape)}")
+        self.num_in = num_in
+        self.num_out = num_out // 2 if silu_mul else num_out
+        """Columns of the product's result."""
+        self.struct = _Linear(
+            self.panels.data_ptr(),
+            None if self.bias is None else self.bias.data_ptr(),
+            num_out,
+            num_in,
+            EPILOGUE_SILU_MUL if silu_mul else EPILOGUE_STORE,
+        )
+        self._library = library
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held (panels, padding and bias)."""
+        bias_bytes = 0 if self.bias is None else self.bias.numel() * 4
+        return self.panels.numel() * 4 + bias_bytes
+
+    def forward(self, x: torch.Tensor, *, num_threads: int = 1, isa: int = ISA_BEST) -> torch.Tensor:
+        """x [rows, num_in] float32 (rows contiguous) -> [rows, num_out]: tests and benchmarks.
+
+        Raises:
+            ValueError: the tensor does not fit, or `isa` is not available on this CPU.
+        """
+        if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != self.num_in or x.stride(1) != 1:
+            raise ValueError(f"expected float32 [rows, {self.num_in}] with contiguous rows, got {tuple(x.shape)}")
+        out = torch.empty((x.shape[0], self.num_out), dtype=torch.float32)
+        status = self._library.shoal_linear_forward(
+            ctypes.addressof(self.struct), x.data_ptr(), x.stride(0), out.data_ptr(), self.num_out, x.shape[0],
+            num_threads, isa,
+        )
+        if status != -1:
+            raise ValueError(f"code path {isa} is not available on this CPU")
+        return out
+
+
+@dataclass
+class LayerWeights:
+    """One decoder layer, packed: what `ModelWeights` points the C structure at."""
+
+    input_norm: torch.Tensor
+    post_norm: torch.Tensor
+    qkv: PackedLinear
+    o: PackedLinear
+    gate_up: PackedLinear
+    down: PackedLinear
+
+
+@dataclass
+class ModelWeights:
+    """A decoder's weights as the native forward reads them, and the C structure over them.
+
+    Tensors must stay alive as long as the structure (they do: this object holds them).
+    `layer_caches` are each layer's (key, value) caches [num_blocks, block_size, kv_heads,
+    head_dim], contiguous float32.
+    """
+
+    kernels: CpuKernels
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    eps: float
+    scale: float
+    embedding: torch.Tensor
+    final_norm: torch.Tensor
+    lm_head: PackedLinear | None
+    inv_freq: torch.Tensor
+    """float32 [head_dim / 2]: the rotary frequencies (transformers' ``rotary_emb.inv_freq``)."""
+    rope_scaling: float
+    """The rotary embedding's ``attention_scaling`` (1.0 for most types)."""
+    layers: list[LayerWeights]
+    layer_caches: list[tuple[torch.Tensor, torch.Tensor]]
+    struct: _Model = field(init=False)
+    _layer_structs: ctypes.Array[_LayerWeights] = field(init=False)
+
+    def __post_init__(self) -> None:
+        _bind(self.kernels.library)
+        assert self.inv_freq.dtype == torch.float32 and self.inv_freq.shape == (self.head_dim // 2,)
+        assert self.inv_freq.is_contiguous()
+        key_cache = self.layer_caches[0][0]
+        num_slots = key_cache.shape[0] * key_cache.shape[1]
+        for key, value in self.layer_caches:
+            assert key.is_contiguous() and value.is_contiguous() and key.dtype == torch.float32
+            assert key.shape == (key_cache.shape[0], key_cache.shape[1], self.num_kv_heads, self.head_dim)
+            assert value.shape == key.shape
+        array_type = _LayerWeights * len(self.layers)
+        self._layer_structs = array_type(*(
+            _LayerWeights(
+                layer.input_norm.data_ptr(),
+                layer.post_norm.data_ptr(),
+                layer.qkv.struct,
+                layer.o.struct,
+                layer.gate_up.struct,
+                layer.down.struct,
+                key.data_ptr(),
+                value.data_ptr(),
+            )
+            for layer, (key, value) in zip(self.layers, self.layer_caches, strict=True)
+        ))
+        hidden = self.embedding.shape[1]
+        self.struct = _Model(
+            len(self.layers),
+            hidden,
+            self.num_heads,
+            self.num_kv_heads,
+            self.head_dim,
+            self.layers[0].gate_up.num_out,
+            self.embedding.shape[0],
+            self.eps,
+            self.scale,
+            self.embedding.data_ptr(),
+            self.final_norm.data_ptr(),
+            None if self.lm_head is None else ctypes.addressof(self.lm_head.struct),
+            self.inv_freq.data_ptr(),
+            self.rope_scaling,
+            num_slots,
+            ctypes.addressof(self._layer_structs),
+        )
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.embedding.shape[1])
+
+    @property
+    def intermediate_size(self) -> int:
+        return self.layers[0].gate_up.num_out
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.embedding.shape[0])
+
+
+class ForwardError(RuntimeError):
+    """The native forward refused a batch (nothing was computed)."""
+
+
+@dataclass
+class StepBuffers:
+    """Activations of one forward pass, reused from step to step (float32, contiguous)."""
+
+    rope: torch.Tensor
+    hidden: torch.Tensor
+    delta: torch.Tensor
+    normed: torch.Tensor
+    qkv: torch.Tensor
+    attn: torch.Tensor
+    act: torch.Tensor
+    final_rows: torch.Tensor
+    logits: torch.Tensor | None
+    argmax: torch.Tensor
+    """int64 [logit rows]: each row's most likely token (with an lm_head)."""
+
+    @classmethod
+    def allocate(cls, weights: ModelWeights, num_tokens: int, num_logit_rows: int) -> StepBuffers:
+        h, d = weights.hidden_size, weights.head_dim
+        qkv = (weights.num_heads + 2 * weights.num_kv_heads) * d
+
+        def empty(*shape: int) -> torch.Tensor:
+            return torch.empty(shape, dtype=torch.float32)
+
+        return cls(
+            rope=empty(num_tokens, d),
+            hidden=empty(num_tokens, h),
+            delta=empty(num_tokens, h),
+            normed=empty(num_tokens, h),
+            qkv=empty(num_tokens, qkv),
+            attn=empty(num_tokens, weights.num_heads * d),
+            act=empty(num_tokens, weights.intermediate_size),
+            final_rows=empty(num_logit_rows, h),
+            logits=None if weights.lm_head is None else empty(num_logit_rows, weights.vocab_size),
+            argmax=torch.empty(num_logit_rows, dtype=torch.int64),
+        )
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.hidden.shape[0])
+
+    @property
+    def num_logit_rows(self) -> int:
+        return int(self.final_rows.shape[0])
+
+
+def run_forward(
+    weights: ModelWeights,
+    buffers: StepBuffers,
+    *,
+    token_ids: torch.Tensor,
+    positions: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    logit_rows: torch.Tensor,
+    decode_plan_address: int | None,
+    attend: Callable[[int], None] | None,
+    num_threads: int,
+    decode_rows_are_sequences: bool = True,
+) -> None:
+    """One batch through every layer: `buffers.final_rows` (and `buffers.logits` and
+    `buffers.argmax` with an lm_head) hold the wanted rows' results after it.
+
+    Args:
+        token_ids, positions, slot_mapping: int64 [num_tokens], contiguous.
+        logit_rows: int64 [n]: the rows whose final hidden state (and logits) are wanted.
+        decode_plan_address: a `DecodePlan` with one entry per row (a decode row, or a prefill
+            row planned as a sequence that ends at its position): attention then runs natively;
+            None otherwise.
+        attend: called with the layer index after that layer's K/V are written, when there is
+            no decode plan: fills `buffers.attn` from `buffers.qkv` (the engine's torch
+            attention). An exception it raises is re-raised after the pass.
+        num_threads: threads for this pass.
+        decode_rows_are_sequences: every plan entry is a different sequence's only row (a
+            decode step): a row's K/V write and attention run in one phase.
+
+    Raises:
+        ForwardError: the batch was refused (an index out of range).
+    """
+    num_tokens = token_ids.shape[0]
+    assert buffers.num_tokens >= num_tokens and buffers.num_logit_rows >= logit_rows.shape[0]
+    errors: list[BaseException] = []
+    callback = None
+    if decode_plan_address is None:
+        assert attend is not None, "a batch with prefill rows needs the attention callback"
+        user = attend
+
+        def call(layer: int) -> None:
+            if errors:
+                return
+            try:
+                user(layer)
+            except BaseException as error:  # ctypes would print it and drop it
+                errors.append(error)
+
+        callback = AttendCallback(call)
+    step = _Step(
+        num_tokens,
+        token_ids.data_ptr(),
+        positions.data_ptr(),
+        slot_mapping.data_ptr(),
+        decode_plan_address,
+        int(decode_rows_are_sequences),
+        callback if callback is not None else AttendCallback(),
+        logit_rows.shape[0],
+        logit_rows.data_ptr(),
+        buffers.rope.data_ptr(),
+        buffers.hidden.data_ptr(),
+        buffers.delta.data_ptr(),
+        buffers.normed.data_ptr(),
+        buffers.qkv.data_ptr(),
+        buffers.attn.data_ptr(),
+        buffers.act.data_ptr(),
+        buffers.final_rows.data_ptr(),
+        0 if buffers.logits is None else buffers.logits.data_ptr(),
+        0 if buffers.logits is None else buffers.argmax.data_ptr(),
+        num_threads,
+    )
+    status = weights.kernels.library.shoal_model_forward(ctypes.addressof(weights.struct), ctypes.addressof(step))
+    if status != -1:
+        raise ForwardError(f"native forward refused the batch: {_FORWARD_ERRORS.get(status, status)}")
+    if errors:
+        raise errors[0]

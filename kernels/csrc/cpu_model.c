@@ -1,0 +1,451 @@
+/* The native forward pass of a Llama-style decoder (Llama, Mistral, Qwen2) on the CPU, in
+ * float32, over the paged KV cache: every layer of one batch in one call, on the library's
+ * threads (cpu_threads.c), instead of ~60 torch ops per layer dispatched from Python.
+ *
+ * Per layer, each phase split over the threads and separated by a barrier:
+ *
+ *   h += delta; x = RMSNorm(h)          rows           (layer 0: h = embeddings, no add)
+ *   qkv = x Wqkv^T (+ bias)              panels         one product for q, k and v
+ *   rotary(q, k); write_kv(k, v)         rows
+ *   attention                            row groups     with a decode plan, one entry per row
+ *                                                       (shoal_decode_attention_range: a
+ *                                                       decode row, or a prefill row as a
+ *                                                       sequence ending at its position);
+ *                                                       otherwise the caller's callback, on
+ *                                                       whichever thread claims it (torch)
+ *   delta = attn Wo^T                    panels
+ *   h += delta; x = RMSNorm(h)           rows
+ *   act = SiLU(x Wg^T) * (x Wu^T)        panels         one product, SiLU * up fused
+ *   delta = act Wd^T                     panels
+ *
+ * and at the end, for the rows whose logits are wanted only: h += delta, the final norm,
+ * and (unless the caller does it) the lm_head product. The arithmetic is Hugging Face's,
+ * in float32; sums over k run in another order than MKL's (docs/engine.md).
+ *
+ * Everything that decides where memory is read or written is checked before anything
+ * runs (token ids, positions, slots, logit rows, the decode plan).
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cpu_model.h"
+
+/* Bytes of K/V written by one layer from which write_kv uses streaming stores (as
+ * kernels/cpu_kernels.py's STREAM_MIN_BYTES). */
+#define STREAM_MIN_BYTES (1024 * 1024)
+
+enum {
+    FORWARD_OK = -1,
+    FORWARD_BAD_TOKEN = -2,
+    FORWARD_BAD_POSITION = -3,
+    FORWARD_BAD_SLOT = -4,
+    FORWARD_BAD_DECODE_PLAN = -5,
+    FORWARD_BAD_LOGIT_ROW = -6,
+    FORWARD_NO_MEMORY = -7,
+    FORWARD_BAD_GEOMETRY = -8,
+};
+
+struct shoal_layer_weights {
+    const float *input_norm; /* [hidden] */
+    const float *post_norm;  /* [hidden] */
+    struct shoal_linear qkv; /* [q + 2 kv] outputs */
+    struct shoal_linear o;
+    struct shoal_linear gate_up; /* SILU_MUL: 2 x intermediate */
+    struct shoal_linear down;
+    char *key_cache; /* [num_slots, num_kv_heads, head_dim] float32 */
+    char *value_cache;
+};
+
+struct shoal_model {
+    int64_t num_layers;
+    int64_t hidden;
+    int64_t num_heads;
+    int64_t num_kv_heads;
+    int64_t head_dim;
+    int64_t intermediate;
+    int64_t vocab;
+    double eps;
+    double scale; /* attention's softmax scale */
+    const float *embedding; /* [vocab, hidden] */
+    const float *final_norm;
+    const struct shoal_linear *lm_head; /* NULL: the caller computes the logits from final_rows */
+    const float *inv_freq; /* [head_dim / 2]: the rotary frequencies (transformers' rotary_emb.inv_freq) */
+    double rope_scaling;   /* its attention_scaling (1 for most rotary types) */
+    int64_t num_slots;
+    const struct shoal_layer_weights *layers;
+};
+
+typedef void (*shoal_attend_fn)(int64_t layer);
+
+struct shoal_step {
+    int64_t num_tokens;
+    const int64_t *token_ids;
+    const int64_t *positions;
+    const int64_t *slot_mapping;
+    const struct shoal_decode_plan *decode; /* one entry per row: attention here (see below) */
+    int64_t decode_rows_are_sequences;     /* every entry a different sequence's only row (no prefill
+                                              rows): each thread writes and attends its own rows in
+                                              one phase; otherwise all K/V are written first */
+    shoal_attend_fn attend;                 /* otherwise, per layer, on thread 0 */
+    int64_t num_logit_rows;
+    const int64_t *logit_rows;
+    float *rope;       /* [num_tokens, head_dim]: each row's cos (half) then sin (half) */
+    float *hidden;     /* [num_tokens, hidden] */
+    float *delta;      /* [num_tokens, hidden] */
+    float *normed;     /* [num_tokens, hidden] */
+    float *qkv;        /* [num_tokens, (heads + 2 kv_heads) head_dim] */
+    float *attn;       /* [num_tokens, heads head_dim] */
+    float *act;        /* [num_tokens, intermediate] */
+    float *final_rows; /* [num_logit_rows, hidden] */
+    float *logits;     /* [num_logit_rows, vocab] when the model has an lm_head */
+    int64_t *argmax;   /* [num_logit_rows]: each row's most likely token (with an lm_head), or NULL */
+    int64_t num_threads;
+};
+
+enum phase_kind {
+    PHASE_EMBED,      /* rows: embedding rows and their rotary cos/sin */
+    PHASE_INPUT_NORM, /* rows: h += delta (not in layer 0); x = norm(h) */
+    PHASE_QKV,        /* panels */
+    PHASE_DECODE,     /* groups of plan entries: (rotary and K/V write when every row is its own
+                         sequence's, then) attention of their rows */
+    PHASE_ROPE_WRITE, /* rows: rotary and K/V write, when rows of one sequence attend to each other */
+    PHASE_ATTEND,     /* one item: the caller's attention callback */
+    PHASE_O,          /* panels */
+    PHASE_POST_NORM,  /* rows */
+    PHASE_GATE_UP,    /* panels */
+    PHASE_DOWN,       /* panels */
+    PHASE_FINAL_NORM, /* logit rows */
+    PHASE_LM_HEAD,    /* panels */
+    PHASE_ARGMAX,     /* logit rows */
+};
+
+#define MAX_GROUPS (4 * SHOAL_MAX_THREADS)
+
+struct forward_job {
+    const struct shoal_model *model;
+    const struct shoal_step *step;
+    int isa;
+    int64_t num_row_items;
+    int64_t num_groups;
+    int64_t group_bounds[MAX_GROUPS + 1]; /* decode sequences of each group */
+};
+
+struct phase_context {
+    const struct forward_job *job;
+    int64_t layer;
+    int kind;
+    int64_t num_items;
+    int64_t num_units; /* rows, panels or logit rows the items share */
+};
+
+/* The attention's scratch of this thread, kept between calls (it only grows). */
+static _Thread_local float *tls_scratch;
+static _Thread_local int64_t tls_scratch_floats;
+
+static float *get_scratch(int64_t floats) {
+    if (tls_scratch_floats < floats) {
+        free(tls_scratch);
+        tls_scratch = malloc((size_t)floats * sizeof(float));
+        tls_scratch_floats = tls_scratch == NULL ? 0 : floats;
+    }
+    return tls_scratch;
+}
+
+/* Rotary on a row's q and k heads, then its k and v into the layer's cache. */
+static void rope_and_write(const struct shoal_model *m, const struct shoal_step *s,
+                           const struct shoal_layer_weights *layer, int64_t row, int64_t qkv_stride) {
+    const int64_t d = m->head_dim, q_width = m->num_heads * d, kv_width = m->num_kv_heads * d;
+    float *q = s->qkv + row * qkv_stride;
+    const float *c = s->rope + row * d, *sn = c + d / 2;
+    shoal_rotary_row(q, m->num_heads, d, d, c, sn);
+    shoal_rotary_row(q + q_width, m->num_kv_heads, d, d, c, sn);
+    const int64_t bytes = 2 * s->num_tokens * kv_width * (int64_t)sizeof(float);
+    shoal_write_kv((const char *)(q + q_width), (const char *)(q + q_width + kv_width), 0, d * 4, 0, d * 4,
+                   layer->key_cache, layer->value_cache, s->slot_mapping + row, 1, 1, m->num_kv_heads, d * 4,
+                   m->num_slots, bytes >= STREAM_MIN_BYTES);
+}
+
+static void run_phase_item(const void *context, int64_t item) {
+    const struct phase_context *c = context;
+    const struct forward_job *job = c->job;
+    const struct shoal_model *m = job->model;
+    const struct shoal_step *s = job->step;
+    const struct shoal_layer_weights *layer = c->layer >= 0 ? &m->layers[c->layer] : NULL;
+    const int64_t hidden = m->hidden, d = m->head_dim;
+    const int64_t qkv_stride = (m->num_heads + 2 * m->num_kv_heads) * d, attn_stride = m->num_heads * d;
+    const int64_t first = c->num_units * item / c->num_items, last = c->num_units * (item + 1) / c->num_items;
+    const float eps = (float)m->eps;
+    const int64_t rows = s->num_tokens;
+    switch (c->kind) {
+    case PHASE_EMBED:
+        for (int64_t row = first; row < last; ++row) {
+            memcpy(s->hidden + row * hidden, m->embedding + s->token_ids[row] * hidden,
+                   (size_t)hidden * sizeof(float));
+            shoal_rope_row(s->rope + row * d, s->positions[row], m->inv_freq, d, (float)m->rope_scaling);
+        }
+        break;
+    case PHASE_INPUT_NORM:
+    case PHASE_POST_NORM: {
+        const int add = c->kind == PHASE_POST_NORM || c->layer > 0;
+        const float *weight = c->kind == PHASE_POST_NORM ? layer->post_norm : layer->input_norm;
+        shoal_rms_norm_rows(s->normed + first * hidden, hidden,
+                            (add ? s->delta : s->hidden) + first * hidden, hidden,
+                            add ? s->hidden + first * hidden : NULL, hidden, weight, last - first, hidden, eps);
+        break;
+    }
+    case PHASE_QKV:
+        shoal_gemm_panels(&layer->qkv, s->normed, hidden, s->qkv, qkv_stride, rows, first, last, job->isa);
+        break;
+    case PHASE_DECODE: {
+        const int64_t seq_begin = job->group_bounds[item], seq_end = job->group_bounds[item + 1];
+        for (int64_t seq = seq_begin; seq < seq_end && s->decode_rows_are_sequences; ++seq) {
+            rope_and_write(m, s, layer, s->decode->rows[seq], qkv_stride);
+        }
+        float *scratch = get_scratch(shoal_decode_scratch_floats(m->num_heads, d));
+        if (scratch == NULL) {
+            abort(); /* a few KB: out of memory here is not recoverable */
+        }
+        shoal_decode_attention_range(s->decode, seq_begin, seq_end, (char *)s->attn, attn_stride, d,
+                                     (const char *)s->qkv, qkv_stride, d, m->num_heads, layer->key_cache,
+                                     layer->value_cache, (float)m->scale, scratch);
+        break;
+    }
+    case PHASE_ROPE_WRITE:
+        for (int64_t row = first; row < last; ++row) {
+            rope_and_write(m, s, layer, row, qkv_stride);
+        }
+        break;
+    case PHASE_ATTEND:
+        s->attend(c->layer);
+        break;
+    case PHASE_O:
+        shoal_gemm_panels(&layer->o, s->attn, attn_stride, s->delta, hidden, rows, first, last, job->isa);
+        break;
+    case PHASE_GATE_UP:
+        shoal_gemm_panels(&layer->gate_up, s->normed, hidden, s->act, m->intermediate, rows, first, last, job->isa);
+        break;
+    case PHASE_DOWN:
+        shoal_gemm_panels(&layer->down, s->act, m->intermediate, s->delta, hidden, rows, first, last, job->isa);
+        break;
+    case PHASE_FINAL_NORM:
+        for (int64_t i = first; i < last; ++i) {
+            const int64_t row = s->logit_rows[i];
+            shoal_rms_norm_rows(s->final_rows + i * hidden, hidden, s->delta + row * hidden, hidden,
+                                s->hidden + row * hidden, hidden, m->final_norm, 1, hidden, eps);
+        }
+        break;
+    case PHASE_ARGMAX:
+        for (int64_t i = first; i < last; ++i) {
+            s->argmax[i] = shoal_argmax(s->logits + i * m->vocab, m->vocab);
+        }
+        break;
+    case PHASE_LM_HEAD:
+        shoal_gemm_panels(m->lm_head, s->final_rows, hidden, s->logits, m->vocab, s->num_logit_rows, first, last,
+                          job->isa);
+        break;
+    default:
+        break;
+    }
+}
+
+/* Items of a product's phase: groups of panels of about PRODUCT_ITEM_MACS multiply-adds, so
+ * that claiming one costs little next to running it, and a thread streams a run of panels. */
+#define PRODUCT_ITEM_MACS 200000
+
+static int64_t product_items(const struct shoal_linear *w, int64_t num_rows) {
+    const int64_t panels = shoal_num_panels(w);
+    const int64_t per_panel = num_rows * w->num_in * SHOAL_PANEL;
+    if (per_panel <= 0) {
+        return 0;
+    }
+    const int64_t per_item = (PRODUCT_ITEM_MACS + per_panel - 1) / per_panel;
+    return (panels + per_item - 1) / per_item;
+}
+
+static void add_phase(struct shoal_phase *phases, struct phase_context *contexts, int64_t *count,
+                      const struct forward_job *job, int64_t layer, int kind, int64_t num_items, int64_t num_units) {
+    if (num_items <= 0) {
+        return;
+    }
+    struct phase_context *c = &contexts[*count];
+    c->job = job;
+    c->layer = layer;
+    c->kind = kind;
+    c->num_items = num_items;
+    c->num_units = num_units;
+    phases[*count] = (struct shoal_phase){run_phase_item, c, num_items};
+    ++*count;
+}
+
+/* Groups of decode sequences of about equal total context (contiguous runs). */
+static int64_t group_sequences(const struct shoal_decode_plan *plan, int64_t num_groups, int64_t *bounds) {
+    if (num_groups > plan->num_seqs) {
+        num_groups = plan->num_seqs;
+    }
+    int64_t total = 0;
+    for (int64_t seq = 0; seq < plan->num_seqs; ++seq) {
+        total += plan->seq_lens[seq];
+    }
+    int64_t seq = 0, done = 0, count = 0;
+    bounds[0] = 0;
+    for (int64_t group = 1; group < num_groups; ++group) {
+        const int64_t target = total * group / num_groups;
+        while (seq < plan->num_seqs && done + plan->seq_lens[seq] / 2 < target) {
+            done += plan->seq_lens[seq++];
+        }
+        if (seq > bounds[count]) {
+            bounds[++count] = seq;
+        }
+    }
+    if (plan->num_seqs > bounds[count]) {
+        bounds[++count] = plan->num_seqs;
+    }
+    return count;
+}
+
+static int64_t check_step(const struct shoal_model *m, const struct shoal_step *s) {
+    if (s->num_tokens < 1 || m->head_dim % 2 || (s->decode == NULL && s->attend == NULL)) {
+        return FORWARD_BAD_GEOMETRY;
+    }
+    for (int64_t row = 0; row < s->num_tokens; ++row) {
+        if (s->token_ids[row] < 0 || s->token_ids[row] >= m->vocab) {
+            return FORWARD_BAD_TOKEN;
+        }
+        if (s->positions[row] < 0) {
+            return FORWARD_BAD_POSITION;
+        }
+        if (s->slot_mapping[row] < 0 || s->slot_mapping[row] >= m->num_slots) {
+            return FORWARD_BAD_SLOT;
+        }
+    }
+    for (int64_t i = 0; i < s->num_logit_rows; ++i) {
+        if (s->logit_rows[i] < 0 || s->logit_rows[i] >= s->num_tokens) {
+            return FORWARD_BAD_LOGIT_ROW;
+        }
+    }
+    if (s->decode != NULL) {
+        if (s->decode->num_seqs != s->num_tokens || s->decode->num_kv_heads != m->num_kv_heads ||
+            s->decode->head_dim != m->head_dim || s->decode->dtype != 0 ||
+            s->decode->num_blocks * s->decode->block_size != m->num_slots ||
+            shoal_decode_check(s->decode, s->num_tokens, m->num_heads) != -1) {
+            return FORWARD_BAD_DECODE_PLAN;
+        }
+    }
+    return FORWARD_OK;
+}
+
+/* Runs the model over one batch (see the top of this file). Returns -1, or a negative code
+ * (FORWARD_*) with nothing written when the batch is refused. */
+int64_t shoal_model_forward(const struct shoal_model *model, const struct shoal_step *step) {
+    const int64_t checked = check_step(model, step);
+    if (checked != FORWARD_OK) {
+        return checked;
+    }
+    int num_threads = step->num_threads < 1 ? 1 : (int)step->num_threads;
+    if (num_threads > SHOAL_MAX_THREADS) {
+        num_threads = SHOAL_MAX_THREADS;
+    }
+    const int64_t num_phases = model->num_layers * 9 + 5;
+    if (num_phases > SHOAL_MAX_PHASES) {
+        return FORWARD_BAD_GEOMETRY;
+    }
+    struct forward_job job;
+    job.model = model;
+    job.step = step;
+    job.isa = shoal_gemm_best_isa();
+    const int64_t rows = step->num_tokens;
+    job.num_row_items = rows < 4 * num_threads ? rows : 4 * num_threads;
+    job.num_groups = 0;
+    if (step->decode != NULL) {
+        job.num_groups = group_sequences(step->decode, num_threads == 1 ? 1 : 4 * num_threads, job.group_bounds);
+    }
+    struct shoal_phase *phases = malloc((size_t)num_phases * sizeof *phases);
+    struct phase_context *contexts = malloc((size_t)num_phases * sizeof *contexts);
+    if (phases == NULL || contexts == NULL) {
+        free(phases);
+        free(contexts);
+        return FORWARD_NO_MEMORY;
+    }
+    const int64_t row_items = job.num_row_items;
+    int64_t count = 0;
+    add_phase(phases, contexts, &count, &job, -1, PHASE_EMBED, row_items, rows);
+    for (int64_t layer = 0; layer < model->num_layers; ++layer) {
+        const struct shoal_layer_weights *w = &model->layers[layer];
+        add_phase(phases, contexts, &count, &job, layer, PHASE_INPUT_NORM, row_items, rows);
+        add_phase(phases, contexts, &count, &job, layer, PHASE_QKV, product_items(&w->qkv, rows),
+                  shoal_num_panels(&w->qkv));
+        if (step->decode != NULL) {
+            if (!step->decode_rows_are_sequences) { /* a row may attend to K/V another thread writes */
+                add_phase(phases, contexts, &count, &job, layer, PHASE_ROPE_WRITE, row_items, rows);
+            }
+            add_phase(phases, contexts, &count, &job, layer, PHASE_DECODE, job.num_groups, job.num_groups);
+        } else {
+            add_phase(phases, contexts, &count, &job, layer, PHASE_ROPE_WRITE, row_items, rows);
+            add_phase(phases, contexts, &count, &job, layer, PHASE_ATTEND, 1, 1);
+        }
+        add_phase(phases, contexts, &count, &job, layer, PHASE_O, product_items(&w->o, rows), shoal_num_panels(&w->o));
+        add_phase(phases, contexts, &count, &job, layer, PHASE_POST_NORM, row_items, rows);
+        add_phase(phases, contexts, &count, &job, layer, PHASE_GATE_UP, product_items(&w->gate_up, rows),
+                  shoal_num_panels(&w->gate_up));
+        add_phase(phases, contexts, &count, &job, layer, PHASE_DOWN, product_items(&w->down, rows),
+                  shoal_num_panels(&w->down));
+    }
+    const int64_t logit_rows = step->num_logit_rows;
+    add_phase(phases, contexts, &count, &job, -1, PHASE_FINAL_NORM,
+              logit_rows < 4 * num_threads ? logit_rows : 4 * num_threads, logit_rows);
+    if (model->lm_head != NULL) {
+        add_phase(phases, contexts, &count, &job, -1, PHASE_LM_HEAD, product_items(model->lm_head, logit_rows),
+                  shoal_num_panels(model->lm_head));
+        if (step->argmax != NULL) {
+            add_phase(phases, contexts, &count, &job, -1, PHASE_ARGMAX,
+                      logit_rows < 4 * num_threads ? logit_rows : 4 * num_threads, logit_rows);
+        }
+    }
+    const int status = shoal_run_phases(phases, count, num_threads);
+    free(phases);
+    free(contexts);
+    return status == 0 ? FORWARD_OK : FORWARD_BAD_GEOMETRY;
+}
+
+/* --- products alone (tests and benchmarks) ------------------------------------------------- */
+
+struct gemm_job {
+    const struct shoal_linear *w;
+    const float *x;
+    int64_t x_stride;
+    float *y;
+    int64_t y_stride;
+    int64_t num_rows;
+    int isa;
+    int64_t num_items;
+};
+
+static void gemm_item(const void *context, int64_t item) {
+    const struct gemm_job *job = context;
+    const int64_t panels = shoal_num_panels(job->w);
+    shoal_gemm_panels(job->w, job->x, job->x_stride, job->y, job->y_stride, job->num_rows,
+                      panels * item / job->num_items, panels * (item + 1) / job->num_items, job->isa);
+}
+
+/* y = x W^T with a packed weight, on num_threads threads; isa: SHOAL_ISA_* or -1 for the best.
+ * Returns -1, or -4 when the requested code path is not available. */
+int64_t shoal_linear_forward(const struct shoal_linear *w, const float *x, int64_t x_stride, float *y,
+                             int64_t y_stride, int64_t num_rows, int64_t num_threads, int64_t isa) {
+    const int best = shoal_gemm_best_isa();
+    if (isa < 0) {
+        isa = best;
+    } else if (isa > best) {
+        return -4;
+    }
+    struct gemm_job job = {w, x, x_stride, y, y_stride, num_rows, (int)isa, product_items(w, num_rows)};
+    if (num_threads > 1 && job.num_items < num_threads) { /* small: still one item per thread */
+        const int64_t panels = shoal_num_panels(w);
+        job.num_items = panels < num_threads ? panels : num_threads;
+    }
+    const struct shoal_phase phase = {gemm_item, &job, job.num_items};
+    shoal_run_phases(&phase, 1, (int)num_threads);
+    return -1;
+}
+
+int64_t shoal_gemm_isa(void) { return shoal_gemm_best_isa(); }
