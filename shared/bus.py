@@ -64,8 +64,10 @@ JS_NO_MESSAGE_FOUND = 10057
 """JSNoMessageFoundErr: a stream message (to get or delete) is not there (any more)."""
 JS_CONSUMER_ALREADY_EXISTS = 10148
 """JSConsumerAlreadyExists: a consumer of that name exists with another configuration."""
-MAX_DELIVERIES = 3
-"""A request is tried at most this often (a worker dying mid-request counts as a try)."""
+MAX_DELIVERIES = 10
+"""JetStream delivers a request at most this often: a backstop. Hand-backs (drains, barrier
+NAKs) count here too, so it is well above the budget that matters, which the gateway keeps:
+a request two replicas died running is given up (`gateway.dispatch.MAX_REPLICA_DEATHS`)."""
 GET_ALL_INACTIVE_S = 5.0
 """Server-side lifetime of a `get_all` consumer once nothing reads it (a safety net:
 `get_all` deletes it itself)."""

@@ -56,12 +56,14 @@ def create_app(config: GatewayConfig, nats_url: str, registry: Registry | None =
         await cluster.start()
         live = LiveFeeds(bus, cluster, registry)
         await live.start()
+        dispatcher = Dispatcher(bus, router, cluster, config, registry, on_first_token=live.ttft.observe)
+        await dispatcher.start()
         app[GATEWAY] = GatewayState(
             config=config,
             bus=bus,
             router=router,
             cluster=cluster,
-            dispatcher=Dispatcher(bus, router, cluster, config, registry, on_first_token=live.ttft.observe),
+            dispatcher=dispatcher,
             metrics=registry,
             requests_total=registry.counter("shoal_gateway_requests_total", "HTTP inference requests",
                                             ["model", "kind", "outcome"]),
@@ -73,6 +75,7 @@ def create_app(config: GatewayConfig, nats_url: str, registry: Registry | None =
         if (warning := open_admin_warning(config)) is not None:
             log.warning("admin_api_open", host=config.host, port=config.port, detail=warning)
         yield
+        await dispatcher.stop()
         await live.stop()
         await cluster.stop()
         await router.stop()

@@ -519,7 +519,8 @@ class PagedEngine:
         elif update.finish_reason is not None:
             self._finish(state, update.finish_reason, outbox, delta=delta)
         elif delta:
-            outbox.put(state, GenerationOutput(state.request.request_id, delta, state.num_unsent_tokens))
+            outbox.put(state, GenerationOutput(state.request.request_id, delta, state.num_unsent_tokens,
+                                               token_hash=state.text.token_hash))
             state.num_unsent_tokens = 0
 
     def _finish(
@@ -545,6 +546,7 @@ class PagedEngine:
                 num_prompt_tokens=state.seq.num_prompt_tokens,
                 num_completion_tokens=state.seq.num_output_tokens,
                 error=error,
+                token_hash=state.text.token_hash,
             ),
         )
 
