@@ -61,7 +61,7 @@ class Answer:
     @property
     def text(self) -> str:
         if self.events:
-            return "".join(e["choices"][0].get("text") or "" for e in self.events if "choices" in e and e["choices"])
+            return "".join(e["choices"][0].get("text") or "" for e in self.events if e.get("choices"))
         return self.body["choices"][0]["text"]
 
 
@@ -120,7 +120,7 @@ class FaultCluster:
 
     async def worker_pids(self) -> dict[str, int]:
         """Replica id -> pid of every worker process the node agent runs now."""
-        return {rid: r.process.pid for rid, r in self.agent._replicas.items()  # noqa: SLF001
+        return {rid: r.process.pid for rid, r in self.agent._replicas.items()
                 if r.process is not None and r.process.process.returncode is None}
 
     async def assert_no_orphans(self) -> None:
@@ -174,7 +174,7 @@ async def fault_cluster(nats_url: str, models_root: Path, log_dir: Path, models:
     async def on_reply(msg: Msg) -> None:
         try:
             reply = reply_decoder.decode(msg.data)
-        except Exception:  # noqa: BLE001 - not ours to judge here
+        except Exception:
             return
         if isinstance(reply, AttemptNotice) and cluster is not None:
             cluster.notices.append((time.monotonic(), reply))
