@@ -86,8 +86,8 @@ class _Replica:
 
 def rebuild_occupants(node_id: str, gpu_index: int, records: list[ReplicaRecord], at: float) -> list[Occupant]:
     """A GPU's occupants as this node's replica records account for them (a GPU record that
-    no longer decodes is rebuilt from these): every HOT replica's bytes on that GPU, held
-    (draining) unless it serves."""
+    no longer decodes is rebuilt from these, the agent's own copy for the workers it runs):
+    every HOT replica's bytes on that GPU, held (draining) unless it serves."""
     occupants = []
     for record in records:
         num_bytes = record.gpu_bytes.get(gpu_index, 0)
@@ -234,7 +234,12 @@ class NodeAgent:
             occupants: list[Occupant] = []
             if value is None and revision is not None:
                 if records is None:
-                    records = [e.value for e in (await self._bus.replicas.get_all()).values()]
+                    # The workers this agent runs count as their own records say (a record may
+                    # not decode either); the other records of this node as they read.
+                    own = {rid: msgspec.structs.replace(r.record, state="ready" if r.ready.is_set() else "loading")
+                           for rid, r in self._replicas.items() if r.process is not None}
+                    read = {e.value.replica_id: e.value for e in (await self._bus.replicas.get_all()).values()}
+                    records = list({**read, **own}.values())
                 occupants = rebuild_occupants(self.node_id, gpu.index, records, now())
                 log.error("gpu_record_rebuilt", gpu=key, num_occupants=len(occupants))
 

@@ -153,21 +153,29 @@ def kill_worker(pid: int) -> None:
 async def fault_cluster(nats_url: str, models_root: Path, log_dir: Path, models: Sequence[ModelSpec], *,
                         gpus: str = "virtual:1x400MiB", num_schedulers: int = 1,
                         reconcile_interval_s: float = 1.0, node: NodeConfig | None = None,
-                        agent_url: str | None = None, request_timeout_s: float = 120.0,
+                        agent_url: str | None = None, worker_url: str | None = None,
+                        request_timeout_s: float = 120.0, node_ttl_s: float = 15.0,
+                        scheduler: dict[str, Any] | None = None,
                         ) -> AsyncIterator[FaultCluster]:
     """The cluster, with `models` registered by the first scheduler.
 
     Args:
-        agent_url: the NATS URL the node agent (and so its workers) use, e.g. through a proxy
-            the test can cut; default `nats_url`.
+        agent_url: the NATS URL the node agent uses, e.g. through a proxy the test can cut;
+            default `nats_url`.
+        worker_url: the NATS URL its workers use; default `agent_url`.
+        node_ttl_s: a node whose heartbeats lapse this long is gone (the first connection
+            creates the bucket with it).
+        scheduler: further `SchedulerConfig` fields (shorter timeouts for a test).
     """
-    node_config = node or NodeConfig(node_id="n", models_root=str(models_root), heartbeat_interval_s=1.0)
-    agent_bus = await connect(agent_url or nats_url, "node", node_ttl_s=15.0)
+    node_config = node or NodeConfig(node_id="n", models_root=str(models_root), heartbeat_interval_s=1.0,
+                                     reconcile_interval_s=1.0)
+    agent_bus = await connect(agent_url or nats_url, "node", node_ttl_s=node_ttl_s)
     buses = [await connect(nats_url, name) for name in ("test", *(f"s{i}" for i in range(num_schedulers)))]
     agent = NodeAgent(agent_bus, discover_gpus(gpus), node_config, WorkerConfig(torch_threads=1), LoggingConfig(),
-                      nats_url=agent_url or nats_url, log_dir=log_dir)
+                      nats_url=worker_url or agent_url or nats_url, log_dir=log_dir)
     await agent.start()
-    schedulers = [SchedulerService(bus, SchedulerConfig(scheduler_id=f"s{i}", reconcile_interval_s=reconcile_interval_s))
+    schedulers = [SchedulerService(bus, SchedulerConfig(scheduler_id=f"s{i}", reconcile_interval_s=reconcile_interval_s,
+                                                        **(scheduler or {})))
                   for i, bus in enumerate(buses[1:])]
     cluster: FaultCluster | None = None
 
