@@ -23,6 +23,7 @@ import random
 import uuid
 from collections.abc import Callable, Sequence
 
+import nats.errors
 import structlog
 from nats.micro import add_service
 from nats.micro.service import Service
@@ -57,6 +58,8 @@ from shoal.shared.micro import RequestError, add_json_endpoint
 from shoal.shared.version import SHOAL_VERSION
 
 log = structlog.get_logger(__name__)
+
+SERVICE_STOP_TIMEOUT_S = 5.0
 
 
 
@@ -142,7 +145,10 @@ class SchedulerService:
         run for up to ``scheduler.stop_grace_s``; what is cut short leaves records any
         scheduler's reconciler finishes (docs/reliability.md)."""
         if self._service is not None:
-            await self._service.stop()
+            try:  # draining the micro service's subscriptions was seen to hang (nats-py): bounded
+                await asyncio.wait_for(self._service.stop(), timeout=SERVICE_STOP_TIMEOUT_S)
+            except (TimeoutError, nats.errors.Error) as exc:
+                log.warning("scheduler_service_stop_cut_short", error=repr(exc))
         if self._reconciling is not None:
             self._reconciling.cancel()
             await asyncio.gather(self._reconciling, return_exceptions=True)
