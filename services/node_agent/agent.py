@@ -133,6 +133,8 @@ class NodeAgent:
         self._log_dir = log_dir
         self._inspecting = asyncio.Lock()
         self._replicas: dict[str, _Replica] = {}
+        self._stopping: dict[str, WorkerProcess] = {}
+        """Workers being stopped (no longer in `_replicas`): a second stop waits for their exit."""
         self._tasks: set[asyncio.Task[object]] = set()
         self._service: Service | None = None
         self._started_at = now()
@@ -286,7 +288,8 @@ class NodeAgent:
                 if replica is not None and replica.process is not None:
                     replica.process.stopping = True  # asked for: its exit is no failure
                     self._replicas.pop(repair.replica_id, None)
-                    self._spawn_task(replica.process.stop(replica.spec.sleep.drain_timeout_s + STOP_GRACE_S))
+                    self._spawn_task(self._stop_process(repair.replica_id, replica.process,
+                                                        replica.spec.sleep.drain_timeout_s + STOP_GRACE_S))
             case "rewrite_record":
                 replica = self._replicas.get(repair.replica_id)
                 if replica is None:
@@ -372,16 +375,27 @@ class NodeAgent:
         also when it was gone already (a stop sent again after a scheduler died)."""
         replica = self._replicas.pop(replica_id, None)
         if replica is None or replica.process is None:
+            if (stopping := self._stopping.get(replica_id)) is not None:
+                await stopping.process.wait()  # confirmed only once that stop is through
             for entry in (await self._bus.replicas.get_all()).values():
                 if entry.value.replica_id == replica_id and entry.value.node_id == self.node_id:
                     await record_stopped(self._bus, entry.value)
             return NodeReply(ok=True, message="not running")
         log.info("worker_stopping", replica=replica_id, reason=reason)
-        code = await replica.process.stop(replica.spec.sleep.drain_timeout_s + STOP_GRACE_S)
+        code = await self._stop_process(replica_id, replica.process, replica.spec.sleep.drain_timeout_s + STOP_GRACE_S)
         await record_stopped(self._bus, replica.record)
         await publish_event(self._bus.js, Event("replica_stopped", now(), reason, replica.record.model, replica_id,
                                                 self.node_id, data={"exit_code": code}))
         return NodeReply(ok=True, message=f"stopped (exit {code})", pid=replica.process.pid)
+
+    async def _stop_process(self, replica_id: str, process: WorkerProcess, timeout_s: float) -> int | None:
+        """Stop a worker no longer in `_replicas`, known as stopping until it has exited."""
+        self._stopping[replica_id] = process
+        try:
+            return await process.stop(timeout_s)
+        finally:
+            if self._stopping.get(replica_id) is process:
+                del self._stopping[replica_id]
 
     def _running(self, replica_id: str) -> _Replica:
         replica = self._replicas.get(replica_id)

@@ -7,9 +7,15 @@ places a replacement. No request is lost, no worker is left without a record."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from pathlib import Path
 
+import msgspec
+from nats.aio.msg import Msg
+
+from shoal.shared import subjects
+from shoal.shared.messages import gpu_record_decoder
 from shoal.shared.nats_server import EmbeddedNatsServer
 from tests.faults.harness import REPLICA_BYTES, Answer, FaultCluster, fault_cluster, model
 from tests.faults.proxy import cuttable_proxy
@@ -18,6 +24,14 @@ NODE_TTL_S = 3.0
 CUT_S = 4 * NODE_TTL_S
 """Long enough for the node to be gone several times over (what a 30 s cut does with the
 default 15 s node TTL), short enough for CI."""
+
+
+def is_running(pid: int) -> bool:
+    """Whether process `pid` runs (a zombie has exited)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
 
 
 async def held_bytes(cluster: FaultCluster) -> int:
@@ -32,6 +46,15 @@ async def test_an_agent_cut_off_from_nats_leaves_no_orphan_and_loses_no_request(
                           scheduler={"node_lost_after_s": 1.0}) as cluster:
         (replica,) = await cluster.wait_serving("m")
         pid = (await cluster.worker_pids())[replica.replica_id]
+        freed_while_running: list[bool] = []
+
+        async def on_gpu_write(msg: Msg) -> None:  # the instant its bytes stop being counted
+            with contextlib.suppress(msgspec.DecodeError):
+                gpu = gpu_record_decoder.decode(msg.data)
+                if not freed_while_running and replica.replica_id not in {o.replica_id for o in gpu.occupants}:
+                    freed_while_running.append(is_running(pid))
+
+        await cluster.bus.nc.subscribe(f"$KV.{subjects.GPUS_BUCKET}.>", cb=on_gpu_write)
         answers: list[asyncio.Task[Answer]] = [asyncio.create_task(cluster.complete("m")) for _ in range(4)]
 
         proxy.cut()
@@ -68,6 +91,7 @@ async def test_an_agent_cut_off_from_nats_leaves_no_orphan_and_loses_no_request(
         for answer in await asyncio.gather(*answers):
             assert answer.status == 200, answer.body
             assert answer.body["usage"]["completion_tokens"] == 48
+        assert freed_while_running == [False], "its memory was counted free only once its worker had exited"
         await cluster.assert_no_orphans()
         await cluster.assert_memory_matches_records()
         assert await held_bytes(cluster) == sum(replacement.gpu_bytes.values()), "only the replacement holds memory"
