@@ -72,8 +72,10 @@ JS_NO_MESSAGE_FOUND = 10057
 """JSNoMessageFoundErr: a stream message (to get or delete) is not there (any more)."""
 JS_CONSUMER_ALREADY_EXISTS = 10148
 """JSConsumerAlreadyExists: a consumer of that name exists with another configuration."""
-MAX_DELIVERIES = 3
-"""A request is tried at most this often (a worker dying mid-request counts as a try)."""
+MAX_DELIVERIES = 10
+"""JetStream delivers a request at most this often: a backstop. Hand-backs (drains, barrier
+NAKs) count here too, so it is well above the budget that matters, which the gateway keeps:
+a request two replicas died running is given up (`gateway.dispatch.MAX_REPLICA_DEATHS`)."""
 MOVED_ATTEMPT_OFFSET = MAX_DELIVERIES
 """`InferenceRequest.attempt_offset` of a request moved from a replica's own subject to the
 shared one: the first replica's attempts were 1..MAX_DELIVERIES, the moved ones come after."""
@@ -129,16 +131,21 @@ class TypedBucket(Generic[T]):
             return None
 
     async def get(self, key: str) -> Versioned[T] | None:
+        value, revision = await self.read(key)
+        if value is None or revision is None:
+            return None
+        return Versioned(value, revision)
+
+    async def read(self, key: str) -> tuple[T | None, int | None]:
+        """(value, revision) of `key`: (None, None) when absent, (None, revision) when its
+        value does not decode (logged) — a CAS write at that revision repairs it."""
         try:
             entry = await self.kv.get(key)
         except nats.js.errors.KeyNotFoundError:
-            return None
-        value = self._decode(key, entry.value)
-        if value is None or entry.revision is None:
-            return None
-        return Versioned(value, entry.revision)
+            return None, None
+        return self._decode(key, entry.value), entry.revision
 
-    async def get_all(self, prefix: str = ">") -> dict[str, Versioned[T]]:
+    async def get_all(self, prefix: str = ">", *, malformed: set[str] | None = None) -> dict[str, Versioned[T]]:
         """Current value of every key matching `prefix` (a KV key filter, e.g. ``node-a.*``).
 
         Reads through an ephemeral pull consumer (last value per key, no acks), deleted
@@ -150,10 +157,14 @@ class TypedBucket(Generic[T]):
 
         A read that JetStream answers with "unavailable" (a cluster moving a leader) is
         started over, up to GET_ALL_ATTEMPTS times.
+
+        Args:
+            malformed: if given, the keys whose current value does not decode are added to it
+                (they are absent from the result, and logged).
         """
         for attempt in range(1, GET_ALL_ATTEMPTS + 1):
             try:
-                return await self._read_all(prefix)
+                return await self._read_all(prefix, malformed)
             except nats.js.errors.ServiceUnavailableError:
                 if attempt == GET_ALL_ATTEMPTS:
                     raise
@@ -161,7 +172,7 @@ class TypedBucket(Generic[T]):
                 await asyncio.sleep(0.2 * attempt)
         raise AssertionError("unreachable: the last attempt returns or raises")
 
-    async def _read_all(self, prefix: str) -> dict[str, Versioned[T]]:
+    async def _read_all(self, prefix: str, malformed: set[str] | None) -> dict[str, Versioned[T]]:
         stream = f"KV_{self.name}"
         config = ConsumerConfig(
             name=f"get-all-{uuid.uuid4().hex}",
@@ -181,7 +192,7 @@ class TypedBucket(Generic[T]):
                     while remaining:
                         for msg in await subscription.fetch(batch=min(remaining, GET_ALL_BATCH), timeout=5.0):
                             remaining = msg.metadata.num_pending
-                            self._take_entry(msg, found)
+                            self._take_entry(msg, found, malformed)
                 finally:
                     await subscription.unsubscribe()
         finally:
@@ -191,7 +202,7 @@ class TypedBucket(Generic[T]):
                 log.debug("kv_read_consumer_not_deleted", bucket=self.name, consumer=info.name, error=str(exc))
         return found
 
-    def _take_entry(self, msg: Msg, found: dict[str, Versioned[T]]) -> None:
+    def _take_entry(self, msg: Msg, found: dict[str, Versioned[T]], malformed: set[str] | None) -> None:
         """Records the value a KV stream message holds, or forgets its key if it is a delete."""
         key = msg.subject[len(self._subject_prefix) :]
         headers = msg.headers or {}
@@ -201,6 +212,8 @@ class TypedBucket(Generic[T]):
         value = self._decode(key, msg.data)
         if value is not None:
             found[key] = Versioned(value, msg.metadata.sequence.stream)
+        elif malformed is not None and msg.data:
+            malformed.add(key)
 
     async def put(self, key: str, value: T) -> int:
         """Unconditional write (not CAS): only for keys a single owner writes."""
@@ -250,9 +263,10 @@ async def cas_update(
 ) -> Versioned[T] | None:
     """Read-modify-write one key with compare-and-swap.
 
-    `mutate` gets the current value (None if absent) and returns the new value,
-    or None to leave the key as it is. It must be pure: it is re-run on the
-    fresh value after every conflict.
+    `mutate` gets the current value (None if absent, or if its value does not decode)
+    and returns the new value, or None to leave the key as it is. It must be pure: it
+    is re-run on the fresh value after every conflict. A value that does not decode is
+    overwritten by revision when `mutate` returns one (repaired), never fought over.
 
     Args:
         read: the value as the caller already read it (e.g. in a snapshot a plan was
@@ -264,14 +278,22 @@ async def cas_update(
     """
     rand = rng or random
     for attempt in range(max_attempts):
-        current = read if attempt == 0 and read is not None else await bucket.get(key)
-        new_value = mutate(current.value if current else None)
+        value: T | None
+        current_revision: int | None
+        if attempt == 0 and read is not None:
+            value, current_revision = read.value, read.revision
+        else:
+            value, current_revision = await bucket.read(key)
+        current = Versioned(value, current_revision) if value is not None and current_revision is not None else None
+        new_value = mutate(value)
         if new_value is None:
             return current
-        if current is None:
+        if current_revision is None:
             revision = await bucket.create(key, new_value)
         else:
-            revision = await bucket.update(key, new_value, current.revision)
+            if value is None:
+                log.warning("kv_value_repaired", bucket=bucket.name, key=key, revision=current_revision)
+            revision = await bucket.update(key, new_value, current_revision)
         if revision is not None:
             return Versioned(new_value, revision)
         if on_conflict is not None:

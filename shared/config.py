@@ -212,8 +212,23 @@ class SchedulerConfig(Struct, forbid_unknown_fields=True, kw_only=True):
     reservation_ttl_s: float = 60.0
     """A GPU reservation not backed by a replica record lapses after this."""
     reconcile_interval_s: float = 5.0
+    stalled_step_s: float = 60.0
+    """A replica record still ``pending`` or ``draining`` this long after its plan, whose
+    scheduler is gone (or dropped the step), has its node step sent again by any scheduler."""
+    stop_grace_s: float = 30.0
+    """On stop (SIGTERM), node steps under way may finish for this long before they are cut
+    short (what is cut short is finished by a reconciler: stalled_step_s)."""
+    node_lost_after_s: float = 10.0
+    """A node whose heartbeat record has been missing this long (while this scheduler stays
+    connected: a NATS outage starts the count again) has its replicas marked ``lost``."""
     placement: PlacementConfig = field(default_factory=PlacementConfig)
     """The placement policy's knobs (docs/placement.md)."""
+
+    def __post_init__(self) -> None:
+        if min(self.reservation_ttl_s, self.reconcile_interval_s, self.stalled_step_s) <= 0 \
+                or min(self.stop_grace_s, self.node_lost_after_s) < 0:
+            raise ValueError("scheduler: reservation_ttl_s, reconcile_interval_s and stalled_step_s > 0; "
+                             "stop_grace_s and node_lost_after_s >= 0")
 
 
 class NodeConfig(Struct, forbid_unknown_fields=True, kw_only=True):
@@ -228,13 +243,18 @@ class NodeConfig(Struct, forbid_unknown_fields=True, kw_only=True):
     heartbeat_interval_s: float = 3.0
     worker_start_timeout_s: float = 180.0
     """A worker not ready by then is stopped and its replica failed."""
+    reconcile_interval_s: float = 5.0
+    """How often the agent compares its worker processes with the replica records (and stops
+    workers no record accounts for: docs/reliability.md)."""
 
     def __post_init__(self) -> None:
         if self.node_id:
             validate_node_id(self.node_id)
         parse_gpu_spec(self.gpus)
-        if self.cpu_ram_bytes < 0 or self.heartbeat_interval_s <= 0 or self.worker_start_timeout_s <= 0:
-            raise ValueError("node: cpu_ram_bytes >= 0, heartbeat_interval_s > 0, worker_start_timeout_s > 0")
+        if self.cpu_ram_bytes < 0 or self.heartbeat_interval_s <= 0 or self.worker_start_timeout_s <= 0 \
+                or self.reconcile_interval_s <= 0:
+            raise ValueError("node: cpu_ram_bytes >= 0, heartbeat_interval_s > 0, worker_start_timeout_s > 0, "
+                             "reconcile_interval_s > 0")
 
     def node_id_or_default(self) -> str:
         return self.node_id or default_node_id()

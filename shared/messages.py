@@ -4,7 +4,7 @@ Channels and encodings:
 
 * hot path (msgpack): `InferenceRequest` on ``shoal.infer.<model>`` (any replica) or
   ``shoal.infer.<model>.<replica>`` (a session's turn sent to the replica holding its KV); `Reply`
-  (`TokenChunk` | `FinalReply` | `ErrorReply`) on the request's reply subject;
+  (`TokenChunk` | `FinalReply` | `ErrorReply` | `AttemptNotice`) on the request's reply subject;
   `CancelRequest` on ``shoal.cancel.<model>``.
 * worker stats (JSON, what ``nats sub 'shoal.stats.>'`` shows): `WorkerStats` on
   ``shoal.stats.<model>.<replica>``, every few seconds from each worker; gateways serve
@@ -135,6 +135,10 @@ class TokenChunk(Struct, tag="chunk", tag_field="type", omit_defaults=True):
     text: str
     num_tokens: int = 1
     replica_id: ReplyReplicaId = ""
+    token_hash: int = 0
+    """Running hash of every token id this attempt generated up to this chunk
+    (`services/worker/generation.py`, `next_token_hash`): a resumed attempt is checked against it before its text is
+    spliced onto what the client already holds. 0: not computed (an older worker)."""
 
 
 class FinalReply(Struct, tag="final", tag_field="type", omit_defaults=True):
@@ -167,7 +171,23 @@ class ErrorReply(Struct, tag="error", tag_field="type", omit_defaults=True):
     """The request field at fault, when the worker knows it (OpenAI's ``error.param``)."""
 
 
-Reply = TokenChunk | FinalReply | ErrorReply
+class AttemptNotice(Struct, tag="attempt", tag_field="type", omit_defaults=True):
+    """Worker -> gateway, outside the chunk sequence: an attempt started on a replica, or was
+    handed back to the queue unfinished (a drain, a stop), so the gateway knows which replica
+    holds its request now (docs/reliability.md)."""
+
+    request_id: str
+    attempt: int
+    state: Literal["started", "handed_back"]
+    replica_id: ReplyReplicaId = ""
+    ack_subject: str = ""
+    """The JetStream delivery's ack subject: if the replica dies, the gateway NAKs it, and the
+    request is redelivered at once instead of after ``ack_wait``."""
+    stream_seq: int = 0
+    """The request's sequence number in ``SHOAL_REQUESTS``."""
+
+
+Reply = TokenChunk | FinalReply | ErrorReply | AttemptNotice
 
 
 class CancelRequest(Struct, tag="cancel", tag_field="type"):
@@ -178,7 +198,9 @@ class CancelRequest(Struct, tag="cancel", tag_field="type"):
 # --------------------------------------------------------------------------- KV records
 
 Level = Literal["HOT", "WARM", "COLD"]
-ReplicaState = Literal["pending", "loading", "ready", "draining", "sleeping", "stopping", "failed"]
+ReplicaState = Literal["pending", "loading", "ready", "draining", "sleeping", "stopping", "failed", "lost"]
+"""``lost``: its node's heartbeats lapsed; its worker may still run, so its memory stays
+counted until its node agent confirms the worker is gone (docs/reliability.md)."""
 ACTIVE_REPLICA_STATES: tuple[ReplicaState, ...] = ("pending", "loading", "ready", "draining")
 """A replica in one of these serves or is on its way to serving (HOT, or being placed)."""
 OccupantState = Literal["reserved", "loading", "serving", "draining", "sleeping"]

@@ -69,13 +69,15 @@ def create_app(config: GatewayConfig, nats_url: str, registry: Registry | None =
         await live.start()
         session_routes = SessionRoutes(bus.js, session_ttl_s)
         await session_routes.start()
+        dispatcher = Dispatcher(bus, router, cluster, config, registry, on_first_token=live.ttft.observe,
+                                session_routes=session_routes, worker_stats=live.stats)
+        await dispatcher.start()
         app[GATEWAY] = GatewayState(
             config=config,
             bus=bus,
             router=router,
             cluster=cluster,
-            dispatcher=Dispatcher(bus, router, cluster, config, registry, on_first_token=live.ttft.observe,
-                                  session_routes=session_routes, worker_stats=live.stats),
+            dispatcher=dispatcher,
             session_routes=session_routes,
             metrics=registry,
             requests_total=registry.counter("shoal_gateway_requests_total", "HTTP inference requests",
@@ -93,6 +95,7 @@ def create_app(config: GatewayConfig, nats_url: str, registry: Registry | None =
         if exposure_warning is not None:
             log.warning("admin_api_open", host=config.host, port=config.port, detail=exposure_warning)
         yield
+        await dispatcher.stop()
         await live.stop()
         await cluster.stop()
         await router.stop()

@@ -22,6 +22,9 @@ from shoal.shared.messages import GpuRecord, ModelSpec, NodeRecord, ReplicaRecor
 
 log = structlog.get_logger(__name__)
 
+ReplicaListener = Callable[[ReplicaRecord | None, ReplicaRecord | None], None]
+"""Told (previous, current) of every replica record change; None: absent (new, or deleted)."""
+
 _DELETES = (KV_DEL, KV_PURGE)
 
 
@@ -42,6 +45,12 @@ class ClusterView:
         self._active: dict[str, set[str]] = {}
         """Model -> KV keys of its replicas that are active, `ReplicaRecord.is_active` (asked on every request)."""
         self._replica_keys_by_id: dict[str, str] = {}
+        self._replica_listeners: list[ReplicaListener] = []
+
+    def add_replica_listener(self, listener: ReplicaListener) -> None:
+        """Call `listener` on every change of a replica record from now on (in the watcher's
+        task: it must not block)."""
+        self._replica_listeners.append(listener)
 
     async def start(self) -> None:
         watches: list[tuple[TypedBucket, Callable[[str, object | None], None]]] = [
@@ -103,6 +112,8 @@ class ClusterView:
             self._replica_keys_by_id[value.replica_id] = key
             if value.is_active:
                 self._active.setdefault(value.model, set()).add(key)
+        for listener in self._replica_listeners:
+            listener(previous, value)
 
     def _on_gpu(self, key: str, value: GpuRecord | None) -> None:
         if value is None:

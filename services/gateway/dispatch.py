@@ -13,6 +13,16 @@ dropped. When a new attempt begins after the client already holds text:
 
 That rule is `attempts.AttemptTracker` (pure); `Dispatcher.run` does the I/O around it.
 
+Failover (docs/reliability.md): a worker names the replica and the ack subject of each
+attempt it starts (`AttemptNotice`). When that replica's record turns ``failed`` (its node
+agent saw the process exit), the gateway NAKs the delivery, so the request runs again at
+once instead of after ``ack_wait``; a stream that can neither resume nor restart ends with
+its error event then. A request that two replicas died running is given up (TERM, 500).
+Replies are checked: a gap in chunk numbers, a final reply whose count differs, or a final
+reply that never came although the message was acked, publish the request again under a
+new wire id (a new *try*), which restarts or resumes as above — never a 200 with text
+missing. JetStream's max-deliveries advisory ends a request at once.
+
 Session affinity (docs/sessions.md): a turn of a chat session goes to the replica holding
 the session's KV, on that replica's own subject, when `affinity.choose_route` says so, else
 to the model's shared queue; its final reply's replica becomes the session's route
@@ -36,6 +46,8 @@ import msgspec
 import nats.errors
 import nats.js.errors
 import structlog
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
 
 from shoal.services.gateway.affinity import SHARED_QUEUE, Route, choose_route, must_move
 from shoal.services.gateway.attempts import AttemptTracker
@@ -48,7 +60,7 @@ from shoal.services.gateway.errors import (
     Unavailable,
     error_for_status,
 )
-from shoal.services.gateway.router import ReplyInbox, ReplyRouter
+from shoal.services.gateway.router import DeliveriesExhausted, InboxItem, ReplicaDied, ReplyInbox, ReplyRouter
 from shoal.services.gateway.session_routes import SessionRoutes
 from shoal.services.gateway.worker_metrics import WorkerStatsStore
 from shoal.shared import subjects
@@ -60,7 +72,7 @@ from shoal.shared.messages import (
     ErrorReply,
     FinalReply,
     InferenceRequest,
-    Reply,
+    ReplicaRecord,
     TokenChunk,
     encode_msgpack,
     scheduler_reply_decoder,
@@ -72,10 +84,28 @@ log = structlog.get_logger(__name__)
 
 FAILURE_CHECK_S = 1.0
 """While waiting, how often a request checks whether its model's replicas keep failing."""
+LOST_CHECK_S = 5.0
+"""A running attempt silent this long: check that its message is still queued (if it was acked,
+its final reply was lost)."""
+MAX_TRIES = 3
+"""Times a request is published when its replies keep getting lost."""
+MAX_REPLICA_DEATHS = 2
+"""Replicas a request may see die while running it; then it is given up (a poison request)."""
 PUBLISH_RETRY_S = 30.0
 """How long a request's publish is retried while the stream cannot take it (a NATS cluster
 electing a leader, the gateway reconnecting), within its deadline."""
 PUBLISH_RETRY_PAUSE_S = 0.25
+MAX_DELIVERIES_ADVISORY = f"$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{subjects.REQUESTS_STREAM}.>"
+
+
+class MaxDeliveriesAdvisory(msgspec.Struct):
+    """JetStream's io.nats.jetstream.advisory.v1.max_deliver (the fields Shoal reads)."""
+
+    stream_seq: int
+    deliveries: int = 0
+
+
+max_deliveries_decoder = msgspec.json.Decoder(MaxDeliveriesAdvisory)
 
 
 class StreamBroken(ApiError):
@@ -133,6 +163,17 @@ class Dispatcher:
             "shoal_gateway_requests_moved_total",
             "Requests moved from a replica's own subject to the shared queue (the replica went away)", ["model"]
         )
+        self._failovers = metrics.counter("shoal_gateway_failovers_total",
+                                          "Deliveries NAKed because the replica running them died", ["model"])
+        self._lost_replies = metrics.counter("shoal_gateway_lost_replies_total",
+                                             "Attempts whose replies were lost on the way (published again)",
+                                             ["model"])
+        self._running_on: dict[str, set[str]] = {}
+        """Replica id -> wire ids of the requests whose current attempt runs there."""
+        self._replica_of: dict[str, str] = {}
+        self._wire_by_seq: dict[int, str] = {}
+        """Stream sequence -> wire id of every request waiting for replies."""
+        self._advisories: Subscription | None = None
 
     @contextlib.contextmanager
     def admitted(self, model: str) -> Iterator[None]:
@@ -198,6 +239,16 @@ class Dispatcher:
             raise Unavailable(f"model {model!r} cannot be placed now: {reply.message}",
                               code=reply.status, retry_after_s=reply.retry_after_s or 5.0)
 
+    async def start(self) -> None:
+        """Follow replica failures (to fail over at once) and JetStream's max-deliveries
+        advisories (to answer at once when a request's deliveries run out)."""
+        self._cluster.add_replica_listener(self._on_replica_changed)
+        self._advisories = await self._bus.nc.subscribe(MAX_DELIVERIES_ADVISORY, cb=self._on_max_deliveries)
+
+    async def stop(self) -> None:
+        if self._advisories is not None:
+            await self._advisories.unsubscribe()
+
     async def run(self, request: InferenceRequest, *, restartable: bool) -> AsyncGenerator[DispatchEvent, None]:
         """Publish `request` and yield its chunks and final reply (see the module doc).
 
@@ -207,49 +258,81 @@ class Dispatcher:
         Raises:
             ApiError: the worker's error, 504 at the deadline, StreamBroken.
         """
-        model = request.model
-        inbox = self._router.open(request.request_id)
         started = time.monotonic()
-        finished = False
-        tracker = AttemptTracker(reproducible=request.params.is_reproducible, restartable=restartable)
-        published: _Published | None = None
-        try:
-            route = await self._route(request)
-            published = _Published(route.replica_id, await self._publish(request, route.replica_id))
-            while True:
-                reply = await self._next_reply(inbox, request, published)
-                for action in tracker.on_reply(reply):
-                    match action:
-                        case "resume":
-                            log.warning("stream_resumed", request_id=request.request_id, attempt=reply.attempt)
-                        case "restart":
-                            yield Restart()
-                        case "broken":
-                            raise StreamBroken("the replica serving this stream failed; retry the request")
-                        case "deliver":
-                            assert isinstance(reply, TokenChunk), "only chunks are delivered"
-                            if tracker.num_sent == 1:
-                                ttft_s = time.monotonic() - started
-                                self._ttft.observe(ttft_s, model=model)
-                                if self._on_first_token is not None:
-                                    self._on_first_token(model, ttft_s)
-                            yield reply
-                        case "finish":
-                            assert isinstance(reply, FinalReply), "only a final reply finishes"
-                            finished = True
-                            if request.session_id is not None and reply.replica_id and self._session_routes:
-                                await self._session_routes.put(model, request.session_id, reply.replica_id)
-                            yield reply
-                            return
-                        case "error":
-                            assert isinstance(reply, ErrorReply), "only an error reply is an error"
-                            finished = True
-                            raise self._worker_error(request, reply)
-        finally:
-            self._router.close(request.request_id)
-            if not finished:
-                await self._cancel(request, "client disconnected or deadline passed",
-                                   published.sequence if published else None)
+        tracker = AttemptTracker(reproducible=request.params.is_reproducible, restartable=restartable,
+                                 max_deaths=MAX_REPLICA_DEATHS)
+        for try_number in range(MAX_TRIES):
+            wire = request if try_number == 0 else self._next_try(request, try_number)
+            tracker.begin_try()
+            inbox = self._router.open(wire.request_id)
+            finished = False
+            published: _Published | None = None
+            try:
+                route = await self._route(wire) if try_number == 0 else SHARED_QUEUE["none"]
+                published = _Published(route.replica_id, await self._publish(wire, route.replica_id))
+                self._wire_by_seq[published.sequence] = wire.request_id
+                while True:
+                    item = await self._next_reply(inbox, wire, tracker, published)
+                    if item is None:  # the attempt's last reply was lost: next try
+                        break
+                    if isinstance(item, ReplicaDied):
+                        await self._on_death(wire, tracker, item.replica_id)
+                        continue
+                    if isinstance(item, DeliveriesExhausted):
+                        raise ApiError(f"the request was delivered {item.num_deliveries} times and never "
+                                          "finished; it is not retried", code="deliveries_exhausted")
+                    actions = tracker.on_reply(item)
+                    self._follow_attempt(wire.request_id, tracker)
+                    if "lost" in actions:
+                        log.warning("reply_lost", request_id=request.request_id, attempt=item.attempt,
+                                    try_number=try_number)
+                        self._lost_replies.inc(model=request.model)
+                        break
+                    for action in actions:
+                        match action:
+                            case "resume":
+                                log.warning("stream_resumed", request_id=request.request_id, attempt=item.attempt)
+                            case "restart":
+                                yield Restart()
+                            case "broken":
+                                raise StreamBroken("the replica serving this stream failed; retry the request")
+                            case "deliver":
+                                assert isinstance(item, TokenChunk), "only chunks are delivered"
+                                if tracker.num_sent == 1:
+                                    self._observe_first_token(request.model, time.monotonic() - started)
+                                yield item
+                            case "finish":
+                                assert isinstance(item, FinalReply), "only a final reply finishes"
+                                finished = True
+                                if request.session_id is not None and item.replica_id and self._session_routes:
+                                    await self._session_routes.put(request.model, request.session_id,
+                                                                   item.replica_id)
+                                yield item
+                                return
+                            case "error":
+                                assert isinstance(item, ErrorReply), "only an error reply is an error"
+                                finished = True
+                                raise self._worker_error(request, item)
+            finally:
+                self._router.close(wire.request_id)
+                self._forget_attempt(wire.request_id)
+                if published is not None:
+                    self._wire_by_seq.pop(published.sequence, None)
+                if not finished:
+                    await self._cancel(wire, "client disconnected, deadline passed or replies lost",
+                                       published.sequence if published else None)
+        raise StreamBroken("the request's replies kept getting lost on the way; retry the request")
+
+    def _next_try(self, request: InferenceRequest, try_number: int) -> InferenceRequest:
+        """The request published again under a new wire id (its own reply subject, queue
+        de-duplication id and cancel id)."""
+        wire_id = f"{request.request_id}-try{try_number}"
+        return msgspec.structs.replace(request, request_id=wire_id, reply_to=self._router.reply_subject(wire_id))
+
+    def _observe_first_token(self, model: str, ttft_s: float) -> None:
+        self._ttft.observe(ttft_s, model=model)
+        if self._on_first_token is not None:
+            self._on_first_token(model, ttft_s)
 
     async def _route(self, request: InferenceRequest) -> Route:
         """Where `request` goes (`affinity.choose_route`), counted for a session's turn."""
@@ -288,8 +371,77 @@ class Dispatcher:
         log.warning("request_moved_to_shared_queue", request_id=request.request_id, replica=published.replica_id)
         self._moved.inc(model=request.model)
         moved = msgspec.structs.replace(request, attempt_offset=MOVED_ATTEMPT_OFFSET)
+        self._wire_by_seq.pop(published.sequence, None)
         published.sequence = await self._publish(moved, None, msg_id=request.request_id + subjects.MOVED_MSG_ID_SUFFIX)
         published.replica_id = None
+        self._wire_by_seq[published.sequence] = request.request_id
+
+    # ------------------------------------------------------------------ failover
+
+    def _follow_attempt(self, wire_id: str, tracker: AttemptTracker) -> None:
+        """Index the request by the replica running its current attempt (for `_on_replica_changed`)."""
+        self._forget_attempt(wire_id)
+        if tracker.is_running and tracker.replica_id:
+            self._running_on.setdefault(tracker.replica_id, set()).add(wire_id)
+            self._replica_of[wire_id] = tracker.replica_id
+
+    def _forget_attempt(self, wire_id: str) -> None:
+        replica_id = self._replica_of.pop(wire_id, None)
+        if replica_id is not None:
+            wire_ids = self._running_on.get(replica_id)
+            if wire_ids is not None:
+                wire_ids.discard(wire_id)
+                if not wire_ids:
+                    del self._running_on[replica_id]
+
+    def _on_replica_changed(self, previous: ReplicaRecord | None, current: ReplicaRecord | None) -> None:
+        """A replica record changed (ClusterView): when it turns failed, every request whose
+        current attempt runs there hears of it at once."""
+        if current is None or current.state != "failed" or (previous is not None and previous.state == "failed"):
+            return
+        for wire_id in list(self._running_on.get(current.replica_id, ())):
+            self._router.signal(wire_id, ReplicaDied(current.replica_id))
+
+    async def _on_death(self, wire: InferenceRequest, tracker: AttemptTracker, replica_id: str) -> None:
+        """The replica running `wire`'s current attempt died (see `AttemptTracker.on_replica_failed`)."""
+        ack_subject = tracker.ack_subject
+        action = tracker.on_replica_failed(replica_id)
+        self._forget_attempt(wire.request_id)
+        logger = log.bind(request_id=wire.request_id, replica=replica_id, action=action)
+        match action:
+            case "ignore":
+                return
+            case "nak":
+                logger.warning("replica_died_failing_over")
+                self._failovers.inc(model=wire.model)
+                await self._ack(ack_subject, b"-NAK")
+            case "broken":
+                logger.warning("replica_died_stream_broken")
+                raise StreamBroken("the replica serving this stream failed; retry the request")
+            case "poison":
+                logger.error("request_poison", deaths=tracker.num_deaths)
+                await self._ack(ack_subject, b"+TERM")
+                raise ApiError(f"the request was running on {tracker.num_deaths} replicas that failed while "
+                                  "running it; it is not retried", code="replicas_failed")
+
+    async def _ack(self, ack_subject: str, verb: bytes) -> None:
+        """NAK or TERM a JetStream delivery on behalf of a replica that died."""
+        if not ack_subject.startswith("$JS.ACK."):
+            return
+        try:
+            await self._bus.nc.publish(ack_subject, verb)
+        except nats.errors.Error as exc:  # it is redelivered after ack_wait anyway
+            log.warning("failover_ack_failed", verb=verb.decode(), error=str(exc))
+
+    async def _on_max_deliveries(self, msg: Msg) -> None:
+        try:
+            advisory = max_deliveries_decoder.decode(msg.data)
+        except msgspec.DecodeError as exc:
+            log.warning("advisory_malformed", subject=msg.subject, error=str(exc))
+            return
+        wire_id = self._wire_by_seq.get(advisory.stream_seq)
+        if wire_id is not None:
+            self._router.signal(wire_id, DeliveriesExhausted(advisory.deliveries))
 
     @staticmethod
     def _worker_error(request: InferenceRequest, reply: ErrorReply) -> ApiError:
@@ -329,9 +481,13 @@ class Dispatcher:
             except nats.errors.Error as exc:
                 raise Unavailable(f"the request queue is unavailable: {exc}", retry_after_s=2.0) from exc
 
-    async def _next_reply(self, inbox: ReplyInbox, request: InferenceRequest, published: _Published) -> Reply:
-        """The next reply; 504 at the deadline, 503 if the model's replicas keep failing meanwhile.
-        A request stranded on a replica that went away is moved meanwhile."""
+    async def _next_reply(self, inbox: ReplyInbox, request: InferenceRequest, tracker: AttemptTracker,
+                          published: _Published) -> InboxItem | None:
+        """The next reply or signal; 504 at the deadline, 503 if the model's replicas keep failing
+        meanwhile. None when the running attempt's final reply was lost: its message is gone from
+        the queue (acked) and nothing came for `LOST_CHECK_S`. A request stranded on a replica
+        that went away is moved meanwhile."""
+        silent_since = time.monotonic()
         while True:
             remaining = request.deadline - time.time()
             if remaining <= 0:
@@ -339,6 +495,14 @@ class Dispatcher:
             reply = await inbox.get(timeout_s=min(remaining, FAILURE_CHECK_S))
             if reply is not None:
                 return reply
+            if tracker.is_running:
+                if time.monotonic() - silent_since >= LOST_CHECK_S:
+                    if not await self._still_queued(published.sequence):
+                        log.warning("final_reply_lost", request_id=request.request_id)
+                        self._lost_replies.inc(model=request.model)
+                        return None
+                    silent_since = time.monotonic()
+                continue
             await self._move_if_stranded(request, published)
             reason = self._cluster.failing_reason(request.model, time.time())
             if reason is not None:
@@ -346,6 +510,19 @@ class Dispatcher:
                                   code="model_failing", retry_after_s=10.0)
             # The replica this request waits for may have failed before serving: ask again.
             await self.ensure_placed(request.model, request.deadline)
+
+    async def _still_queued(self, sequence: int) -> bool:
+        """Whether the request's message is still in ``SHOAL_REQUESTS`` (a work queue: its ack
+        removes it). True when NATS cannot tell now."""
+        try:
+            await self._bus.js.get_msg(subjects.REQUESTS_STREAM, sequence)
+        except nats.js.errors.NotFoundError:
+            return False
+        except nats.js.errors.APIError as exc:
+            return exc.err_code != JS_NO_MESSAGE_FOUND
+        except (TimeoutError, nats.errors.Error):
+            return True
+        return True
 
     async def _cancel(self, request: InferenceRequest, reason: str, sequence: int | None) -> None:
         """Take the request out of the queue if no replica took it yet (a replica still loading

@@ -3,13 +3,20 @@
 Workers publish to ``shoal.reply.<gateway>.<request>``; the gateway subscribes
 once to ``shoal.reply.<gateway>.>`` and hands each decoded reply to the queue
 of the request named by the subject's last token. Replies for requests nobody
-waits for any more (finished, timed out, disconnected) are dropped.
+waits for any more (finished, timed out, disconnected) are dropped. A reply sent as a
+request (a worker's final or error reply) is confirmed on receipt, whoever waits for it,
+so the worker stops resending it.
+
+Besides replies, an inbox takes *signals* about its request from the gateway itself
+(`ReplicaDied`, `DeliveriesExhausted`), so its one reader sees everything in order.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections import deque
+from dataclasses import dataclass
+from typing import TypeAlias
 
 import msgspec
 import structlog
@@ -23,6 +30,23 @@ from shoal.shared.messages import Reply, reply_decoder
 log = structlog.get_logger(__name__)
 
 
+@dataclass(frozen=True)
+class ReplicaDied:
+    """The replica with this id failed (its record turned ``failed``)."""
+
+    replica_id: str
+
+
+@dataclass(frozen=True)
+class DeliveriesExhausted:
+    """JetStream gave up on the request's message (its max-deliveries advisory)."""
+
+    num_deliveries: int
+
+
+InboxItem: TypeAlias = Reply | ReplicaDied | DeliveriesExhausted
+
+
 class ReplyInbox:
     """The replies of one request, in arrival order, for its one reader.
 
@@ -32,15 +56,15 @@ class ReplyInbox:
     """
 
     def __init__(self) -> None:
-        self._replies: deque[Reply] = deque()
+        self._replies: deque[InboxItem] = deque()
         self._waiter: asyncio.Future[None] | None = None
 
-    def put(self, reply: Reply) -> None:
+    def put(self, reply: InboxItem) -> None:
         self._replies.append(reply)
         if self._waiter is not None:
             _wake(self._waiter)
 
-    async def get(self, timeout_s: float) -> Reply | None:
+    async def get(self, timeout_s: float) -> InboxItem | None:
         """The next reply, or None when none arrived within `timeout_s`."""
         if not self._replies:
             loop = asyncio.get_running_loop()
@@ -88,12 +112,23 @@ class ReplyRouter:
     def close(self, request_id: str) -> None:
         self._inboxes.pop(request_id, None)
 
+    def signal(self, request_id: str, item: ReplicaDied | DeliveriesExhausted) -> None:
+        """Hand `item` to the request's reader, in order with its replies (if it still waits)."""
+        inbox = self._inboxes.get(request_id)
+        if inbox is not None:
+            inbox.put(item)
+
     @property
     def num_waiting(self) -> int:
         return len(self._inboxes)
 
     async def _on_reply(self, msg: Msg) -> None:
         request_id = msg.subject[self._prefix_len :]
+        if msg.reply:
+            try:
+                await msg.respond(b"")
+            except Exception as exc:  # the worker resends it, or gives up
+                log.debug("reply_not_confirmed", request_id=request_id, error=str(exc))
         inbox = self._inboxes.get(request_id)
         if inbox is None:
             return

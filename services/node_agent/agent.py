@@ -30,6 +30,7 @@ from nats.micro.service import Service
 from shoal.services.node_agent.gpus import NodeGpus, host_ram_bytes, nvml_process_bytes
 from shoal.services.node_agent.model_files import ModelInspectionError, inspect_model
 from shoal.services.node_agent.processes import WorkerProcess, spawn_worker, tail_log
+from shoal.services.node_agent.reconcile import Repair, plan_repairs
 from shoal.services.node_agent.release import record_parked, record_stopped
 from shoal.services.worker.launch import WorkerLaunch
 from shoal.shared import subjects
@@ -45,6 +46,8 @@ from shoal.shared.messages import (
     ModelSpec,
     NodeRecord,
     NodeReply,
+    Occupant,
+    OccupantState,
     ReplicaFailed,
     ReplicaRecord,
     RestoreReplica,
@@ -85,6 +88,22 @@ class _Replica:
     """Given to the worker process in its launch; its events must carry it (`_on_worker_event`)."""
 
 
+def rebuild_occupants(node_id: str, gpu_index: int, records: list[ReplicaRecord], at: float) -> list[Occupant]:
+    """A GPU's occupants as this node's replica records account for them (a GPU record that
+    no longer decodes is rebuilt from these, the agent's own copy for the workers it runs):
+    every HOT replica's bytes on that GPU, held (draining) unless it serves."""
+    occupants = []
+    for record in records:
+        num_bytes = record.gpu_bytes.get(gpu_index, 0)
+        if record.node_id != node_id or record.level != "HOT" or not num_bytes:
+            continue
+        state: OccupantState = ("serving" if record.state == "ready" else
+                                "loading" if record.state == "loading" else "draining")
+        occupants.append(Occupant(replica_id=record.replica_id, model=record.model, num_bytes=num_bytes,
+                                  state=state, since=at, last_accessed=record.last_request_at))
+    return occupants
+
+
 class NodeAgent:
     """See the module doc. `start()` registers and serves; `stop()` stops every worker."""
 
@@ -122,6 +141,8 @@ class NodeAgent:
         self._log_dir = log_dir
         self._inspecting = asyncio.Lock()
         self._replicas: dict[str, _Replica] = {}
+        self._stopping: dict[str, WorkerProcess] = {}
+        """Workers being stopped (no longer in `_replicas`): a second stop waits for their exit."""
         self._tasks: set[asyncio.Task[object]] = set()
         self._service: Service | None = None
         self._started_at = now()
@@ -163,6 +184,7 @@ class NodeAgent:
         await add_json_endpoint(self._service, "inspect", subjects.NODE_INSPECT, inspect_model_decoder.decode,
                                 self._on_inspect)
         self._spawn_task(self._heartbeat_loop())
+        self._spawn_task(self._reconcile_loop())
         log.info("node_agent_started", node=self.node_id, gpus=len(self._gpus.gpus), virtual=self._gpus.virtual)
 
     async def stop(self) -> None:
@@ -212,19 +234,88 @@ class NodeAgent:
                 log.warning("heartbeat_failed", error=str(exc))
 
     async def _register_gpus(self) -> None:
-        """Create this node's GPU keys, or bring their capacity up to date (keeping occupants)."""
+        """Create this node's GPU keys, or bring their capacity up to date (keeping occupants).
+        A key whose value does not decode is rebuilt from the replica records of this node
+        (CAS at its revision): until then placement leaves that GPU out."""
+        records: list[ReplicaRecord] | None = None
         for gpu in self._gpus.gpus:
             key = subjects.gpu_kv_key(self.node_id, gpu.index)
+            value, revision = await self._bus.gpus.read(key)
+            occupants: list[Occupant] = []
+            if value is None and revision is not None:
+                if records is None:
+                    # The workers this agent runs count as their own records say (a record may
+                    # not decode either); the other records of this node as they read.
+                    own = {rid: msgspec.structs.replace(r.record, state="ready" if r.ready.is_set() else "loading")
+                           for rid, r in self._replicas.items() if r.process is not None}
+                    read = {e.value.replica_id: e.value for e in (await self._bus.replicas.get_all()).values()}
+                    records = list({**read, **own}.values())
+                occupants = rebuild_occupants(self.node_id, gpu.index, records, now())
+                log.error("gpu_record_rebuilt", gpu=key, num_occupants=len(occupants))
 
-            def mutate(current: GpuRecord | None, gpu=gpu) -> GpuRecord | None:  # type: ignore[no-untyped-def]
+            def mutate(current: GpuRecord | None, gpu=gpu, occupants=occupants) -> GpuRecord | None:  # type: ignore[no-untyped-def]
                 if current is None:
                     return GpuRecord(node_id=self.node_id, index=gpu.index, total_bytes=gpu.total_bytes,
-                                     name=gpu.name, virtual=gpu.virtual, updated_at=now())
+                                     name=gpu.name, virtual=gpu.virtual, occupants=occupants, updated_at=now())
                 if current.total_bytes == gpu.total_bytes and current.name == gpu.name:
                     return None
                 return msgspec.structs.replace(current, total_bytes=gpu.total_bytes, name=gpu.name, updated_at=now())
 
             await cas_update(self._bus.gpus, key, mutate)
+
+    # ------------------------------------------------------------------ reconciliation
+
+    async def _reconcile_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self._node.reconcile_interval_s)
+            try:
+                await self.reconcile()
+            except Exception as exc:  # NATS may be reconnecting; the next round retries
+                log.warning("node_reconcile_failed", error=repr(exc))
+
+    async def reconcile(self) -> None:
+        """One round of `reconcile.plan_repairs`: workers against records; GPU keys repaired."""
+        await self._register_gpus()
+        malformed: set[str] = set()
+        entries = await self._bus.replicas.get_all(malformed=malformed)
+        records = {e.value.replica_id: e.value for e in entries.values()}
+        running = {rid for rid, r in self._replicas.items()
+                   if r.process is not None and r.process.process.returncode is None}
+        # Launching, or exited and in the hands of its watcher (failed, or restarted): not ours to judge.
+        starting = set(self._replicas) - running
+        malformed_ids = {key.split(".", 1)[-1] for key in malformed}
+        for repair in plan_repairs(self.node_id, running, records, malformed_ids=malformed_ids,
+                                   starting_ids=starting):
+            await self._apply_repair(repair, malformed)
+
+    async def _apply_repair(self, repair: Repair, malformed_keys: set[str]) -> None:
+        log.warning("node_repair", kind=repair.kind, replica=repair.replica_id, reason=repair.reason)
+        match repair.kind:
+            case "stop_worker":
+                replica = self._replicas.get(repair.replica_id)
+                if replica is not None and replica.process is not None:
+                    replica.process.stopping = True  # asked for: its exit is no failure
+                    self._replicas.pop(repair.replica_id, None)
+                    self._spawn_task(self._stop_process(repair.replica_id, replica.process,
+                                                        replica.spec.sleep.drain_timeout_s + STOP_GRACE_S))
+            case "rewrite_record":
+                replica = self._replicas.get(repair.replica_id)
+                if replica is None:
+                    return
+                key = subjects.replica_kv_key(replica.record.model, replica.record.replica_id)
+                if key not in malformed_keys:
+                    return
+                _, revision = await self._bus.replicas.read(key)
+                if revision is not None:
+                    state = "ready" if replica.ready.is_set() else "loading"
+                    await self._bus.replicas.update(key, msgspec.structs.replace(replica.record, state=state,
+                                                                                 updated_at=now()), revision)
+            case "fail_record":
+                assert repair.record is not None, "a record to fail"
+                await self._mark_failed(repair.record.model, repair.replica_id, repair.reason)
+            case "stopped_record":
+                assert repair.record is not None, "a record that was stopping"
+                await record_stopped(self._bus, repair.record)
 
     async def _fail_orphaned_replicas(self) -> None:
         """Replicas recorded on this node from before a restart have no worker any more."""
@@ -266,6 +357,8 @@ class NodeAgent:
         if unknown:
             raise RequestError(400, f"replica {record.replica_id} names GPUs this node lacks: {unknown}")
         existing = self._replicas.get(record.replica_id)
+        if existing is not None and existing.process is None:
+            return NodeReply(ok=True, message="already starting")  # a create sent again meanwhile
         if existing and existing.process and existing.process.process.returncode is None:
             return NodeReply(ok=True, message="already running", pid=existing.process.pid)
         replica = _Replica(record=record, spec=spec)
@@ -289,16 +382,31 @@ class NodeAgent:
 
     async def _stop_replica(self, replica_id: str, reason: str) -> NodeReply:
         """Stop a worker (it drains first). A replica evicted to COLD (its record ``draining``,
-        leaving to COLD) leaves its GPUs and the records only now, once its process is gone."""
+        leaving to COLD) leaves its GPUs and the records only now, once its process is gone —
+        also when it was gone already (a stop sent again after a scheduler died)."""
         replica = self._replicas.pop(replica_id, None)
         if replica is None or replica.process is None:
+            if (stopping := self._stopping.get(replica_id)) is not None:
+                await stopping.process.wait()  # confirmed only once that stop is through
+            for entry in (await self._bus.replicas.get_all()).values():
+                if entry.value.replica_id == replica_id and entry.value.node_id == self.node_id:
+                    await record_stopped(self._bus, entry.value)
             return NodeReply(ok=True, message="not running")
         log.info("worker_stopping", replica=replica_id, reason=reason)
-        code = await replica.process.stop(replica.spec.sleep.drain_timeout_s + STOP_GRACE_S)
+        code = await self._stop_process(replica_id, replica.process, replica.spec.sleep.drain_timeout_s + STOP_GRACE_S)
         await record_stopped(self._bus, replica.record)
         await publish_event(self._bus.js, Event("replica_stopped", now(), reason, replica.record.model, replica_id,
                                                 self.node_id, data={"exit_code": code}))
         return NodeReply(ok=True, message=f"stopped (exit {code})", pid=replica.process.pid)
+
+    async def _stop_process(self, replica_id: str, process: WorkerProcess, timeout_s: float) -> int | None:
+        """Stop a worker no longer in `_replicas`, known as stopping until it has exited."""
+        self._stopping[replica_id] = process
+        try:
+            return await process.stop(timeout_s)
+        finally:
+            if self._stopping.get(replica_id) is process:
+                del self._stopping[replica_id]
 
     def _running(self, replica_id: str) -> _Replica:
         replica = self._replicas.get(replica_id)

@@ -146,8 +146,16 @@ class NodeSteps:
         task.add_done_callback(self._tasks.discard)
         return task
 
-    async def stop(self) -> None:
-        """Cancel the steps still running (shutdown)."""
+    def has_unfinished(self, replica_id: str) -> bool:
+        """Whether this scheduler still runs (or waits to run) a step of `replica_id`."""
+        return self._graph.has_unfinished(replica_id)
+
+    async def stop(self, grace_s: float = 0.0) -> None:
+        """Let the steps still running finish for up to `grace_s`, then cancel them (shutdown).
+        A cancelled step leaves its record ``pending`` or ``draining``: any scheduler's
+        reconciler sends it again (`reconciler.Reconciler.repair_stalled_steps`)."""
+        if self._tasks and grace_s > 0:
+            await asyncio.wait(list(self._tasks), timeout=grace_s)
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)

@@ -19,9 +19,11 @@ import structlog
 
 from shoal.services.scheduler import backoff
 from shoal.services.scheduler.background import BackgroundTasks
-from shoal.services.scheduler.executor import StepResult
+from shoal.services.scheduler.executor import STOP_TIMEOUT_S, StepResult, send_node_command
 from shoal.services.scheduler.store import ClusterStore
-from shoal.shared.messages import ModelSpec
+from shoal.shared.bus import Bus
+from shoal.shared.messages import ModelSpec, ReplicaRecord, StopReplica
+from shoal.shared.micro import ServiceCallError
 
 log = structlog.get_logger(__name__)
 
@@ -29,6 +31,7 @@ log = structlog.get_logger(__name__)
 class FailureHandler:
     def __init__(
         self,
+        bus: Bus,
         store: ClusterStore,
         *,
         replace: Callable[[str, int], Coroutine[Any, Any, object]],
@@ -39,6 +42,7 @@ class FailureHandler:
         replace: places a model's desired replicas again (`commands.PlacementCommands.ensure`).
         background: runs the replacement, which the reporter does not wait for.
         """
+        self._bus = bus
         self._store = store
         self._replace = replace
         self._background = background
@@ -72,5 +76,21 @@ class FailureHandler:
             self._background.spawn(self._replace(model, spec.desired_replicas))  # the reporter need not wait
 
     def on_step_failed(self, result: StepResult) -> None:
-        """A from_cache or create the node did not carry out: free and replace the replica."""
-        self._background.spawn(self.on_replica_failed(result.record.model, result.record.replica_id, result.error))
+        """A from_cache or create the node did not carry out: stop it there, then free and
+        replace the replica (`stop_then_free`)."""
+        self._background.spawn(self.stop_then_free(result.record, result.error))
+
+    async def stop_then_free(self, record: ReplicaRecord, error: str) -> None:
+        """A create or restore that did not complete may still have a worker running (a timeout
+        is not a refusal): its node agent stops it first, then the replica is freed, counted and
+        replaced. A node that cannot confirm the stop keeps the memory counted: the replica is
+        held (``stopping``) and the reconciler frees it once the node confirms."""
+        try:
+            await send_node_command(self._bus, record.node_id, "stop",
+                                    StopReplica(record.replica_id, f"failed: {error}"), STOP_TIMEOUT_S)
+        except ServiceCallError as exc:
+            log.warning("failed_replica_not_stopped", model=record.model, replica=record.replica_id,
+                        node=record.node_id, error=str(exc))
+            await self._store.hold_replica(record, error)
+            return
+        await self.on_replica_failed(record.model, record.replica_id, error)

@@ -35,7 +35,7 @@ from shoal.shared.metrics import Registry
 from shoal.shared.placement.config import PlacementConfig
 from shoal.shared.placement.plan import PlacementPlan
 from shoal.shared.placement.planner import ClusterPlanner
-from shoal.shared.placement.replicas import build_delta, get_planned_locations
+from shoal.shared.placement.replicas import ReplicaDelta, build_delta, get_planned_locations
 from shoal.shared.placement.snapshot import ClusterSnapshot
 
 MAX_REPLANS = 12
@@ -52,6 +52,16 @@ class PassOutcome:
     message: str = ""
     steps: tuple[StepResult, ...] = ()
     """What the node agents did with the plan's delta."""
+
+
+def without_replicas(delta: ReplicaDelta, replica_ids: set[str]) -> ReplicaDelta:
+    """`delta` less every step of `replica_ids` (their records were not written)."""
+    if not replica_ids:
+        return delta
+    return dataclasses.replace(delta, **{
+        op: tuple(loc for loc in getattr(delta, op) if loc.replica_id not in replica_ids)
+        for op in ("to_cache", "delete", "from_cache", "create")
+    })
 
 
 class PlacementPasses:
@@ -86,11 +96,23 @@ class PlacementPasses:
         )
         self._placed = metrics.counter("shoal_scheduler_replicas_placed_total", "Replicas placed", ["scheduler"])
         self._lock = asyncio.Lock()
+        self._stopping = False
         self._steps = NodeSteps(bus, store, self._lock, on_step_failed)
 
-    async def stop(self) -> None:
-        """Cancel the node steps still running (shutdown)."""
-        await self._steps.stop()
+    async def stop(self, grace_s: float = 0.0) -> None:
+        """Shutdown: wait for a commit in progress (a pass never stops between its GPU writes
+        and its records), let node steps finish for up to `grace_s`, cancel the rest."""
+        self._stopping = True
+        try:
+            async with asyncio.timeout(max(grace_s, 1.0)), self._lock:
+                pass  # a commit in progress has finished; no other starts (`run`)
+        except TimeoutError:
+            pass  # a pass stuck on NATS: its reservations lapse, its records are repaired
+        await self._steps.stop(grace_s)
+
+    def has_unfinished_step(self, replica_id: str) -> bool:
+        """Whether this scheduler still runs a node step of `replica_id`."""
+        return self._steps.has_unfinished(replica_id)
 
     async def run(self, operate: Operation, *, claimant: str | None = None) -> PassOutcome:
         """Plan on a fresh snapshot and commit it, re-planning on any lost race, under the
@@ -100,6 +122,8 @@ class PlacementPasses:
             claimant: the model a wake places (the memory its own preemption intents keep is
                 free for it: `records.build_snapshot`)."""
         async with self._lock:
+            if self._stopping:
+                return PassOutcome(PlacementPlan(), committed=False, message="the scheduler is stopping")
             outcome, steps = await self._plan_and_commit(operate, claimant)
         if steps is None:
             return outcome
@@ -147,6 +171,7 @@ class PlacementPasses:
             now=self._clock(),
             claimant=claimant,
             leaving_is_free=leaving_is_free,
+            unreadable_gpu_keys=snapshot.malformed_gpu_keys,
         )
 
     async def _commit(self, snapshot: StoredCluster, plan: PlacementPlan) -> asyncio.Task[list[StepResult]] | None:
@@ -172,12 +197,19 @@ class PlacementPasses:
         if not await self._store.apply_gpu_changes(dict(changes.gpu_changes), snapshot.gpus):
             await self._release_leases(touched, {})
             return None
-        await self._store.write_replicas(changes.replica_puts, changes.replica_delete_keys)
+        skipped = await self._store.write_replicas(changes.replica_puts, changes.replica_delete_keys,
+                                                   snapshot.replicas)
+        for record in changes.replica_puts:
+            if record.replica_id in skipped and record.state == "pending":
+                # Its record changed since the plan read it (failed, say): no replica to start
+                # there, so its reservation goes (an eviction's draining occupant stays: the
+                # failure's handling frees it).
+                await self._store.release_replica(record)
         specs = await self._release_leases(touched, plan.desired_replicas)
         self._placed.inc(len(plan.placements), scheduler=self._scheduler_id)
         await publish_plan_events(self._bus.js, plan, self._clock())
         recorded = records.get_recorded_locations(replicas.values())
-        delta = build_delta(recorded, get_planned_locations(recorded, plan))
+        delta = without_replicas(build_delta(recorded, get_planned_locations(recorded, plan)), skipped)
         new_records = {**replicas, **{r.replica_id: r for r in changes.replica_puts}}
         all_specs = {**{k: v.value for k, v in versioned.items()}, **specs}
         return self._steps.submit(delta, records_before=replicas, records_after=new_records, specs=all_specs)

@@ -36,12 +36,17 @@ memory its own evictions free: the waker claims it in a later pass.
 
 A GPU whose occupants exceed its total (a node re-registered with smaller GPUs) is read
 as it is, not clamped: the policy treats it as having no room until evictions cover the
-excess, and `find_over_committed` reports it.
+excess, and `find_over_committed` reports it. A live node's GPU whose record does not decode
+(a hand-written or forged value, a newer version) is left out of placement (all its bytes
+pinned) until its node agent repairs it: nothing is placed on a GPU whose occupants are unknown.
+
+A ``lost`` replica (its node's heartbeats lapsed) keeps its memory pinned until its node agent
+confirms the worker is gone; so do ``failed`` and ``stopping`` ones (docs/reliability.md).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 
 import msgspec
@@ -52,11 +57,11 @@ from shoal.shared.placement.config import PlacementConfig
 from shoal.shared.placement.fairness import IntentView, OccupantView, get_pinned_intent_bytes, is_protected
 from shoal.shared.placement.memory_figure import get_memory_figure
 from shoal.shared.placement.plan import PlacementPlan
-from shoal.shared.placement.replicas import ReplicaLocation
+from shoal.shared.placement.replicas import DeltaOp, ReplicaLocation
 from shoal.shared.placement.snapshot import ClusterSnapshot, ModelDemand, NodeSnapshot, ReplicaSnapshot
 from shoal.shared.subjects import gpu_kv_key, replica_kv_key
 
-_NOT_HOLDING = ("failed", "stopping", "draining")
+_NOT_HOLDING = ("failed", "stopping", "draining", "lost")
 """Replica states whose GPU memory is still held but no longer serves (pinned, not evictable)."""
 _DEFAULT_FAIRNESS = FairnessSettings()
 
@@ -74,6 +79,7 @@ def build_snapshot(
     now: float,
     claimant: str | None = None,
     leaving_is_free: bool = False,
+    unreadable_gpu_keys: Collection[str] = (),
 ) -> ClusterSnapshot:
     """The policy's view of the cluster, from the four buckets' current values.
 
@@ -90,6 +96,7 @@ def build_snapshot(
         leaving_is_free: count the bytes of replicas draining away (evicted, parking or
             stopping) as free: where a wake could go once they are released (never for a
             pass that commits: nothing is placed on memory still held).
+        unreadable_gpu_keys: GPU keys whose value does not decode: those GPUs are left out.
 
     Returns:
         Nodes in node id order (so a seeded plan does not depend on read order).
@@ -98,7 +105,8 @@ def build_snapshot(
     replica_by_id = {r.replica_id: r for r in replicas}
     specs = {spec.key: spec for spec in models}
     snapshots = [
-        _build_node(node, gpu_by_key, replica_by_id, specs, config, now, claimant, leaving_is_free)
+        _build_node(node, gpu_by_key, replica_by_id, specs, config, now, claimant, leaving_is_free,
+                    unreadable_gpu_keys)
         for node in sorted(nodes, key=lambda n: n.node_id)
     ]
     desired = {spec.key: spec.desired_replicas for spec in specs.values()}
@@ -123,6 +131,7 @@ def _build_node(
     now: float,
     claimant: str | None,
     leaving_is_free: bool,
+    unreadable_gpu_keys: Collection[str],
 ) -> NodeSnapshot:
     total_bytes_by_gpu: dict[int, int] = {}
     pinned_bytes_by_gpu: dict[int, int] = {}
@@ -139,6 +148,8 @@ def _build_node(
         record = gpu_by_key.get(gpu_kv_key(node.node_id, info.index))
         total_bytes_by_gpu[info.index] = record.total_bytes if record is not None else info.total_bytes
         if record is None:
+            if gpu_kv_key(node.node_id, info.index) in unreadable_gpu_keys:
+                pin(info.index, info.total_bytes)  # occupants unknown: left out of placement
             continue
         for occupant in record.occupants:
             replica = replica_by_id.get(occupant.replica_id)
@@ -366,7 +377,8 @@ def plan_to_records(
                     last_accessed=last_accessed_by_id.get(eviction.replica_id, 0.0),
                 )
             )
-        puts[key] = msgspec.structs.replace(old, state="draining", leaving_to=eviction.to_level, updated_at=at)
+        puts[key] = msgspec.structs.replace(old, state="draining", leaving_to=eviction.to_level, updated_at=at,
+                                            scheduler_id=scheduler_id)
     for placement in plan.placements:
         for gpu_id, num_bytes in placement.gpu_bytes.items():
             additions.setdefault(gpu_kv_key(placement.node_id, gpu_id), []).append(
@@ -429,3 +441,75 @@ def apply_gpu_change(record: GpuRecord, change: GpuChange, *, now: float) -> Gpu
     if adds_newcomer or updated.reserved_bytes > record.reserved_bytes:
         return None
     return updated
+
+
+# --------------------------------------------------------------------------- writes by revision
+
+_GONE = ("failed", "stopping", "lost")
+"""States a plan never overwrites: the replica is being given up."""
+
+
+def merge_planned_record(current: ReplicaRecord | None, read: ReplicaRecord | None,
+                         planned: ReplicaRecord) -> ReplicaRecord | None:
+    """What a plan writes over the record as it is now (a CAS at `current`'s revision), or
+    None when the plan no longer applies to it.
+
+    Between the plan's read (`read`) and its write, a node agent or a worker may have written
+    the record. Progress (pending -> loading -> ready, a worker's activity) does not stop the
+    plan: its write keeps the worker's activity fields. A record that was failed, held, lost,
+    deleted, moved or created since does: the plan's change for that replica is dropped (the
+    caller rolls back its GPU reservation), never written over a ``failed``.
+
+    Args:
+        current: the record now (None: absent).
+        read: the record the plan was made on (None: a new replica).
+        planned: what the plan writes.
+    """
+    if read is None:
+        return planned if current is None else None
+    if current is None or current.state in _GONE or (current.node_id, current.level) != (read.node_id, read.level):
+        return None
+    if current.level == "HOT" and current.gpu_bytes != read.gpu_bytes:
+        return None
+    if read.level == "WARM" and current.state != read.state:
+        return None  # a parked replica that changed since was not what the plan restores
+    return msgspec.structs.replace(planned, last_request_at=max(planned.last_request_at, current.last_request_at),
+                                   num_in_flight=current.num_in_flight)
+
+
+def get_unbacked_reservations(gpus: Iterable[GpuRecord], replicas: Iterable[ReplicaRecord], *, now: float,
+                              malformed_replica_ids: Collection[str] = ()) -> dict[str, list[str]]:
+    """Reservations to remove, by GPU key: ``reserved`` occupants whose reservation lapsed and
+    that no replica record backs (a scheduler died between reserving and recording, or its
+    record went back to WARM), and occupants of any state with no replica record at all once
+    their reservation (if any) lapsed. An occupant whose record does not decode is kept (its
+    worker may run: the node agent's reconciliation decides)."""
+    by_id = {r.replica_id: r for r in replicas}
+    stale: dict[str, list[str]] = {}
+    for gpu in gpus:
+        key = gpu_kv_key(gpu.node_id, gpu.index)
+        for occupant in gpu.occupants:
+            if occupant.replica_id in malformed_replica_ids:
+                continue
+            lapsed = occupant.expires_at is None or occupant.expires_at < now
+            record = by_id.get(occupant.replica_id)
+            if record is None:
+                unbacked = lapsed
+            else:
+                backs = record.node_id == gpu.node_id and record.level == "HOT" and gpu.index in record.gpu_bytes
+                unbacked = occupant.state == "reserved" and lapsed and not backs
+            if unbacked:
+                stale.setdefault(key, []).append(occupant.replica_id)
+    return stale
+
+
+def get_stalled_step(record: ReplicaRecord) -> DeltaOp | None:
+    """The node step a ``pending`` or ``draining`` record still waits for, derived from the
+    record alone (so a scheduler that died after its commit leaves nothing that cannot be
+    finished): a pending replica that parked before (it has a pid) is restored, another one
+    created; a draining one is parked (leaving to WARM) or stopped."""
+    if record.state == "pending" and record.level == "HOT":
+        return "from_cache" if record.pid is not None else "create"
+    if record.state == "draining":
+        return "to_cache" if record.leaving_to == "WARM" else "delete"
+    return None

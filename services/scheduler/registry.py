@@ -11,17 +11,21 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
 import msgspec
+import nats.js.errors
 import structlog
 
 from shoal.services.scheduler.background import BackgroundTasks
 from shoal.services.scheduler.events import publish_model_event
+from shoal.services.scheduler.executor import STOP_TIMEOUT_S, send_node_command
 from shoal.shared import subjects
 from shoal.shared.bus import Bus, ensure_model_consumer
 from shoal.shared.messages import (
     InspectModel,
     ModelFacts,
     ModelSpec,
+    ReplicaRecord,
     SchedulerReply,
+    StopReplica,
     model_facts_decoder,
 )
 from shoal.shared.micro import RequestError, ServiceCallError, ServiceError, request_json
@@ -123,12 +127,49 @@ class ModelRegistry:
         return stored
 
     async def remove(self, model: str) -> SchedulerReply:
-        """Remove every replica of `model` (one pass), then its spec. 404 when unknown."""
+        """Stop every replica of `model`, then delete its request consumer, its queued
+        requests and its spec. 404 when unknown.
+
+        One pass removes its HOT and WARM replicas (desired count 0, waiting for their node
+        steps); replicas that pass could not stop (failed, held, lost, a stop that failed) are
+        stopped on their node and freed here. While any is left (its node does not answer),
+        the spec stays — so the model can still be evicted or removed again — and the reply
+        says which replicas are left (409)."""
         await self.require(model)
-        outcome = await self._passes.run(lambda planner, _: planner.scale_down(model, 0))
-        await self._bus.models.delete(subjects.model_token(model))
+        await self._passes.run(lambda planner, _: planner.scale_down(model, 0))
+        token = subjects.model_token(model)
+        for entry in (await self._bus.replicas.get_all(token + ".*")).values():
+            await self._stop_and_free(entry.value)
+        left = sorted(e.value.replica_id for e in (await self._bus.replicas.get_all(token + ".*")).values())
+        if left:
+            raise RequestError(409, f"model {model!r}: replicas {', '.join(left)} could not be stopped yet (their "
+                                    "node does not answer); its spec is kept: remove it again later")
+        await self._delete_queue(model)
+        await self._bus.models.delete(token)
         await publish_model_event(self._bus.js, "model_removed", model, self._clock())
-        return SchedulerReply(ok=outcome.committed, status="ok", message=f"model {model} removed")
+        return SchedulerReply(ok=True, status="ok", message=f"model {model} removed")
+
+    async def _stop_and_free(self, record: ReplicaRecord) -> None:
+        """Stop a replica of a model being removed on its node, then free it (memory first)."""
+        try:
+            await send_node_command(self._bus, record.node_id, "stop", StopReplica(record.replica_id, "model removed"),
+                                    STOP_TIMEOUT_S)
+        except ServiceCallError as exc:
+            log.warning("removed_model_replica_not_stopped", model=record.model, replica=record.replica_id,
+                        error=str(exc))
+            return
+        await self._store.free_replica(record.model, record.replica_id, error="model removed")
+
+    async def _delete_queue(self, model: str) -> None:
+        """Delete the model's durable consumer and the requests still queued for it."""
+        try:
+            await self._bus.js.delete_consumer(subjects.REQUESTS_STREAM, subjects.consumer_name(model))
+        except nats.js.errors.NotFoundError:
+            pass
+        try:
+            await self._bus.js.purge_stream(subjects.REQUESTS_STREAM, subject=subjects.infer_subject(model))
+        except nats.js.errors.NotFoundError:
+            pass
 
     async def require(self, model: str) -> ModelSpec:
         """The spec of `model`; RequestError 404 when it is not registered."""

@@ -23,6 +23,7 @@ import random
 import uuid
 from collections.abc import Callable, Sequence
 
+import nats.errors
 import structlog
 from nats.micro import add_service
 from nats.micro.service import Service
@@ -57,6 +58,8 @@ from shoal.shared.micro import RequestError, add_json_endpoint
 from shoal.shared.version import SHOAL_VERSION
 
 log = structlog.get_logger(__name__)
+
+SERVICE_STOP_TIMEOUT_S = 5.0
 
 
 
@@ -94,7 +97,8 @@ class SchedulerService:
         )
         self._background = BackgroundTasks()
         # The parts call each other through these methods (bound now, resolved when called).
-        self._failures = FailureHandler(self.store, replace=self.ensure, background=self._background, clock=clock)
+        self._failures = FailureHandler(bus, self.store, replace=self.ensure, background=self._background,
+                                        clock=clock)
         self._passes = PlacementPasses(
             bus, self.store, scheduler_id=self.scheduler_id, policy_config=policy_config,
             reservation_ttl_s=config.reservation_ttl_s, metrics=self.metrics,
@@ -109,7 +113,12 @@ class SchedulerService:
                                            policy_config=policy_config, metrics=self.metrics, clock=clock)
         self._reconciler = Reconciler(bus, self.store, self._failures, refill=self._refill,
                                       sleep_idle=self._commands.sleep_idle,
-                                      interval_s=config.reconcile_interval_s, clock=clock)
+                                      interval_s=config.reconcile_interval_s, clock=clock,
+                                      scheduler_id=self.scheduler_id,
+                                      has_step=self._passes.has_unfinished_step,
+                                      stalled_step_s=config.stalled_step_s,
+                                      node_lost_after_s=config.node_lost_after_s)
+        self._stop_grace_s = config.stop_grace_s
         self._service: Service | None = None
         self._reconciling: asyncio.Task[None] | None = None
 
@@ -132,13 +141,19 @@ class SchedulerService:
         log.info("scheduler_started", scheduler=self.scheduler_id, models=len(models))
 
     async def stop(self) -> None:
+        """Stop (SIGTERM): take no more commands, let a commit in progress finish and node steps
+        run for up to ``scheduler.stop_grace_s``; what is cut short leaves records any
+        scheduler's reconciler finishes (docs/reliability.md)."""
+        if self._service is not None:
+            try:  # draining the micro service's subscriptions was seen to hang (nats-py): bounded
+                await asyncio.wait_for(self._service.stop(), timeout=SERVICE_STOP_TIMEOUT_S)
+            except (TimeoutError, nats.errors.Error) as exc:
+                log.warning("scheduler_service_stop_cut_short", error=repr(exc))
         if self._reconciling is not None:
             self._reconciling.cancel()
             await asyncio.gather(self._reconciling, return_exceptions=True)
-        if self._service is not None:
-            await self._service.stop()
+        await self._passes.stop(self._stop_grace_s)
         await self._background.stop()
-        await self._passes.stop()
 
     async def handle(self, command: SchedulerCommand) -> SchedulerReply:
         """One command from a micro endpoint; RequestError becomes its error reply."""

@@ -74,6 +74,10 @@ class StepGraph:
         self._step_keys[step_id] = (replica_id, keys if op in FREEING_OPS else ())
         return StepWaits(step_id, after_replica, after_freeing)
 
+    def has_unfinished(self, replica_id: str) -> bool:
+        """Whether a step of `replica_id` was added and has not finished."""
+        return replica_id in self._last_by_replica
+
     def forget(self, step_id: int) -> None:
         """A step finished (carried out, failed or skipped): later steps do not wait on it."""
         replica_id, freed_keys = self._step_keys.pop(step_id)

@@ -9,6 +9,10 @@ behind for longer than the reservation TTL (the reconciler removes lapsed ones).
 
 Whatever ends a replica gives its memory back before its record goes, never after
 (`free_replica`, `roll_back_placement`; a plan's GPU changes before its record deletes).
+
+Every write of a replica record is a CAS at the revision read (`write_replicas`,
+`hold_replica`, `mark_lost`, `free_replica`): an interleaving with a node agent's or a
+worker's write never resurrects a deleted record or loses a ``failed``.
 """
 
 from __future__ import annotations
@@ -20,7 +24,12 @@ from dataclasses import dataclass
 import msgspec
 import structlog
 
-from shoal.services.scheduler.records import GpuChange, apply_gpu_change
+from shoal.services.scheduler.records import (
+    GpuChange,
+    apply_gpu_change,
+    get_unbacked_reservations,
+    merge_planned_record,
+)
 from shoal.shared import subjects
 from shoal.shared.bus import Bus, CasConflict, Versioned, cas_update
 from shoal.shared.messages import GpuRecord, ModelSpec, NodeRecord, Occupant, ReplicaRecord, now
@@ -37,6 +46,10 @@ class StoredCluster:
     gpus: dict[str, Versioned[GpuRecord]]
     replicas: dict[str, Versioned[ReplicaRecord]]
     models: dict[str, Versioned[ModelSpec]]
+    malformed_replica_ids: frozenset[str] = frozenset()
+    """Replicas whose record does not decode (logged): their memory is never freed here."""
+    malformed_gpu_keys: frozenset[str] = frozenset()
+    """GPU keys whose record does not decode (logged): left out of placement."""
 
     def replicas_of(self, model: str) -> list[ReplicaRecord]:
         return [v.value for v in self.replicas.values() if v.value.model == model]
@@ -73,11 +86,15 @@ class ClusterStore:
 
     async def snapshot(self) -> StoredCluster:
         nodes = {k: v.value for k, v in (await self._bus.nodes.get_all()).items()}
+        malformed: set[str] = set()
+        bad_gpus: set[str] = set()
         return StoredCluster(
             nodes=nodes,
-            gpus=await self._bus.gpus.get_all(),
-            replicas=await self._bus.replicas.get_all(),
+            gpus=await self._bus.gpus.get_all(malformed=bad_gpus),
+            replicas=await self._bus.replicas.get_all(malformed=malformed),
             models=await self._bus.models.get_all(),
+            malformed_replica_ids=frozenset(key.split(".", 1)[-1] for key in malformed),
+            malformed_gpu_keys=frozenset(bad_gpus),
         )
 
     # ------------------------------------------------------------------ GPU records
@@ -153,11 +170,69 @@ class ClusterStore:
                 return False
         return True
 
-    async def write_replicas(self, puts: Sequence[ReplicaRecord], delete_keys: Sequence[str]) -> None:
+    async def write_replicas(self, puts: Sequence[ReplicaRecord], delete_keys: Sequence[str],
+                             read: Mapping[str, Versioned[ReplicaRecord]]) -> set[str]:
+        """Write a plan's replica records, each a CAS from the revision the plan read (`read`,
+        by KV key; re-read on a conflict): see `records.merge_planned_record`.
+
+        Returns:
+            The ids of the replicas whose change no longer applied and was not written.
+        """
+        skipped: set[str] = set()
         for record in puts:
-            await self._bus.replicas.put(subjects.replica_kv_key(record.model, record.replica_id), record)
+            key = subjects.replica_kv_key(record.model, record.replica_id)
+            before = read.get(key)
+            if not await self._write_planned(key, record, before.value if before else None,
+                                             before.revision if before else None):
+                log.info("replica_write_skipped", model=record.model, replica=record.replica_id)
+                skipped.add(record.replica_id)
         for key in delete_keys:
-            await self._bus.replicas.delete(key)
+            before = read.get(key)
+            if not await self._delete_planned(key, before):
+                skipped.add(key.split(".", 1)[-1])
+        return skipped
+
+    async def _write_planned(self, key: str, planned: ReplicaRecord, read: ReplicaRecord | None,
+                             revision: int | None) -> bool:
+        current: ReplicaRecord | None = read
+        for _ in range(12):
+            merged = merge_planned_record(current, read, planned)
+            if merged is None:
+                return False
+            if revision is None:
+                written = await self._bus.replicas.create(key, merged)
+            else:
+                written = await self._bus.replicas.update(key, merged, revision)
+            if written is not None:
+                return True
+            entry = await self._bus.replicas.get(key)
+            current, revision = (entry.value, entry.revision) if entry else (None, None)
+        raise CasConflict(f"{key}: the record kept changing while a plan was written")
+
+    async def _delete_planned(self, key: str, read: Versioned[ReplicaRecord] | None) -> bool:
+        """Delete a WARM replica's record that the plan dropped, unless it changed since."""
+        entry = read
+        for _ in range(12):
+            if entry is None or entry.value.level != "WARM" or entry.value.state in ("failed", "stopping", "lost"):
+                return False
+            if await self._bus.replicas.delete(key, entry.revision):
+                return True
+            entry = await self._bus.replicas.get(key)
+        raise CasConflict(f"{key}: the record kept changing while a plan deleted it")
+
+    async def mark_lost(self, record: ReplicaRecord, error: str) -> bool:
+        """Its node's heartbeats lapsed: the replica is ``lost`` (by CAS), its memory still
+        counted until the node agent confirms the worker is gone. False when the record
+        changed first (gone, or already given up)."""
+
+        def mutate(current: ReplicaRecord | None) -> ReplicaRecord | None:
+            if current is None or current.state in ("failed", "stopping", "lost"):
+                return None
+            return msgspec.structs.replace(current, state="lost", error=error, updated_at=self._clock())
+
+        result = await cas_update(self._bus.replicas, subjects.replica_kv_key(record.model, record.replica_id),
+                                  mutate, rng=self._rng)
+        return result is not None and result.value.state == "lost"
 
     async def release_replica(self, record: ReplicaRecord) -> None:
         await self.release(record.replica_id, [subjects.gpu_kv_key(record.node_id, i) for i in record.gpu_bytes])
@@ -169,8 +244,17 @@ class ClusterStore:
         ``draining``. Pinned so (see records.py); the reconciler frees it once the node
         agent confirms the worker stopped."""
         stamp = self._clock()
-        held = msgspec.structs.replace(record, state="stopping", error=error, updated_at=stamp)
-        await self._bus.replicas.put(subjects.replica_kv_key(record.model, record.replica_id), held)
+
+        def hold(current: ReplicaRecord | None) -> ReplicaRecord | None:
+            if current is None or current.state == "failed":
+                return None  # freed meanwhile, or being freed: its claim releases the memory
+            return msgspec.structs.replace(record, state="stopping", error=error, updated_at=stamp,
+                                           last_request_at=current.last_request_at)
+
+        held = await cas_update(self._bus.replicas, subjects.replica_kv_key(record.model, record.replica_id), hold,
+                                rng=self._rng)
+        if held is None or held.value.state != "stopping":
+            return
         gpu_bytes = record.gpu_bytes if record.level == "HOT" else {}
         for index, num_bytes in sorted(gpu_bytes.items()):
 
@@ -259,18 +343,15 @@ class ClusterStore:
     # ------------------------------------------------------------------ reconciliation
 
     async def remove_lapsed_reservations(self, snapshot: StoredCluster) -> int:
-        """Drop occupants no replica record backs once their reservation expired
-        (a scheduler crashed between reserving and recording)."""
-        recorded = {v.value.replica_id for v in snapshot.replicas.values()}
-        stamp = self._clock()
+        """Drop occupants no replica record backs once their reservation expired (a scheduler
+        crashed between reserving and recording): `records.get_unbacked_reservations`."""
+        stale = get_unbacked_reservations((v.value for v in snapshot.gpus.values()),
+                                          (v.value for v in snapshot.replicas.values()), now=self._clock(),
+                                          malformed_replica_ids=snapshot.malformed_replica_ids)
         removed = 0
-        for key, entry in snapshot.gpus.items():
-            stale = [
-                o.replica_id
-                for o in entry.value.occupants
-                if o.replica_id not in recorded and (o.expires_at is None or o.expires_at < stamp)
-            ]
-            for replica_id in stale:
+        for key, replica_ids in stale.items():
+            for replica_id in replica_ids:
+                log.warning("reservation_removed", gpu=key, replica=replica_id)
                 await self.release(replica_id, [key])
                 removed += 1
         return removed

@@ -60,6 +60,8 @@ class GenerationOutput:
     num_prompt_tokens: int = 0
     num_completion_tokens: int = 0
     error: str | None = None
+    token_hash: int = 0
+    """`next_token_hash` over every token generated so far (`TextStream.token_hash`)."""
 
 
 class Engine(Protocol):
@@ -78,6 +80,18 @@ class Engine(Protocol):
         ...
 
     async def close(self) -> None: ...
+
+
+TOKEN_HASH_MODULUS = (1 << 61) - 1
+TOKEN_HASH_BASE = 1_000_003
+
+
+def next_token_hash(token_hash: int, token_id: int) -> int:
+    """The running hash of a token sequence after one more token (polynomial, mod 2**61 - 1).
+
+    Chunks carry it so the gateway can check that a resumed attempt generated exactly the
+    tokens the client already holds before it splices the rest on (docs/reliability.md)."""
+    return (token_hash * TOKEN_HASH_BASE + token_id + 1) % TOKEN_HASH_MODULUS
 
 
 class Detokenizer(Protocol):
@@ -101,6 +115,8 @@ class TextStream:
     _text: str = ""
     _num_emitted_chars: int = 0
     stopped: bool = False
+    token_hash: int = 0
+    """`next_token_hash` over every token pushed so far."""
 
     def __post_init__(self) -> None:
         # An empty stop string would match at once and end every completion with no text.
@@ -109,6 +125,7 @@ class TextStream:
     def push(self, token_id: int) -> str:
         assert not self.stopped, "TextStream.push after a stop string ended the text"
         self._token_ids.append(token_id)
+        self.token_hash = next_token_hash(self.token_hash, token_id)
         self._text += self._decode_new_text()
         if self.stop:
             cut = self._find_stop()

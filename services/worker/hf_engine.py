@@ -149,7 +149,7 @@ class HFGenerateEngine:
                 finish_reason = "stop"
                 flag.event.set()
             if delta:
-                yield GenerationOutput(request.request_id, delta, 1)
+                yield GenerationOutput(request.request_id, delta, 1, token_hash=text.token_hash)
         await asyncio.to_thread(thread.join)
         if flag.event.is_set() and finish_reason == "length" and num_generated < max_new:
             finish_reason = "cancelled"
@@ -162,4 +162,5 @@ class HFGenerateEngine:
             num_prompt_tokens=len(request.prompt_token_ids),
             num_completion_tokens=num_generated,
             error=error,
+            token_hash=text.token_hash,
         )

@@ -7,6 +7,15 @@ memory, is the queue), sends in-progress acks while generating, acks after the
 final message, and terms messages it must never run (malformed, expired,
 cancelled). Besides, each replica pulls its own subject: the turns of chat
 sessions whose KV it holds, sent to it by the gateways (replica_queue.py).
+
+Failover (docs/reliability.md): when it takes a request, the worker tells the gateway which
+replica holds it and the delivery's ack subject (`AttemptNotice` "started"), so a gateway that
+sees this replica die NAKs the delivery and the request runs again at once. A request this
+worker does not finish (a drain that ran out, a stop, a cancelled task) is handed back with a
+NAK and an `AttemptNotice` "handed_back", never answered with an error. The final reply (or an
+error) is sent as a request the gateway confirms, retried a few times: a lost final reply would
+leave its client waiting. The fetch loop survives any JetStream error (a consumer deleted, a
+leader election): it logs it, re-creates the consumer and binds to it again.
 """
 
 from __future__ import annotations
@@ -18,6 +27,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Literal
 
 import msgspec
 import nats.errors
@@ -32,6 +42,7 @@ from shoal.services.worker.replica_queue import ReplicaQueue
 from shoal.shared import subjects
 from shoal.shared.bus import Bus, ensure_model_consumer
 from shoal.shared.messages import (
+    AttemptNotice,
     ErrorReply,
     ErrorType,
     FinalReply,
@@ -47,12 +58,16 @@ log = structlog.get_logger(__name__)
 
 CANCEL_MEMORY_S = 900.0
 """How long a cancelled request id is remembered (queued copies are skipped)."""
-FETCH_RETRY_S = 0.5
-"""Pause before fetching again after JetStream answered a fetch with an error."""
 OFF_LOOP_PROMPT_CHARS = 16_384
 """Prompts longer than this are templated and tokenised in the worker's tokeniser thread: a
 prompt of megabytes takes seconds, and the event loop keeps streaming every other request's
 tokens meanwhile. Shorter ones stay on the loop (a thread hop costs more than they do)."""
+FINAL_CONFIRM_TIMEOUT_S = 1.0
+"""How long the worker waits for the gateway to confirm a final or error reply before resending it."""
+FINAL_SENDS = 4
+"""A final or error reply is sent at most this often (a gateway that never confirms is gone)."""
+FETCH_RETRY_S = (0.25, 5.0)
+"""After a JetStream error the fetch loop waits this long (doubling) before it binds again."""
 
 
 @dataclass
@@ -148,23 +163,57 @@ class WorkerService:
 
     async def run(self) -> None:
         """Serve until `stop()`; then finish in-flight requests (see `stop`)."""
-        js = self._bus.js
         model = self._identity.model
-        durable = await ensure_model_consumer(js, model, ack_wait_s=self._ack_wait_s)
-        pull = await js.pull_subscribe_bind(durable=durable, stream=subjects.REQUESTS_STREAM)
         cancels = await self._bus.nc.subscribe(subjects.cancel_subject(model), cb=self._on_cancel)
         reporting = asyncio.create_task(self._activity.run())
         own_queue = self._own_queue_task = asyncio.create_task(self._own_queue.run())
-        log.info("worker_serving", consumer=durable)
+        ended = "stopped"
         try:
-            await self._fetch_loop(pull)
+            ended = await self._serve_consumer()
+        except BaseException as exc:
+            ended = f"{type(exc).__name__}: {exc}"
+            raise
         finally:
+            log.info("worker_fetch_loop_ended", reason=ended)
             reporting.cancel()
-            await pull.unsubscribe()
             if not self._stopping.is_set():  # the connection closed: nothing to move it with
                 own_queue.cancel()
             await asyncio.gather(own_queue, return_exceptions=True)
             await cancels.unsubscribe()
+
+    async def _serve_consumer(self) -> str:
+        """Bind to the model's consumer and fetch until stopped; after any JetStream error
+        (consumer deleted, leader election, NATS reconnecting) log it, wait, re-create the
+        consumer and bind again. Returns why it ended."""
+        js = self._bus.js
+        retry_s = FETCH_RETRY_S[0]
+        while not self._stopping.is_set():
+            try:
+                durable = await ensure_model_consumer(js, self._identity.model, ack_wait_s=self._ack_wait_s)
+                pull = await js.pull_subscribe_bind(durable=durable, stream=subjects.REQUESTS_STREAM)
+            except Exception as exc:
+                if self._bus.nc.is_closed:
+                    return "the NATS connection closed"
+                log.warning("worker_consumer_bind_failed", error=repr(exc), retry_s=retry_s)
+                await asyncio.sleep(retry_s)
+                retry_s = min(FETCH_RETRY_S[1], retry_s * 2)
+                continue
+            log.info("worker_serving", consumer=durable)
+            try:
+                await self._fetch_loop(pull)
+                return "stopped"
+            except nats.errors.ConnectionClosedError:
+                return "the NATS connection closed"
+            except Exception as exc:
+                log.warning("worker_fetch_failed", error=repr(exc), retry_s=retry_s)
+            finally:
+                try:
+                    await pull.unsubscribe()
+                except Exception as exc:  # the subscription may be gone with its connection
+                    log.debug("worker_unsubscribe_failed", error=repr(exc))
+            await asyncio.sleep(retry_s)
+            retry_s = min(FETCH_RETRY_S[1], retry_s * 2)
+        return "stopped"
 
     async def stop(self, drain_timeout_s: float = 30.0) -> None:
         """Stop taking requests; wait up to `drain_timeout_s` for in-flight ones, hand the rest
@@ -223,14 +272,6 @@ class WorkerService:
                 msgs = await pull.fetch(batch=num_free, timeout=1.0)
             except (nats.errors.TimeoutError, TimeoutError):
                 continue
-            except nats.errors.ConnectionClosedError:
-                return
-            except nats.errors.Error as exc:
-                # JetStream answers with an error status while its cluster elects a new leader
-                # (or the client reconnects to another server): wait and fetch again.
-                log.warning("fetch_failed_retrying", error=repr(exc))
-                await asyncio.sleep(FETCH_RETRY_S)
-                continue
             for msg in msgs:
                 if self._stopping.is_set() or not self._serving.is_set():
                     await msg.nak()  # fetched while the barrier went up: another replica takes it
@@ -285,15 +326,17 @@ class WorkerService:
             await replier.error(504, "the request's deadline passed before a replica could start it", "timeout")
             await msg.term()
             return
+        await replier.notice("started", ack_subject=msg.reply or "", stream_seq=msg.metadata.sequence.stream)
         ticker = asyncio.create_task(self._keep_in_progress(msg))
         self.last_request_at = now()
         try:
             outcome = await self._generate(request, replier, logger)
         except asyncio.CancelledError:
-            if self._handing_back:
-                logger.info("request_handed_back")
-                self.num_requests_by_outcome["handed_back"] += 1
-                await asyncio.shield(self._nak(msg))
+            # A drain that ran out, a stop, the loop shutting down: never an error to the
+            # client, and never a run for nobody. The request goes back to the queue now.
+            logger.info("request_handed_back", draining=self._handing_back)
+            self.num_requests_by_outcome["handed_back"] += 1
+            await asyncio.shield(self._hand_back(msg, replier))
             raise
         finally:
             ticker.cancel()
@@ -303,6 +346,10 @@ class WorkerService:
             await msg.ack()
         else:
             await msg.term()
+
+    async def _hand_back(self, msg: Msg, replier: _Replier) -> None:
+        await self._nak(msg)
+        await replier.notice("handed_back")
 
     async def _generate(self, request: InferenceRequest, replier: _Replier, logger: structlog.BoundLogger) -> str:
         try:
@@ -323,7 +370,7 @@ class WorkerService:
             try:
                 async for output in self._engine.generate(gen_request):
                     if output.text:
-                        await replier.chunk(output.text, output.num_new_tokens)
+                        await replier.chunk(output.text, output.num_new_tokens, output.token_hash)
                     if output.finished:
                         return await self._finish(request, replier, output, logger)
             finally:
@@ -333,9 +380,7 @@ class WorkerService:
             await replier.error(exc.status, str(exc), "invalid_request_error", param=exc.param)
             return "rejected"
         except asyncio.CancelledError:
-            self._engine.cancel(request.request_id)
-            if not self._handing_back:
-                await replier.error(503, "the replica stopped before the request finished", "unavailable")
+            self._engine.cancel(request.request_id)  # handed back by `_handle`
             raise
         except Exception:
             logger.exception("request_failed")
@@ -391,6 +436,10 @@ class WorkerService:
                 log.warning("in_progress_ack_failed", error=str(exc))
 
 
+_confirming: set[asyncio.Task[None]] = set()
+"""Final and error replies still waiting for their gateway's confirmation."""
+
+
 @dataclass
 class _Replier:
     """Publishes one attempt's chunks, final reply or error to the request's reply subject."""
@@ -410,8 +459,38 @@ class _Replier:
         except nats.errors.Error as exc:
             log.warning("reply_publish_failed", request_id=self.request_id, error=str(exc))
 
-    async def chunk(self, text: str, num_tokens: int) -> None:
-        message = TokenChunk(self.request_id, self.attempt, self.seq, text, num_tokens, self.replica_id)
+    async def _publish_confirmed(self, payload: bytes) -> None:
+        """Send the attempt's last reply; a background task resends it until the gateway
+        confirms it (a request to the reply subject), so the message's ack does not wait."""
+        if not self.subject:
+            return
+        task = asyncio.create_task(self._confirm(payload))
+        _confirming.add(task)
+        task.add_done_callback(_confirming.discard)
+        await asyncio.sleep(0)  # let the first send go out before the caller acks
+
+    async def _confirm(self, payload: bytes) -> None:
+        for _ in range(FINAL_SENDS):
+            try:
+                await self.bus.nc.request(self.subject, payload, timeout=FINAL_CONFIRM_TIMEOUT_S)
+                return
+            except nats.errors.NoRespondersError:
+                log.info("reply_nobody_waits", request_id=self.request_id)  # the gateway is gone
+                return
+            except (nats.errors.TimeoutError, TimeoutError):
+                continue
+            except nats.errors.Error as exc:
+                log.warning("reply_publish_failed", request_id=self.request_id, error=str(exc))
+                await asyncio.sleep(FINAL_CONFIRM_TIMEOUT_S)
+        log.warning("reply_not_confirmed", request_id=self.request_id, sends=FINAL_SENDS)
+
+    async def notice(self, state: Literal["started", "handed_back"], *, ack_subject: str = "",
+                     stream_seq: int = 0) -> None:
+        message = AttemptNotice(self.request_id, self.attempt, state, self.replica_id, ack_subject, stream_seq)
+        await self._publish(encode_msgpack(message))
+
+    async def chunk(self, text: str, num_tokens: int, token_hash: int = 0) -> None:
+        message = TokenChunk(self.request_id, self.attempt, self.seq, text, num_tokens, self.replica_id, token_hash)
         self.seq += 1
         await self._publish(encode_msgpack(message))
 
@@ -419,10 +498,10 @@ class _Replier:
         message = FinalReply(
             self.request_id, self.attempt, self.seq, finish_reason, num_prompt, num_completion, self.replica_id
         )
-        await self._publish(encode_msgpack(message))
+        await self._publish_confirmed(encode_msgpack(message))
 
     async def error(self, status: int, message: str, error_type: ErrorType, *, param: str | None = None) -> None:
         reply = ErrorReply(
             self.request_id, self.attempt, status, message, error_type, None, self.replica_id, param
         )
-        await self._publish(encode_msgpack(reply))
+        await self._publish_confirmed(encode_msgpack(reply))

@@ -277,10 +277,11 @@ class PagedEngine:
                 if final is not None:
                     if final.finish_reason != "cancelled":
                         text += stream.finish()
-                    yield dataclasses.replace(final, text=text, num_new_tokens=num_unsent)
+                    yield dataclasses.replace(final, text=text, num_new_tokens=num_unsent,
+                                              token_hash=stream.token_hash)
                     return
                 if text:
-                    yield GenerationOutput(request.request_id, text, num_unsent)
+                    yield GenerationOutput(request.request_id, text, num_unsent, token_hash=stream.token_hash)
                     num_unsent = 0
         finally:
             if not state.finished:  # the consumer went away: stop generating for it
@@ -504,7 +505,8 @@ class PagedEngine:
         elif update.finish_reason is not None:
             self._finish(state, update.finish_reason, outbox, delta=delta)
         elif delta:
-            outbox.put(state, GenerationOutput(state.request.request_id, delta, state.num_unsent_tokens))
+            outbox.put(state, GenerationOutput(state.request.request_id, delta, state.num_unsent_tokens,
+                                               token_hash=state.text.token_hash))
             state.num_unsent_tokens = 0
 
     def _finish(
@@ -530,6 +532,7 @@ class PagedEngine:
             num_prompt_tokens=state.seq.num_prompt_tokens,
             num_completion_tokens=state.seq.num_output_tokens,
             error=error,
+            token_hash=state.text.token_hash,
         )
         if not state.detokenize_in_step:
             outbox.put(state, Tokens(token_ids, final))
