@@ -107,12 +107,16 @@ def load_model(
     device: torch.device,
     attn_implementation: str | None = None,
     min_kv_reserve_bytes: MinEngineBytes = 0,
+    get_unsupported_reason: Callable[[Any, int], str | None] | None = None,
 ) -> LoadedModel:
     """Load `spec` from `models_root` for `replica`.
 
     Args:
         min_kv_reserve_bytes: what the engine needs besides the weights (its activation
             reserve and minimal KV pool); on a virtual GPU the weights plus this must fit.
+        get_unsupported_reason: given the model's config and its serving length, why the
+            worker's engine cannot serve it (None: it can); asked before the weights load
+            (`engine.model_support.get_unsupported_attention` for the paged engine).
 
     Raises ModelLoadError when the path is not a transformers checkpoint under
     the models root, or the weights (plus `min_kv_reserve_bytes`) do not fit
@@ -129,6 +133,9 @@ def load_model(
         tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=False)
     except (OSError, ValueError, KeyError) as exc:
         raise ModelLoadError(f"cannot read {model_dir}: {exc}") from exc
+    max_len = spec.max_model_len or int(getattr(config, "max_position_embeddings", 2048) or 2048)
+    if get_unsupported_reason is not None and (reason := get_unsupported_reason(config, max_len)):
+        raise ModelLoadError(f"{spec.key}: {reason}")
     dtype = _torch_dtype(spec.dtype, config)
     allocation_bytes = sum(replica.gpu_bytes.values())
     kwargs: dict[str, Any] = {"dtype": dtype, "trust_remote_code": False, "use_safetensors": True}
@@ -152,7 +159,6 @@ def load_model(
             f"{allocation_bytes} bytes"
         )
     _verify_placement(model, replica, device)
-    max_len = spec.max_model_len or int(getattr(config, "max_position_embeddings", 2048) or 2048)
     log.info("model_loaded", path=str(model_dir), dtype=str(dtype), weight_bytes=weight_bytes, device=str(device))
     return LoadedModel(
         model=model,

@@ -11,6 +11,8 @@ import argparse
 import asyncio
 import os
 import signal
+from collections.abc import Callable
+from typing import Any
 
 import nats.errors
 import structlog
@@ -60,6 +62,15 @@ def get_min_engine_bytes(launch: WorkerLaunch) -> MinEngineBytes:
     return get_min_engine_bytes_for(torch.device(launch.device), worker)
 
 
+def get_unsupported_reason(launch: WorkerLaunch) -> Callable[[Any, int], str | None] | None:
+    """What refuses, before its weights load, a model the worker's engine would serve wrong."""
+    if launch.worker.engine == "hf":
+        return None  # transformers' own attention: whatever the model needs
+    from shoal.services.worker.engine.model_support import get_unsupported_attention
+
+    return get_unsupported_attention
+
+
 def measure_replica_bytes(loaded: LoadedModel, engine_bytes: int) -> int:
     """What this replica really holds on its GPU(s): torch's reservation on CUDA; on
     virtual GPUs its weights plus what its engine holds (KV pool, activation reserve)."""
@@ -92,7 +103,7 @@ async def serve(launch: WorkerLaunch) -> int:
         try:
             loaded = await asyncio.to_thread(
                 load_model, launch.models_root, launch.model, replica, device=device, attn_implementation=attn,
-                min_kv_reserve_bytes=get_min_engine_bytes(launch),
+                min_kv_reserve_bytes=get_min_engine_bytes(launch), get_unsupported_reason=get_unsupported_reason(launch),
             )
             if launch.worker.engine == "paged":
                 from shoal.kernels import ops
