@@ -17,12 +17,18 @@ from typing import Any
 import nats.errors
 import structlog
 import torch
+from nats.micro.service import Service
 
 from shoal.kernels.cuda_ext import KernelBuildError
 from shoal.kernels.settings import configure as configure_kernels
 from shoal.services.worker.control import ReplicaRuntime, serve_control
 from shoal.services.worker.generation import Engine
-from shoal.services.worker.launch import WorkerLaunch, add_worker_arguments, read_launch
+from shoal.services.worker.launch import (
+    WORKER_EXIT_DEVICE_ERROR,
+    WorkerLaunch,
+    add_worker_arguments,
+    read_launch,
+)
 from shoal.services.worker.loader import LoadedModel, MinEngineBytes, ModelLoadError, load_model
 from shoal.services.worker.prompts import eos_token_ids
 from shoal.services.worker.service import WorkerIdentity, WorkerService
@@ -148,7 +154,11 @@ async def serve(launch: WorkerLaunch) -> int:
         )
         log.info("worker_ready", measured_bytes=measured, weight_bytes=loaded.weight_bytes)
         stop_task = asyncio.create_task(stop.wait())
-        await asyncio.wait([run_task, stop_task], return_when=asyncio.FIRST_COMPLETED)
+        failed_task = asyncio.create_task(service.failed.wait())
+        await asyncio.wait([run_task, stop_task, failed_task], return_when=asyncio.FIRST_COMPLETED)
+        failed_task.cancel()
+        if service.failure is not None:
+            return await _exit_after_device_error(service, control, [run_task, stats_task, stop_task])
         await control.stop()
         await service.stop(launch.model.sleep.drain_timeout_s)
         run_task.cancel()
@@ -160,6 +170,20 @@ async def serve(launch: WorkerLaunch) -> int:
         return 0
     finally:
         await bus.close()
+
+
+async def _exit_after_device_error(service: WorkerService, control: Service, tasks: list[asyncio.Task[Any]]) -> int:
+    """The engine died of a CUDA error: no request may run here again. What is in flight
+    has been handed back (`WorkerService`); the worker exits with `WORKER_EXIT_DEVICE_ERROR`
+    without reporting, and its node agent, seeing the exit, starts a new worker."""
+    failure = service.failure
+    log.error("worker_device_error", error=str(failure.__cause__ or failure) if failure else None)
+    await control.stop()
+    await service.stop(drain_timeout_s=5.0)
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    return WORKER_EXIT_DEVICE_ERROR
 
 
 def run_worker(ns: argparse.Namespace) -> int:

@@ -29,6 +29,7 @@ import torch
 
 from shoal.kernels import ops
 from shoal.kernels.ops import KernelBackend
+from shoal.services.worker.device_errors import is_fatal_device_error
 from shoal.services.worker.engine import packed_linear
 from shoal.services.worker.engine.attention import ATTN_IMPLEMENTATION, register_attention
 from shoal.services.worker.engine.batch_scheduler import BatchScheduler, BatchSchedulerConfig, SequenceUpdate
@@ -46,6 +47,7 @@ from shoal.services.worker.engine.sizing import (
 )
 from shoal.services.worker.engine.warm_up import get_warm_up_lengths, warm_up
 from shoal.services.worker.generation import (
+    EngineFailed,
     FinishReason,
     GenerationOutput,
     GenerationRequest,
@@ -286,6 +288,8 @@ class PagedEngine:
         self._num_steps = 0
         self._num_step_seqs = 0
         self._step_seconds = 0.0
+        self.fatal_error: Exception | None = None
+        """The CUDA error that ended the engine (`_die`); None while it serves."""
         self._pending: Outbox | None = None
         """A step's outputs, sent when the next pass starts (`_send_pending`), under the lock."""
         self._thread = threading.Thread(target=self._run_steps, name="shoal-engine", daemon=True)
@@ -323,12 +327,16 @@ class PagedEngine:
         Raises:
             RequestRejected: before any output, when the prompt is empty, longer than the
                 model or the KV pool takes (413), or the request id is in use.
+            EngineFailed: a CUDA error poisoned the engine's context (`device_errors`),
+                before or while the request ran.
         """
         state = self._admit(request)
         stream, num_unsent = state.text, 0
         try:
             while True:
                 item = await state.queue.get()
+                if self.fatal_error is not None and _is_error_end(item):
+                    raise EngineFailed(f"the engine died: {self.fatal_error}") from self.fatal_error
                 if isinstance(item, GenerationOutput):
                     yield item
                     if item.finished:
@@ -446,6 +454,8 @@ class PagedEngine:
         max_num_tokens = min(max_model_len, num_prompt_tokens + max(1, params.max_tokens))
         loop = asyncio.get_running_loop()
         with self._lock:
+            if self.fatal_error is not None:
+                raise EngineFailed(f"the engine died: {self.fatal_error}") from self.fatal_error
             if self._closed:
                 raise RequestRejected("the engine is shutting down", 503)
             if request.request_id in self._requests:
@@ -490,6 +500,9 @@ class PagedEngine:
                 if not self._step():
                     return
             except Exception as exc:  # a bug: end every request with an error rather than hang them
+                if is_fatal_device_error(exc):  # a kernel's error surfaces at the next sync, anywhere
+                    self._die(exc)
+                    return
                 log.exception("engine.step_failed")
                 self._fail(list(self._requests), exc)
 
@@ -533,7 +546,10 @@ class PagedEngine:
         try:
             logits = self._runner.execute(step)
             token_ids = sample(logits, sampling_states, histories, self._runner.last_argmax)
-        except Exception as exc:  # a failed pass fails its requests, never the engine
+        except Exception as exc:  # a failed pass fails its requests, not the engine...
+            if is_fatal_device_error(exc):  # ...unless the GPU context is poisoned
+                self._die(exc)
+                return False
             log.exception("engine.forward_failed", num_seqs=len(plan.chunks))
             if self._sessions is not None:
                 with self._lock:
@@ -609,6 +625,17 @@ class PagedEngine:
         if pending is not None:
             pending.send()
 
+    def _die(self, exc: Exception) -> None:
+        """A CUDA error poisoned the context: nothing can run here any more. Every request
+        ends (its consumer raises `EngineFailed`), new ones are refused the same way, and
+        the step thread stops. The error's text (a device-side assert's marker included)
+        goes to the log, where the node agent reads it."""
+        log.error("engine.device_error", error=str(exc), num_requests=len(self._requests))
+        with self._lock:
+            self.fatal_error = exc
+            self._closed = True
+        self._fail(list(self._requests), exc)
+
     def _fail(self, seq_ids: list[str], exc: Exception) -> None:
         outbox = Outbox()
         with self._lock:
@@ -654,3 +681,9 @@ class PagedEngine:
         if getattr(config, "use_sliding_window", True) and getattr(config, "sliding_window", None):
             limits.append(config.sliding_window)
         return min(limits)
+
+
+def _is_error_end(item: GenerationOutput | Tokens) -> bool:
+    """Whether `item` ends its request with an error."""
+    final = item.final if isinstance(item, Tokens) else item
+    return final is not None and final.finished and final.finish_reason == "error"
