@@ -201,6 +201,9 @@ def park_weights(loaded: LoadedModel, replica: ReplicaRecord) -> None:
     torch.cuda.synchronize()
     for index in replica.gpu_bytes:
         torch.cuda.set_per_process_memory_fraction(1.0, index)
+    clear_workspaces = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+    if clear_workspaces is not None:  # cuBLAS keeps its workspaces in the caching allocator
+        clear_workspaces()
     torch.cuda.empty_cache()
 
 
