@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from shoal.kernels import ops, reference
+from shoal.kernels import ops
 from shoal.services.worker.engine.device_batch import StagingBuffers, build_device_batch, run_device_attention
 
 CPU = torch.device("cpu")
