@@ -93,3 +93,22 @@ async def test_an_ordinary_pass_failure_fails_its_requests_and_the_engine_serves
     outputs = await _run(engine, _request("second", max_tokens=3))
     assert outputs[-1].finish_reason == "length" and engine.fatal_error is None
     await engine.close()
+
+
+async def test_the_hf_engine_ends_the_same_way(demo_models_root: Path) -> None:
+    from transformers import AutoTokenizer
+
+    from shoal.services.worker.hf_engine import HFGenerateEngine
+
+    path = demo_models_root / "demo" / "llama-5m"
+    model = AutoModelForCausalLM.from_pretrained(path).eval()
+    engine = HFGenerateEngine(model, AutoTokenizer.from_pretrained(path), 2048)
+
+    def poisoned(*args: Any, **kwargs: Any) -> None:
+        raise RuntimeError(DEVICE_ASSERT)
+
+    model.generate = poisoned  # type: ignore[method-assign]
+    with pytest.raises(EngineFailed, match="device-side assert"):
+        await _run(engine, _request("r"))  # type: ignore[arg-type]
+    with pytest.raises(EngineFailed):
+        await _run(engine, _request("later"))  # type: ignore[arg-type]
