@@ -43,3 +43,6 @@ def test_runs_of_layers_get_a_pool_each_and_blocks_move_in_every_run() -> None:
     pools.swap_in(host, torch.tensor([[1, 0]]))
     assert all((key_cache[0] == 42).all() and (value_cache[0] == 42).all() for key_cache, value_cache in
                pools.layer_caches)
+    pools.zero_blocks(torch.tensor([0, 7]))
+    assert all(not key_cache[[0, 7]].any() and not value_cache[[0, 7]].any() for key_cache, value_cache in
+               pools.layer_caches)

@@ -102,3 +102,8 @@ class KVPools:
         """(host block, pool block) pairs: host -> pool, every run from its layers' slice."""
         for run in self.runs:
             ops.swap_blocks(host_cache[run.first_layer : run.first_layer + run.num_layers], run.pool, pairs)
+
+    def zero_blocks(self, block_ids: torch.Tensor) -> None:
+        """Zero `block_ids` (int64) in every layer, K and V (a pool handed back as fresh)."""
+        for run in self.runs:
+            run.pool.index_fill_(2, block_ids.to(run.pool.device), 0)
