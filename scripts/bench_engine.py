@@ -75,7 +75,8 @@ from transformers.generation.streamers import BaseStreamer
 
 from shoal.cli.demo_models import make_demo_models
 from shoal.kernels import ops, reference
-from shoal.services.worker.engine.paged_engine import EngineConfig, PagedEngine
+from shoal.services.worker.engine.engine_config import EngineConfig
+from shoal.services.worker.engine.paged_engine import PagedEngine
 from shoal.services.worker.generation import GenerationRequest
 from shoal.shared.messages import SamplingParams
 

@@ -414,7 +414,8 @@ def count_ops(engine: Any, tokenizer: Any, c: int, args: argparse.Namespace) -> 
 def engine_mode(args: argparse.Namespace) -> list[dict[str, Any]]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from shoal.services.worker.engine.paged_engine import EngineConfig, PagedEngine
+    from shoal.services.worker.engine.engine_config import EngineConfig
+    from shoal.services.worker.engine.paged_engine import PagedEngine
 
     torch.set_num_threads(args.threads)
     results = []

@@ -22,7 +22,8 @@ from dataclasses import dataclass, field
 import nats.errors
 import structlog
 
-from shoal.services.worker.engine.paged_engine import EngineStats, PagedEngine
+from shoal.services.worker.engine.engine_config import EngineStats
+from shoal.services.worker.engine.paged_engine import PagedEngine
 from shoal.services.worker.generation import Engine
 from shoal.services.worker.service import WorkerIdentity, WorkerService
 from shoal.shared import subjects

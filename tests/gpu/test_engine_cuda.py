@@ -19,8 +19,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
+from shoal.services.worker.engine.engine_config import EngineConfig
 from shoal.services.worker.engine.factory import build_paged_engine
-from shoal.services.worker.engine.paged_engine import EngineConfig, PagedEngine
+from shoal.services.worker.engine.paged_engine import PagedEngine
 from shoal.services.worker.generation import GenerationOutput, GenerationRequest
 from shoal.services.worker.loader import LoadedModel, model_weight_bytes
 from shoal.shared.messages import SamplingParams

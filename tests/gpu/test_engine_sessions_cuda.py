@@ -13,7 +13,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, GenerationConfig
 
-from shoal.services.worker.engine.paged_engine import EngineConfig, PagedEngine
+from shoal.services.worker.engine.engine_config import EngineConfig
+from shoal.services.worker.engine.paged_engine import PagedEngine
 from shoal.services.worker.engine.session_kv import SessionSettings
 from shoal.services.worker.generation import GenerationRequest
 from shoal.shared.kv_cache.cost_model import CostModel

@@ -26,7 +26,7 @@ async def cluster(nats_server: EmbeddedNatsServer, demo_models_root: Path, tmp_p
                   ) -> AsyncIterator[tuple[Bus, SchedulerService]]:
     buses = [await connect(nats_server.url, name) for name in ("scheduler", "node-a", "node-b", "test")]
     agents = []
-    for bus, node_id, gpus in ((buses[1], "node-a", "virtual:1x1GiB"), (buses[2], "node-b", "virtual:1x2GiB")):
+    for bus, node_id, gpus in ((buses[1], "node-a", "virtual:1x1GiB"), (buses[2], "node-b", "virtual:1x4GiB")):
         agent = NodeAgent(bus, discover_gpus(gpus), NodeConfig(node_id=node_id, models_root=str(demo_models_root)),
                           WorkerConfig(), LoggingConfig(), nats_url=nats_server.url, log_dir=tmp_path / node_id)
         await agent.start()

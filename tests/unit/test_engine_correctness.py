@@ -26,13 +26,10 @@ from transformers import (
 )
 
 from shoal.cli.demo_models import make_demo_models
+from shoal.services.worker.engine.engine_config import EngineConfig
 from shoal.services.worker.engine.factory import build_paged_engine
-from shoal.services.worker.engine.paged_engine import (
-    EngineConfig,
-    KVPoolTooSmall,
-    PagedEngine,
-    measure_weight_bytes,
-)
+from shoal.services.worker.engine.paged_engine import PagedEngine
+from shoal.services.worker.engine.sizing import KVPoolTooSmall, measure_weight_bytes
 from shoal.services.worker.generation import GenerationOutput, GenerationRequest, RequestRejected
 from shoal.services.worker.loader import LoadedModel
 from shoal.shared.messages import SamplingParams

@@ -21,9 +21,10 @@ from transformers import AutoModelForCausalLM, GenerationConfig
 
 from shoal.cli.demo_models import DEMO_MODEL_KEYS
 from shoal.services.worker.engine.cost_profile import measure_cost_model
+from shoal.services.worker.engine.engine_config import EngineConfig
 from shoal.services.worker.engine.factory import build_paged_engine
 from shoal.services.worker.engine.model_runner import ModelRunner
-from shoal.services.worker.engine.paged_engine import EngineConfig, PagedEngine
+from shoal.services.worker.engine.paged_engine import PagedEngine
 from shoal.services.worker.engine.session_kv import SessionSettings, SessionStats
 from shoal.services.worker.generation import GenerationOutput, GenerationRequest
 from shoal.services.worker.loader import LoadedModel

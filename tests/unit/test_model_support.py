@@ -31,11 +31,9 @@ def test_the_demo_models_are_served(demo_models_root: Path) -> None:
 def test_soft_capped_attention_is_refused() -> None:
     reason = get_unsupported_attention(Gemma2Config(), 2048)
     assert reason is not None and "attn_logit_softcapping=50.0" in reason and 'engine = "hf"' in reason
-    # Without the soft cap, Gemma-2's sliding layers are still refused past their window...
-    reason = get_unsupported_attention(Gemma2Config(attn_logit_softcapping=None), 8192)
-    assert reason is not None and "sliding-window attention (4096 positions)" in reason
-    # ...and served when no context can be longer than the window.
-    assert get_unsupported_attention(Gemma2Config(attn_logit_softcapping=None), 4096) is None
+    # Without the soft cap, Gemma-2 is served (its sliding layers within their window: the
+    # engine caps its serving length there).
+    assert get_unsupported_attention(Gemma2Config(attn_logit_softcapping=None), 8192) is None
 
 
 def test_attention_sinks_are_refused() -> None:
@@ -43,23 +41,20 @@ def test_attention_sinks_are_refused() -> None:
     assert reason is not None and "attention sinks" in reason
 
 
-def test_a_sliding_window_is_refused_only_when_a_context_can_outgrow_it() -> None:
-    reason = get_unsupported_attention(MistralConfig(sliding_window=4096), 32768)
-    assert reason is not None and "max_model_len <= 4096" in reason
-    assert get_unsupported_attention(MistralConfig(sliding_window=4096), 4096) is None
-    assert get_unsupported_attention(MistralConfig(sliding_window=None), 32768) is None
+def test_a_sliding_window_is_served_within_it_not_refused() -> None:
+    assert get_unsupported_attention(MistralConfig(sliding_window=4096), 32768) is None
 
 
 def test_the_loader_refuses_before_loading_the_weights(demo_models_root: Path, tmp_path: Path) -> None:
-    model_dir = tmp_path / "demo" / "windowed"
+    model_dir = tmp_path / "demo" / "capped"
     shutil.copytree(demo_models_root / "demo" / "llama-5m", model_dir)
     config = json.loads((model_dir / "config.json").read_text())
-    config["sliding_window"] = 64
+    config["attn_logit_softcapping"] = 30.0
     (model_dir / "config.json").write_text(json.dumps(config))
     (model_dir / "model.safetensors").write_bytes(b"not weights")  # never read: refused first
-    replica = ReplicaRecord(replica_id="r", model="windowed", node_id="n", gpu_bytes={0: 1 << 30})
-    with pytest.raises(ModelLoadError, match=r"windowed: llama has sliding-window attention \(64 positions\)"):
-        load_model(tmp_path, ModelSpec(key="windowed", path="demo/windowed"), replica, device=CPU,
+    replica = ReplicaRecord(replica_id="r", model="capped", node_id="n", gpu_bytes={0: 1 << 30})
+    with pytest.raises(ModelLoadError, match=r"capped: llama soft-caps attention logits"):
+        load_model(tmp_path, ModelSpec(key="capped", path="demo/capped"), replica, device=CPU,
                    get_unsupported_reason=get_unsupported_attention)
 
 

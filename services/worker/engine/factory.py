@@ -7,8 +7,9 @@ from typing import Any
 
 import torch
 
+from shoal.services.worker.engine.engine_config import EngineConfig
 from shoal.services.worker.engine.model_support import check_attention
-from shoal.services.worker.engine.paged_engine import EngineConfig, PagedEngine
+from shoal.services.worker.engine.paged_engine import PagedEngine
 from shoal.services.worker.engine.session_kv import SessionSettings
 from shoal.services.worker.engine.sizing import get_min_engine_bytes
 from shoal.services.worker.loader import LoadedModel

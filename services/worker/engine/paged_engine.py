@@ -21,8 +21,7 @@ import itertools
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import structlog
 import torch
@@ -34,16 +33,18 @@ from shoal.services.worker.engine import packed_linear
 from shoal.services.worker.engine.attention import ATTN_IMPLEMENTATION, register_attention
 from shoal.services.worker.engine.batch_scheduler import BatchScheduler, BatchSchedulerConfig, SequenceUpdate
 from shoal.services.worker.engine.cost_profile import get_cost_profile, get_profile_key
+from shoal.services.worker.engine.engine_config import EngineConfig, EngineStats
 from shoal.services.worker.engine.model_runner import ModelRunner
 from shoal.services.worker.engine.native_forward import PackedModel, get_unsupported_reason, pack_model
 from shoal.services.worker.engine.outputs import Outbox, RequestState, Tokens
 from shoal.services.worker.engine.sampler import SamplingState, TokenHistory, sample
 from shoal.services.worker.engine.sequence import Sequence
-from shoal.services.worker.engine.session_kv import SessionKV, SessionSettings, SessionStats
+from shoal.services.worker.engine.session_kv import SessionKV
 from shoal.services.worker.engine.sizing import (
+    get_max_model_len,
     get_reserve_bytes,
     make_thread_policy,
-    measure_weight_bytes,
+    size_pool,
 )
 from shoal.services.worker.engine.warm_up import get_warm_up_lengths, warm_up
 from shoal.services.worker.generation import (
@@ -54,15 +55,12 @@ from shoal.services.worker.generation import (
     RequestRejected,
     TextStream,
 )
-from shoal.services.worker.loader import ModelLoadError
-from shoal.shared.config import WorkerConfig
-from shoal.shared.kv_cache.block_pool import BlockPool, BlockPoolStats
+from shoal.shared.kv_cache.block_pool import BlockPool
 from shoal.shared.kv_cache.cost_model import CostProfile
 from shoal.shared.kv_cache.manager import KVCacheManager
 from shoal.shared.kv_cache.session_cache import SessionCache, SessionCacheConfig, SessionInfo
 from shoal.shared.model_memory import (
     get_model_shape,
-    size_kv_pool,
 )
 
 log = structlog.get_logger(__name__)
@@ -72,75 +70,7 @@ SESSION_EXPIRY_INTERVAL_S = 1.0
 """How often an idle engine with cached sessions looks for expired ones."""
 
 
-_WORKER = WorkerConfig()
-
-
-class KVPoolTooSmall(ModelLoadError):
-    """The allocation leaves no room for a KV block pool after weights and reserve."""
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    """How one engine runs. The defaults are the ``[worker]`` settings' (declared once, in
-    `shoal.shared.config.WorkerConfig`); `factory.make_engine_config` builds one from them."""
-
-    block_size: int = _WORKER.block_size
-    """Tokens per KV block."""
-    max_num_seqs: int = _WORKER.max_num_seqs
-    """Most requests in the engine (running and waiting); also bounds `num_free_slots`."""
-    max_num_batched_tokens: int = _WORKER.max_num_batched_tokens
-    """Token budget of one forward pass (chunked prefill splits longer prompts); at least
-    `max_num_seqs`, so every running sequence decodes in every step."""
-    enable_prefix_caching: bool = True
-    num_blocks: int | None = None
-    """Pool size in blocks; None sizes it from the allocation (`size_kv_pool`)."""
-    max_kv_cache_tokens: int | None = None
-    """The model's KV budget: a pool sized from a generous allocation stops here, so the
-    memory a replica is measured to hold is what it needs, not all it was given."""
-    runtime_overhead_bytes: int = _WORKER.runtime_overhead_bytes
-    """Kept out of the pool besides weights and activations (CUDA context, allocator slack)."""
-    pack_cpu_linear_weights: bool = True
-    """On the CPU, run float32 linear layers on oneDNN-packed weights (`packed_linear`),
-    1.1-2.5x faster than MKL's; the packed tensors replace the weights (same bytes). For
-    models the native forward does not run (with it, its own packed products serve)."""
-    native_forward: bool = True
-    """On the CPU, run a float32 Llama, Mistral or Qwen2 model's forward passes in Shoal's C
-    code (`native_forward`): every layer in one call, no transformers modules. Other models,
-    or False, run through transformers."""
-    cpu_threads: int | Literal["auto"] = _WORKER.cpu_threads
-    """Threads of the native forward: a number for every pass, or "auto": each pass takes
-    one thread or all it may (the cores available, at most torch's thread count), by its
-    size (`native_forward.ThreadPolicy`)."""
-    warm_up: bool = False
-    """Run one forward pass at the token budget (a small one on the CPU) while the engine is
-    built (`warm_up.py`), so a server's memory is measured after its peak and its first
-    request pays no first-pass costs. The worker's factory turns it on."""
-    sessions: SessionSettings | None = None
-    """The session cache (docs/sessions.md): a finished turn of a request with a
-    `session_id` keeps its KV for the session's next turn. None: no session cache."""
-
-    def __post_init__(self) -> None:
-        assert self.block_size > 0, f"block_size must be positive, got {self.block_size}"
-        assert self.num_blocks is None or self.num_blocks > 0, (
-            f"num_blocks must be positive, got {self.num_blocks}"
-        )
-
-
-@dataclass(frozen=True)
-class EngineStats:
-    pool: BlockPoolStats
-    num_running: int
-    num_waiting: int
-    num_preemptions: int
-    """Sequences preempted (K/V dropped, recomputed later) since the engine started."""
-    sessions: SessionStats | None = None
-    """The session cache's figures (None without one)."""
-    num_steps: int = 0
-    """Forward passes run since the engine started."""
-    num_step_seqs: int = 0
-    """Sequences summed over those passes (mean batch size: num_step_seqs / num_steps)."""
-    step_seconds: float = 0.0
-    """Time those passes took (forward and sampling)."""
+_DEFAULT_CONFIG = EngineConfig()
 
 
 class PagedEngine:
@@ -169,7 +99,7 @@ class PagedEngine:
         tokenizer: Any,
         *,
         allocation_bytes: int | None = None,
-        config: EngineConfig = EngineConfig(),
+        config: EngineConfig = _DEFAULT_CONFIG,
         max_model_len: int | None = None,
         session_clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -203,9 +133,15 @@ class PagedEngine:
                 packed_linear.warm_up(model, min(config.max_num_seqs, packed_linear.EXACT_ROWS))
         """Weight bytes moved out of the model's parameters into packed tensors (CPU): the
         native forward's panels, or oneDNN's."""
-        self.reserve_bytes = self._get_reserve_bytes(model)
+        self.reserve_bytes = get_reserve_bytes(model.config, next(model.parameters()).dtype, config)
         """Activations of one full step plus runtime overhead: kept out of the KV pool."""
-        num_blocks = config.num_blocks or self._size_pool(model, allocation_bytes)
+        num_blocks = config.num_blocks or size_pool(
+            model,
+            allocation_bytes,
+            packed_weight_bytes=self.packed_weight_bytes,
+            reserve_bytes=self.reserve_bytes,
+            block_size=config.block_size,
+        )
         if config.max_kv_cache_tokens:
             num_blocks = min(num_blocks, max(1, -(-config.max_kv_cache_tokens // config.block_size)))
         block_bytes = get_model_shape(model.config, next(model.parameters()).dtype).get_kv_bytes_per_block(
@@ -222,9 +158,7 @@ class PagedEngine:
         )
         self._pool = BlockPool(num_blocks, config.block_size, self._runner.kv_cache_bytes // num_blocks)
         self._kv_cache = KVCacheManager(self._pool, enable_prefix_caching=config.enable_prefix_caching)
-        self.max_model_len = self._get_max_model_len(
-            model.config, max_model_len, num_blocks * config.block_size
-        )
+        self.max_model_len = get_max_model_len(model.config, max_model_len, num_blocks * config.block_size)
         self.num_warm_up_tokens = 0
         """Tokens of the warm-up pass run at construction (0: none)."""
         if config.warm_up:
@@ -646,41 +580,6 @@ class PagedEngine:
                     self._scheduler.finish(seq_id, "error")
                     self._finish(state, "error", outbox, error=f"{type(exc).__name__}: {exc}")
         outbox.send()
-
-    # ------------------------------------------------------------------ sizing
-
-    def _get_reserve_bytes(self, model: Any) -> int:
-        return get_reserve_bytes(model.config, next(model.parameters()).dtype, self.config)
-
-    def _size_pool(self, model: Any, allocation_bytes: int | None) -> int:
-        if allocation_bytes is None:
-            raise ValueError("PagedEngine needs allocation_bytes or config.num_blocks")
-        shape = get_model_shape(model.config, next(model.parameters()).dtype)
-        weight_bytes = measure_weight_bytes(model) + self.packed_weight_bytes
-        reserve_bytes = self.reserve_bytes
-        num_blocks = size_kv_pool(
-            allocation_bytes,
-            weight_bytes,
-            reserve_bytes,
-            shape.get_kv_bytes_per_block(self.config.block_size),
-        )
-        if num_blocks == 0:
-            raise KVPoolTooSmall(
-                f"allocation of {allocation_bytes} bytes leaves no KV block: weights take {weight_bytes}, "
-                f"activations and runtime overhead {reserve_bytes}"
-            )
-        return num_blocks
-
-    @staticmethod
-    def _get_max_model_len(config: Any, requested: int | None, pool_tokens: int) -> int:
-        limits = [config.max_position_embeddings, pool_tokens]
-        if requested is not None:
-            limits.append(requested)
-        # Paged attention attends to the whole context: serve sliding-window models only
-        # within their window, where full attention is exact.
-        if getattr(config, "use_sliding_window", True) and getattr(config, "sliding_window", None):
-            limits.append(config.sliding_window)
-        return min(limits)
 
 
 def _is_error_end(item: GenerationOutput | Tokens) -> bool:

@@ -9,10 +9,15 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 
 from shoal.services.worker.engine.native_forward import ThreadPolicy, get_available_cores
-from shoal.shared.model_memory import get_activation_bytes, get_model_shape
+from shoal.services.worker.loader import ModelLoadError
+from shoal.shared.model_memory import get_activation_bytes, get_model_shape, size_kv_pool
 
 if TYPE_CHECKING:
-    from shoal.services.worker.engine.paged_engine import EngineConfig
+    from shoal.services.worker.engine.engine_config import EngineConfig
+
+
+class KVPoolTooSmall(ModelLoadError):
+    """The allocation leaves no room for a KV block pool after weights and reserve."""
 
 
 def make_thread_policy(cpu_threads: int | Literal["auto"]) -> ThreadPolicy:
@@ -43,3 +48,37 @@ def measure_weight_bytes(model: torch.nn.Module) -> int:
     """Bytes of a model's parameters and buffers."""
     return sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
 
+
+
+def size_pool(model: torch.nn.Module, allocation_bytes: int | None, *, packed_weight_bytes: int,
+              reserve_bytes: int, block_size: int) -> int:
+    """KV blocks an allocation holds after the model's weights (parameters and packed copies)
+    and the reserve.
+
+    Raises:
+        ValueError: no allocation given.
+        KVPoolTooSmall: the allocation leaves no block.
+    """
+    if allocation_bytes is None:
+        raise ValueError("PagedEngine needs allocation_bytes or config.num_blocks")
+    shape = get_model_shape(model.config, next(model.parameters()).dtype)
+    weight_bytes = measure_weight_bytes(model) + packed_weight_bytes
+    num_blocks = size_kv_pool(allocation_bytes, weight_bytes, reserve_bytes, shape.get_kv_bytes_per_block(block_size))
+    if num_blocks == 0:
+        raise KVPoolTooSmall(
+            f"allocation of {allocation_bytes} bytes leaves no KV block: weights take {weight_bytes}, "
+            f"activations and runtime overhead {reserve_bytes}"
+        )
+    return num_blocks
+
+
+def get_max_model_len(model_config: Any, requested: int | None, pool_tokens: int) -> int:
+    """The serving limit on prompt + completion: the model's context, the pool, the request."""
+    limits = [model_config.max_position_embeddings, pool_tokens]
+    if requested is not None:
+        limits.append(requested)
+    # Paged attention attends to the whole context: serve sliding-window models only
+    # within their window, where full attention is exact.
+    if getattr(model_config, "use_sliding_window", True) and getattr(model_config, "sliding_window", None):
+        limits.append(model_config.sliding_window)
+    return min(limits)
