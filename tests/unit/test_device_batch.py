@@ -62,7 +62,7 @@ def test_decode_on_the_paged_op_and_prefill_on_sdpa_equal_paged_attention(heads,
     assert [(p.start, p.num_queries, p.seq_len) for p in batch.prefills] == [(3, 13, 13), (16, 5, 21), (21, 8, 40)]
     assert [ids is None for ids in batch.on(CPU).prefill_block_ids] == [True, False, False]
     out = torch.full_like(query, float("nan"))
-    run_device_attention(out, query, key, value, key_cache, value_cache, batch, scale)
+    run_device_attention(out, query, key, value, key_cache, value_cache, batch, scale, 0)
     assert torch.equal(key_cache, expected_keys) and torch.equal(value_cache, expected_values)
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out, expected, atol=tolerance, rtol=tolerance)
@@ -85,5 +85,7 @@ def test_decode_rows_after_a_prefill_are_refused() -> None:
 
 def test_every_device_gets_its_own_index_tensors() -> None:
     devices = [torch.device("cpu", 0), torch.device("cpu", 1)]  # two labels: the per-device bookkeeping
-    batch = build_device_batch(StagingBuffers(pinned=False), devices, [3, 9], [[0], [2, 5]], [4, 6], [0, 1, 2])
+    batch = build_device_batch(StagingBuffers(pinned=False), [devices[0], devices[1], devices[1]], [3, 9],
+                               [[0], [2, 5]], [4, 6], [0, 1, 2])
     assert set(batch.indexes) == set(devices)
+    assert batch.for_layer(0) is batch.on(devices[0]) and batch.for_layer(2) is batch.on(devices[1])

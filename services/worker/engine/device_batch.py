@@ -62,9 +62,14 @@ class DeviceBatch:
     """Rows 0 .. num_decode_rows - 1 decode; the prefill spans follow."""
     prefills: tuple[PrefillSpan, ...]
     indexes: dict[torch.device, DeviceIndexes]
+    layer_devices: tuple[torch.device, ...]
+    """Each layer's KV device (the key of its indexes)."""
 
     def on(self, device: torch.device) -> DeviceIndexes:
         return self.indexes[device]
+
+    def for_layer(self, layer: int) -> DeviceIndexes:
+        return self.indexes[self.layer_devices[layer]]
 
 
 class StagingBuffers:
@@ -120,7 +125,7 @@ class StagingBuffers:
 
 def build_device_batch(
     staging: StagingBuffers,
-    devices: Sequence[torch.device],
+    layer_devices: Sequence[torch.device],
     slot_mapping: Sequence[int],
     block_tables: Sequence[Sequence[int]],
     seq_lens: Sequence[int],
@@ -130,7 +135,7 @@ def build_device_batch(
 
     Args:
         staging: where the lists go before the devices (its pass must have begun).
-        devices: every device that holds a layer's KV.
+        layer_devices: each layer's KV device: every distinct one gets its index tensors.
         slot_mapping, block_tables, seq_lens, query_start_loc: the pass as `ModelRunner`
             lays it out: every sequence with one query row before any with more.
     """
@@ -158,7 +163,7 @@ def build_device_batch(
         else:
             staged_blocks.append(staging.stage(f"prefill_blocks_{len(prefills)}", block_tables[seq], torch.int64))
     indexes = {}
-    for device in dict.fromkeys(devices):
+    for device in dict.fromkeys(layer_devices):
         indexes[device] = DeviceIndexes(
             slot_mapping=staging.upload(staged_slots, device),
             block_tables=staging.upload(staged_tables, device),
@@ -166,7 +171,7 @@ def build_device_batch(
             query_start_loc=staging.upload(staged_starts, device),
             prefill_block_ids=tuple(None if ids is None else staging.upload(ids, device) for ids in staged_blocks),
         )
-    return DeviceBatch(num_decode, tuple(prefills), indexes)
+    return DeviceBatch(num_decode, tuple(prefills), indexes, tuple(layer_devices))
 
 
 def run_device_attention(
@@ -178,10 +183,11 @@ def run_device_attention(
     value_cache: torch.Tensor,
     batch: DeviceBatch,
     scale: float,
+    layer: int,
 ) -> None:
-    """One layer's attention of a pass on the kernels' path: K/V written, decode rows on the
-    paged kernel, prefill rows on SDPA (all [tokens, heads, head_dim]; see the module doc)."""
-    indexes = batch.on(key_cache.device)
+    """Layer `layer`'s attention of a pass on the kernels' path: K/V written, decode rows on
+    the paged kernel, prefill rows on SDPA (all [tokens, heads, head_dim]; see the module doc)."""
+    indexes = batch.for_layer(layer)
     ops.write_kv(key, value, key_cache, value_cache, indexes.slot_mapping)
     num_decode = batch.num_decode_rows
     if num_decode:

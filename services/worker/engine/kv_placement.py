@@ -83,6 +83,8 @@ class KVPools:
         self.layer_caches = [(run.pool[i, 0], run.pool[i, 1]) for run in runs for i in range(run.num_layers)]
         """(key_cache, value_cache) of each layer, views into its run's pool."""
         self.devices = tuple(dict.fromkeys(run.device for run in runs))
+        self.layer_devices = tuple(layer_devices)
+        """Each layer's device, as given (labels included)."""
 
     @property
     def nbytes(self) -> int:

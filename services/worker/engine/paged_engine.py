@@ -117,9 +117,12 @@ class PagedEngine:
         self.forward_reason: str | None = None
         """Why not "native", on the CPU."""
         if next(model.parameters()).device.type == "cpu":
-            self.forward_reason = (
-                get_unsupported_reason(model) if config.native_forward else "EngineConfig.native_forward is off"
-            )
+            if config.kernels_path:
+                self.forward_reason = "EngineConfig.kernels_path is on (the CUDA attention path, on the CPU)"
+            elif not config.native_forward:
+                self.forward_reason = "EngineConfig.native_forward is off"
+            else:
+                self.forward_reason = get_unsupported_reason(model)
             if self.forward_reason is None:
                 packed = pack_model(model)
                 self.forward = "native"
@@ -155,6 +158,10 @@ class PagedEngine:
             num_host_blocks,
             packed_model=packed,
             threads=make_thread_policy(config.cpu_threads),
+            layer_devices=[torch.device(label) for label in config.kv_layer_devices]
+            if config.kv_layer_devices
+            else None,
+            kernels_path=config.kernels_path or None,
         )
         self._pool = BlockPool(num_blocks, config.block_size, self._runner.kv_cache_bytes // num_blocks)
         self._kv_cache = KVCacheManager(self._pool, enable_prefix_caching=config.enable_prefix_caching)
