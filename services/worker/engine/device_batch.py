@@ -82,23 +82,29 @@ class StagingBuffers:
     def __init__(self, pinned: bool) -> None:
         self.pinned = pinned
         self._host: list[dict[str, torch.Tensor]] = [{} for _ in range(self.NUM_SETS)]
-        self._done: list[torch.cuda.Event | None] = [None] * self.NUM_SETS
+        self._done: list[list[torch.cuda.Event]] = [[] for _ in range(self.NUM_SETS)]
+        self._devices: dict[torch.device, None] = {}
+        """The CUDA devices the current set was copied to."""
         self._current = 0
 
     def begin_pass(self) -> None:
         """Switch to the next buffer set; wait until the copies that last read it are done."""
         self._current = (self._current + 1) % self.NUM_SETS
-        done = self._done[self._current]
-        if done is not None:
-            done.synchronize()
-            self._done[self._current] = None
+        for event in self._done[self._current]:
+            event.synchronize()
+        self._done[self._current] = []
+        self._devices = {}
 
     def end_pass(self) -> None:
-        """Mark the current set busy until the copies issued so far on this stream are done."""
-        if self.pinned:
-            event = torch.cuda.Event()
-            event.record()
-            self._done[self._current] = event
+        """Mark the current set busy until the copies issued so far are done: an event on the
+        current stream of every device it was copied to."""
+        events = []
+        for device in self._devices:
+            with torch.cuda.device(device):
+                event = torch.cuda.Event()
+                event.record()
+                events.append(event)
+        self._done[self._current] = events
 
     def stage(self, name: str, values: Sequence[int] | torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """`values` as a host tensor (a view of the current set's pinned buffer on CUDA)."""
@@ -120,6 +126,8 @@ class StagingBuffers:
         """A device copy of a staged tensor (the tensor itself on the CPU)."""
         if device.type == "cpu":
             return staged
+        if self.pinned and device.type == "cuda":
+            self._devices[device] = None
         return staged.to(device, non_blocking=self.pinned)
 
 

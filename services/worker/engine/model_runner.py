@@ -102,6 +102,9 @@ class ModelRunner:
         self.block_size = block_size
         self.device = next(model.parameters()).device
         """Where the inputs go (the embedding's device)."""
+        output_embeddings = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+        self.output_device = output_embeddings.weight.device if output_embeddings is not None else self.device
+        """Where the last hidden states are cut to the logits rows (the LM head's device)."""
         self.dtype = next(model.parameters()).dtype
         num_kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
@@ -231,7 +234,9 @@ class ModelRunner:
         # Every row sampled (a pure decode step): keep all logits, no index op.
         logits_to_keep: int | torch.Tensor = 0
         if len(logit_indices) != len(input_ids):
-            logits_to_keep = staging.upload(staging.stage("logits_to_keep", logit_indices, torch.int64), device)
+            logits_to_keep = staging.upload(
+                staging.stage("logits_to_keep", logit_indices, torch.int64), self.output_device
+            )
         input_tensor = staging.upload(staging.stage("input_ids", input_ids, torch.int64), device)
         positions = staging.upload(staging.stage("position_ids", position_ids, torch.int64), device)
         staging.end_pass()
@@ -276,7 +281,11 @@ class ModelRunner:
                 **{BATCH_KWARG: step.batch},
             )
             logits = output.logits[0]
-        return logits if step.logits_order is None else logits.index_select(0, step.logits_order)
+        if step.logits_order is None:
+            return logits
+        # The logits come back where the model's hooks put them (the LM head's device, or
+        # the input's): the order follows them (a no-op on one device).
+        return logits.index_select(0, step.logits_order.to(logits.device, non_blocking=True))
 
     def _swap_in(self, pairs: torch.Tensor) -> None:
         assert self.host_cache is not None
