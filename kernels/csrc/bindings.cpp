@@ -16,6 +16,7 @@
 #include <c10/util/Exception.h>
 #include <torch/csrc/utils/pybind.h>
 
+#include <algorithm>
 #include <optional>
 
 #include "kv_ops.h"
@@ -105,7 +106,8 @@ void write_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_ca
 
 void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
                      const at::Tensor& value_cache, const at::Tensor& block_tables,
-                     const at::Tensor& seq_lens, const at::Tensor& query_start_loc, double scale) {
+                     const at::Tensor& seq_lens, const at::Tensor& query_start_loc, double scale,
+                     int64_t partition_length) {
   TORCH_CHECK(query.is_cuda(), "paged_attention: query must be a CUDA tensor");
   const c10::Device device = query.device();
   check_layer_cache(key_cache, key_cache, "key_cache");
@@ -161,7 +163,16 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
   args.dtype = scalar_type(query);
   shoal::PagedAttentionPlan plan{};
   check_launch(shoal::paged_attention_plan(args, &plan), "paged_attention (plan)");
+  if (partition_length > 0) {  // forced by a test: partitions of this length, no planning
+    const int64_t width = std::max<int64_t>(1, args.max_blocks_per_seq * args.block_size);
+    plan.partition_length = std::min(partition_length, width);
+    plan.num_partitions = (width + plan.partition_length - 1) / plan.partition_length;
+    plan.workspace_bytes = plan.num_partitions > 1 ? args.num_tokens * args.num_heads * plan.num_partitions *
+                                                         (args.head_dim + 2) * static_cast<int64_t>(sizeof(float))
+                                                   : 0;
+  }
   args.num_partitions = plan.num_partitions;
+  args.partition_length = plan.partition_length;
   at::Tensor workspace;  // freed to torch's caching allocator after the call, stream-ordered
   if (plan.workspace_bytes > 0) {
     workspace = at::empty({plan.workspace_bytes / static_cast<int64_t>(sizeof(float))},
@@ -328,7 +339,10 @@ void silu_mul(at::Tensor& out, const at::Tensor& gate_up) {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "Shoal's KV-cache CUDA kernels; call them through shoal.kernels.ops";
   m.def("write_kv", &write_kv, "Write new tokens' K/V into their slots");
-  m.def("paged_attention", &paged_attention, "Varlen causal paged attention with GQA");
+  m.def("paged_attention", &paged_attention, "Varlen causal paged attention with GQA", pybind11::arg("out"),
+        pybind11::arg("query"), pybind11::arg("key_cache"), pybind11::arg("value_cache"),
+        pybind11::arg("block_tables"), pybind11::arg("seq_lens"), pybind11::arg("query_start_loc"),
+        pybind11::arg("scale"), pybind11::arg("partition_length") = 0);
   m.def("copy_blocks", &copy_blocks, "Copy blocks inside one pool, all layers");
   m.def("swap_blocks", &swap_blocks, "Copy blocks between pools (GPU <-> pinned CPU), all layers");
   m.def("rms_norm", &rms_norm, "RMSNorm of rows, after an optional residual add");

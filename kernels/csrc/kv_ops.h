@@ -54,15 +54,18 @@ struct PagedAttentionArgs {
   int64_t out_head_stride;
   float scale;
   ScalarType dtype;
-  // Split-context mode (see paged_attention_plan): each query row's context is
-  // cut into num_partitions slices, processed by separate thread blocks into
-  // `workspace`, then merged. 1 = no split, no workspace.
+  // Split-context mode (see paged_attention_plan, attention_partitions.h): each query
+  // row's context is cut into partitions of partition_length positions, processed by
+  // separate thread blocks into `workspace`, then merged; rows of one partition are
+  // written directly. num_partitions = 1: no split, no workspace.
   int64_t num_partitions;
+  int64_t partition_length;
   float* workspace;
 };
 
 struct PagedAttentionPlan {
   int64_t num_partitions;
+  int64_t partition_length;
   int64_t workspace_bytes;  // to allocate on the device and pass as args.workspace
 };
 
@@ -128,8 +131,8 @@ struct SiluMulArgs {
 constexpr int64_t kMaxHeadDim = 256;
 
 cudaError_t write_kv(const WriteKvArgs& args, cudaStream_t stream);
-// How many context partitions paged_attention should use on the current device
-// (more when too few thread blocks would fill its SMs) and the workspace they need.
+// The context partitions paged_attention uses on the current device (by row length;
+// shorter ones when too few thread blocks would fill its SMs) and the workspace they need.
 cudaError_t paged_attention_plan(const PagedAttentionArgs& args, PagedAttentionPlan* plan);
 cudaError_t paged_attention(const PagedAttentionArgs& args, cudaStream_t stream);
 cudaError_t copy_blocks(const CopyBlocksArgs& args, cudaStream_t stream);

@@ -5,10 +5,12 @@
 // for the whole group. The block's warps take the partition's positions
 // round-robin; each warp keeps an online softmax (running max, running sum,
 // weighted V) per query head in float32, and the warps' results are merged at
-// the end. With one partition (enough thread blocks to fill the GPU) the block
-// writes the output; otherwise it writes its partition's (max, sum, weighted V)
-// to a workspace and a second kernel merges the partitions (flash-decoding),
-// so a small decode batch over a long context still uses every SM.
+// the end. Contexts are cut by row length into partitions of a fixed length
+// (attention_partitions.h): a row whose context fits one partition is written by
+// its block directly; a longer row's blocks write their partition's (max, sum,
+// weighted V) to a workspace and a second kernel merges them (flash-decoding), so
+// a 32K-token row in a big batch runs on 64 thread blocks per head chunk, and a
+// small decode batch over a long context still uses every SM.
 #include <algorithm>
 #include <cassert>
 #include <cstdint>
@@ -17,6 +19,7 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include "attention_partitions.h"
 #include "kv_ops.h"
 
 namespace shoal {
@@ -27,11 +30,10 @@ constexpr int kNumWarps = 4;
 constexpr int kThreads = kWarpSize * kNumWarps;
 constexpr int kMaxGroup = 8;  // query heads per thread block
 constexpr int kUnroll = 2;    // context positions a warp loads before using them
-// The context is cut into at most ceil(width / kPartitionUnit) partitions, width being
-// the block table's (max_blocks_per_seq * block_size): slices of this order cost more
-// to merge than they gain. A partition is ceil(width / num_partitions) positions, so
-// between ~129 and 256 positions when the cap applies (see paged_attention_plan).
-constexpr int64_t kPartitionUnit = 256;
+// The most workspace a split takes (partitions grow past 512 positions beyond it): only
+// a call with thousands of long rows (prefill rows that the engine did not route to
+// SDPA) reaches it.
+constexpr int64_t kMaxWorkspaceBytes = int64_t{256} << 20;
 
 __device__ __forceinline__ float to_float(float x) { return x; }
 __device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
@@ -106,8 +108,12 @@ __device__ QueryRow locate_row(const PagedAttentionArgs& args, int64_t token) {
 }
 
 __host__ __device__ int64_t partition_length(const PagedAttentionArgs& args) {
-  const int64_t max_context = args.max_blocks_per_seq * args.block_size;
-  return (max_context + args.num_partitions - 1) / args.num_partitions;
+  return args.partition_length;
+}
+
+// Rows that fit one partition are written by the attention kernel itself, not merged.
+__device__ __forceinline__ bool writes_directly(const PagedAttentionArgs& args, const QueryRow& row) {
+  return args.num_partitions == 1 || row.num_seen <= partition_length(args);
 }
 
 // Workspace layout, per (token, head, partition) = index i:
@@ -278,7 +284,7 @@ __global__ void __launch_bounds__(kThreads) paged_attention_kernel(const PagedAt
       total += warp_total[w][member] * rescale;
       weighted += warp_acc[w][member][dim] * rescale;
     }
-    if (args.num_partitions == 1) {
+    if (writes_directly(args, row)) {
       const int64_t offset = token * args.out_token_stride + (first_head + member) * args.out_head_stride + dim;
       out[offset] = from_float<scalar_t>(weighted / total);
     } else {
@@ -298,8 +304,8 @@ __global__ void __launch_bounds__(kThreads) merge_partitions_kernel(const PagedA
   const int64_t token = blockIdx.x;
   const int64_t head = blockIdx.y;
   const QueryRow row = locate_row(args, token);
-  if (!row.valid) {
-    return;
+  if (!row.valid || writes_directly(args, row)) {
+    return;  // a row of one partition: already written
   }
   const int64_t num_used = (row.num_seen + partition_length(args) - 1) / partition_length(args);
   const int64_t first = (token * args.num_heads + head) * args.num_partitions;
@@ -353,7 +359,9 @@ void launch_for_head_dim(const PagedAttentionArgs& args, cudaStream_t stream) {
 }  // namespace
 
 cudaError_t paged_attention_plan(const PagedAttentionArgs& args, PagedAttentionPlan* plan) {
+  const int64_t width = args.max_blocks_per_seq * args.block_size;
   plan->num_partitions = 1;
+  plan->partition_length = width > 0 ? width : 1;
   plan->workspace_bytes = 0;
   int device = 0;
   int num_sms = 0;
@@ -364,24 +372,12 @@ cudaError_t paged_attention_plan(const PagedAttentionArgs& args, PagedAttentionP
   if (error != cudaSuccess) {
     return error;
   }
-  // Aim for about two thread blocks per SM; a long context is split only as far
-  // as that needs, and into at most ceil(width / kPartitionUnit) partitions of
-  // ceil(width / partitions) positions each (width: the block table's).
-  const int64_t wanted_blocks = 2 * static_cast<int64_t>(num_sms);
-  const int64_t blocks = args.num_tokens * args.num_kv_heads * head_chunks(args);
-  if (blocks == 0 || blocks >= wanted_blocks) {
-    return cudaSuccess;
-  }
-  const int64_t max_context = args.max_blocks_per_seq * args.block_size;
-  int64_t partitions = (wanted_blocks + blocks - 1) / blocks;
-  partitions = std::min(partitions, (max_context + kPartitionUnit - 1) / kPartitionUnit);
-  partitions = std::min(partitions, 65535 / head_chunks(args));  // gridDim.z
-  if (partitions > 1) {
-    PagedAttentionArgs split = args;
-    split.num_partitions = partitions;
-    plan->num_partitions = partitions;
-    plan->workspace_bytes = workspace_entries(split) * (2 + args.head_dim) * static_cast<int64_t>(sizeof(float));
-  }
+  const ShoalPartitionPlan split =
+      shoal_plan_partitions(args.num_tokens, args.num_kv_heads, args.num_heads, args.head_dim, head_chunks(args),
+                            width, num_sms, kMaxWorkspaceBytes);
+  plan->num_partitions = split.num_partitions;
+  plan->partition_length = split.partition_length;
+  plan->workspace_bytes = split.workspace_bytes;
   return cudaSuccess;
 }
 
@@ -389,7 +385,9 @@ cudaError_t paged_attention(const PagedAttentionArgs& args, cudaStream_t stream)
   if (args.num_tokens == 0 || args.num_seqs == 0) {
     return cudaSuccess;
   }
-  if (args.head_dim > kMaxHeadDim || args.num_partitions < 1 ||
+  if (args.head_dim > kMaxHeadDim || args.num_kv_heads < 1 || args.num_heads % args.num_kv_heads != 0 ||
+      args.num_partitions < 1 || args.partition_length < 1 ||
+      args.num_partitions * head_chunks(args) > SHOAL_MAX_GRID_Z ||
       (args.num_partitions > 1 && args.workspace == nullptr)) {
     return cudaErrorInvalidValue;
   }

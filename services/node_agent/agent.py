@@ -3,8 +3,9 @@
 Registers the node and its GPUs, heartbeats, spawns and stops one worker
 process per replica on the scheduler's command, turns workers' lifecycle
 reports into replica state (CAS on ``shoal_replicas``), records each model's
-measured serving memory, and restarts a worker after a CUDA device-side
-assert. Exposed as the ``shoal-node-agent`` micro service on
+measured serving memory, and restarts a worker that a CUDA error ended (its exit
+status `WORKER_EXIT_DEVICE_ERROR`, or a device-side assert in its log), up to
+`MAX_ASSERT_RESTARTS` times. Exposed as the ``shoal-node-agent`` micro service on
 ``shoal.node.<node id>.<verb>``.
 """
 
@@ -32,7 +33,7 @@ from shoal.services.node_agent.model_files import ModelInspectionError, inspect_
 from shoal.services.node_agent.processes import WorkerProcess, spawn_worker, tail_log
 from shoal.services.node_agent.reconcile import Repair, plan_repairs
 from shoal.services.node_agent.release import record_parked, record_stopped
-from shoal.services.worker.launch import WorkerLaunch
+from shoal.services.worker.launch import WORKER_EXIT_DEVICE_ERROR, WorkerLaunch
 from shoal.shared import subjects
 from shoal.shared.bus import Bus, cas_update, publish_event
 from shoal.shared.config import LoggingConfig, NatsConfig, NodeConfig, WorkerConfig
@@ -526,7 +527,8 @@ class NodeAgent:
             return
         tail = tail_log(process.log_path)
         self._failures.inc(node=self.node_id)
-        if DEVICE_ASSERT_MARKER in tail and replica.num_assert_restarts < MAX_ASSERT_RESTARTS:
+        device_error = code == WORKER_EXIT_DEVICE_ERROR or DEVICE_ASSERT_MARKER in tail
+        if device_error and replica.num_assert_restarts < MAX_ASSERT_RESTARTS:
             replica.num_assert_restarts += 1
             log.warning("worker_device_assert_restart", replica=replica.record.replica_id, exit_code=code)
             await self._launch(replica)

@@ -35,6 +35,13 @@ class RequestRejected(ShoalError, ValueError):
         engine validates unless it says otherwise."""
 
 
+class EngineFailed(ShoalError, RuntimeError):
+    """The engine can run nothing more: a CUDA error poisoned its process's context
+    (`device_errors`). Raised by `Engine.generate` for every request it held and every
+    later one; the worker hands them back to the queue for their next attempt and exits,
+    and its node agent starts a new worker."""
+
+
 @dataclass(frozen=True)
 class GenerationRequest:
     request_id: str
@@ -72,7 +79,12 @@ class Engine(Protocol):
         ...
 
     def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationOutput]:
-        """Start `request`; yields outputs until one with ``finished=True``."""
+        """Start `request`; yields outputs until one with ``finished=True``.
+
+        Raises:
+            RequestRejected: the request cannot run here at all.
+            EngineFailed: the engine died (of a CUDA error) before the request finished.
+        """
         ...
 
     def cancel(self, request_id: str) -> bool:

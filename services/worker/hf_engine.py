@@ -15,7 +15,9 @@ import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
 from transformers.generation.streamers import BaseStreamer
 
+from shoal.services.worker.device_errors import is_fatal_device_error
 from shoal.services.worker.generation import (
+    EngineFailed,
     GenerationOutput,
     GenerationRequest,
     RequestRejected,
@@ -62,6 +64,8 @@ class HFGenerateEngine:
         self._lock = asyncio.Lock()
         self._stops: dict[str, _StopFlag] = {}
         self._num_waiting = 0
+        self.fatal_error: Exception | None = None
+        """The CUDA error that poisoned the context (`device_errors`); None while it serves."""
 
     def num_free_slots(self) -> int:
         return 0 if self._num_waiting or self._lock.locked() else 1
@@ -88,6 +92,8 @@ class HFGenerateEngine:
                 400,
                 param="presence_penalty" if request.params.presence_penalty else "frequency_penalty",
             )
+        if self.fatal_error is not None:
+            raise EngineFailed(f"the engine died: {self.fatal_error}") from self.fatal_error
         max_new = min(request.params.max_tokens, max_len - num_prompt)
         flag = _StopFlag()
         self._stops[request.request_id] = flag
@@ -139,6 +145,10 @@ class HFGenerateEngine:
         error: str | None = None
         while (item := await queue.get()) is not _DONE:
             if isinstance(item, Exception):
+                if is_fatal_device_error(item):  # the context is poisoned: this worker is done
+                    self.fatal_error = item
+                    await asyncio.to_thread(thread.join)
+                    raise EngineFailed(f"the engine died: {item}") from item
                 error, finish_reason = str(item), "error"
                 continue
             if text.stopped or flag.event.is_set():

@@ -22,6 +22,11 @@ from shoal.shared.config import LoggingConfig, NatsConfig, WorkerConfig
 from shoal.shared.messages import ModelSpec, ReplicaRecord
 from shoal.shared.subjects import validate_node_id
 
+WORKER_EXIT_DEVICE_ERROR = 75
+"""A worker's exit status after a CUDA error poisoned its context (`device_errors`): its
+requests went back to the queue; its node agent starts a new worker (a bounded number of
+times), whatever the log's last lines say."""
+
 
 class WorkerLaunch(Struct, forbid_unknown_fields=True, kw_only=True):
     """Everything one worker process needs, from its node agent."""

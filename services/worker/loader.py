@@ -51,6 +51,9 @@ class LoadedModel:
     max_model_len: int
     allocation_bytes: int
     """Sum of the replica's per-GPU reservations."""
+    context_gpus: frozenset[int] = frozenset()
+    """The CUDA devices this process has a context on (its first allocation's GPUs): a
+    context lives as long as the process, parked or not (see `restore_weights`)."""
 
 
 def model_weight_bytes(model: torch.nn.Module) -> int:
@@ -107,12 +110,16 @@ def load_model(
     device: torch.device,
     attn_implementation: str | None = None,
     min_kv_reserve_bytes: MinEngineBytes = 0,
+    get_unsupported_reason: Callable[[Any, int], str | None] | None = None,
 ) -> LoadedModel:
     """Load `spec` from `models_root` for `replica`.
 
     Args:
         min_kv_reserve_bytes: what the engine needs besides the weights (its activation
             reserve and minimal KV pool); on a virtual GPU the weights plus this must fit.
+        get_unsupported_reason: given the model's config and its serving length, why the
+            worker's engine cannot serve it (None: it can); asked before the weights load
+            (`engine.model_support.get_unsupported_attention` for the paged engine).
 
     Raises ModelLoadError when the path is not a transformers checkpoint under
     the models root, or the weights (plus `min_kv_reserve_bytes`) do not fit
@@ -129,6 +136,9 @@ def load_model(
         tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=False)
     except (OSError, ValueError, KeyError) as exc:
         raise ModelLoadError(f"cannot read {model_dir}: {exc}") from exc
+    max_len = spec.max_model_len or int(getattr(config, "max_position_embeddings", 2048) or 2048)
+    if get_unsupported_reason is not None and (reason := get_unsupported_reason(config, max_len)):
+        raise ModelLoadError(f"{spec.key}: {reason}")
     dtype = _torch_dtype(spec.dtype, config)
     allocation_bytes = sum(replica.gpu_bytes.values())
     kwargs: dict[str, Any] = {"dtype": dtype, "trust_remote_code": False, "use_safetensors": True}
@@ -152,7 +162,6 @@ def load_model(
             f"{allocation_bytes} bytes"
         )
     _verify_placement(model, replica, device)
-    max_len = spec.max_model_len or int(getattr(config, "max_position_embeddings", 2048) or 2048)
     log.info("model_loaded", path=str(model_dir), dtype=str(dtype), weight_bytes=weight_bytes, device=str(device))
     return LoadedModel(
         model=model,
@@ -162,17 +171,46 @@ def load_model(
         weight_bytes=weight_bytes,
         max_model_len=max_len,
         allocation_bytes=allocation_bytes,
+        context_gpus=frozenset(replica.gpu_bytes) if device.type == "cuda" else frozenset(),
     )
 
 
+def detach_dispatch(model: Any) -> None:
+    """Undo accelerate's `dispatch_model` on `model`, in place: its hooks (which move every
+    layer's inputs to the device the layer was dispatched to), its wrappers of ``to`` and
+    ``cuda``, and ``hf_device_map``. Without this a parked model moved back onto other GPUs
+    would still send its activations to the old ones."""
+    from accelerate.hooks import remove_hook_from_module
+
+    remove_hook_from_module(model, recurse=True)
+    if "hf_device_map" in model.__dict__:
+        del model.hf_device_map
+
+
 def park_weights(loaded: LoadedModel, replica: ReplicaRecord) -> None:
-    """to_cache: weights to CPU RAM, the GPU memory and the memory cap given back."""
+    """to_cache: weights to CPU RAM, the GPU memory and the memory cap given back.
+
+    What stays on the GPU is the process's CUDA context (hundreds of MiB per GPU it has
+    used), which lives as long as the process: its node agent measures it with NVML once
+    parked and records it as the sleeping occupant's residual bytes (docs/operations.md,
+    "What a parked worker keeps on its GPUs")."""
     if loaded.device.type != "cuda":
         return  # virtual GPUs: the weights already live in host RAM
+    detach_dispatch(loaded.model)
     loaded.model.to("cpu")
+    torch.cuda.synchronize()
     for index in replica.gpu_bytes:
         torch.cuda.set_per_process_memory_fraction(1.0, index)
+    clear_workspaces = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+    if clear_workspaces is not None:  # cuBLAS keeps its workspaces in the caching allocator
+        clear_workspaces()
     torch.cuda.empty_cache()
+
+
+def get_stray_context_gpus(loaded: LoadedModel, replica: ReplicaRecord) -> list[int]:
+    """GPUs where this process holds a CUDA context but `replica`'s allocation has none:
+    memory no occupant would count if it served there."""
+    return sorted(loaded.context_gpus - set(replica.gpu_bytes))
 
 
 def restore_weights(
@@ -180,20 +218,37 @@ def restore_weights(
 ) -> None:
     """from_cache: the weights back onto the GPUs of the replica's (new) allocation.
 
+    On CUDA the new allocation must include every GPU this process has a context on: a
+    context cannot be given back while the process lives, and serving elsewhere would leave
+    it on a GPU where nothing counts it. Such a restore is refused (the scheduler then
+    frees the replica and places a fresh worker, whose process starts clean).
+
     Raises ModelLoadError when the weights (plus `min_kv_reserve_bytes`, as in `load_model`)
-    do not fit the allocation of a virtual GPU.
+    do not fit the allocation of a virtual GPU, or the CUDA allocation leaves a context out.
     """
     allocation_bytes = sum(replica.gpu_bytes.values())
     if loaded.device.type == "cuda":
+        stray = get_stray_context_gpus(loaded, replica)
+        if stray:
+            raise ModelLoadError(
+                f"this worker's CUDA context lives on GPU(s) {stray}, outside the new allocation "
+                f"{sorted(replica.gpu_bytes)}: restore it where it parked, or start a fresh worker"
+            )
         from accelerate import dispatch_model, infer_auto_device_map
 
         placement = _cuda_placement(replica)
         if placement["device_map"] == "auto":
-            device_map = infer_auto_device_map(loaded.model, max_memory=placement["max_memory"])
+            device_map = infer_auto_device_map(
+                loaded.model,
+                max_memory=placement["max_memory"],
+                no_split_module_classes=getattr(loaded.model, "_no_split_modules", None),
+                dtype=loaded.dtype,
+            )
             loaded.model = dispatch_model(loaded.model, device_map=device_map)
         else:
             loaded.model.to(placement["device_map"][""])
         _verify_placement(loaded.model, replica, loaded.device)
+        loaded.context_gpus |= set(replica.gpu_bytes)
     else:
         min_engine_bytes = _resolve_min_bytes(min_kv_reserve_bytes, loaded.model.config, loaded.dtype)
         if allocation_bytes and loaded.weight_bytes + min_engine_bytes > allocation_bytes:

@@ -11,18 +11,26 @@ import argparse
 import asyncio
 import os
 import signal
+from collections.abc import Callable
+from typing import Any
 
 import msgspec
 import nats.errors
 import structlog
 import torch
+from nats.micro.service import Service
 
 from shoal.kernels.cpu_build import default_cache_dirs
 from shoal.kernels.cuda_ext import KernelBuildError
 from shoal.kernels.settings import configure as configure_kernels
 from shoal.services.worker.control import ReplicaRuntime, serve_control
 from shoal.services.worker.generation import Engine
-from shoal.services.worker.launch import WorkerLaunch, add_worker_arguments, read_launch
+from shoal.services.worker.launch import (
+    WORKER_EXIT_DEVICE_ERROR,
+    WorkerLaunch,
+    add_worker_arguments,
+    read_launch,
+)
 from shoal.services.worker.loader import LoadedModel, MinEngineBytes, ModelLoadError, load_model
 from shoal.services.worker.prompts import eos_token_ids
 from shoal.services.worker.service import WorkerIdentity, WorkerService
@@ -88,6 +96,15 @@ def embedding_rows(model: object) -> int | None:
     return int(rows) if isinstance(rows, int) else None
 
 
+def get_unsupported_reason(launch: WorkerLaunch) -> Callable[[Any, int], str | None] | None:
+    """What refuses, before its weights load, a model the worker's engine would serve wrong."""
+    if launch.worker.engine == "hf":
+        return None  # transformers' own attention: whatever the model needs
+    from shoal.services.worker.engine.model_support import get_unsupported_attention
+
+    return get_unsupported_attention
+
+
 def measure_replica_bytes(loaded: LoadedModel, engine_bytes: int) -> int:
     """What this replica really holds on its GPU(s): torch's reservation on CUDA; on
     virtual GPUs its weights plus what its engine holds (KV pool, activation reserve)."""
@@ -123,7 +140,7 @@ async def serve(launch: WorkerLaunch) -> int:
         try:
             loaded = await asyncio.to_thread(
                 load_model, launch.models_root, launch.model, replica, device=device, attn_implementation=attn,
-                min_kv_reserve_bytes=get_min_engine_bytes(launch),
+                min_kv_reserve_bytes=get_min_engine_bytes(launch), get_unsupported_reason=get_unsupported_reason(launch),
             )
             if launch.worker.engine == "paged":
                 from shoal.kernels import ops
@@ -170,7 +187,11 @@ async def serve(launch: WorkerLaunch) -> int:
         )
         log.info("worker_ready", measured_bytes=measured, weight_bytes=loaded.weight_bytes)
         stop_task = asyncio.create_task(stop.wait())
-        await asyncio.wait([run_task, stop_task], return_when=asyncio.FIRST_COMPLETED)
+        failed_task = asyncio.create_task(service.failed.wait())
+        await asyncio.wait([run_task, stop_task, failed_task], return_when=asyncio.FIRST_COMPLETED)
+        failed_task.cancel()
+        if service.failure is not None:
+            return await _exit_after_device_error(service, control, [run_task, stats_task, stop_task])
         await control.stop()
         await service.stop(launch.model.sleep.drain_timeout_s)
         run_task.cancel()
@@ -182,6 +203,20 @@ async def serve(launch: WorkerLaunch) -> int:
         return 0
     finally:
         await bus.close()
+
+
+async def _exit_after_device_error(service: WorkerService, control: Service, tasks: list[asyncio.Task[Any]]) -> int:
+    """The engine died of a CUDA error: no request may run here again. What is in flight
+    has been handed back (`WorkerService`); the worker exits with `WORKER_EXIT_DEVICE_ERROR`
+    without reporting, and its node agent, seeing the exit, starts a new worker."""
+    failure = service.failure
+    log.error("worker_device_error", error=str(failure.__cause__ or failure) if failure else None)
+    await control.stop()
+    await service.stop(drain_timeout_s=5.0)
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    return WORKER_EXIT_DEVICE_ERROR
 
 
 def run_worker(ns: argparse.Namespace) -> int:

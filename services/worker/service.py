@@ -36,7 +36,7 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
 from shoal.services.worker.activity import ActivityReporter
-from shoal.services.worker.generation import Engine, GenerationRequest, RequestRejected
+from shoal.services.worker.generation import Engine, EngineFailed, GenerationRequest, RequestRejected
 from shoal.services.worker.prompts import prompt_chars, prompt_token_ids
 from shoal.services.worker.replica_queue import ReplicaQueue
 from shoal.shared import subjects
@@ -56,6 +56,12 @@ from shoal.shared.messages import (
 
 log = structlog.get_logger(__name__)
 
+FETCH_TIMEOUT_S = 1.0
+"""How long one pull request waits for messages."""
+HAND_BACK_DELAY_S = FETCH_TIMEOUT_S + 0.5
+"""A dead engine's requests come back to the queue this much later: after this worker's
+last pull request has expired, so that it cannot take them again (each delivery counts
+toward the stream's `MAX_DELIVERIES`)."""
 CANCEL_MEMORY_S = 900.0
 """How long a cancelled request id is remembered (queued copies are skipped)."""
 OFF_LOOP_PROMPT_CHARS = 16_384
@@ -140,6 +146,10 @@ class WorkerService:
         self.last_request_at = 0.0
         """When a request last started or finished here (unix time; 0: never)."""
         self._handing_back = False
+        self.failure: EngineFailed | None = None
+        """What ended the engine (a CUDA error that poisoned its context); None while it serves."""
+        self.failed = asyncio.Event()
+        """Set with `failure`: the worker must exit (its node agent starts a new one)."""
         self._activity = ActivityReporter(bus, identity.model, identity.replica_id,
                                           lambda: (self.last_request_at, len(self._tasks)))
         self._own_queue = ReplicaQueue(bus.js, identity.model, identity.replica_id, ack_wait_s=ack_wait_s,
@@ -269,7 +279,7 @@ class WorkerService:
                     pass
                 continue
             try:
-                msgs = await pull.fetch(batch=num_free, timeout=1.0)
+                msgs = await pull.fetch(batch=num_free, timeout=FETCH_TIMEOUT_S)
             except (nats.errors.TimeoutError, TimeoutError):
                 continue
             for msg in msgs:
@@ -344,6 +354,9 @@ class WorkerService:
         self.num_requests_by_outcome[outcome] += 1
         if outcome in ("ok", "cancelled"):
             await msg.ack()
+        elif outcome == "handed_back":  # its next attempt runs on another replica (or this one, restarted)
+            await self._nak(msg, delay_s=HAND_BACK_DELAY_S)
+            await replier.notice("handed_back")
         else:
             await msg.term()
 
@@ -375,6 +388,10 @@ class WorkerService:
                         return await self._finish(request, replier, output, logger)
             finally:
                 deadline_guard.cancel()
+        except EngineFailed as exc:
+            logger.error("request_handed_back_engine_failed", error=str(exc))
+            self._on_engine_failed(exc)
+            return "handed_back"
         except RequestRejected as exc:
             logger.info("request_rejected", status=exc.status, error=str(exc))
             await replier.error(exc.status, str(exc), "invalid_request_error", param=exc.param)
@@ -389,6 +406,13 @@ class WorkerService:
         logger.error("engine_ended_without_final_output")
         await replier.error(500, "the replica's engine ended without a result", "server_error")
         return "error"
+
+    def _on_engine_failed(self, exc: EngineFailed) -> None:
+        """The engine died: take nothing more (fetched messages go back), tell the worker."""
+        if self.failure is None:
+            self.failure = exc
+            self._serving.clear()
+            self.failed.set()
 
     async def _finish(self, request: InferenceRequest, replier: _Replier, output, logger) -> str:  # type: ignore[no-untyped-def]
         self.num_generated_tokens += output.num_completion_tokens
@@ -420,9 +444,9 @@ class WorkerService:
                                           self._tokenizer, request, self._vocab_size)
 
     @staticmethod
-    async def _nak(msg: Msg) -> None:
+    async def _nak(msg: Msg, delay_s: float | None = None) -> None:
         try:
-            await msg.nak()
+            await msg.nak(delay=delay_s)
         except nats.errors.Error as exc:  # it comes back after ack_wait anyway
             log.warning("hand_back_failed", error=str(exc))
 

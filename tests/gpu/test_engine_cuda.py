@@ -96,7 +96,7 @@ def _engine(model: Any, **config: Any) -> PagedEngine:
     defaults: dict[str, Any] = {"num_blocks": 128, "block_size": BLOCK_SIZE, "max_num_batched_tokens": 64}
     engine = PagedEngine(model, TokenEcho(), config=EngineConfig(**{**defaults, **config}))
     assert engine.kernels == "cuda", "the GPU tests run Shoal's kernels, not the torch reference path"
-    assert engine._runner.kv_cache.is_cuda
+    assert all(key_cache.is_cuda for key_cache, _ in engine._runner.layer_caches)
     return engine
 
 

@@ -76,3 +76,42 @@ async def test_the_worker_checks_its_engines_real_minimum_at_load(demo_models_ro
         assert engine.get_stats().pool.num_blocks == 1, "the least that loads is the engine's smallest pool"
     finally:
         await engine.close()
+
+
+def test_a_dispatched_model_parks_without_accelerates_hooks(demo_models_root: Path) -> None:
+    """accelerate's hooks move each layer's inputs to the device it was dispatched to: parked
+    and restored elsewhere, a model that kept them would send its activations to the old GPU."""
+    from accelerate import dispatch_model
+
+    from shoal.services.worker.loader import detach_dispatch
+
+    loaded = load_model(demo_models_root, ModelSpec(key=MODEL, path=MODEL), _replica(1 << 30), device=CPU)
+    input_ids = torch.tensor([[5, 6, 7, 8]])
+    with torch.inference_mode():
+        expected = loaded.model(input_ids).logits
+    model = dispatch_model(loaded.model, device_map={"": "cpu"}, force_hooks=True)
+    assert hasattr(model, "_hf_hook") and "to" in model.__dict__ and model.hf_device_map == {"": "cpu"}
+    detach_dispatch(model)
+    assert not [name for name, module in model.named_modules() if hasattr(module, "_hf_hook")]
+    assert "to" not in model.__dict__ and "cuda" not in model.__dict__ and "hf_device_map" not in model.__dict__
+    with torch.inference_mode():
+        assert torch.equal(model(input_ids).logits, expected)
+
+
+def test_a_cuda_restore_that_would_leave_a_context_behind_is_refused(demo_models_root: Path) -> None:
+    """A CUDA context lives as long as its process: a worker parked from GPU 0 restores onto an
+    allocation that includes GPU 0, or is refused (and replaced by a fresh worker). Checked
+    before any CUDA call, so it runs here."""
+    from dataclasses import replace as replace_field
+
+    from shoal.services.worker.loader import get_stray_context_gpus, restore_weights
+
+    loaded = load_model(demo_models_root, ModelSpec(key=MODEL, path=MODEL), _replica(1 << 30), device=CPU)
+    parked_on_cuda = replace_field(loaded, device=torch.device("cuda"), context_gpus=frozenset({0}))
+    elsewhere = ReplicaRecord(replica_id="r", model=MODEL, node_id="n", gpu_bytes={1: 1 << 30})
+    assert get_stray_context_gpus(parked_on_cuda, elsewhere) == [0]
+    with pytest.raises(ModelLoadError, match=r"CUDA context lives on GPU\(s\) \[0\], outside the new allocation \[1\]"):
+        restore_weights(parked_on_cuda, elsewhere)
+    wider = ReplicaRecord(replica_id="r", model=MODEL, node_id="n", gpu_bytes={0: 1 << 29, 1: 1 << 29})
+    assert get_stray_context_gpus(parked_on_cuda, wider) == []
+    assert get_stray_context_gpus(loaded, elsewhere) == [], "virtual GPUs hold no context"

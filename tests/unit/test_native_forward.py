@@ -111,7 +111,7 @@ class Sequences:
             starts.append(len(input_ids))
             last_rows.append(len(input_ids) - 1)
             self.num_computed[seq] = len(tokens)
-        plan = plan_attention(self.runner.kv_cache[0, 0], self.tables, seq_lens, starts)
+        plan = plan_attention(self.runner.layer_caches[0][0], self.tables, seq_lens, starts)
         batch = PagedBatch(layer_caches=self.runner.layer_caches, slot_mapping=torch.tensor(slots), cpu_plan=plan)
         assert self.runner.native is not None
         keep: int | torch.Tensor = 0 if len(last_rows) == len(input_ids) else torch.tensor(last_rows)

@@ -7,13 +7,17 @@ the model call that transformers passes down to each layer's attention): the bat
 scheduled tokens of all sequences flattened into one row, and each layer
 
 1. writes the new tokens' K/V into the paged cache (`ops.write_kv`, by slot mapping),
-2. attends each query row to its sequence's context straight from the blocks
-   (`ops.paged_attention`, by block table), which covers decode, prefill and prefill over
-   a cached prefix in one call.
+2. attends each query row to its sequence's context: decode rows straight from the blocks
+   (`ops.paged_attention`, by block table), prefill rows through SDPA
+   (`device_batch.run_device_attention`), each layer on its own device's copy of the indexes.
 
 On the CPU the batch instead carries an `AttentionPlan`, the same metadata built once
 per pass by the runner, and each layer runs `reference.write_kv` and `reference.run_attention` with
 it: the CPU implementation of the same two ops, without rebuilding the plan per layer.
+
+Attention that is more than scaled causal softmax (soft-capped logits, attention sinks, an
+explicit mask) is refused with `UnsupportedAttention` rather than silently computed
+without it; models that need it are refused at load already (`model_support`).
 
 No attention mask is registered for the name on purpose: transformers then skips building
 a mask entirely (`masking_utils` returns None for implementations it has no mask function
@@ -29,8 +33,10 @@ from typing import Any
 import torch
 from transformers import AttentionInterface
 
-from shoal.kernels import ops, reference
+from shoal.kernels import reference
 from shoal.kernels.attention_plan import AttentionPlan
+from shoal.services.worker.engine.device_batch import DeviceBatch, run_device_attention
+from shoal.services.worker.engine.model_support import UnsupportedAttention
 
 ATTN_IMPLEMENTATION = "shoal_paged"
 BATCH_KWARG = "shoal_batch"
@@ -41,19 +47,15 @@ class PagedBatch:
     """Attention metadata of one forward pass (layouts: `shoal.kernels.ops`)."""
 
     layer_caches: list[tuple[torch.Tensor, torch.Tensor]]
-    """(key_cache, value_cache) of each layer, views into the engine's one KV tensor."""
-    slot_mapping: torch.Tensor
-    """int64 [num_tokens]: where each new token's K/V goes."""
-    block_tables: torch.Tensor | None = None
-    """int32 [num_seqs, max_blocks] (for `ops.paged_attention`)."""
-    seq_lens: torch.Tensor | None = None
-    """int32 [num_seqs]: context length including this pass's tokens."""
-    query_start_loc: torch.Tensor | None = None
-    """int32 [num_seqs + 1]: each sequence's first row in the flattened batch."""
+    """(key_cache, value_cache) of each layer, views into its device's KV pool."""
+    slot_mapping: torch.Tensor | None = None
+    """int64 [num_tokens]: where each new token's K/V goes (the CPU plan's path)."""
     cpu_plan: AttentionPlan | None = None
-    """Instead of the three tensors above when the cache is on the CPU: the batch as
-    host-side metadata, built once per pass, with which every layer runs
-    `reference.run_attention` (no per-layer `tolist`, masks or block counts)."""
+    """When the cache is on the CPU: the batch as host-side metadata, built once per pass,
+    with which every layer runs `reference.run_attention` (no per-layer `tolist`, masks or
+    block counts)."""
+    device_batch: DeviceBatch | None = None
+    """Otherwise (CUDA): the kernels' path, with index tensors per device."""
 
 
 def paged_attention_forward(
@@ -77,6 +79,7 @@ def paged_attention_forward(
     batch: PagedBatch | None = kwargs.get(BATCH_KWARG)
     assert batch is not None, f"{ATTN_IMPLEMENTATION} attention runs only inside Shoal's engine"
     assert query.shape[0] == 1, "the engine flattens every batch into one row"
+    _refuse_unsupported(module, attention_mask, kwargs)
     key_cache, value_cache = batch.layer_caches[module.layer_idx]
     # [1, H, T, D] -> [T, H, D] views; the ops accept any token stride.
     query_rows, key_rows, value_rows = (
@@ -87,6 +90,7 @@ def paged_attention_forward(
     out = torch.empty(query_rows.shape, dtype=query.dtype, device=query.device)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     if batch.cpu_plan is not None:
+        assert batch.slot_mapping is not None, "a CPU plan comes with its slot mapping"
         # The runner's own tensors, the kernels' layouts by construction: the CPU functions
         # directly, without the public ops' argument checks and padding scan.
         reference.write_kv(key_rows, value_rows, key_cache, value_cache, batch.slot_mapping, may_pad=False)
@@ -94,23 +98,24 @@ def paged_attention_forward(
             out, query_rows, key_cache, value_cache, batch.cpu_plan, scale, key_rows, value_rows
         )
     else:
-        ops.write_kv(key_rows, value_rows, key_cache, value_cache, batch.slot_mapping)
-        assert (
-            batch.block_tables is not None
-            and batch.seq_lens is not None
-            and batch.query_start_loc is not None
-        ), "a batch without a CPU plan carries the kernels' index tensors"
-        ops.paged_attention(
-            out,
-            query_rows,
-            key_cache,
-            value_cache,
-            batch.block_tables,
-            batch.seq_lens,
-            batch.query_start_loc,
-            scale,
+        assert batch.device_batch is not None, "a batch carries a CPU plan or the kernels' path"
+        run_device_attention(
+            out, query_rows, key_rows, value_rows, key_cache, value_cache, batch.device_batch, scale, module.layer_idx
         )
     return out.unsqueeze(0), None
+
+
+def _refuse_unsupported(module: Any, attention_mask: torch.Tensor | None, kwargs: dict[str, Any]) -> None:
+    """Raises UnsupportedAttention for what this attention would otherwise drop silently."""
+    if kwargs.get("softcap"):
+        raise UnsupportedAttention(f"layer {module.layer_idx}: soft-capped attention logits are not supported")
+    if kwargs.get("s_aux") is not None or getattr(module, "sinks", None) is not None:
+        raise UnsupportedAttention(f"layer {module.layer_idx}: attention sinks are not supported")
+    if attention_mask is not None:
+        raise UnsupportedAttention(
+            f"layer {module.layer_idx}: an explicit attention mask is not supported (Shoal's attention is causal "
+            "over each sequence's own context)"
+        )
 
 
 def register_attention() -> None:

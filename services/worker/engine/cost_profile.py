@@ -20,7 +20,6 @@ from typing import Any
 import structlog
 import torch
 
-from shoal.kernels import ops
 from shoal.services.worker.engine.batch_scheduler import ScheduledChunk, StepPlan
 from shoal.services.worker.engine.model_runner import ModelRunner
 from shoal.services.worker.engine.sequence import Sequence
@@ -185,7 +184,7 @@ def measure_cost_model(
         num_samples += len(swap_samples)
         written = torch.cat([written, swapped])
     with torch.inference_mode():  # a fresh pool holds nothing: leave it as it was, zeros
-        runner.kv_cache.index_fill_(2, written.to(runner.device), 0)
+        runner.pools.zero_blocks(written)
     _synchronize(runner.device)
     cost_model = CostModel(
         seconds_per_token=per_token,
@@ -222,7 +221,7 @@ def _time_swaps(
         timings = []
         for repeat in range(num_repeats + 1):
             started = clock()
-            ops.swap_blocks(runner.host_cache, runner.kv_cache, pairs)
+            runner.pools.swap_in(runner.host_cache, pairs)
             _synchronize(runner.device)
             if repeat:
                 timings.append(clock() - started)

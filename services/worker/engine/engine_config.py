@@ -51,6 +51,13 @@ class EngineConfig:
     sessions: SessionSettings | None = None
     """The session cache (docs/sessions.md): a finished turn of a request with a
     `session_id` keeps its KV for the session's next turn. None: no session cache."""
+    kernels_path: bool = False
+    """Run attention the way CUDA does (`device_batch`: decode rows on the paged op, prefill
+    rows on SDPA, per-device index tensors) on the CPU too, instead of the CPU plan and the
+    native forward: how the CPU tests exercise the GPU path. Always on for CUDA."""
+    kv_layer_devices: tuple[str, ...] | None = None
+    """Each layer's KV device; None: where the layer's weights are (`kv_placement`). Tests
+    give CPU labels (``"cpu:0"``, ``"cpu:1"``) to run a replica's pools split by device."""
 
     def __post_init__(self) -> None:
         assert self.block_size > 0, f"block_size must be positive, got {self.block_size}"

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from shoal.services.worker.engine.engine_config import EngineConfig
+from shoal.services.worker.engine.model_support import check_attention
 from shoal.services.worker.engine.paged_engine import PagedEngine
 from shoal.services.worker.engine.session_kv import SessionSettings
 from shoal.services.worker.engine.sizing import get_min_engine_bytes
@@ -77,9 +78,12 @@ def build_paged_engine(
     cache on (docs/sessions.md); its host pool is CPU memory on top of the allocation.
 
     Raises:
+        UnsupportedAttention: the model's attention needs what Shoal's does not compute
+            (`model_support`).
         KVPoolTooSmall: the allocation leaves no room for a single block.
         KernelBuildError: on CUDA, Shoal's kernels cannot be built.
     """
+    check_attention(loaded.model.config, loaded.max_model_len, loaded.model)
     config = make_engine_config(
         loaded.device,
         worker,

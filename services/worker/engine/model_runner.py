@@ -2,8 +2,14 @@
 
 The model sees one flattened row of every scheduled token (`input_ids` [1, num_tokens]
 with explicit `position_ids`), no HF cache (`use_cache=False`), and Shoal's attention
-(`attention.py`), which reads and writes the KV tensor this module allocates. Only the
-logits of each sampling sequence's last token are computed (`logits_to_keep`).
+(`attention.py`), which reads and writes the KV pools this module allocates: each layer's
+on its layer's device (`kv_placement`). Only the logits of each sampling sequence's last
+token are computed (`logits_to_keep`).
+
+Two attention paths: on the CPU, a host-side `AttentionPlan` per pass; on CUDA (or on the
+CPU when told, for tests) the kernels' path (`device_batch`): decode rows first on the
+paged kernel, prefill rows on SDPA, index tensors on every device that holds a layer,
+uploaded through pinned staging buffers without a synchronizing copy.
 """
 
 from __future__ import annotations
@@ -16,10 +22,11 @@ from typing import Any
 
 import torch
 
-from shoal.kernels import ops
 from shoal.kernels.attention_plan import plan_attention
 from shoal.services.worker.engine.attention import BATCH_KWARG, PagedBatch
 from shoal.services.worker.engine.batch_scheduler import StepPlan
+from shoal.services.worker.engine.device_batch import StagingBuffers, build_device_batch
+from shoal.services.worker.engine.kv_placement import KVPools, get_layer_devices
 from shoal.services.worker.engine.native_forward import NativeForward, PackedModel, ThreadPolicy
 from shoal.shared.kv_cache.manager import KVCacheManager
 
@@ -33,6 +40,13 @@ def allocate_zeros_lazily(shape: tuple[int, ...], dtype: torch.dtype) -> torch.T
     if num_bytes == 0:
         return torch.zeros(shape, dtype=dtype)
     return torch.frombuffer(mmap.mmap(-1, num_bytes), dtype=dtype).view(shape)  # the tensor keeps the mmap
+
+
+def allocate_pool(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zeroed KV pool tensor on `device` (committed lazily on the CPU)."""
+    if device.type == "cpu":
+        return allocate_zeros_lazily(shape, dtype)
+    return torch.zeros(shape, dtype=dtype, device=device)
 
 
 @dataclass(frozen=True)
@@ -65,6 +79,10 @@ class ModelRunner:
         packed_model: the model's weights packed for the native forward (`native_forward`),
             which then runs every pass instead of the model's modules.
         threads: the native forward's thread policy.
+        layer_devices: each layer's KV device; None: where the layer's weights are
+            (`kv_placement.get_layer_devices`). Tests inject CPU labels (``cpu:1``).
+        kernels_path: run attention the kernels' way (`device_batch`) on the CPU too, as on
+            CUDA; None: on CUDA only.
     """
 
     def __init__(
@@ -76,28 +94,35 @@ class ModelRunner:
         *,
         packed_model: PackedModel | None = None,
         threads: ThreadPolicy | None = None,
+        layer_devices: list[torch.device] | None = None,
+        kernels_path: bool | None = None,
     ) -> None:
         config = model.config
         self.model = model
         self.block_size = block_size
         self.device = next(model.parameters()).device
+        """Where the inputs go (the embedding's device)."""
+        output_embeddings = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+        self.output_device = output_embeddings.weight.device if output_embeddings is not None else self.device
+        """Where the last hidden states are cut to the logits rows (the LM head's device)."""
         self.dtype = next(model.parameters()).dtype
         num_kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        # One tensor for the whole pool; the layout is drawn in `shoal.kernels.ops`.
-        shape = (config.num_hidden_layers, 2, num_blocks, block_size, num_kv_heads, head_dim)
-        if self.device.type == "cpu":
-            self.kv_cache = allocate_zeros_lazily(shape, self.dtype)
-        else:
-            self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        self.layer_caches = [(layer[0], layer[1]) for layer in self.kv_cache]
+        devices = layer_devices or get_layer_devices(model)
+        self.pools = KVPools(devices, (num_blocks, block_size, num_kv_heads, head_dim), self.dtype, allocate_pool)
+        """Each layer's KV on its layer's device; the layout is drawn in `shoal.kernels.ops`."""
+        self.layer_caches = self.pools.layer_caches
+        on_cuda = any(device.type == "cuda" for device in self.pools.devices)
+        self.kernels_path = on_cuda if kernels_path is None else kernels_path or on_cuda
+        self._staging = StagingBuffers(pinned=on_cuda)
         self.host_cache: torch.Tensor | None = None
         if num_host_blocks:
-            host_shape = list(self.kv_cache.shape)
-            host_shape[2] = num_host_blocks
             # Pinned on CUDA: the swap kernel reads and writes it through its mapped address.
             self.host_cache = torch.zeros(
-                host_shape, dtype=self.dtype, device="cpu", pin_memory=self.device.type == "cuda"
+                (config.num_hidden_layers, 2, num_host_blocks, block_size, num_kv_heads, head_dim),
+                dtype=self.dtype,
+                device="cpu",
+                pin_memory=on_cuda,
             )
         self._swap_in_timing: tuple[float, Any, Any] | None = None
         self.threads = threads or ThreadPolicy(max_threads=1)
@@ -106,11 +131,12 @@ class ModelRunner:
         native forward computed it; None otherwise."""
         self.native: NativeForward | None = None
         if packed_model is not None:
+            assert not self.kernels_path, "the native forward runs the CPU plan"
             self.native = NativeForward(packed_model, self.layer_caches, self.threads)
 
     @property
     def kv_cache_bytes(self) -> int:
-        return self.kv_cache.numel() * self.kv_cache.element_size()
+        return self.pools.nbytes
 
     @property
     def host_cache_bytes(self) -> int:
@@ -143,7 +169,10 @@ class ModelRunner:
         block_tables: list[list[int]] = []
         chunks = plan.chunks
         order: list[int] | range = range(len(chunks))
-        if device.type == "cpu" and self.native is None:
+        if self.kernels_path:
+            # Decoding sequences first: they are the rows the paged kernel takes (device_batch).
+            order = sorted(order, key=lambda i: chunks[i].num_new_tokens != 1)
+        elif self.native is None:
             # Decoding sequences first, shortest context first: the CPU attention's length
             # groups are then runs of rows, read and written in place (no row gathers). The
             # native forward's decode attention takes rows in any order.
@@ -176,26 +205,25 @@ class ModelRunner:
             if chunk.samples:
                 logit_indices.append(len(input_ids) - 1)
                 sampled_chunks.append(index)
+        staging = self._staging
+        staging.begin_pass()
         # logits come in batch order; `sample` and the scheduler take them in plan order
         logits_order = None
         if sampled_chunks != sorted(sampled_chunks):
             batch_rows = sorted(range(len(sampled_chunks)), key=sampled_chunks.__getitem__)
-            logits_order = torch.tensor(batch_rows, dtype=torch.int64, device=device)
-        if device.type == "cpu":  # the CPU path reads its per-pass plan, not the kernels' tensors
+            logits_order = staging.upload(staging.stage("logits_order", batch_rows, torch.int64), device)
+        if self.kernels_path:
+            batch = PagedBatch(
+                layer_caches=self.layer_caches,
+                device_batch=build_device_batch(
+                    staging, self.pools.layer_devices, slot_mapping, block_tables, seq_lens, query_start_loc
+                ),
+            )
+        else:  # the CPU path reads its per-pass plan, not the kernels' tensors
             batch = PagedBatch(
                 layer_caches=self.layer_caches,
                 slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64),
-                cpu_plan=plan_attention(self.kv_cache[0, 0], block_tables, seq_lens, query_start_loc),
-            )
-        else:
-            num_table_blocks = max(len(block_ids) for block_ids in block_tables)
-            padded = [block_ids + [0] * (num_table_blocks - len(block_ids)) for block_ids in block_tables]
-            batch = PagedBatch(
-                layer_caches=self.layer_caches,
-                slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64, device=device),
-                block_tables=torch.tensor(padded, dtype=torch.int32, device=device),
-                seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
-                query_start_loc=torch.tensor(query_start_loc, dtype=torch.int32, device=device),
+                cpu_plan=plan_attention(self.layer_caches[0][0], block_tables, seq_lens, query_start_loc),
             )
         copy_pairs = torch.tensor(plan.copy_pairs, dtype=torch.int64) if plan.copy_pairs else None
         swap_out_pairs = swap_in_pairs = None
@@ -206,10 +234,15 @@ class ModelRunner:
         # Every row sampled (a pure decode step): keep all logits, no index op.
         logits_to_keep: int | torch.Tensor = 0
         if len(logit_indices) != len(input_ids):
-            logits_to_keep = torch.tensor(logit_indices, dtype=torch.int64, device=device)
+            logits_to_keep = staging.upload(
+                staging.stage("logits_to_keep", logit_indices, torch.int64), self.output_device
+            )
+        input_tensor = staging.upload(staging.stage("input_ids", input_ids, torch.int64), device)
+        positions = staging.upload(staging.stage("position_ids", position_ids, torch.int64), device)
+        staging.end_pass()
         return PreparedStep(
-            input_ids=torch.tensor([input_ids], dtype=torch.int64, device=device),
-            position_ids=torch.tensor([position_ids], dtype=torch.int64, device=device),
+            input_ids=input_tensor.view(1, -1),
+            position_ids=positions.view(1, -1),
             logits_to_keep=logits_to_keep,
             logits_order=logits_order,
             batch=batch,
@@ -227,12 +260,12 @@ class ModelRunner:
         """
         if step.swap_out_pairs is not None:
             assert self.host_cache is not None, "swaps need a host pool"
-            ops.swap_blocks(self.kv_cache, self.host_cache, step.swap_out_pairs)
+            self.pools.swap_out(self.host_cache, step.swap_out_pairs)
         if step.swap_in_pairs is not None:
             assert self.host_cache is not None, "swaps need a host pool"
             self._swap_in(step.swap_in_pairs)
         if step.copy_pairs is not None:
-            ops.copy_blocks(self.kv_cache, step.copy_pairs)
+            self.pools.copy_blocks(step.copy_pairs)
         self.last_argmax = None
         if self.native is not None:
             logits = self.native.execute(step.input_ids, step.position_ids, step.batch, step.logits_to_keep)
@@ -248,17 +281,21 @@ class ModelRunner:
                 **{BATCH_KWARG: step.batch},
             )
             logits = output.logits[0]
-        return logits if step.logits_order is None else logits.index_select(0, step.logits_order)
+        if step.logits_order is None:
+            return logits
+        # The logits come back where the model's hooks put them (the LM head's device, or
+        # the input's): the order follows them (a no-op on one device).
+        return logits.index_select(0, step.logits_order.to(logits.device, non_blocking=True))
 
     def _swap_in(self, pairs: torch.Tensor) -> None:
         assert self.host_cache is not None
         if self.device.type == "cuda":
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            ops.swap_blocks(self.host_cache, self.kv_cache, pairs)
+            self.pools.swap_in(self.host_cache, pairs)
             end.record()
             self._swap_in_timing = (0.0, start, end)
         else:
             started = time.perf_counter()
-            ops.swap_blocks(self.host_cache, self.kv_cache, pairs)
+            self.pools.swap_in(self.host_cache, pairs)
             self._swap_in_timing = (time.perf_counter() - started, None, None)

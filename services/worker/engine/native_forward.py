@@ -301,7 +301,7 @@ class NativeForward:
         """Logits [rows kept, vocab] of one pass (the model call's `output.logits[0]`): a view
         of a buffer that the next pass overwrites."""
         plan = batch.cpu_plan
-        assert plan is not None, "the native forward runs the CPU path's batches"
+        assert plan is not None and batch.slot_mapping is not None, "the native forward runs the CPU path's batches"
         token_ids, positions = input_ids[0], position_ids[0]
         num_tokens = token_ids.shape[0]
         num_logit_rows = num_tokens if isinstance(logits_to_keep, int) else logits_to_keep.shape[0]

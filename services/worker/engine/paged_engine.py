@@ -28,6 +28,7 @@ import torch
 
 from shoal.kernels import ops
 from shoal.kernels.ops import KernelBackend
+from shoal.services.worker.device_errors import is_fatal_device_error
 from shoal.services.worker.engine import packed_linear
 from shoal.services.worker.engine.attention import ATTN_IMPLEMENTATION, register_attention
 from shoal.services.worker.engine.batch_scheduler import BatchScheduler, BatchSchedulerConfig, SequenceUpdate
@@ -47,6 +48,7 @@ from shoal.services.worker.engine.sizing import (
 )
 from shoal.services.worker.engine.warm_up import get_warm_up_lengths, warm_up
 from shoal.services.worker.generation import (
+    EngineFailed,
     FinishReason,
     GenerationOutput,
     GenerationRequest,
@@ -115,9 +117,12 @@ class PagedEngine:
         self.forward_reason: str | None = None
         """Why not "native", on the CPU."""
         if next(model.parameters()).device.type == "cpu":
-            self.forward_reason = (
-                get_unsupported_reason(model) if config.native_forward else "EngineConfig.native_forward is off"
-            )
+            if config.kernels_path:
+                self.forward_reason = "EngineConfig.kernels_path is on (the CUDA attention path, on the CPU)"
+            elif not config.native_forward:
+                self.forward_reason = "EngineConfig.native_forward is off"
+            else:
+                self.forward_reason = get_unsupported_reason(model)
             if self.forward_reason is None:
                 packed = pack_model(model)
                 self.forward = "native"
@@ -153,6 +158,10 @@ class PagedEngine:
             num_host_blocks,
             packed_model=packed,
             threads=make_thread_policy(config.cpu_threads),
+            layer_devices=[torch.device(label) for label in config.kv_layer_devices]
+            if config.kv_layer_devices
+            else None,
+            kernels_path=config.kernels_path or None,
         )
         self._pool = BlockPool(num_blocks, config.block_size, self._runner.kv_cache_bytes // num_blocks)
         self._kv_cache = KVCacheManager(self._pool, enable_prefix_caching=config.enable_prefix_caching)
@@ -220,6 +229,8 @@ class PagedEngine:
         self._num_steps = 0
         self._num_step_seqs = 0
         self._step_seconds = 0.0
+        self.fatal_error: Exception | None = None
+        """The CUDA error that ended the engine (`_die`); None while it serves."""
         self._pending: Outbox | None = None
         """A step's outputs, sent when the next pass starts (`_send_pending`), under the lock."""
         self._thread = threading.Thread(target=self._run_steps, name="shoal-engine", daemon=True)
@@ -257,12 +268,16 @@ class PagedEngine:
         Raises:
             RequestRejected: before any output, when the prompt is empty, longer than the
                 model or the KV pool takes (413), or the request id is in use.
+            EngineFailed: a CUDA error poisoned the engine's context (`device_errors`),
+                before or while the request ran.
         """
         state = self._admit(request)
         stream, num_unsent = state.text, 0
         try:
             while True:
                 item = await state.queue.get()
+                if self.fatal_error is not None and _is_error_end(item):
+                    raise EngineFailed(f"the engine died: {self.fatal_error}") from self.fatal_error
                 if isinstance(item, GenerationOutput):
                     yield item
                     if item.finished:
@@ -381,6 +396,8 @@ class PagedEngine:
         max_num_tokens = min(max_model_len, num_prompt_tokens + max(1, params.max_tokens))
         loop = asyncio.get_running_loop()
         with self._lock:
+            if self.fatal_error is not None:
+                raise EngineFailed(f"the engine died: {self.fatal_error}") from self.fatal_error
             if self._closed:
                 raise RequestRejected("the engine is shutting down", 503)
             if request.request_id in self._requests:
@@ -425,6 +442,9 @@ class PagedEngine:
                 if not self._step():
                     return
             except Exception as exc:  # a bug: end every request with an error rather than hang them
+                if is_fatal_device_error(exc):  # a kernel's error surfaces at the next sync, anywhere
+                    self._die(exc)
+                    return
                 log.exception("engine.step_failed")
                 self._fail(list(self._requests), exc)
 
@@ -468,7 +488,10 @@ class PagedEngine:
         try:
             logits = self._runner.execute(step)
             token_ids = sample(logits, sampling_states, histories, self._runner.last_argmax)
-        except Exception as exc:  # a failed pass fails its requests, never the engine
+        except Exception as exc:  # a failed pass fails its requests, not the engine...
+            if is_fatal_device_error(exc):  # ...unless the GPU context is poisoned
+                self._die(exc)
+                return False
             log.exception("engine.forward_failed", num_seqs=len(plan.chunks))
             if self._sessions is not None:
                 with self._lock:
@@ -546,6 +569,17 @@ class PagedEngine:
         if pending is not None:
             pending.send()
 
+    def _die(self, exc: Exception) -> None:
+        """A CUDA error poisoned the context: nothing can run here any more. Every request
+        ends (its consumer raises `EngineFailed`), new ones are refused the same way, and
+        the step thread stops. The error's text (a device-side assert's marker included)
+        goes to the log, where the node agent reads it."""
+        log.error("engine.device_error", error=str(exc), num_requests=len(self._requests))
+        with self._lock:
+            self.fatal_error = exc
+            self._closed = True
+        self._fail(list(self._requests), exc)
+
     def _fail(self, seq_ids: list[str], exc: Exception) -> None:
         outbox = Outbox()
         with self._lock:
@@ -556,3 +590,9 @@ class PagedEngine:
                     self._scheduler.finish(seq_id, "error")
                     self._finish(state, "error", outbox, error=f"{type(exc).__name__}: {exc}")
         outbox.send()
+
+
+def _is_error_end(item: GenerationOutput | Tokens) -> bool:
+    """Whether `item` ends its request with an error."""
+    final = item.final if isinstance(item, Tokens) else item
+    return final is not None and final.finished and final.finish_reason == "error"

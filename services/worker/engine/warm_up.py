@@ -69,7 +69,8 @@ def warm_up(runner: ModelRunner, num_blocks: int, lengths: list[int]) -> int:
     sample(logits, [SamplingState(0.0, 1.0, None) for chunk in plan.chunks if chunk.samples])
     num_used_blocks = kv_cache.pool.get_stats().num_used_blocks
     with torch.inference_mode():
-        runner.kv_cache[:, :, :num_used_blocks].zero_()  # a fresh pool hands out 0, 1, 2, ...
-    if runner.device.type == "cuda":
-        torch.cuda.synchronize(runner.device)
+        runner.pools.zero_blocks(torch.arange(num_used_blocks))  # a fresh pool hands out 0, 1, 2, ...
+    for device in runner.pools.devices:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
     return plan.num_batched_tokens
