@@ -253,11 +253,14 @@ class ModelSpec(ModelSettings, kw_only=True, omit_defaults=True):
         return cls(**declared, desired_replicas=settings.min_replicas, source=source, registered_at=registered_at)
 
     def as_registration(self) -> ModelSpec:
-        """This spec as a new registration: its operator settings, source and time only. A
-        register command carries a whole spec; what the cluster learns (measured memory,
-        sizes, leases, failure holds) is never taken from a message a client could forge."""
+        """This spec as a new registration: its operator settings, the replicas it asks for (as
+        a scale command could), source and time only. A register command carries a whole spec;
+        what the cluster learns (measured memory, sizes, leases, failure holds) is never taken
+        from a message a client could forge."""
         settings = ModelSettings(**{name: getattr(self, name) for name in ModelSettings.__struct_fields__})
-        return ModelSpec.from_settings(settings, source=self.source, registered_at=self.registered_at)
+        registration = ModelSpec.from_settings(settings, source=self.source, registered_at=self.registered_at)
+        return msgspec.structs.replace(registration,
+                                       desired_replicas=max(self.desired_replicas, settings.min_replicas))
 
 
 class Occupant(Struct, omit_defaults=True):

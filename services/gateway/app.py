@@ -37,11 +37,14 @@ async def healthz(request: web.Request) -> web.Response:
 
 
 async def metrics(request: web.Request) -> web.Response:
-    body = request.app[GATEWAY].metrics.render()
+    state = request.app[GATEWAY]
+    state.metrics.gauge("shoal_gateway_reply_inboxes", REPLY_INBOXES_HELP).set(state.router.num_waiting)
+    body = state.metrics.render()
     return web.Response(body=body.encode(), headers={"Content-Type": CONTENT_TYPE})
 
 
 DEFAULT_SESSION_TTL_S = SessionConfig().idle_timeout_s
+REPLY_INBOXES_HELP = "Requests this gateway waits for replies to (0 when idle: more is a leak)"
 
 
 def create_app(config: GatewayConfig, nats_url: str, registry: Registry | None = None, *,

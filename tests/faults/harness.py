@@ -155,7 +155,7 @@ async def fault_cluster(nats_url: str, models_root: Path, log_dir: Path, models:
                         reconcile_interval_s: float = 1.0, node: NodeConfig | None = None,
                         agent_url: str | None = None, worker_url: str | None = None,
                         request_timeout_s: float = 120.0, node_ttl_s: float = 15.0,
-                        scheduler: dict[str, Any] | None = None,
+                        scheduler: dict[str, Any] | None = None, worker: WorkerConfig | None = None,
                         ) -> AsyncIterator[FaultCluster]:
     """The cluster, with `models` registered by the first scheduler.
 
@@ -166,12 +166,13 @@ async def fault_cluster(nats_url: str, models_root: Path, log_dir: Path, models:
         node_ttl_s: a node whose heartbeats lapse this long is gone (the first connection
             creates the bucket with it).
         scheduler: further `SchedulerConfig` fields (shorter timeouts for a test).
+        worker: the workers' settings (default: one torch thread).
     """
     node_config = node or NodeConfig(node_id="n", models_root=str(models_root), heartbeat_interval_s=1.0,
                                      reconcile_interval_s=1.0)
     agent_bus = await connect(agent_url or nats_url, "node", node_ttl_s=node_ttl_s)
     buses = [await connect(nats_url, name) for name in ("test", *(f"s{i}" for i in range(num_schedulers)))]
-    agent = NodeAgent(agent_bus, discover_gpus(gpus), node_config, WorkerConfig(torch_threads=1), LoggingConfig(),
+    agent = NodeAgent(agent_bus, discover_gpus(gpus), node_config, worker or WorkerConfig(torch_threads=1), LoggingConfig(),
                       nats_url=worker_url or agent_url or nats_url, log_dir=log_dir)
     await agent.start()
     schedulers = [SchedulerService(bus, SchedulerConfig(scheduler_id=f"s{i}", reconcile_interval_s=reconcile_interval_s,

@@ -10,13 +10,13 @@ from pathlib import Path
 from shoal.shared.nats_server import EmbeddedNatsServer
 from tests.faults.harness import fault_cluster, model
 
-MAX_TOKENS = 400
+MAX_TOKENS = 1500
 
 
 async def test_a_drain_under_load_hands_back_what_it_cuts_and_loses_nothing(
         nats_server: EmbeddedNatsServer, demo_models_root: Path, tmp_path: Path) -> None:
     async with fault_cluster(nats_server.url, demo_models_root, tmp_path / "logs",
-                             [model("m", min_replicas=2, drain_timeout_s=0.5)]) as cluster:
+                             [model("m", min_replicas=2, drain_timeout_s=0.2)]) as cluster:
         await cluster.wait_serving("m", 2)
         reference = await cluster.complete("m", max_tokens=MAX_TOKENS)
         before = len(cluster.notices)

@@ -106,7 +106,8 @@ async def replicas(bus: Bus, demo_models_root: Path) -> AsyncIterator[Replicas]:
 def _request(request_id: str, session_id: str | None = "s1", prompt: str = PROMPT) -> InferenceRequest:
     return InferenceRequest(request_id=request_id, model=MODEL, deadline=time.time() + 60,
                             params=SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True),
-                            reply_to=f"test.reply.{request_id}", prompt=prompt, session_id=session_id)
+                            reply_to=subjects.reply_subject("test", request_id), gateway_id="test", prompt=prompt,
+                            session_id=session_id)
 
 
 async def _run(bus: Bus, request: InferenceRequest, subject: str) -> list[TokenChunk | FinalReply]:

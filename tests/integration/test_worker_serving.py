@@ -74,6 +74,8 @@ async def _collect(bus: Bus, subject: str, *, until_final: bool = True, timeout:
         reply = reply_decoder.decode(msg.data)
         replies.append(reply)
         if isinstance(reply, FinalReply | ErrorReply):
+            if msg.reply:  # confirmed, as a gateway does (the worker resends an unconfirmed final reply)
+                await msg.respond(b"")
             done.set()
 
     sub = await bus.nc.subscribe(subject, cb=on_msg)
