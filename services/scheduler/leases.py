@@ -31,9 +31,14 @@ def is_leased_by_other(spec: ModelSpec, owner: str, now: float) -> bool:
     return spec.lease_owner not in (None, owner) and spec.lease_until is not None and spec.lease_until > now
 
 
-def take_lease(spec: ModelSpec, owner: str, now: float, ttl_s: float) -> ModelSpec:
-    """`spec` leased to `owner` for `ttl_s` from `now` (written by CAS from the revision read)."""
-    return msgspec.structs.replace(spec, lease_owner=owner, lease_until=now + ttl_s)
+def take_lease(spec: ModelSpec, owner: str, now: float, ttl_s: float, desired_replicas: int | None = None
+               ) -> ModelSpec:
+    """`spec` leased to `owner` for `ttl_s` from `now` (written by CAS from the revision read),
+    with the plan's desired count (None keeps the spec's). The count is written before any
+    record of the plan: a scheduler that dies mid-commit leaves the intent, which the next
+    reconciler completes, never records that the old count would undo."""
+    desired = spec.desired_replicas if desired_replicas is None else desired_replicas
+    return msgspec.structs.replace(spec, lease_owner=owner, lease_until=now + ttl_s, desired_replicas=desired)
 
 
 def release_lease(spec: ModelSpec | None, owner: str, desired_replicas: int | None) -> ModelSpec | None:

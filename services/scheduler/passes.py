@@ -6,9 +6,10 @@ Every change to the cluster's replicas is one pass (`PlacementPasses.run`):
       -> records.build_snapshot -> ClusterPlanner (shared/placement: the decision)
       -> `operate` (ensure / scale down / evict, from commands.py) -> plan
     under the pass lock:
-      -> lease the specs of the models the plan touches (leases.py: serializes schedulers per model)
+      -> lease the specs of the models the plan touches, with its desired counts (leases.py:
+         serializes schedulers per model; the intent is written before any record)
       -> CAS every GPU key the plan changes, in key order, rolled back if one no longer fits
-      -> replica records; leases released with the plan's desired counts; events
+      -> replica records; leases released; events
       -> the plan's node steps submitted (their dependencies taken in commit order)
     outside it:
       -> node agents: to_cache, delete, from_cache, create (executor.NodeSteps)
@@ -187,15 +188,17 @@ class PlacementPasses:
         if any(leases.is_leased_by_other(versioned[m].value, self._scheduler_id, stamp) for m in touched):
             return None
         leased = {m: (versioned[m].revision, leases.take_lease(versioned[m].value, self._scheduler_id, stamp,
-                                                               self._ttl_s)) for m in touched}
+                                                               self._ttl_s, plan.desired_replicas.get(m)))
+                  for m in touched}
+        before = {m: versioned[m].value.desired_replicas for m in touched}
         if not await self._store.commit_specs(leased):
-            await self._release_leases(touched, {})
+            await self._release_leases(touched, before)
             return None
         replicas = {v.value.replica_id: v.value for v in snapshot.replicas.values()}
         changes = records.plan_to_records(plan, gpus=[v.value for v in snapshot.gpus.values()], replicas=replicas,
                                           scheduler_id=self._scheduler_id, reservation_ttl_s=self._ttl_s)
         if not await self._store.apply_gpu_changes(dict(changes.gpu_changes), snapshot.gpus):
-            await self._release_leases(touched, {})
+            await self._release_leases(touched, before)  # nothing of the plan stays: nor its counts
             return None
         skipped = await self._store.write_replicas(changes.replica_puts, changes.replica_delete_keys,
                                                    snapshot.replicas)
