@@ -9,29 +9,15 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include "dtype_convert.cuh"
+
 #include "kv_ops.h"
 
 namespace shoal {
 namespace {
 
-__device__ __forceinline__ float to_float(float x) { return x; }
-__device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
-__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
-
-template <typename T>
-__device__ __forceinline__ T from_float(float x);
-template <>
-__device__ __forceinline__ float from_float<float>(float x) {
-  return x;
-}
-template <>
-__device__ __forceinline__ __half from_float<__half>(float x) {
-  return __float2half_rn(x);
-}
-template <>
-__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) {
-  return __float2bfloat16_rn(x);
-}
+using shoal::from_float;
+using shoal::to_float;
 
 // A value rounded to T and back: where transformers keeps an intermediate in the model's dtype.
 template <typename T>

@@ -97,13 +97,20 @@ def start_shoal_up(models_root: Path, state_dir: Path, *extra: str, timeout_s: f
     return ShoalUp(process, f"http://127.0.0.1:{port}", nats_url, state_dir, lines)
 
 
-@pytest.fixture(scope="module")
-def shoal(demo_models_root: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ShoalUp]:
-    """One `shoal up` for a test module; stopped with SIGTERM afterwards."""
-    instance = start_shoal_up(demo_models_root, tmp_path_factory.mktemp("state"))
+def module_shoal_up(models_root: Path, tmp_path_factory: pytest.TempPathFactory,
+                    env: dict[str, str] | None = None) -> Iterator[ShoalUp]:
+    """The body of a module's `shoal` fixture: one `shoal up` (with `env`), stopped with
+    SIGTERM afterwards, its errors printed (pytest shows them when a test failed)."""
+    instance = start_shoal_up(models_root, tmp_path_factory.mktemp("state"), env=env)
     try:
         yield instance
     finally:
         instance.stop()
         problems = [line for line in instance.log_lines if '"level": "error"' in line or "Traceback" in line]
-        print("".join(problems[-20:]))  # shown by pytest when a test of the module failed
+        print("".join(problems[-20:]))
+
+
+@pytest.fixture(scope="module")
+def shoal(demo_models_root: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ShoalUp]:
+    """One `shoal up` for a test module."""
+    yield from module_shoal_up(demo_models_root, tmp_path_factory)

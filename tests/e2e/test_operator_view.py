@@ -26,7 +26,7 @@ from shoal.shared import subjects
 from shoal.shared.bus import connect
 from shoal.shared.messages import LoadPhase
 from tests.browser import LAUNCH_ARGS, VIEWPORT, chromium_executable
-from tests.e2e.conftest import ShoalUp, start_shoal_up
+from tests.e2e.conftest import ShoalUp, module_shoal_up
 from tests.integration.gateway_harness import parse_samples
 
 pytestmark = pytest.mark.e2e
@@ -43,13 +43,7 @@ T = TypeVar("T")
 
 @pytest.fixture(scope="module")
 def shoal(demo_models_root: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ShoalUp]:
-    instance = start_shoal_up(demo_models_root, tmp_path_factory.mktemp("state"), env=ENV)
-    try:
-        yield instance
-    finally:
-        instance.stop()
-        problems = [line for line in instance.log_lines if '"level": "error"' in line or "Traceback" in line]
-        print("".join(problems[-20:]))
+    yield from module_shoal_up(demo_models_root, tmp_path_factory, env=ENV)
 
 
 def call(method: str, url: str, body: object | None = None, timeout_s: float = 240.0) -> tuple[int, Any]:
