@@ -475,9 +475,10 @@ def _log_kept(ours: StreamConfig, theirs: StreamConfig, fields: tuple[str, ...])
         log.info("stream_config_kept", stream=ours.name, differences=shown)
 
 
-async def _ensure_bucket(js: JetStreamContext, config: KeyValueConfig, refusals: PermissionRefusals | None,
-                         *, create: bool) -> KeyValue:
-    """Create `config`'s bucket if it is missing; an existing one is kept as it is."""
+async def ensure_bucket(js: JetStreamContext, config: KeyValueConfig, refusals: PermissionRefusals | None = None,
+                        *, create: bool = True) -> KeyValue:
+    """Create `config`'s bucket if it is missing; an existing one is kept as it is (what
+    differs from `config` is logged)."""
     try:
         kv = await js.key_value(config.bucket)
     except nats.js.errors.BucketNotFoundError:
@@ -515,7 +516,7 @@ async def ensure_resources(js: JetStreamContext, *, node_ttl_s: float = NODE_TTL
         await _ensure_stream(js, stream, refusals, create=create)
     buckets: dict[str, KeyValue] = {}
     for bucket in _bucket_configs(node_ttl_s, replicas):
-        buckets[bucket.bucket] = await _ensure_bucket(js, bucket, refusals, create=create)
+        buckets[bucket.bucket] = await ensure_bucket(js, bucket, refusals, create=create)
     return buckets
 
 

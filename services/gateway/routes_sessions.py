@@ -30,6 +30,7 @@ from shoal.shared.messages import (
     ListSessions,
     ReplicaRecord,
     SessionList,
+    SessionSummary,
     drop_session_reply_decoder,
     session_list_decoder,
 )
@@ -40,18 +41,12 @@ REPLICA_TIMEOUT_S = 5.0
 R = TypeVar("R")
 
 
-class ListedSession(msgspec.Struct):
-    session_id: str
+class ListedSession(SessionSummary, omit_defaults=False, kw_only=True):
+    """A replica's `SessionSummary`, named with its replica and whether its route points there."""
+
     model: str
     replica_id: str
     node_id: str = ""
-    active: bool = False
-    """A turn of it runs now."""
-    num_tokens: int = 0
-    gpu_bytes: int = 0
-    cpu_bytes: int = 0
-    num_dropped_tokens: int = 0
-    idle_s: float = 0.0
     routed: bool = False
     """``shoal_sessions`` sends its next turn to this replica."""
 

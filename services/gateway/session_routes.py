@@ -23,7 +23,7 @@ from nats.js import JetStreamContext
 from nats.js.api import KeyValueConfig, StorageType
 
 from shoal.shared import subjects
-from shoal.shared.bus import JS_STREAM_NAME_EXISTS, TypedBucket
+from shoal.shared.bus import TypedBucket, ensure_bucket
 from shoal.shared.messages import SessionRoute, now, session_route_decoder
 
 log = structlog.get_logger(__name__)
@@ -50,13 +50,7 @@ class SessionRoutes:
             max_bytes=SESSION_ROUTES_MAX_BYTES,
             storage=StorageType.MEMORY,
         )
-        try:
-            kv = await self._js.create_key_value(config)
-        except nats.js.errors.BadRequestError as exc:
-            if exc.err_code != JS_STREAM_NAME_EXISTS:
-                raise
-            log.warning("kv_bucket_config_differs", bucket=config.bucket, detail=exc.description)
-            kv = await self._js.key_value(config.bucket)
+        kv = await ensure_bucket(self._js, config)
         self._bucket = TypedBucket(kv, session_route_decoder, subjects.SESSIONS_BUCKET, self._js)
 
     @property

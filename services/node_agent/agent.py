@@ -18,7 +18,7 @@ import hmac
 import secrets
 import socket
 import time
-from collections.abc import Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -184,8 +184,9 @@ class NodeAgent:
         # Any node agent can size a model (they all see the models root): one shared, queue-grouped subject.
         await add_json_endpoint(self._service, "inspect", subjects.NODE_INSPECT, inspect_model_decoder.decode,
                                 self._on_inspect)
-        self._spawn_task(self._heartbeat_loop())
-        self._spawn_task(self._reconcile_loop())
+        # NATS may be reconnecting when a round fails: the next one retries.
+        self._spawn_task(_every(self._node.heartbeat_interval_s, self._heartbeat_once, "heartbeat_failed"))
+        self._spawn_task(_every(self._node.reconcile_interval_s, self.reconcile, "node_reconcile_failed"))
         log.info("node_agent_started", node=self.node_id, gpus=len(self._gpus.gpus), virtual=self._gpus.virtual)
 
     async def stop(self) -> None:
@@ -226,14 +227,6 @@ class NodeAgent:
         await self._bus.nodes.put(self.node_id, self._node_record())
         self._workers_gauge.set(sum(1 for r in self._replicas.values() if r.process), node=self.node_id)
 
-    async def _heartbeat_loop(self) -> None:
-        while True:
-            await asyncio.sleep(self._node.heartbeat_interval_s)
-            try:
-                await self._heartbeat_once()
-            except Exception as exc:  # NATS may be reconnecting; the next beat retries
-                log.warning("heartbeat_failed", error=str(exc))
-
     async def _register_gpus(self) -> None:
         """Create this node's GPU keys, or bring their capacity up to date (keeping occupants).
         A key whose value does not decode is rebuilt from the replica records of this node
@@ -265,14 +258,6 @@ class NodeAgent:
             await cas_update(self._bus.gpus, key, mutate)
 
     # ------------------------------------------------------------------ reconciliation
-
-    async def _reconcile_loop(self) -> None:
-        while True:
-            await asyncio.sleep(self._node.reconcile_interval_s)
-            try:
-                await self.reconcile()
-            except Exception as exc:  # NATS may be reconnecting; the next round retries
-                log.warning("node_reconcile_failed", error=repr(exc))
 
     async def reconcile(self) -> None:
         """One round of `reconcile.plan_repairs`: workers against records; GPU keys repaired."""
@@ -635,3 +620,13 @@ class NodeAgent:
                                            num_failures=0, last_error=None, hold_until=None)
 
         await cas_update(self._bus.models, subjects.model_token(model), mutate)
+
+
+async def _every(interval_s: float, action: Callable[[], Awaitable[None]], failure_event: str) -> None:
+    """Run `action` every `interval_s` for ever; a failed round is logged and the next one runs."""
+    while True:
+        await asyncio.sleep(interval_s)
+        try:
+            await action()
+        except Exception as exc:
+            log.warning(failure_event, error=repr(exc))
