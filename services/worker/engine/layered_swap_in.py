@@ -14,7 +14,8 @@ How the layers' copies run (`Mode`):
   the pass while the layers before compute; on CUDA, a side stream copies them, one event
   per layer, and layer l's attention makes the compute stream wait on its event (the host
   never blocks). Only the layers' copies still running when their attention comes are
-  exposed: on a GPU, about the first layer's.
+  exposed: on a GPU, where a layer's compute outlasts its copy, about the first layer's
+  (reasoned, not measured: no GPU was at hand when this was written).
 
 What the copies may and may not overlap: the new tokens' K/V writes go to other blocks (a
 copied-back block is a full block of past tokens), so a layer's writes may run before its
@@ -136,6 +137,9 @@ class LayeredSwapIn:
 
     def _copy_layer(self, layer: int) -> None:
         host, pool = self._layers[layer]
+        if self._on_cuda:
+            ops.swap_blocks(host, pool, self._pairs)  # queued on the current stream
+            return
         native = cpu_kernels.try_load()
         if native is None or not native.copy_blocks_between(host, pool, self._pairs, num_threads=1):
             reference.swap_blocks_torch(host, pool, self._pairs)
