@@ -219,10 +219,10 @@ static int compare_ids(const void *a, const void *b) {
 
 /* The pairs in ascending source order, in a new array (the caller frees it), or NULL: when
  * two pairs share a destination (the later pair's block must land last, so the order is
- * kept) or memory is short. Reading the source blocks in address order is what made the
- * scattered reads of a move out of the KV pool 7-14% faster on the development machine:
- * consecutive reads then often fall in the same or the next pages (TLB and DRAM page hits),
- * where a random order starts each block cold. */
+ * kept) or memory is short. Reading the source blocks in address order made a move out of
+ * the KV pool (scattered reads) up to 15% faster on the development machine, never slower
+ * (docs/benchmarks.md): consecutive reads then fall in nearby pages more often, where a
+ * random order starts each block cold. */
 static int64_t *sort_pairs_by_source(const int64_t *pairs, int64_t num_pairs) {
     int64_t *sorted = malloc((size_t)num_pairs * 2 * sizeof(int64_t));
     int64_t *targets = malloc((size_t)num_pairs * sizeof(int64_t));
@@ -258,7 +258,8 @@ int64_t shoal_copy_blocks_between(const char *src, char *dst, int64_t num_planes
             return pair;
         }
     }
-    int64_t *sorted = num_pairs > 1 ? sort_pairs_by_source(pairs, num_pairs) : NULL;
+    /* Within one pool a pair's destination may be a later pair's source: the order stays. */
+    int64_t *sorted = num_pairs > 1 && src != dst ? sort_pairs_by_source(pairs, num_pairs) : NULL;
     struct copy_job job = {src,       dst,   num_planes, src_plane_stride, dst_plane_stride, block_bytes,
                            num_pairs, sorted != NULL ? sorted : pairs, (int)streaming};
     const struct shoal_phase phase = {copy_plane, &job, num_planes};
