@@ -232,6 +232,24 @@ async def test_copies_back_layer_by_layer_equal_generate_from_scratch(
     assert last.exposed_swap_seconds > 0
 
 
+@pytest.mark.parametrize("mode", ["inline", "thread"])
+async def test_copies_back_layer_by_layer_on_the_kernels_path_over_two_pools(references: References, mode: str) -> None:
+    """The CUDA engine's attention path (`device_batch`) run on the CPU, its layers' KV in
+    two pools (as over two GPUs): each pool's layers come back from their slice of the host
+    pool, waited for layer by layer."""
+    key = DEMO_MODEL_KEYS[0]
+    model = references.load(key)
+    num_layers = model.config.num_hidden_layers
+    labels = tuple("cpu:0" if layer < num_layers // 2 else "cpu:1" for layer in range(num_layers))
+    settings = _settings(gpu_fraction=0.0, host_pool_bytes=200 * _block_bytes(model), swap_in_by_layer=mode)
+    engine = _engine(model, settings, enable_prefix_caching=False, kernels_path=True, kv_layer_devices=labels)
+    try:
+        stats = await _converse(engine, references, key, num_turns=3)
+    finally:
+        await engine.close()
+    assert stats[-1].num_hits == 2 and stats[-1].num_cpu_restored_tokens > 0
+
+
 async def test_a_hole_longer_than_the_token_budget_is_filled_over_several_steps(references: References) -> None:
     key = "demo/llama-5m"
     engine = _engine(
