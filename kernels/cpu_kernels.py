@@ -304,12 +304,22 @@ class CpuKernels:
         return True
 
     def copy_blocks_between(
-        self, src_cache: torch.Tensor, dst_cache: torch.Tensor, block_mapping: torch.Tensor
+        self,
+        src_cache: torch.Tensor,
+        dst_cache: torch.Tensor,
+        block_mapping: torch.Tensor,
+        num_threads: int | None = None,
     ) -> bool:
         """`shoal.kernels.ops.swap_blocks` in C: every pair's block, every layer, key and value,
         copied straight from one pool into the other, in one pass (the torch version gathers
         into a temporary, then scatters). A move of at least `STREAM_MIN_BYTES` shares its
         layers among torch's intra-op thread count, as torch's own large copies do.
+
+        Args:
+            num_threads: the library's threads to share it among; None: as above. 1 runs it
+                on the calling thread alone, never waiting for the library's threads (what a
+                thread that copies while a native forward pass runs must do: a pass holds
+                them until it ends).
 
         Returns:
             Whether it copied; False (nothing done) for tensors it does not take: not all on
@@ -354,7 +364,9 @@ class CpuKernels:
             block_mapping.data_ptr(),
             num_pairs,
             int(src_shape[0] * 2 * num_pairs * block_bytes >= STREAM_MIN_BYTES),
-            torch.get_num_threads() if num_pairs * block_bytes * src_shape[0] >= STREAM_MIN_BYTES else 1,
+            num_threads
+            if num_threads is not None
+            else torch.get_num_threads() if num_pairs * block_bytes * src_shape[0] >= STREAM_MIN_BYTES else 1,
         )
         if bad >= 0:
             src, dst = (int(v) for v in block_mapping[bad])

@@ -11,6 +11,7 @@
  */
 #include <stddef.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "cpu_model.h"
@@ -206,6 +207,47 @@ static void copy_plane(const void *context, int64_t plane) {
 #endif
 }
 
+static int compare_pairs_by_source(const void *a, const void *b) {
+    const int64_t x = ((const int64_t *)a)[0], y = ((const int64_t *)b)[0];
+    return (x > y) - (x < y);
+}
+
+static int compare_ids(const void *a, const void *b) {
+    const int64_t x = *(const int64_t *)a, y = *(const int64_t *)b;
+    return (x > y) - (x < y);
+}
+
+/* The pairs in ascending source order, in a new array (the caller frees it), or NULL: when
+ * two pairs share a destination (the later pair's block must land last, so the order is
+ * kept) or memory is short. Reading the source blocks in address order made a move out of
+ * the KV pool (scattered reads) up to 15% faster on the development machine, never slower
+ * (docs/benchmarks.md): consecutive reads then fall in nearby pages more often, where a
+ * random order starts each block cold. */
+static int64_t *sort_pairs_by_source(const int64_t *pairs, int64_t num_pairs) {
+    int64_t *sorted = malloc((size_t)num_pairs * 2 * sizeof(int64_t));
+    int64_t *targets = malloc((size_t)num_pairs * sizeof(int64_t));
+    if (sorted == NULL || targets == NULL) {
+        free(sorted);
+        free(targets);
+        return NULL;
+    }
+    for (int64_t pair = 0; pair < num_pairs; ++pair) {
+        targets[pair] = pairs[2 * pair + 1];
+    }
+    qsort(targets, (size_t)num_pairs, sizeof(int64_t), compare_ids);
+    for (int64_t pair = 1; pair < num_pairs; ++pair) {
+        if (targets[pair] == targets[pair - 1]) {
+            free(sorted);
+            free(targets);
+            return NULL;
+        }
+    }
+    free(targets);
+    memcpy(sorted, pairs, (size_t)num_pairs * 2 * sizeof(int64_t));
+    qsort(sorted, (size_t)num_pairs, 2 * sizeof(int64_t), compare_pairs_by_source);
+    return sorted;
+}
+
 int64_t shoal_copy_blocks_between(const char *src, char *dst, int64_t num_planes, int64_t src_plane_stride,
                                   int64_t dst_plane_stride, int64_t block_bytes, int64_t num_src_blocks,
                                   int64_t num_dst_blocks, const int64_t *pairs, int64_t num_pairs,
@@ -216,9 +258,12 @@ int64_t shoal_copy_blocks_between(const char *src, char *dst, int64_t num_planes
             return pair;
         }
     }
+    /* Within one pool a pair's destination may be a later pair's source: the order stays. */
+    int64_t *sorted = num_pairs > 1 && src != dst ? sort_pairs_by_source(pairs, num_pairs) : NULL;
     struct copy_job job = {src,       dst,   num_planes, src_plane_stride, dst_plane_stride, block_bytes,
-                           num_pairs, pairs, (int)streaming};
+                           num_pairs, sorted != NULL ? sorted : pairs, (int)streaming};
     const struct shoal_phase phase = {copy_plane, &job, num_planes};
     shoal_run_phases(&phase, 1, (int)num_threads);
+    free(sorted);
     return -1;
 }

@@ -7,9 +7,13 @@ decode into it and validate it like every other setting. Pure: no torch.
 
 from __future__ import annotations
 
+from typing import Literal
+
 import msgspec
 
 from shoal.shared.kv_cache.cost_model import CostModel
+
+SwapInByLayer = Literal["auto", "off", "inline", "thread"]
 
 
 class SessionSettings(msgspec.Struct, frozen=True, kw_only=True):
@@ -28,6 +32,13 @@ class SessionSettings(msgspec.Struct, frozen=True, kw_only=True):
     copy_ahead_free_fraction: float = 0.05
     """Copy GPU chunks to the CPU tier ahead of eviction while less than this fraction of
     the KV pool is free (0: never)."""
+    swap_in_by_layer: SwapInByLayer = "auto"
+    """How a returning turn's CPU chunks come back (docs/sessions.md, "Layer by layer"):
+    "off": every layer in one copy before the pass; "inline": each layer's copy just before
+    its attention, on the pass's thread (the split, no overlap); "thread": each layer's
+    copy started at once, on a side stream (CUDA) or a helper thread (CPU), and waited for
+    just before the layer's attention; "auto": "thread" on CUDA, "off" on the CPU (where
+    the other two measured no better, docs/benchmarks.md)."""
     cost_profile_path: str | None = None
     """A saved cost profile (JSON): used when its key matches the served model and device,
     else the cost model is measured at start and saved there."""

@@ -53,14 +53,21 @@ def _tokens(seed: int, length: int) -> list[int]:
 
 @pytest.mark.parametrize("key", ["demo/llama-5m", "demo/qwen2-25m"])
 @pytest.mark.parametrize("tier", ["gpu", "cpu", "mixed"])
-async def test_every_turn_equals_generate_on_the_gpu(demo_models_root: Path, key: str, tier: str) -> None:
+@pytest.mark.parametrize("swap_in_by_layer", ["auto", "off", "inline"])
+async def test_every_turn_equals_generate_on_the_gpu(
+    demo_models_root: Path, key: str, tier: str, swap_in_by_layer: str
+) -> None:
+    """"auto" is the side stream with one event per layer; "off" and "inline" the others."""
+    if tier == "gpu" and swap_in_by_layer != "auto":
+        pytest.skip("nothing is copied back")
     reference = _load(demo_models_root, key)
     model = _load(demo_models_root, key)
     block_bytes = get_model_shape(model.config, torch.float32).get_kv_bytes_per_block(BLOCK_SIZE)
+    common: dict[str, Any] = {"cost_model": COSTS, "swap_in_by_layer": swap_in_by_layer}
     settings = {
-        "gpu": SessionSettings(cost_model=COSTS),
-        "cpu": SessionSettings(cost_model=COSTS, gpu_fraction=0.0, host_pool_bytes=200 * block_bytes),
-        "mixed": SessionSettings(cost_model=COSTS, gpu_fraction=8 / NUM_BLOCKS, host_pool_bytes=8 * block_bytes),
+        "gpu": SessionSettings(**common),
+        "cpu": SessionSettings(**common, gpu_fraction=0.0, host_pool_bytes=200 * block_bytes),
+        "mixed": SessionSettings(**common, gpu_fraction=8 / NUM_BLOCKS, host_pool_bytes=8 * block_bytes),
     }[tier]
     engine = PagedEngine(
         model,

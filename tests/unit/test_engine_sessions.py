@@ -121,18 +121,26 @@ def _sessions(engine: PagedEngine) -> SessionStats:
 
 
 async def _converse(
-    engine: PagedEngine, references: References, key: str, *, num_turns: int, session_id: str = "chat", seed: int = 0
+    engine: PagedEngine,
+    references: References,
+    key: str,
+    *,
+    num_turns: int,
+    session_id: str = "chat",
+    seed: int = 0,
+    first_length: int = 37,
+    turn_length: int = 11,
 ) -> list[SessionStats]:
     """Run a conversation; every answer must equal `generate` over the whole history. Returns
     the session stats after each turn."""
-    history = _tokens(seed, 37)
+    history = _tokens(seed, first_length)
     stats = []
     for turn in range(num_turns):
         expected = references.greedy(key, history)
         text = await _run(engine, f"{session_id}-{turn}", history, session_id)
         assert text == echo(expected), f"turn {turn} of {key} ({len(history)} tokens)"
         stats.append(_sessions(engine))
-        history = history + expected + _tokens(seed * 100 + turn + 1, 11)
+        history = history + expected + _tokens(seed * 100 + turn + 1, turn_length)
     return stats
 
 
@@ -187,6 +195,59 @@ async def test_every_turn_equals_generate_from_scratch(references: References, k
     if tier == "cpu":
         assert last.swap_in_bytes == last.num_cpu_restored_tokens // BLOCK_SIZE * block_bytes
         assert last.gpu_bytes == 0 and last.cpu_bytes > 0
+
+
+@pytest.mark.parametrize("key", DEMO_MODEL_KEYS)
+@pytest.mark.parametrize("mode", ["inline", "thread"])
+@pytest.mark.parametrize("native_forward", [True, False], ids=["native", "transformers"])
+@pytest.mark.parametrize("turn_length", [11, 90], ids=["short-turn", "long-turn"])
+async def test_copies_back_layer_by_layer_equal_generate_from_scratch(
+    references: References, key: str, mode: str, native_forward: bool, turn_length: int
+) -> None:
+    """Every chunk goes to the host pool and comes back layer by layer, each layer's copy
+    waited for just before its attention. A long turn (90 new tokens over a 300-token
+    history) makes the native forward call back per layer for its prefill attention; a
+    short one runs it inside the C pass, which waits for every layer first."""
+    model = references.load(key)
+    block_bytes = _block_bytes(model)
+    settings = _settings(gpu_fraction=0.0, host_pool_bytes=400 * block_bytes, swap_in_by_layer=mode)
+    engine = _engine(
+        model,
+        settings,
+        enable_prefix_caching=False,
+        native_forward=native_forward,
+        max_num_batched_tokens=128,
+    )
+    try:
+        first_length = 37 if turn_length == 11 else 300
+        stats = await _converse(
+            engine, references, key, num_turns=3, first_length=first_length, turn_length=turn_length
+        )
+    finally:
+        await engine.close()
+    last = stats[-1]
+    assert (last.num_hits, last.num_misses) == (2, 1)
+    assert last.num_cpu_restored_tokens > 0 and last.num_gpu_reused_tokens == 0
+    assert last.swap_in_bytes == last.num_cpu_restored_tokens // BLOCK_SIZE * block_bytes
+    assert last.exposed_swap_seconds > 0
+
+
+@pytest.mark.parametrize("mode", ["inline", "thread"])
+async def test_copies_back_layer_by_layer_on_the_kernels_path_over_two_pools(references: References, mode: str) -> None:
+    """The CUDA engine's attention path (`device_batch`) run on the CPU, its layers' KV in
+    two pools (as over two GPUs): each pool's layers come back from their slice of the host
+    pool, waited for layer by layer."""
+    key = DEMO_MODEL_KEYS[0]
+    model = references.load(key)
+    num_layers = model.config.num_hidden_layers
+    labels = tuple("cpu:0" if layer < num_layers // 2 else "cpu:1" for layer in range(num_layers))
+    settings = _settings(gpu_fraction=0.0, host_pool_bytes=200 * _block_bytes(model), swap_in_by_layer=mode)
+    engine = _engine(model, settings, enable_prefix_caching=False, kernels_path=True, kv_layer_devices=labels)
+    try:
+        stats = await _converse(engine, references, key, num_turns=3)
+    finally:
+        await engine.close()
+    assert stats[-1].num_hits == 2 and stats[-1].num_cpu_restored_tokens > 0
 
 
 async def test_a_hole_longer_than_the_token_budget_is_filled_over_several_steps(references: References) -> None:

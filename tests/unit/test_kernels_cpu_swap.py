@@ -59,6 +59,43 @@ def test_a_large_swap_takes_the_streaming_path_and_copies_exactly(native: cpu_ke
     assert torch.equal(dst, expected)
 
 
+@settings(max_examples=30, deadline=None)
+@given(
+    num_pairs=st.integers(2, 40),
+    threads=st.integers(1, 2),
+    data=st.data(),
+)
+def test_pairs_in_any_order_with_repeated_sources_match_torch(
+    native: cpu_kernels.CpuKernels, num_pairs: int, threads: int, data: st.DataObject
+) -> None:
+    """The native copy reads the sources in address order (it sorts the pairs when no two
+    share a destination): any order of pairs, a source copied to several blocks."""
+    src_blocks, dst_blocks = data.draw(st.integers(1, 48)), data.draw(st.integers(num_pairs, 64))
+    sources = data.draw(st.lists(st.integers(0, src_blocks - 1), min_size=num_pairs, max_size=num_pairs))
+    targets = data.draw(st.permutations(range(dst_blocks)))[:num_pairs]
+    mapping = torch.tensor(list(zip(sources, targets, strict=True)), dtype=torch.int64)
+    src = torch.randn(3, 2, src_blocks, 4, 2, 8)
+    dst = torch.randn(3, 2, dst_blocks, 4, 2, 8)
+    expected = dst.clone()
+    reference.swap_blocks_torch(src, expected, mapping)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        assert native.copy_blocks_between(src, dst, mapping, num_threads=threads)
+    finally:
+        torch.set_num_threads(previous)
+    assert torch.equal(dst, expected)
+
+
+def test_a_destination_named_twice_gets_the_later_pairs_block(native: cpu_kernels.CpuKernels) -> None:
+    src, dst = torch.randn(1, 2, 4, 4, 1, 8), torch.zeros(1, 2, 3, 4, 1, 8)
+    # sorted by source, the pair (0 -> 1) would come last and win: the order is kept instead
+    assert native.copy_blocks_between(src, dst, torch.tensor([[3, 1], [2, 0], [0, 1]]))
+    assert torch.equal(dst[:, :, 1], src[:, :, 0]) and torch.equal(dst[:, :, 0], src[:, :, 2])
+    assert native.copy_blocks_between(src, dst, torch.tensor([[0, 1], [3, 1]]))
+    assert torch.equal(dst[:, :, 1], src[:, :, 3])
+
+
 def test_a_pair_out_of_range_raises_and_copies_nothing(native: cpu_kernels.CpuKernels) -> None:
     src, dst = torch.randn(2, 2, 4, 4, 1, 8), torch.zeros(2, 2, 3, 4, 1, 8)
     with pytest.raises(IndexError, match="pair 1"):

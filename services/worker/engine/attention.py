@@ -27,6 +27,7 @@ with a host sync, on every forward pass.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -56,6 +57,9 @@ class PagedBatch:
     block counts)."""
     device_batch: DeviceBatch | None = None
     """Otherwise (CUDA): the kernels' path, with index tensors per device."""
+    before_attention: Callable[[int], None] | None = None
+    """Called with a layer's index before the layer's attention reads its cache: the step's
+    copies back from the host pool, layer by layer (`layered_swap_in`)."""
 
 
 def paged_attention_forward(
@@ -81,6 +85,8 @@ def paged_attention_forward(
     assert query.shape[0] == 1, "the engine flattens every batch into one row"
     _refuse_unsupported(module, attention_mask, kwargs)
     key_cache, value_cache = batch.layer_caches[module.layer_idx]
+    if batch.before_attention is not None:
+        batch.before_attention(module.layer_idx)
     # [1, H, T, D] -> [T, H, D] views; the ops accept any token stride.
     query_rows, key_rows, value_rows = (
         query[0].transpose(0, 1),

@@ -14,9 +14,12 @@ uploaded through pinned staging buffers without a synchronizing copy.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import math
 import mmap
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,8 +30,10 @@ from shoal.services.worker.engine.attention import BATCH_KWARG, PagedBatch
 from shoal.services.worker.engine.batch_scheduler import StepPlan
 from shoal.services.worker.engine.device_batch import StagingBuffers, build_device_batch
 from shoal.services.worker.engine.kv_placement import KVPools, get_layer_devices
+from shoal.services.worker.engine.layered_swap_in import LayeredSwapIn, Mode
 from shoal.services.worker.engine.native_forward import NativeForward, PackedModel, ThreadPolicy
 from shoal.shared.kv_cache.manager import KVCacheManager
+from shoal.shared.kv_cache.session_settings import SwapInByLayer
 
 
 def allocate_zeros_lazily(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -83,6 +88,7 @@ class ModelRunner:
             (`kv_placement.get_layer_devices`). Tests inject CPU labels (``cpu:1``).
         kernels_path: run attention the kernels' way (`device_batch`) on the CPU too, as on
             CUDA; None: on CUDA only.
+        swap_in_by_layer: how copies back from the host pool run (`SessionSettings`).
     """
 
     def __init__(
@@ -96,6 +102,7 @@ class ModelRunner:
         threads: ThreadPolicy | None = None,
         layer_devices: list[torch.device] | None = None,
         kernels_path: bool | None = None,
+        swap_in_by_layer: SwapInByLayer = "auto",
     ) -> None:
         config = model.config
         self.model = model
@@ -124,7 +131,15 @@ class ModelRunner:
                 device="cpu",
                 pin_memory=on_cuda,
             )
-        self._swap_in_timing: tuple[float, Any, Any] | None = None
+        self._swap_in_timing: tuple[float, Any, Any] | LayeredSwapIn | None = None
+        self.swap_in_mode: Mode | None = None
+        """How a step's copies back run: layer by layer (`layered_swap_in`), or None: all
+        layers in one copy before the pass."""
+        if swap_in_by_layer == "auto":
+            self.swap_in_mode = "thread" if on_cuda else None
+        elif swap_in_by_layer != "off":
+            self.swap_in_mode = swap_in_by_layer
+        self._swap_helper: ThreadPoolExecutor | None = None
         self.threads = threads or ThreadPolicy(max_threads=1)
         self.last_argmax: torch.Tensor | None = None
         """The last `execute`'s most likely token per row of its logits (same order), when the
@@ -149,6 +164,8 @@ class ModelRunner:
         timing, self._swap_in_timing = self._swap_in_timing, None
         if timing is None:
             return 0.0
+        if isinstance(timing, LayeredSwapIn):
+            return timing.get_exposed_seconds()
         seconds, start, end = timing
         if start is not None:
             end.synchronize()
@@ -256,36 +273,67 @@ class ModelRunner:
         """Run the forward pass; returns logits [num_sampling_seqs, vocab_size] in chunk order.
 
         First the session cache's copies: KV pool -> host (a block freed by a demotion may
-        be written by this pass or copied into by the swap-in below), then host -> KV pool.
+        be written by this pass or copied into by the swap-in below), then host -> KV pool:
+        every layer before the pass, or layer by layer, each before its layer's attention
+        (`swap_in_mode`, `layered_swap_in`).
         """
         if step.swap_out_pairs is not None:
             assert self.host_cache is not None, "swaps need a host pool"
             self.pools.swap_out(self.host_cache, step.swap_out_pairs)
+        layered: LayeredSwapIn | None = None
+        batch = step.batch
         if step.swap_in_pairs is not None:
             assert self.host_cache is not None, "swaps need a host pool"
-            self._swap_in(step.swap_in_pairs)
+            if self.swap_in_mode is None or step.copy_pairs is not None:
+                # (a block copy of the step may read a block copied back: all layers first)
+                self._swap_in(step.swap_in_pairs)
+            else:
+                layered = self._start_layered_swap_in(step.swap_in_pairs)
+                batch = dataclasses.replace(batch, before_attention=layered.wait)
         if step.copy_pairs is not None:
             self.pools.copy_blocks(step.copy_pairs)
         self.last_argmax = None
-        if self.native is not None:
-            logits = self.native.execute(step.input_ids, step.position_ids, step.batch, step.logits_to_keep)
-            argmax = self.native.last_argmax
-            if argmax is not None:
-                self.last_argmax = argmax if step.logits_order is None else argmax.index_select(0, step.logits_order)
-        else:
-            output = self.model(
-                input_ids=step.input_ids,
-                position_ids=step.position_ids,
-                use_cache=False,
-                logits_to_keep=step.logits_to_keep,
-                **{BATCH_KWARG: step.batch},
-            )
-            logits = output.logits[0]
+        try:
+            logits = self._forward(step, batch)
+        except BaseException:
+            if layered is not None:
+                with contextlib.suppress(Exception):  # the pass's error is the one to raise
+                    layered.finish()
+            raise
+        if layered is not None:
+            layered.finish()
         if step.logits_order is None:
             return logits
         # The logits come back where the model's hooks put them (the LM head's device, or
         # the input's): the order follows them (a no-op on one device).
         return logits.index_select(0, step.logits_order.to(logits.device, non_blocking=True))
+
+    def _forward(self, step: PreparedStep, batch: PagedBatch) -> torch.Tensor:
+        if self.native is not None:
+            logits = self.native.execute(step.input_ids, step.position_ids, batch, step.logits_to_keep)
+            argmax = self.native.last_argmax
+            if argmax is not None:
+                self.last_argmax = argmax if step.logits_order is None else argmax.index_select(0, step.logits_order)
+            return logits
+        output = self.model(
+            input_ids=step.input_ids,
+            position_ids=step.position_ids,
+            use_cache=False,
+            logits_to_keep=step.logits_to_keep,
+            **{BATCH_KWARG: batch},
+        )
+        return output.logits[0]
+
+    def _start_layered_swap_in(self, pairs: torch.Tensor) -> LayeredSwapIn:
+        assert self.host_cache is not None and self.swap_in_mode is not None
+        helper = None
+        if self.swap_in_mode == "thread" and self.device.type != "cuda":
+            if self._swap_helper is None:
+                self._swap_helper = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shoal-swap-in")
+            helper = self._swap_helper
+        layered = LayeredSwapIn(self.pools, self.host_cache, pairs, self.swap_in_mode, helper)
+        self._swap_in_timing = layered
+        return layered
 
     def _swap_in(self, pairs: torch.Tensor) -> None:
         assert self.host_cache is not None

@@ -329,6 +329,8 @@ class NativeForward:
                 torch.set_num_threads(previous)
 
         def attend_layer(layer: int) -> None:
+            if batch.before_attention is not None:
+                batch.before_attention(layer)
             qkv = buffers.qkv[:num_tokens]
             query = qkv[:, : heads * head_dim].view(num_tokens, heads, head_dim)
             key = qkv[:, heads * head_dim : (heads + kv_heads) * head_dim].view(num_tokens, kv_heads, head_dim)
@@ -337,6 +339,10 @@ class NativeForward:
             key_cache, value_cache = self.layer_caches[layer]
             reference.run_attention(out, query, key_cache, value_cache, plan, weights.scale, key, value)
 
+        if decode_address is not None and batch.before_attention is not None:
+            # The attention runs inside the C pass, with no call per layer: every layer's
+            # copies back from the host pool are waited for first.
+            batch.before_attention(len(self.layer_caches) - 1)
         run_forward(
             weights,
             buffers,

@@ -162,6 +162,7 @@ class PagedEngine:
             if config.kv_layer_devices
             else None,
             kernels_path=config.kernels_path or None,
+            swap_in_by_layer=config.sessions.swap_in_by_layer if config.sessions else "auto",
         )
         self._pool = BlockPool(num_blocks, config.block_size, self._runner.kv_cache_bytes // num_blocks)
         self._kv_cache = KVCacheManager(self._pool, enable_prefix_caching=config.enable_prefix_caching)
