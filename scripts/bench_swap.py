@@ -79,7 +79,7 @@ async def _wake_seconds(models_root: Path, key: str, repeats: int) -> dict[str, 
     for _ in range(repeats):
         started = time.perf_counter()
         loaded = load_model(models_root, spec, replica, device=device, attn_implementation="shoal_paged",
-                            min_kv_reserve_bytes=minimum)
+                            min_kv_reserve_bytes=minimum, native_pack=True)
         engine = build_paged_engine(loaded, worker, kv_cache_tokens=spec.kv_cache_tokens)
         best["cold"] = min(best["cold"], time.perf_counter() - started)
         weight_bytes = loaded.weight_bytes

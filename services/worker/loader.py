@@ -111,6 +111,7 @@ def load_model(
     attn_implementation: str | None = None,
     min_kv_reserve_bytes: MinEngineBytes = 0,
     get_unsupported_reason: Callable[[Any, int], str | None] | None = None,
+    native_pack: bool = False,
 ) -> LoadedModel:
     """Load `spec` from `models_root` for `replica`.
 
@@ -120,6 +121,11 @@ def load_model(
         get_unsupported_reason: given the model's config and its serving length, why the
             worker's engine cannot serve it (None: it can); asked before the weights load
             (`engine.model_support.get_unsupported_attention` for the paged engine).
+        native_pack: the caller's engine owns the model and packs it for the native forward
+            where it can (the paged engine on the CPU): a float32 Llama/Mistral/Qwen2 model
+            in one safetensors file is then read straight into the packed layout
+            (`engine.packed_load`: one copy, no transformers initialisation); any other model
+            loads as without it.
 
     Raises ModelLoadError when the path is not a transformers checkpoint under
     the models root, or the weights (plus `min_kv_reserve_bytes`) do not fit
@@ -146,14 +152,19 @@ def load_model(
         kwargs["attn_implementation"] = attn_implementation
     if device.type == "cuda":
         kwargs.update(_cuda_placement(replica))
-    try:
-        model: Any = AutoModelForCausalLM.from_pretrained(model_dir, **kwargs)
-    except (OSError, ValueError, RuntimeError) as exc:
-        raise ModelLoadError(f"cannot load weights from {model_dir}: {exc}") from exc
-    if device.type != "cuda":
-        model = model.to(device)
-    model.eval()
-    weight_bytes = model_weight_bytes(model)
+    model: Any
+    packed = _try_load_packed(model_dir, config, dtype, device, attn_implementation) if native_pack else None
+    if packed is not None:
+        model, weight_bytes = packed
+    else:
+        try:
+            model = AutoModelForCausalLM.from_pretrained(model_dir, **kwargs)
+        except (OSError, ValueError, RuntimeError) as exc:
+            raise ModelLoadError(f"cannot load weights from {model_dir}: {exc}") from exc
+        if device.type != "cuda":
+            model = model.to(device)
+        model.eval()
+        weight_bytes = model_weight_bytes(model)
     min_engine_bytes = _resolve_min_bytes(min_kv_reserve_bytes, config, dtype)
     if device.type != "cuda" and allocation_bytes and weight_bytes + min_engine_bytes > allocation_bytes:
         raise ModelLoadError(
@@ -162,7 +173,8 @@ def load_model(
             f"{allocation_bytes} bytes"
         )
     _verify_placement(model, replica, device)
-    log.info("model_loaded", path=str(model_dir), dtype=str(dtype), weight_bytes=weight_bytes, device=str(device))
+    log.info("model_loaded", path=str(model_dir), dtype=str(dtype), weight_bytes=weight_bytes, device=str(device),
+             packed=packed is not None)
     return LoadedModel(
         model=model,
         tokenizer=tokenizer,
@@ -173,6 +185,23 @@ def load_model(
         allocation_bytes=allocation_bytes,
         context_gpus=frozenset(replica.gpu_bytes) if device.type == "cuda" else frozenset(),
     )
+
+
+def _try_load_packed(
+    model_dir: Path, config: Any, dtype: torch.dtype, device: torch.device, attn_implementation: str | None
+) -> tuple[Any, int] | None:
+    """`engine.packed_load.load_packed` where it applies (None: load the ordinary way)."""
+    from shoal.services.worker.engine import packed_load  # the engine's modules import this one
+
+    reason = packed_load.get_skip_reason(model_dir, config, dtype, device)
+    if reason is not None:
+        log.debug("packed_load.skipped", reason=reason)
+        return None
+    try:
+        return packed_load.load_packed(model_dir, config, attn_implementation=attn_implementation)
+    except (OSError, ValueError, KeyError) as exc:  # an unreadable file: the ordinary path says why
+        log.info("packed_load.failed", error=str(exc))
+        return None
 
 
 def detach_dispatch(model: Any) -> None:
