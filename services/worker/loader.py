@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import structlog
 import torch
@@ -22,6 +22,9 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTra
 from shoal.shared.errors import ShoalError
 from shoal.shared.messages import ModelSpec, ReplicaRecord
 from shoal.shared.model_settings import InvalidModelPath, resolve_model_dir
+
+if TYPE_CHECKING:
+    from shoal.services.worker.engine.packed_load import PendingLoad
 
 log = structlog.get_logger(__name__)
 
@@ -139,13 +142,20 @@ def load_model(
         raise ModelLoadError(f"{model_dir} is not a transformers checkpoint (no config.json)")
     try:
         config = AutoConfig.from_pretrained(model_dir, trust_remote_code=False)
-        tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=False)
     except (OSError, ValueError, KeyError) as exc:
         raise ModelLoadError(f"cannot read {model_dir}: {exc}") from exc
     max_len = spec.max_model_len or int(getattr(config, "max_position_embeddings", 2048) or 2048)
     if get_unsupported_reason is not None and (reason := get_unsupported_reason(config, max_len)):
         raise ModelLoadError(f"{spec.key}: {reason}")
     dtype = _torch_dtype(spec.dtype, config)
+    # A packed load's copies run on threads of their own while the tokenizer is read here.
+    pending = _try_start_packed(model_dir, config, dtype, device) if native_pack else None
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=False)
+    except (OSError, ValueError, KeyError) as exc:
+        if pending is not None:
+            pending.wait()
+        raise ModelLoadError(f"cannot read {model_dir}: {exc}") from exc
     allocation_bytes = sum(replica.gpu_bytes.values())
     kwargs: dict[str, Any] = {"dtype": dtype, "trust_remote_code": False, "use_safetensors": True}
     if attn_implementation:
@@ -153,7 +163,7 @@ def load_model(
     if device.type == "cuda":
         kwargs.update(_cuda_placement(replica))
     model: Any
-    packed = _try_load_packed(model_dir, config, dtype, device, attn_implementation) if native_pack else None
+    packed = _try_finish_packed(pending, config, attn_implementation) if pending is not None else None
     if packed is not None:
         model, weight_bytes = packed
     else:
@@ -187,10 +197,8 @@ def load_model(
     )
 
 
-def _try_load_packed(
-    model_dir: Path, config: Any, dtype: torch.dtype, device: torch.device, attn_implementation: str | None
-) -> tuple[Any, int] | None:
-    """`engine.packed_load.load_packed` where it applies (None: load the ordinary way)."""
+def _try_start_packed(model_dir: Path, config: Any, dtype: torch.dtype, device: torch.device) -> PendingLoad | None:
+    """`engine.packed_load.start_load` where it applies (None: load the ordinary way)."""
     from shoal.services.worker.engine import packed_load  # the engine's modules import this one
 
     reason = packed_load.get_skip_reason(model_dir, config, dtype, device)
@@ -198,8 +206,16 @@ def _try_load_packed(
         log.debug("packed_load.skipped", reason=reason)
         return None
     try:
-        return packed_load.load_packed(model_dir, config, attn_implementation=attn_implementation)
+        return packed_load.start_load(model_dir, config)
     except (OSError, ValueError, KeyError) as exc:  # an unreadable file: the ordinary path says why
+        log.info("packed_load.failed", error=str(exc))
+        return None
+
+
+def _try_finish_packed(pending: PendingLoad, config: Any, attn_implementation: str | None) -> tuple[Any, int] | None:
+    try:
+        return pending.finish(config, attn_implementation=attn_implementation)
+    except (OSError, ValueError, KeyError) as exc:
         log.info("packed_load.failed", error=str(exc))
         return None
 

@@ -33,7 +33,8 @@ import ctypes.util
 import itertools
 import json
 import mmap
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -173,41 +174,9 @@ class WeightsFile:
 def load_packed(model_dir: Path, config: Any, *, attn_implementation: str | None) -> tuple[Any, int] | None:
     """The model of `model_dir` with its products packed for the native forward, and the bytes
     its weights take (as `loader.model_weight_bytes` counts them in an ordinary load), or
-    None when this path does not take it (`get_skip_reason` first; then the file must hold
-    float32 tensors named and shaped as the model's parameters, and `get_unsupported_reason`
-    must have no objection).
-    """
-    kernels = cpu_kernels.try_load()
-    if kernels is None:
-        return None
-    kwargs: dict[str, Any] = {"dtype": torch.float32, "trust_remote_code": False}
-    if attn_implementation:
-        kwargs["attn_implementation"] = attn_implementation
-    with torch.device("meta"):
-        model: Any = AutoModelForCausalLM.from_config(config, **kwargs)
-    inner = model.model
-    inner.rotary_emb = type(inner.rotary_emb)(config=model.config)  # its buffers, computed on the CPU
-    parameters = dict(model.named_parameters())
-    weights_file = WeightsFile(model_dir / WEIGHTS_FILE)
-    mismatch = sorted(set(parameters) ^ set(weights_file.entries)) or [
-        name for name, (dtype, shape, _, _) in weights_file.entries.items()
-        if dtype != "F32" or shape != tuple(parameters[name].shape)
-    ]
-    if mismatch:
-        log.info("packed_load.declined", reason="tensors that are not the model's float32 parameters",
-                 names=mismatch[:5])
-        return None
-    weight_bytes = sum(p.numel() * 4 for p in parameters.values()) + sum(
-        b.numel() * b.element_size() for b in model.buffers()
-    )
-    _fill_model(model, weights_file, kernels)
-    reason = get_unsupported_reason(model)
-    if reason is not None:  # the config's other checks: back to the ordinary path
-        log.info("packed_load.declined", reason=reason)
-        return None
-    setattr(model, _SOURCE_ATTR, model_dir / WEIGHTS_FILE)
-    model.eval()
-    return model, weight_bytes
+    None when this path does not take it: `start_load` then `PendingLoad.finish`."""
+    pending = start_load(model_dir, config)
+    return None if pending is None else pending.finish(config, attn_implementation=attn_implementation)
 
 
 _Product = tuple[list[str], bool]
@@ -215,9 +184,9 @@ _Product = tuple[list[str], bool]
 whether it is a gate/up pair (the SiLU * up epilogue)."""
 
 
-def _get_products(model: Any, tied: bool) -> list[_Product]:
+def _get_products(num_layers: int, tied: bool) -> list[_Product]:
     products: list[_Product] = []
-    for index in range(len(model.model.layers)):
+    for index in range(num_layers):
         prefix = f"model.layers.{index}."
         products += [
             ([prefix + f"self_attn.{p}_proj" for p in "qkv"], False),
@@ -230,51 +199,121 @@ def _get_products(model: Any, tied: bool) -> list[_Product]:
     return products
 
 
-def _fill_model(model: Any, weights_file: WeightsFile, kernels: cpu_kernels.CpuKernels) -> None:
-    inner = model.model
-    tied = model.lm_head.weight is inner.embed_tokens.weight
-    products = _get_products(model, tied)
+def start_load(model_dir: Path, config: Any) -> PendingLoad | None:
+    """Starts copying `model_dir`'s weights into their places, on the copy threads (`_get_pool`),
+    and returns at once: the caller reads the tokenizer meanwhile, then calls `finish`. None
+    when the file is not what this path reads (float32 tensors, the products of a Llama-style
+    decoder of `config`'s layers); `get_skip_reason` is asked first."""
+    kernels = cpu_kernels.try_load()
+    if kernels is None:
+        return None
+    weights_file = WeightsFile(model_dir / WEIGHTS_FILE)
+    entries = weights_file.entries
+    products = _get_products(int(config.num_hidden_layers), tied="lm_head.weight" not in entries)
+    weight_names = [m + ".weight" for modules, _ in products for m in modules]
+    if any(dtype != "F32" for dtype, _, _, _ in entries.values()) or any(
+        name not in entries or len(entries[name][1]) != 2 for name in weight_names
+    ):
+        log.info("packed_load.declined", reason="not float32, or not the products of a Llama-style decoder")
+        return None
     product_tensors = {module + suffix for modules, _ in products for module in modules for suffix in (".weight", ".bias")}
-    plain = [name for name in weights_file.entries if name not in product_tensors]
+    plain = [name for name in entries if name not in product_tensors]
     num_floats = sum(_get_aligned_floats(weights_file.get(name).numel()) for name in plain)
     for modules, _ in products:
-        num_out = sum(weights_file.entries[m + ".weight"][1][0] for m in modules)
-        num_in = weights_file.entries[modules[0] + ".weight"][1][1]
-        num_floats += _get_aligned_floats(get_num_panels(num_out) * num_in * PANEL)
-        if any(m + ".bias" in weights_file.entries for m in modules):
+        num_out = sum(entries[m + ".weight"][1][0] for m in modules)
+        num_floats += _get_aligned_floats(get_num_panels(num_out) * entries[modules[0] + ".weight"][1][1] * PANEL)
+        if any(m + ".bias" in entries for m in modules):
             num_floats += _get_aligned_floats(num_out)
     allocation = _Allocation(num_floats)
     jobs: list[tuple[torch.Tensor, torch.Tensor, bool]] = []  # (weight rows, their panels, silu_mul)
-    packed: list[PackedLinear] = []
+    packed = [_plan_product(allocation, kernels, weights_file, modules, silu_mul, jobs)
+              for modules, silu_mul in products]
+    copies = {name: allocation.take(*weights_file.get(name).shape) for name in plain}
+    pool = _get_pool()
+    futures = [pool.submit(pack_into, kernels, weight, panels, silu_mul=silu_mul) for weight, panels, silu_mul in jobs]
+    futures += [pool.submit(_copy, target, weights_file.get(name)) for name, target in copies.items()]
+    shapes = {name: shape for name, (_, shape, _, _) in entries.items()}
+    return PendingLoad(model_dir / WEIGHTS_FILE, products, packed, copies, futures, shapes)
+
+
+def _copy(target: torch.Tensor, source: torch.Tensor) -> None:
     with torch.no_grad():
-        for name in plain:  # embedding, norms: the only copy, where the model reads them
-            source = weights_file.get(name)
-            target = allocation.take(*source.shape)
-            target.copy_(source)
+        target.copy_(source)
+
+
+@dataclass
+class PendingLoad:
+    """A load whose copies are under way (`start_load`)."""
+
+    path: Path
+    products: list[_Product]
+    packed: list[PackedLinear]
+    """The products' packed weights, in `products`' order (their panels being filled)."""
+    copies: dict[str, torch.Tensor]
+    """The other tensors (embedding, norms): where they are being copied."""
+    futures: list[Future[None]]
+    shapes: dict[str, tuple[int, ...]]
+    """Every tensor of the file: the model's parameters must be these."""
+
+    def wait(self) -> None:
+        """Until every copy is done (raising the first copy's error, if one failed)."""
+        for future in self.futures:
+            future.result()
+
+    def finish(self, config: Any, *, attn_implementation: str | None) -> tuple[Any, int] | None:
+        """The model (its modules built on the meta device, given the copies as parameters and
+        the packed products) and its weight bytes, once the copies are done; None when the
+        file's tensors are not the model's parameters or `get_unsupported_reason` has one."""
+        kwargs: dict[str, Any] = {"dtype": torch.float32, "trust_remote_code": False}
+        if attn_implementation:
+            kwargs["attn_implementation"] = attn_implementation
+        with torch.device("meta"):
+            model: Any = AutoModelForCausalLM.from_config(config, **kwargs)
+        inner = model.model
+        inner.rotary_emb = type(inner.rotary_emb)(config=model.config)  # its buffers, computed on the CPU
+        parameters = dict(model.named_parameters())
+        mismatch = sorted(set(self.shapes) ^ set(parameters)) or [
+            name for name, shape in self.shapes.items() if shape != tuple(parameters[name].shape)
+        ]
+        tied = model.lm_head.weight is inner.embed_tokens.weight  # else lm_head.weight was one more name
+        self.wait()
+        if mismatch:
+            log.info("packed_load.declined", reason="the file's tensors are not the model's parameters",
+                     names=mismatch[:5])
+            return None
+        weight_bytes = sum(p.numel() * 4 for p in parameters.values()) + sum(
+            b.numel() * b.element_size() for b in model.buffers()
+        )
+        for name, target in self.copies.items():  # embedding, norms: the only copy
             _set_parameter(model, name, target)
         if tied:
             model.lm_head.weight = inner.embed_tokens.weight
-        for modules, silu_mul in products:
-            packed.append(_plan_product(allocation, kernels, weights_file, modules, silu_mul, jobs))
-        list(_get_pool().map(lambda job: pack_into(kernels, job[0], job[1], silu_mul=job[2]), jobs))
-        for modules, _ in products:
+        for modules, _ in self.products:
             for module_name in modules:
                 module = model.get_submodule(module_name)
                 module.weight = _released(module.weight)
                 if module.bias is not None:
                     module.bias = _released(module.bias)
-    layers = [
-        LayerWeights(
-            input_norm=layer.input_layernorm.weight.detach(),
-            post_norm=layer.post_attention_layernorm.weight.detach(),
-            qkv=packed[4 * index],
-            o=packed[4 * index + 1],
-            gate_up=packed[4 * index + 2],
-            down=packed[4 * index + 3],
-        )
-        for index, layer in enumerate(inner.layers)
-    ]
-    attach_packed_model(model, layers, None if tied else packed[-1])
+        packed = self.packed
+        layers = [
+            LayerWeights(
+                input_norm=layer.input_layernorm.weight.detach(),
+                post_norm=layer.post_attention_layernorm.weight.detach(),
+                qkv=packed[4 * index],
+                o=packed[4 * index + 1],
+                gate_up=packed[4 * index + 2],
+                down=packed[4 * index + 3],
+            )
+            for index, layer in enumerate(inner.layers)
+        ]
+        attach_packed_model(model, layers, None if tied else packed[-1])
+        reason = get_unsupported_reason(model)
+        if reason is not None:  # the config's other checks: back to the ordinary path
+            log.info("packed_load.declined", reason=reason)
+            return None
+        setattr(model, _SOURCE_ATTR, self.path)
+        model.eval()
+        return model, weight_bytes
 
 
 def _plan_product(
