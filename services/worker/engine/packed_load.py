@@ -41,6 +41,7 @@ from typing import Any
 import structlog
 import torch
 from transformers import AutoModelForCausalLM
+from transformers.initialization import no_init_weights
 
 from shoal.kernels import cpu_kernels
 from shoal.kernels.cpu_model import (
@@ -267,8 +268,11 @@ class PendingLoad:
         kwargs: dict[str, Any] = {"dtype": torch.float32, "trust_remote_code": False}
         if attn_implementation:
             kwargs["attn_implementation"] = attn_implementation
-        with torch.device("meta"):
+        # No initialisation either (a uniform_ per product, even on meta tensors: 40 ms for
+        # llama-100m on a busy host); transformers' own loads patch it out the same way.
+        with no_init_weights(), torch.device("meta"):
             model: Any = AutoModelForCausalLM.from_config(config, **kwargs)
+        model.tie_weights()  # which the patched initialisation skips
         inner = model.model
         inner.rotary_emb = type(inner.rotary_emb)(config=model.config)  # its buffers, computed on the CPU
         parameters = dict(model.named_parameters())
