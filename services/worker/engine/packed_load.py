@@ -4,20 +4,22 @@ The ordinary load (`loader.load_model` through transformers' ``from_pretrained``
 and initialises every module, maps the file, and hands the engine parameters that
 `native_forward.pack_model` then copies again: the q/k/v and gate/up weights are joined
 with `torch.cat` (a fresh tensor each), then transposed into the products' panels, and the
-parameters are released. Here the module tree is built on the meta device (no weights,
-no initialisation), the file is mapped (`safetensors.safe_open`: tensors are views of the
-page cache), and each weight is copied once, from the mapping to where it is used:
+parameters are released. Here the file is mapped (`WeightsFile`: each tensor a view of the
+page cache) and each weight is copied once, from the mapping to where it is used:
 
     products (q/k/v, o, gate/up, down, an untied lm_head)  -> their panels
     embedding, norms, biases                               -> plain tensors, the only copy
 
-All of them live in one allocation that asks the kernel for transparent huge pages
-(`allocate_weights`): on the development VM, faulting in fresh 4 KiB pages was most of
-the time a copy into new memory took (docs/benchmarks.md, "Sleep and wake"), and the
-products read the panels with fewer TLB misses. The panels hold what `pack_model` would
-have put there, bit for bit (tests/unit/test_packed_load.py); the model's product
-parameters are released as `pack_model` releases them, and the `PackedModel` is attached to
-the model, so the engine's `pack_model` call returns it.
+`start_load` makes the layout from the file's header and starts the copies on a thread per
+core (C code and torch copies, without the GIL); the loader reads the tokenizer meanwhile;
+`PendingLoad.finish` builds the module tree on the meta device (no weights, no
+initialisation), waits for the copies and gives the model its tensors. All of them live in
+one allocation that asks the kernel for transparent huge pages (`allocate_weights`): on the
+development VM, faulting in fresh 4 KiB pages was most of the time a copy into new memory
+took (docs/benchmarks.md, "Sleep and wake"). The panels hold what `pack_model` would have
+put there, bit for bit (tests/unit/test_packed_load.py); the model's product parameters are
+released as `pack_model` releases them, and the `PackedModel` is attached to the model, so
+the engine's `pack_model` call returns it.
 
 A model this path does not take (not float32 on the CPU, another architecture, weights
 split over several files, names or shapes that are not the modules', anything
