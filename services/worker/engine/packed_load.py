@@ -93,7 +93,7 @@ class _Allocation:
         for extent in shape:
             num_floats *= extent
         start = self.used
-        self.used += -(-num_floats // _ALIGN_FLOATS) * _ALIGN_FLOATS
+        self.used += _get_aligned_floats(num_floats)
         assert self.used <= self.buffer.numel(), "the allocation was sized for every tensor it holds"
         return self.buffer[start : start + num_floats].view(*shape)
 
