@@ -132,6 +132,24 @@ def get_gemm_isa(kernels: CpuKernels) -> int:
     return int(kernels.library.shoal_gemm_isa())
 
 
+def pack_into(kernels: CpuKernels, weight: torch.Tensor, panels: torch.Tensor, *, silu_mul: bool = False) -> None:
+    """Writes `weight` [num_out, num_in] (float32, contiguous, on the CPU) into `panels` in the
+    products' layout, as `PackedLinear` packs it: `panels` holds at least ceil(num_out / PANEL)
+    * num_in * PANEL contiguous floats. ctypes lets go of the GIL for the copy: several
+    threads may pack at once (`engine.packed_load`)."""
+    if weight.dtype != torch.float32 or weight.dim() != 2 or not weight.is_cpu or not weight.is_contiguous():
+        raise ValueError(f"pack_into takes a contiguous float32 CPU matrix, got {weight.dtype} {tuple(weight.shape)}")
+    num_out, num_in = weight.shape
+    if panels.dtype != torch.float32 or not panels.is_contiguous() or panels.numel() < -(-num_out // PANEL) * num_in * PANEL:
+        raise ValueError(f"panels too small for a [{num_out}, {num_in}] weight")
+    if silu_mul and (num_out % 32 or num_out == 0):
+        raise ValueError(f"a gate/up weight needs 2 x a multiple of 16 rows, got {num_out}")
+    _bind(kernels.library)
+    kernels.library.shoal_pack_linear(
+        weight.data_ptr(), num_out, num_in, EPILOGUE_SILU_MUL if silu_mul else EPILOGUE_STORE, panels.data_ptr()
+    )
+
+
 class PackedLinear:
     """A float32 weight [num_out, num_in] (and bias) in the products' panel layout.
 
@@ -174,6 +192,39 @@ class PackedLinear:
             EPILOGUE_SILU_MUL if silu_mul else EPILOGUE_STORE,
         )
         self._library = library
+
+    @classmethod
+    def from_panels(
+        cls,
+        kernels: CpuKernels,
+        panels: torch.Tensor,
+        bias: torch.Tensor | None,
+        *,
+        num_out: int,
+        num_in: int,
+        epilogue: int = EPILOGUE_STORE,
+    ) -> PackedLinear:
+        """A weight already in the panel layout (`engine.packed_load` fills it straight from a
+        weights file): `panels` float32, contiguous, as `shoal_pack_linear` writes them for
+        `num_out` weight rows of `num_in`; `bias` [num_out] float32 contiguous or None. Both
+        are used as they are (not copied) and must live as long as this does."""
+        _bind(kernels.library)
+        if panels.dtype != torch.float32 or not panels.is_contiguous() or not panels.is_cpu:
+            raise ValueError("panels must be a contiguous float32 CPU tensor")
+        if panels.numel() != -(-num_out // PANEL) * num_in * PANEL:
+            raise ValueError(f"{panels.numel()} floats are not the panels of a [{num_out}, {num_in}] weight")
+        if bias is not None and (bias.dtype != torch.float32 or bias.shape != (num_out,) or not bias.is_contiguous()):
+            raise ValueError(f"bias must be float32 [{num_out}], contiguous")
+        self = cls.__new__(cls)
+        self.panels = panels
+        self.bias = bias
+        self.num_in = num_in
+        self.num_out = num_out // 2 if epilogue == EPILOGUE_SILU_MUL else num_out
+        self.struct = _Linear(
+            panels.data_ptr(), None if bias is None else bias.data_ptr(), num_out, num_in, epilogue
+        )
+        self._library = kernels.library
+        return self
 
     @property
     def nbytes(self) -> int:

@@ -49,21 +49,50 @@ int64_t shoal_num_panels(const struct shoal_linear *w) {
 
 /* Packs W [num_out, num_in] (row-major) into panels; SILU_MUL: W is [2 * inter, num_in],
  * gate rows then up rows, and num_out = 2 * inter with inter a multiple of 16. */
+/* Columns of PACK_K_BLOCK k at a time: the panel's 32 source rows' next 256 bytes each stay
+ * in L1 while they are transposed 4 x 4 into the block's panel rows (a c-outer loop wrote one
+ * float per 128 bytes). A load copies every product weight
+ * through here (docs/benchmarks.md, "Sleep and wake"). */
+#define PACK_K_BLOCK 64
+
 void shoal_pack_linear(const float *weight, int64_t num_out, int64_t num_in, int64_t epilogue, float *panels) {
     const int64_t num_panels = (num_out + SHOAL_PANEL - 1) / SHOAL_PANEL;
     const int64_t inter = num_out / 2;
+    const float *rows[SHOAL_PANEL]; /* W's row for each panel column, or NULL (zero padding) */
     for (int64_t p = 0; p < num_panels; ++p) {
         float *panel = panels + p * num_in * SHOAL_PANEL;
         for (int64_t c = 0; c < SHOAL_PANEL; ++c) {
-            int64_t source; /* W's row for this panel column, or -1 (zero padding) */
+            int64_t source;
             if (epilogue == SHOAL_EPILOGUE_SILU_MUL) {
                 const int64_t j = p * 16 + (c % 16);
                 source = j < inter ? (c < 16 ? j : inter + j) : -1;
             } else {
                 source = p * SHOAL_PANEL + c < num_out ? p * SHOAL_PANEL + c : -1;
             }
-            for (int64_t k = 0; k < num_in; ++k) {
-                panel[k * SHOAL_PANEL + c] = source >= 0 ? weight[source * num_in + k] : 0.0f;
+            rows[c] = source >= 0 ? weight + source * num_in : NULL;
+        }
+        for (int64_t k0 = 0; k0 < num_in; k0 += PACK_K_BLOCK) {
+            const int64_t k1 = k0 + PACK_K_BLOCK < num_in ? k0 + PACK_K_BLOCK : num_in;
+            for (int64_t c = 0; c < SHOAL_PANEL; c += 4) {
+                int64_t k = k0;
+#if SHOAL_X86
+                if (rows[c] != NULL && rows[c + 1] != NULL && rows[c + 2] != NULL && rows[c + 3] != NULL) {
+                    for (; k + 4 <= k1; k += 4) { /* 4 rows x 4 k, transposed in registers (SSE) */
+                        __m128 r0 = _mm_loadu_ps(rows[c] + k), r1 = _mm_loadu_ps(rows[c + 1] + k);
+                        __m128 r2 = _mm_loadu_ps(rows[c + 2] + k), r3 = _mm_loadu_ps(rows[c + 3] + k);
+                        _MM_TRANSPOSE4_PS(r0, r1, r2, r3);
+                        _mm_storeu_ps(panel + k * SHOAL_PANEL + c, r0);
+                        _mm_storeu_ps(panel + (k + 1) * SHOAL_PANEL + c, r1);
+                        _mm_storeu_ps(panel + (k + 2) * SHOAL_PANEL + c, r2);
+                        _mm_storeu_ps(panel + (k + 3) * SHOAL_PANEL + c, r3);
+                    }
+                }
+#endif
+                for (; k < k1; ++k) {
+                    for (int64_t i = c; i < c + 4; ++i) {
+                        panel[k * SHOAL_PANEL + i] = rows[i] != NULL ? rows[i][k] : 0.0f;
+                    }
+                }
             }
         }
     }

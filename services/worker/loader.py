@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import structlog
 import torch
@@ -22,6 +22,9 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTra
 from shoal.shared.errors import ShoalError
 from shoal.shared.messages import ModelSpec, ReplicaRecord
 from shoal.shared.model_settings import InvalidModelPath, resolve_model_dir
+
+if TYPE_CHECKING:
+    from shoal.services.worker.engine.packed_load import PendingLoad
 
 log = structlog.get_logger(__name__)
 
@@ -111,6 +114,7 @@ def load_model(
     attn_implementation: str | None = None,
     min_kv_reserve_bytes: MinEngineBytes = 0,
     get_unsupported_reason: Callable[[Any, int], str | None] | None = None,
+    native_pack: bool = False,
 ) -> LoadedModel:
     """Load `spec` from `models_root` for `replica`.
 
@@ -120,6 +124,11 @@ def load_model(
         get_unsupported_reason: given the model's config and its serving length, why the
             worker's engine cannot serve it (None: it can); asked before the weights load
             (`engine.model_support.get_unsupported_attention` for the paged engine).
+        native_pack: the caller's engine owns the model and packs it for the native forward
+            where it can (the paged engine on the CPU): a float32 Llama/Mistral/Qwen2 model
+            in one safetensors file is then read straight into the packed layout
+            (`engine.packed_load`: one copy, no transformers initialisation); any other model
+            loads as without it.
 
     Raises ModelLoadError when the path is not a transformers checkpoint under
     the models root, or the weights (plus `min_kv_reserve_bytes`) do not fit
@@ -133,27 +142,39 @@ def load_model(
         raise ModelLoadError(f"{model_dir} is not a transformers checkpoint (no config.json)")
     try:
         config = AutoConfig.from_pretrained(model_dir, trust_remote_code=False)
-        tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=False)
     except (OSError, ValueError, KeyError) as exc:
         raise ModelLoadError(f"cannot read {model_dir}: {exc}") from exc
     max_len = spec.max_model_len or int(getattr(config, "max_position_embeddings", 2048) or 2048)
     if get_unsupported_reason is not None and (reason := get_unsupported_reason(config, max_len)):
         raise ModelLoadError(f"{spec.key}: {reason}")
     dtype = _torch_dtype(spec.dtype, config)
+    # A packed load's copies run on threads of their own while the tokenizer is read here.
+    pending = _try_start_packed(model_dir, config, dtype, device) if native_pack else None
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=False)
+    except (OSError, ValueError, KeyError) as exc:
+        if pending is not None:
+            pending.wait()
+        raise ModelLoadError(f"cannot read {model_dir}: {exc}") from exc
     allocation_bytes = sum(replica.gpu_bytes.values())
     kwargs: dict[str, Any] = {"dtype": dtype, "trust_remote_code": False, "use_safetensors": True}
     if attn_implementation:
         kwargs["attn_implementation"] = attn_implementation
     if device.type == "cuda":
         kwargs.update(_cuda_placement(replica))
-    try:
-        model: Any = AutoModelForCausalLM.from_pretrained(model_dir, **kwargs)
-    except (OSError, ValueError, RuntimeError) as exc:
-        raise ModelLoadError(f"cannot load weights from {model_dir}: {exc}") from exc
-    if device.type != "cuda":
-        model = model.to(device)
-    model.eval()
-    weight_bytes = model_weight_bytes(model)
+    model: Any
+    packed = _try_finish_packed(pending, config, attn_implementation) if pending is not None else None
+    if packed is not None:
+        model, weight_bytes = packed
+    else:
+        try:
+            model = AutoModelForCausalLM.from_pretrained(model_dir, **kwargs)
+        except (OSError, ValueError, RuntimeError) as exc:
+            raise ModelLoadError(f"cannot load weights from {model_dir}: {exc}") from exc
+        if device.type != "cuda":
+            model = model.to(device)
+        model.eval()
+        weight_bytes = model_weight_bytes(model)
     min_engine_bytes = _resolve_min_bytes(min_kv_reserve_bytes, config, dtype)
     if device.type != "cuda" and allocation_bytes and weight_bytes + min_engine_bytes > allocation_bytes:
         raise ModelLoadError(
@@ -162,7 +183,8 @@ def load_model(
             f"{allocation_bytes} bytes"
         )
     _verify_placement(model, replica, device)
-    log.info("model_loaded", path=str(model_dir), dtype=str(dtype), weight_bytes=weight_bytes, device=str(device))
+    log.info("model_loaded", path=str(model_dir), dtype=str(dtype), weight_bytes=weight_bytes, device=str(device),
+             packed=packed is not None)
     return LoadedModel(
         model=model,
         tokenizer=tokenizer,
@@ -173,6 +195,29 @@ def load_model(
         allocation_bytes=allocation_bytes,
         context_gpus=frozenset(replica.gpu_bytes) if device.type == "cuda" else frozenset(),
     )
+
+
+def _try_start_packed(model_dir: Path, config: Any, dtype: torch.dtype, device: torch.device) -> PendingLoad | None:
+    """`engine.packed_load.start_load` where it applies (None: load the ordinary way)."""
+    from shoal.services.worker.engine import packed_load  # the engine's modules import this one
+
+    reason = packed_load.get_skip_reason(model_dir, config, dtype, device)
+    if reason is not None:
+        log.debug("packed_load.skipped", reason=reason)
+        return None
+    try:
+        return packed_load.start_load(model_dir, config)
+    except (OSError, ValueError, KeyError) as exc:  # an unreadable file: the ordinary path says why
+        log.info("packed_load.failed", error=str(exc))
+        return None
+
+
+def _try_finish_packed(pending: PendingLoad, config: Any, attn_implementation: str | None) -> tuple[Any, int] | None:
+    try:
+        return pending.finish(config, attn_implementation=attn_implementation)
+    except (OSError, ValueError, KeyError) as exc:
+        log.info("packed_load.failed", error=str(exc))
+        return None
 
 
 def detach_dispatch(model: Any) -> None:

@@ -141,6 +141,7 @@ async def serve(launch: WorkerLaunch) -> int:
             loaded = await asyncio.to_thread(
                 load_model, launch.models_root, launch.model, replica, device=device, attn_implementation=attn,
                 min_kv_reserve_bytes=get_min_engine_bytes(launch), get_unsupported_reason=get_unsupported_reason(launch),
+                native_pack=launch.worker.engine == "paged",
             )
             if launch.worker.engine == "paged":
                 from shoal.kernels import ops

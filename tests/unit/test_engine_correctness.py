@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 import torch
 from transformers import (
+    AutoConfig,
     AutoModelForCausalLM,
     AutoTokenizer,
     GenerationConfig,
@@ -28,6 +29,7 @@ from transformers import (
 from shoal.cli.demo_models import make_demo_models
 from shoal.services.worker.engine.engine_config import EngineConfig
 from shoal.services.worker.engine.factory import build_paged_engine
+from shoal.services.worker.engine.packed_load import load_packed
 from shoal.services.worker.engine.paged_engine import PagedEngine
 from shoal.services.worker.engine.sizing import KVPoolTooSmall, measure_weight_bytes
 from shoal.services.worker.generation import GenerationOutput, GenerationRequest, RequestRejected
@@ -37,6 +39,8 @@ from shoal.shared.model_memory import get_activation_bytes, get_model_shape
 from tests.token_echo import TokenEcho, echo
 
 DEMO_MODELS = ("demo/llama-5m", "demo/qwen2-25m")
+PACKED = ":packed"
+"""A model key with this suffix is loaded by `packed_load` (and compared with the model's own)."""
 NUM_NEW_TOKENS = 12
 BLOCK_SIZE = 4
 
@@ -83,6 +87,11 @@ class Models:
     def load(self, key: str) -> Any:
         if key == "mistral-tiny":
             return _tiny_mistral()
+        if key.endswith(PACKED):  # read straight into the native forward's panels, as a worker does
+            model_dir = self.root / key.removesuffix(PACKED)
+            loaded = load_packed(model_dir, AutoConfig.from_pretrained(model_dir), attn_implementation=None)
+            assert loaded is not None, "the demo models load packed"
+            return loaded[0]
         return AutoModelForCausalLM.from_pretrained(self.root / key).eval()
 
     def greedy(
@@ -92,6 +101,7 @@ class Models:
 
         `penalties`: ``repetition_penalty`` (Hugging Face's own), ``presence_penalty`` and
         ``frequency_penalty`` (OpenAI's, by `_OpenAIPenalties`)."""
+        key = key.removesuffix(PACKED)  # the reference: Hugging Face's own load
         memo_key = (key, tuple(prompt), num_new_tokens, tuple(sorted(penalties.items())))
         if memo_key not in self._completions:
             if key not in self._references:
@@ -164,7 +174,7 @@ def _engine(model: torch.nn.Module, tokenizer: object = None, **config: object) 
 # ---------------------------------------------------------------------- exactness
 
 
-@pytest.mark.parametrize("key", [*DEMO_MODELS, "mistral-tiny"])
+@pytest.mark.parametrize("key", [*DEMO_MODELS, "mistral-tiny", *(key + PACKED for key in DEMO_MODELS)])
 @pytest.mark.parametrize("prefix_caching", [True, False], ids=["prefix", "no-prefix"])
 async def test_greedy_alone_equals_hf_generate(models: Models, key: str, prefix_caching: bool) -> None:
     model = models.load(key)
@@ -181,7 +191,7 @@ async def test_greedy_alone_equals_hf_generate(models: Models, key: str, prefix_
         await engine.close()
 
 
-@pytest.mark.parametrize("key", DEMO_MODELS)
+@pytest.mark.parametrize("key", [*DEMO_MODELS, *(key + PACKED for key in DEMO_MODELS)])
 @pytest.mark.parametrize("prefix_caching", [True, False], ids=["prefix", "no-prefix"])
 async def test_greedy_batched_with_staggered_arrivals_equals_hf(
     models: Models, key: str, prefix_caching: bool

@@ -132,8 +132,7 @@ def pack_model(model: Any) -> PackedModel:
         raise ValueError(f"the native forward does not run this model: {reason}")
     kernels = cpu_kernels.try_load()
     assert kernels is not None
-    config, inner = model.config, model.model
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    inner = model.model
 
     def pack(modules: list[Any], *, silu_mul: bool = False) -> PackedLinear:
         weight = torch.cat([m.weight.detach() for m in modules]) if len(modules) > 1 else modules[0].weight.detach()
@@ -165,13 +164,25 @@ def pack_model(model: Any) -> PackedModel:
         embedding = inner.embed_tokens.weight.detach()
         tied = model.lm_head.weight.data_ptr() == embedding.data_ptr()
         lm_head = None if tied else pack([model.lm_head])
+    return attach_packed_model(model, layers, lm_head)
+
+
+def attach_packed_model(model: Any, layers: list[LayerWeights], lm_head: PackedLinear | None) -> PackedModel:
+    """Records `layers` and `lm_head` (None: tied to the embedding), packed from `model`'s
+    weights, as its `PackedModel`, which `pack_model` returns from then on; the embedding,
+    norms and rotary frequencies are the model's. `pack_model` packs from the parameters;
+    `packed_load` straight from the weights file."""
+    kernels = cpu_kernels.try_load()
+    assert kernels is not None, "weights are packed only where the native library is loaded"
+    config, inner = model.config, model.model
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     packed = PackedModel(
         kernels=kernels,
         num_heads=config.num_attention_heads,
         num_kv_heads=getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
         head_dim=head_dim,
         eps=float(inner.norm.variance_epsilon),
-        embedding=embedding,
+        embedding=inner.embed_tokens.weight.detach(),
         final_norm=inner.norm.weight.detach(),
         lm_head=lm_head,
         inv_freq=inner.rotary_emb.inv_freq.detach().to(torch.float32).contiguous(),

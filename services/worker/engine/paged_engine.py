@@ -37,6 +37,7 @@ from shoal.services.worker.engine.engine_config import EngineConfig, EngineStats
 from shoal.services.worker.engine.model_runner import ModelRunner
 from shoal.services.worker.engine.native_forward import PackedModel, get_unsupported_reason, pack_model
 from shoal.services.worker.engine.outputs import Outbox, RequestState, Tokens
+from shoal.services.worker.engine.packed_load import restore_parameters
 from shoal.services.worker.engine.sampler import SamplingState, TokenHistory, sample
 from shoal.services.worker.engine.sequence import Sequence
 from shoal.services.worker.engine.session_kv import SessionKV
@@ -129,6 +130,7 @@ class PagedEngine:
         if packed is not None:
             self.packed_weight_bytes = packed.nbytes
         else:
+            restore_parameters(model)  # a model loaded packed (packed_load) runs without its panels
             self.packed_weight_bytes = (
                 packed_linear.pack_linear_weights(model) if config.pack_cpu_linear_weights else 0
             )
@@ -171,17 +173,26 @@ class PagedEngine:
         """Tokens of the warm-up pass run at construction (0: none)."""
         if config.warm_up:
             started = time.perf_counter()
-            self.num_warm_up_tokens = warm_up(
-                self._runner,
-                num_blocks,
-                get_warm_up_lengths(
-                    on_cuda=self._runner.device.type == "cuda",
-                    max_num_batched_tokens=config.max_num_batched_tokens,
-                    max_num_seqs=config.max_num_seqs,
-                    pool_tokens=num_blocks * config.block_size,
-                    max_model_len=self.max_model_len,
-                ),
-            )
+            # With the torch threads the step thread runs with (`_run_steps`): the pass it
+            # warms, without a fork/join per small op (on a busy host each waits for a core:
+            # 8 ms for one 16 x 16 mask on the development VM).
+            previous_threads = torch.get_num_threads()
+            if self.forward == "native":
+                torch.set_num_threads(1)
+            try:
+                self.num_warm_up_tokens = warm_up(
+                    self._runner,
+                    num_blocks,
+                    get_warm_up_lengths(
+                        on_cuda=self._runner.device.type == "cuda",
+                        max_num_batched_tokens=config.max_num_batched_tokens,
+                        max_num_seqs=config.max_num_seqs,
+                        pool_tokens=num_blocks * config.block_size,
+                        max_model_len=self.max_model_len,
+                    ),
+                )
+            finally:
+                torch.set_num_threads(previous_threads)
             log.info(
                 "engine.warmed_up",
                 num_tokens=self.num_warm_up_tokens,

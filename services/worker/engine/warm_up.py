@@ -25,12 +25,16 @@ from shoal.services.worker.engine.sequence import Sequence
 from shoal.shared.kv_cache.block_pool import BlockPool
 from shoal.shared.kv_cache.manager import KVCacheManager
 
-CPU_WARM_UP_TOKENS = 32
-"""Tokens of the warm-up pass on the CPU. There the full budget would cost seconds per
-start on the larger demo models (llama-100m: 0.12-0.21 s for 32 tokens on one core) and would
-warm nothing the memory figure depends on: a virtual GPU's memory is computed, not
-measured, and the decode-size linear kernels are built already (`packed_linear.warm_up`).
-A small pass still runs every piece of the path once before the first request."""
+CPU_WARM_UP_TOKENS = 4
+"""Tokens of the warm-up pass on the CPU: two sequences of two. There the full budget would
+cost seconds per start on the larger demo models and would warm nothing the memory figure
+depends on: a virtual GPU's memory is computed, not measured, and the native forward has no
+kernels to build (the native library is loaded before, `ops.prepare`). Two prompts of two
+tokens run every piece of the path a first request runs: the step's preparation, prefill
+rows whose attention spans more than one position, the products, the activation buffers
+(allocated for 64 rows however few the pass has), logits and sampling for two sequences.
+It was 32 tokens until COLD wakes were measured (docs/benchmarks.md, "Sleep and wake"):
+llama-100m's pass took 60-90 ms of a 250 ms wake, for no more code run."""
 CPU_WARM_UP_SEQS = 2
 
 
