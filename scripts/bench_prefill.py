@@ -14,6 +14,8 @@ Paths (``--paths``):
     hf       transformers' forward of the prompt (eager attention), the same weights
 
 ``--split`` adds, for the torch path, the share of the pass spent in the attention callback.
+``--products`` instead times each model's packed products alone (`PackedLinear.forward`, its
+layer shapes, random weights) in GFLOPS by rows: how the GEMM does at decode and prefill sizes.
 
     .venv/bin/python scripts/bench_prefill.py --models-root /work/main/models \\
         --models demo/llama-5m,demo/llama-100m --lengths 64,512,1920 --threads 1
@@ -130,6 +132,37 @@ def measure(prefiller: Prefiller, path: str, length: int, repeats: int) -> tuple
         native_forward.NATIVE_LONG_PREFILL = torch_long
 
 
+def time_products(model_dir: Path, rows: list[int], repeats: int) -> None:
+    """GFLOPS of the packed products of one layer's shapes of `model_dir`'s model, by rows."""
+    from transformers import AutoConfig
+
+    from shoal.kernels import cpu_kernels
+    from shoal.kernels.cpu_model import PackedLinear
+
+    config = AutoConfig.from_pretrained(model_dir)
+    kernels = cpu_kernels.try_load()
+    assert kernels is not None
+    hidden, inter = config.hidden_size, config.intermediate_size
+    head_dim = getattr(config, "head_dim", None) or hidden // config.num_attention_heads
+    qkv = (config.num_attention_heads + 2 * config.num_key_value_heads) * head_dim
+    shapes = [("qkv", qkv, hidden, False), ("o", hidden, config.num_attention_heads * head_dim, False),
+              ("gate_up", 2 * inter, hidden, True), ("down", hidden, inter, False)]
+    for name, num_out, num_in, silu_mul in shapes:
+        packed = PackedLinear(kernels, torch.randn(num_out, num_in), silu_mul=silu_mul)
+        cells = []
+        for m in rows:
+            x = torch.randn(m, num_in)
+            calls = max(1, int(2e8 // (m * num_in * num_out)))
+
+            def run(x: torch.Tensor = x, calls: int = calls, packed: PackedLinear = packed) -> None:
+                for _ in range(calls):
+                    packed.forward(x)
+
+            seconds = best_seconds(run, repeats) / calls
+            cells.append(f"{2 * m * num_in * num_out / seconds / 1e9:.0f}")
+        print(f"| {model_dir.name} | {name} {num_out} x {num_in} | " + " | ".join(cells) + " |", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models-root", type=Path, required=True)
@@ -139,8 +172,15 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="threads of the native pass and of torch (1)")
     parser.add_argument("--repeats", type=int, default=3, help="timed prefills per cell, best kept (3)")
     parser.add_argument("--split", action="store_true", help="the torch path's attention share")
+    parser.add_argument("--products", type=lambda s: [int(x) for x in parse_list(s)], default=None,
+                        help="time the packed products alone at these row counts (e.g. 1,16,64,512,1920)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    if args.products:
+        print("GFLOPS of one thread by rows M: " + ", ".join(str(m) for m in args.products))
+        for key in args.models:
+            time_products(args.models_root / key, args.products, args.repeats)
+        return
     print(f"threads {args.threads}, best of {args.repeats}; tokens/s (ratio to hf)")
     print("| model | prompt | " + " | ".join(args.paths) + " | max abs logit diff native vs hf |")
     print("| --- | ---: | " + " | ".join("---:" for _ in args.paths) + " | ---: |")
