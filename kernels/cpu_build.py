@@ -42,13 +42,14 @@ SOURCES = (
     _CSRC / "cpu_gemm.c",
     _CSRC / "cpu_fused.c",
     _CSRC / "cpu_model.c",
+    _CSRC / "cpu_prefill_attention.c",
 )
 """What the library is compiled from (and its cache key hashes, with `HEADERS`)."""
 HEADERS = (_CSRC / "cpu_model.h", _CSRC / "cpu_vec.h")
 """Included by the sources: part of the cache key, not of the compile command."""
 LIBRARY_STEM = "shoal_cpu_kernels"
 """The built library is ``<stem>-<hash>.so`` in the cache directory."""
-ABI_VERSION = 3
+ABI_VERSION = 4
 """What ``shoal_cpu_kernels_abi()`` must return: the C signatures `shoal.kernels.cpu_kernels`
 calls. Part of the cache key."""
 COMPILE_FLAGS = ("-O3", "-std=c11", "-fPIC", "-shared", "-pthread", "-ffp-contract=fast")

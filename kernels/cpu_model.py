@@ -9,13 +9,14 @@ batch through every layer. The engine's adapter from a Hugging Face model to the
 
 from __future__ import annotations
 
+import array
 import ctypes
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
-from shoal.kernels.cpu_kernels import CpuKernels
+from shoal.kernels.cpu_kernels import CpuKernels, DecodePlan
 
 PANEL = 32
 """Output columns per packed panel (cpu_model.h's SHOAL_PANEL)."""
@@ -105,6 +106,7 @@ class _Step(ctypes.Structure):
         ("logits", _ptr),
         ("argmax", _ptr),
         ("num_threads", _i64),
+        ("prefill_num_queries", _ptr),
     ]
 
 
@@ -123,6 +125,9 @@ def _bind(library: ctypes.CDLL) -> None:
     library.shoal_model_forward.restype = _i64
     library.shoal_gemm_isa.argtypes = []
     library.shoal_gemm_isa.restype = _i64
+    library.shoal_prefill_attention.argtypes = [_ptr, _ptr, _ptr, _i64, _ptr, _i64, _i64, _i64, _ptr, _ptr, _f64,
+                                                _i64, _i64]
+    library.shoal_prefill_attention.restype = _i64
     _bound.add(id(library))
 
 
@@ -346,6 +351,86 @@ class ModelWeights:
         return int(self.embedding.shape[0])
 
 
+@dataclass(frozen=True, eq=False)
+class PrefillPlan:
+    """A batch's sequences for the tiled causal attention (cpu_prefill_attention.c): each
+    sequence's query rows are the last `num_queries` of its context, from its entry's row in
+    `sequences` (a decode row is a sequence of one query row). Built once per pass."""
+
+    sequences: DecodePlan
+    """One entry per sequence: its block table, context length and first query row."""
+    num_queries: array.array[int]
+    """int32 [num_seqs]."""
+
+    @classmethod
+    def build(
+        cls,
+        kernels: CpuKernels,
+        key_cache: torch.Tensor,
+        block_tables: Sequence[Sequence[int]],
+        seq_lens: Sequence[int],
+        query_start_loc: Sequence[int],
+    ) -> PrefillPlan | None:
+        """The plan of a batch (sequences without query rows left out), or None where the
+        kernel does not take the cache or the ids (`CpuKernels.plan_decode`)."""
+        seqs = [seq for seq in range(len(seq_lens)) if query_start_loc[seq + 1] > query_start_loc[seq]]
+        sequences = kernels.plan_decode(
+            key_cache,
+            [block_tables[seq] for seq in seqs],
+            [seq_lens[seq] for seq in seqs],
+            [query_start_loc[seq] for seq in seqs],
+        )
+        if sequences is None or key_cache.dtype != torch.float32:
+            return None
+        num_queries = array.array("i", [query_start_loc[seq + 1] - query_start_loc[seq] for seq in seqs])
+        return cls(sequences, num_queries)
+
+    @property
+    def num_queries_address(self) -> int:
+        return int(self.num_queries.buffer_info()[0])
+
+    def run(
+        self,
+        out: torch.Tensor,
+        query: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        scale: float,
+        *,
+        num_threads: int = 1,
+        isa: int = ISA_BEST,
+    ) -> None:
+        """out[t, h] = causal attention of query row t, head h (tests and benchmarks): query and
+        out [num_tokens, num_heads, head_dim] float32 (heads and elements contiguous), the
+        caches as the plan's.
+
+        Raises:
+            ValueError: the tensors or the plan do not fit, or `isa` is not available.
+        """
+        library = self.sequences.kernels.library
+        _bind(library)
+        for tensor in (out, query):
+            if tensor.dtype != torch.float32 or tensor.dim() != 3 or tensor.stride(2) != 1 or (
+                tensor.stride(1) != tensor.shape[2]
+            ):
+                raise ValueError("query and out must be float32 [tokens, heads, head_dim], heads contiguous")
+        for cache in (key_cache, value_cache):
+            if tuple(cache.shape) != self.sequences.cache_shape or cache.dtype != torch.float32:
+                raise ValueError("the caches do not have the plan's shape")
+            if not cache.is_contiguous():
+                raise ValueError("the caches must be contiguous")
+        if out.shape != query.shape:
+            raise ValueError("out and query differ in shape")
+        status = library.shoal_prefill_attention(
+            self.sequences.address, self.num_queries_address, out.data_ptr(), out.stride(0), query.data_ptr(),
+            query.stride(0), query.shape[0], query.shape[1], key_cache.data_ptr(), value_cache.data_ptr(), scale,
+            num_threads, isa,
+        )
+        if status != -1:
+            raise ValueError({-2: "the plan does not fit the batch", -3: "out of memory",
+                              -4: f"code path {isa} is not available on this CPU"}.get(status, str(status)))
+
+
 class ForwardError(RuntimeError):
     """The native forward refused a batch (nothing was computed)."""
 
@@ -408,6 +493,7 @@ def run_forward(
     attend: Callable[[int], None] | None,
     num_threads: int,
     decode_rows_are_sequences: bool = True,
+    prefill: PrefillPlan | None = None,
 ) -> None:
     """One batch through every layer: `buffers.final_rows` (and `buffers.logits` and
     `buffers.argmax` with an lm_head) hold the wanted rows' results after it.
@@ -424,6 +510,8 @@ def run_forward(
         num_threads: threads for this pass.
         decode_rows_are_sequences: every plan entry is a different sequence's only row (a
             decode step): a row's K/V write and attention run in one phase.
+        prefill: instead of a decode plan, every sequence of the batch with its query rows:
+            attention then runs natively, by the tiled causal kernel, whatever the lengths.
 
     Raises:
         ForwardError: the batch was refused (an index out of range).
@@ -432,7 +520,10 @@ def run_forward(
     assert buffers.num_tokens >= num_tokens and buffers.num_logit_rows >= logit_rows.shape[0]
     errors: list[BaseException] = []
     callback = None
-    if decode_plan_address is None:
+    if prefill is not None:
+        assert decode_plan_address is None, "a pass attends by one plan"
+        decode_plan_address = prefill.sequences.address
+    elif decode_plan_address is None:
         assert attend is not None, "a batch with prefill rows needs the attention callback"
         user = attend
 
@@ -466,6 +557,7 @@ def run_forward(
         0 if buffers.logits is None else buffers.logits.data_ptr(),
         0 if buffers.logits is None else buffers.argmax.data_ptr(),
         num_threads,
+        None if prefill is None else prefill.num_queries_address,
     )
     status = weights.kernels.library.shoal_model_forward(ctypes.addressof(weights.struct), ctypes.addressof(step))
     if status != -1:

@@ -11,6 +11,10 @@
  *                                                       (shoal_decode_attention_range: a
  *                                                       decode row, or a prefill row as a
  *                                                       sequence ending at its position);
+ *                                        items          with a decode plan of sequences and
+ *                                                       their query counts, the tiled causal
+ *                                                       attention (cpu_prefill_attention.c),
+ *                                                       by (sequence, kv head, query tile);
  *                                                       otherwise the caller's callback, on
  *                                                       whichever thread claims it (torch)
  *   delta = attn Wo^T                    panels
@@ -101,6 +105,9 @@ struct shoal_step {
     float *logits;     /* [num_logit_rows, vocab] when the model has an lm_head */
     int64_t *argmax;   /* [num_logit_rows]: each row's most likely token (with an lm_head), or NULL */
     int64_t num_threads;
+    const int32_t *prefill_num_queries; /* with decode: its entries are sequences of this many query
+                                           rows each (from decode->rows[s]), attended by the tiled
+                                           causal kernel after all K/V are written; NULL otherwise */
 };
 
 enum phase_kind {
@@ -111,6 +118,7 @@ enum phase_kind {
                          sequence's, then) attention of their rows */
     PHASE_ROPE_WRITE, /* rows: rotary and K/V write, when rows of one sequence attend to each other */
     PHASE_ATTEND,     /* one item: the caller's attention callback */
+    PHASE_PREFILL,    /* (sequence, kv head, query tile) items: the tiled causal attention */
     PHASE_O,          /* panels */
     PHASE_POST_NORM,  /* rows */
     PHASE_GATE_UP,    /* panels */
@@ -129,6 +137,9 @@ struct forward_job {
     int64_t num_row_items;
     int64_t num_groups;
     int64_t group_bounds[MAX_GROUPS + 1]; /* decode sequences of each group */
+    int64_t num_prefill_items;
+    struct shoal_prefill_item *prefill_items; /* the most costly first */
+    int64_t prefill_scratch_floats;
 };
 
 struct phase_context {
@@ -219,6 +230,17 @@ static void run_phase_item(const void *context, int64_t item) {
     case PHASE_ATTEND:
         s->attend(c->layer);
         break;
+    case PHASE_PREFILL: {
+        float *scratch = get_scratch(job->prefill_scratch_floats);
+        if (scratch == NULL) {
+            abort(); /* tens of KB: out of memory here is not recoverable */
+        }
+        shoal_prefill_attention_item(s->decode, s->prefill_num_queries, &job->prefill_items[item], s->attn,
+                                     attn_stride, s->qkv, qkv_stride, m->num_heads,
+                                     (const float *)layer->key_cache, (const float *)layer->value_cache,
+                                     (float)m->scale, scratch, job->isa);
+        break;
+    }
     case PHASE_O:
         shoal_gemm_panels(&layer->o, s->attn, attn_stride, s->delta, hidden, rows, first, last, job->isa);
         break;
@@ -324,7 +346,13 @@ static int64_t check_step(const struct shoal_model *m, const struct shoal_step *
             return FORWARD_BAD_LOGIT_ROW;
         }
     }
-    if (s->decode != NULL) {
+    if (s->decode != NULL && s->prefill_num_queries != NULL) {
+        if (s->decode->num_kv_heads != m->num_kv_heads || s->decode->head_dim != m->head_dim ||
+            s->decode->num_blocks * s->decode->block_size != m->num_slots ||
+            !shoal_prefill_check(s->decode, s->prefill_num_queries, s->num_tokens, m->num_heads)) {
+            return FORWARD_BAD_DECODE_PLAN;
+        }
+    } else if (s->decode != NULL) {
         if (s->decode->num_seqs != s->num_tokens || s->decode->num_kv_heads != m->num_kv_heads ||
             s->decode->head_dim != m->head_dim || s->decode->dtype != 0 ||
             s->decode->num_blocks * s->decode->block_size != m->num_slots ||
@@ -357,7 +385,23 @@ int64_t shoal_model_forward(const struct shoal_model *model, const struct shoal_
     const int64_t rows = step->num_tokens;
     job.num_row_items = rows < 4 * num_threads ? rows : 4 * num_threads;
     job.num_groups = 0;
-    if (step->decode != NULL) {
+    job.num_prefill_items = 0;
+    job.prefill_items = NULL;
+    job.prefill_scratch_floats = 0;
+    const int prefill = step->decode != NULL && step->prefill_num_queries != NULL;
+    if (prefill) {
+        job.num_prefill_items = shoal_prefill_num_items(step->decode, step->prefill_num_queries);
+        if (job.num_prefill_items > (1 << 20) - 1) {
+            return FORWARD_BAD_GEOMETRY;
+        }
+        job.prefill_items = malloc((size_t)job.num_prefill_items * sizeof *job.prefill_items);
+        if (job.prefill_items == NULL) {
+            return FORWARD_NO_MEMORY;
+        }
+        shoal_prefill_items(step->decode, step->prefill_num_queries, job.prefill_items);
+        job.prefill_scratch_floats =
+            shoal_prefill_scratch_floats(model->num_heads / model->num_kv_heads, model->head_dim);
+    } else if (step->decode != NULL) {
         job.num_groups = group_sequences(step->decode, num_threads == 1 ? 1 : 4 * num_threads, job.group_bounds);
     }
     struct shoal_phase *phases = malloc((size_t)num_phases * sizeof *phases);
@@ -365,6 +409,7 @@ int64_t shoal_model_forward(const struct shoal_model *model, const struct shoal_
     if (phases == NULL || contexts == NULL) {
         free(phases);
         free(contexts);
+        free(job.prefill_items);
         return FORWARD_NO_MEMORY;
     }
     const int64_t row_items = job.num_row_items;
@@ -375,7 +420,11 @@ int64_t shoal_model_forward(const struct shoal_model *model, const struct shoal_
         add_phase(phases, contexts, &count, &job, layer, PHASE_INPUT_NORM, row_items, rows);
         add_phase(phases, contexts, &count, &job, layer, PHASE_QKV, product_items(&w->qkv, rows),
                   shoal_num_panels(&w->qkv));
-        if (step->decode != NULL) {
+        if (prefill) {
+            add_phase(phases, contexts, &count, &job, layer, PHASE_ROPE_WRITE, row_items, rows);
+            add_phase(phases, contexts, &count, &job, layer, PHASE_PREFILL, job.num_prefill_items,
+                      job.num_prefill_items);
+        } else if (step->decode != NULL) {
             if (!step->decode_rows_are_sequences) { /* a row may attend to K/V another thread writes */
                 add_phase(phases, contexts, &count, &job, layer, PHASE_ROPE_WRITE, row_items, rows);
             }
@@ -405,6 +454,7 @@ int64_t shoal_model_forward(const struct shoal_model *model, const struct shoal_
     const int status = shoal_run_phases(phases, count, num_threads);
     free(phases);
     free(contexts);
+    free(job.prefill_items);
     return status == 0 ? FORWARD_OK : FORWARD_BAD_GEOMETRY;
 }
 

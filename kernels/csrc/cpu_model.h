@@ -107,6 +107,35 @@ void shoal_decode_attention_range(const struct shoal_decode_plan *plan, int64_t 
 int64_t shoal_decode_scratch_floats(int64_t num_heads, int64_t head_dim);
 int64_t shoal_decode_check(const struct shoal_decode_plan *plan, int64_t num_tokens, int64_t num_heads);
 
+/* --- prefill attention (cpu_prefill_attention.c) ----------------------------------------- */
+
+/* Query rows per item: an item is (sequence, kv head, a tile of this many query rows). */
+#define SHOAL_PREFILL_QUERY_TILE 32
+
+struct shoal_prefill_item {
+    int32_t seq;
+    int32_t kv_head;
+    int32_t first; /* the tile's first query row, within the sequence's query rows */
+    int32_t rows;
+    int64_t cost;  /* query rows x positions attended (for the order items are claimed in) */
+};
+
+/* A plan's entries as sequences of num_queries[s] query rows each, from row plan->rows[s]:
+ * 1 when they fit num_tokens (consecutive, every row once, float32, shoal_decode_check). */
+int64_t shoal_prefill_check(const struct shoal_decode_plan *plan, const int32_t *num_queries, int64_t num_tokens,
+                            int64_t num_heads);
+int64_t shoal_prefill_num_items(const struct shoal_decode_plan *plan, const int32_t *num_queries);
+/* Fills items (shoal_prefill_num_items of them), the most costly first. */
+void shoal_prefill_items(const struct shoal_decode_plan *plan, const int32_t *num_queries,
+                         struct shoal_prefill_item *items);
+int64_t shoal_prefill_scratch_floats(int64_t group, int64_t head_dim);
+/* One item of a checked plan, with a scratch of shoal_prefill_scratch_floats floats; isa: SHOAL_ISA_*. */
+void shoal_prefill_attention_item(const struct shoal_decode_plan *plan, const int32_t *num_queries,
+                                  const struct shoal_prefill_item *item, float *out, int64_t out_token_stride,
+                                  const float *query, int64_t query_token_stride, int64_t num_heads,
+                                  const float *key_cache, const float *value_cache, float scale, float *scratch,
+                                  int isa);
+
 /* --- write_kv (cpu_cache_ops.c) ---------------------------------------------------------- */
 
 int64_t shoal_write_kv(const char *key, const char *value, int64_t key_token_stride, int64_t key_head_stride,

@@ -191,6 +191,28 @@ async def test_greedy_alone_equals_hf_generate(models: Models, key: str, prefix_
         await engine.close()
 
 
+@pytest.mark.parametrize("budget", [2048, 320], ids=["whole-prompt-passes", "chunked"])
+async def test_long_prompts_greedy_equal_hf_generate(models: Models, budget: int) -> None:
+    """Prompts near the model's 2,048 positions, prefilled together (the tiled causal attention
+    of the native forward, whole or in chunks over a prefix already in the pool, next to the
+    other's decode rows)."""
+    key = "demo/llama-5m"
+    model = models.load(key)
+    prompts = _prompts(model.config.vocab_size, [1900, 700], seed=3)
+    expected = [models.greedy(key, prompt) for prompt in prompts]
+    num_blocks = sum(-(-(len(p) + NUM_NEW_TOKENS) // BLOCK_SIZE) for p in prompts) + 4
+    engine = _engine(model, num_blocks=num_blocks, max_num_batched_tokens=budget)
+    try:
+        results = await asyncio.gather(*(
+            _collect(engine.generate(_request(f"r{index}", prompt))) for index, prompt in enumerate(prompts)
+        ))
+        for index, (text, final) in enumerate(results):
+            assert text == echo(expected[index]), f"prompt {index} ({len(prompts[index])} tokens)"
+            assert final.num_completion_tokens == NUM_NEW_TOKENS
+    finally:
+        await engine.close()
+
+
 @pytest.mark.parametrize("key", [*DEMO_MODELS, *(key + PACKED for key in DEMO_MODELS)])
 @pytest.mark.parametrize("prefix_caching", [True, False], ids=["prefix", "no-prefix"])
 async def test_greedy_batched_with_staggered_arrivals_equals_hf(

@@ -127,12 +127,14 @@ def hf_last_logits(model: torch.nn.Module, tokens: list[int]) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("key", ["demo/llama-5m", "demo/qwen2-25m"])
-@pytest.mark.parametrize("prefill_attention", ["native", "torch"])
+@pytest.mark.parametrize("prefill_attention", ["rows", "tiled", "torch"])
 def test_logits_match_transformers_for_prefill_and_decode_on_any_thread_count(
     models_root: Path, key: str, prefill_attention: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    if prefill_attention == "torch":  # every prefill through the per-layer torch callback
+    if prefill_attention != "rows":  # every prefill row as a decode sequence (short prefills)
         monkeypatch.setattr(native_forward, "MAX_NATIVE_PREFILL_SCORES", 0)
+    if prefill_attention == "torch":  # every prefill through the per-layer torch callback
+        monkeypatch.setattr(native_forward, "NATIVE_LONG_PREFILL", False)
     reference = AutoModelForCausalLM.from_pretrained(models_root / key).eval()
     model = AutoModelForCausalLM.from_pretrained(models_root / key).eval()
     assert native_forward.get_unsupported_reason(model) is None

@@ -6,9 +6,11 @@ A decode step of a small model is mostly not arithmetic when it runs through tra
 ~60 torch ops per layer, each dispatched from Python, of which 7 are products (the
 profile in docs/engine.md). Here a whole pass is one call: every layer's products on
 packed panels, RMSNorm with the residual add, rotary embedding, SiLU * up, the K/V write
-and, when every row decodes, the attention, on the library's own threads. A batch with
-prefill rows calls back into Python once per layer for its attention (the torch prefill
-attention of `shoal.kernels.reference`, with the native decode kernel for its decode rows).
+and the attention, on the library's own threads: decode rows by the native decode kernel,
+prefill rows of any length by the tiled causal kernel (cpu_prefill_attention.c). Only with
+`NATIVE_LONG_PREFILL` off, or a cache the kernels do not take, does a batch with long
+prefills call back into Python once per layer for its attention (the torch prefill attention
+of `shoal.kernels.reference`).
 
 Exact in the sense the engine's tests hold it to: the arithmetic is Hugging Face's in
 float32; products sum in another order than MKL's, as the oneDNN-packed weights did.
@@ -34,6 +36,7 @@ from shoal.kernels.cpu_model import (
     LayerWeights,
     ModelWeights,
     PackedLinear,
+    PrefillPlan,
     StepBuffers,
     run_forward,
 )
@@ -46,10 +49,13 @@ a table computed once would not hold them."""
 BUFFER_ROWS_STEP = 64
 """Activation buffers grow to the largest pass seen, in steps of this many rows."""
 MAX_NATIVE_PREFILL_SCORES = 128 * 128
-"""A pass whose prefills each have at most this many (query row, position) pairs runs its
-attention natively, every prefill row as a sequence that ends at its position (the decode
-kernel; no Python callback); longer prefills run torch's batched products instead, which
-reuse each K/V row across the query rows (docs/engine.md)."""
+"""A pass whose prefills each have at most this many (query row, position) pairs attends
+every prefill row as a sequence that ends at its position (the decode kernel); longer
+prefills run the tiled causal kernel, which reuses each K/V row across a tile of query rows
+(docs/engine.md). Both inside the pass, no Python callback."""
+NATIVE_LONG_PREFILL = True
+"""Longer prefills too run natively, by the tiled causal attention of cpu_prefill_attention.c
+(the whole pass one C call); False: through the torch callback (benchmarks compare both)."""
 
 
 def get_unsupported_reason(model: Any) -> str | None:
@@ -319,13 +325,19 @@ class NativeForward:
         buffers = self._get_buffers(num_tokens, num_logit_rows)
         logit_rows = self._rows[:num_tokens] if isinstance(logits_to_keep, int) else logits_to_keep
         native = plan.native_decode
-        decode_address, rows_are_sequences = None, True
+        decode_address, rows_are_sequences, prefill = None, True, None
         if not plan.prefills and native is not None and native.num_seqs == num_tokens:
             decode_address = native.address
         elif plan.prefills and all(p.num_queries * p.seq_len <= MAX_NATIVE_PREFILL_SCORES for p in plan.prefills):
             native = self._plan_rows(plan, num_tokens)
             if native is not None:
                 decode_address, rows_are_sequences = native.address, False
+        elif plan.prefills and NATIVE_LONG_PREFILL:
+            sequences = plan.decode_sequences
+            prefill = PrefillPlan.build(
+                self.packed.kernels, sequences.key_cache, sequences.block_tables, sequences.seq_lens,
+                sequences.query_start_loc,
+            )
         weights = self.weights
         heads, kv_heads, head_dim = weights.num_heads, weights.num_kv_heads, weights.head_dim
         num_threads = self.threads.get_num_threads(num_tokens, self.multiply_adds_per_token)
@@ -362,9 +374,10 @@ class NativeForward:
             slot_mapping=batch.slot_mapping,
             logit_rows=logit_rows,
             decode_plan_address=decode_address,
-            attend=None if decode_address is not None else attend,
+            attend=None if decode_address is not None or prefill is not None else attend,
             num_threads=num_threads,
             decode_rows_are_sequences=rows_are_sequences,
+            prefill=prefill,
         )
         if buffers.logits is not None:
             self.last_argmax = buffers.argmax[:num_logit_rows]
