@@ -11,6 +11,7 @@ import argparse
 import asyncio
 import os
 import signal
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -38,6 +39,7 @@ from shoal.services.worker.sessions_api import add_session_endpoints
 from shoal.services.worker.stats import StatsPublisher
 from shoal.shared import subjects
 from shoal.shared.bus import Bus, connect
+from shoal.shared.config import SessionConfig
 from shoal.shared.kv_cache.session_settings import SessionSettings
 from shoal.shared.logs import configure_logging
 from shoal.shared.messages import (
@@ -47,17 +49,28 @@ from shoal.shared.messages import (
 
 log = structlog.get_logger(__name__)
 
+GIL_SWITCH_INTERVAL_S = 0.0002
+"""The worker's `sys.setswitchinterval` (Python's default: 5 ms). Its event loop and the engine's
+step thread hand each step's outputs over many times a second; a thread that wants the GIL
+while the other runs Python waits until that one blocks or this interval passes. At 5 ms a
+step thread waking the loop (`call_soon_threadsafe`) waited for the loop's whole burst of
+work, and under load for the loop's time off the CPU (docs/engine.md, "Threads")."""
+
 
 def get_session_settings(launch: WorkerLaunch) -> SessionSettings | None:
-    """The engine's session cache from ``[worker.sessions]`` (None when off). A ``{model}`` in
+    """The engine's session cache from ``[worker.sessions]`` (see `resolve_session_settings`)."""
+    return resolve_session_settings(launch.worker.sessions, launch.model.key)
+
+
+def resolve_session_settings(sessions: SessionConfig, model_key: str) -> SessionSettings | None:
+    """`sessions` for `model_key`'s engine (None when off). A ``{model}`` in
     `cost_profile_path` becomes the model's subject token (one saved profile per model); none
     given: the per-user cache directory's ``cost-profiles/{model}.json``, so only a model's
     first start on a machine pays for measuring it."""
-    sessions = launch.worker.sessions
     if not sessions.enabled:
         return None
     template = sessions.cost_profile_path or str(default_cache_dirs()[0] / "cost-profiles" / "{model}.json")
-    path = template.replace("{model}", subjects.model_token(launch.model.key))
+    path = template.replace("{model}", subjects.model_token(model_key))
     return msgspec.structs.replace(sessions, cost_profile_path=path)
 
 
@@ -226,6 +239,7 @@ def run_worker(ns: argparse.Namespace) -> int:
     configure_kernels(launch.worker.kernels)
     if launch.worker.torch_threads > 0:
         torch.set_num_threads(launch.worker.torch_threads)
+    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     return asyncio.run(serve(launch))
 
 

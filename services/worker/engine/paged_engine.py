@@ -518,9 +518,17 @@ class PagedEngine:
             self._num_steps += 1
             self._num_step_seqs += len(plan.chunks)
             self._step_seconds += elapsed
+            has_first_token = False
             for update in self._scheduler.update(plan, token_ids):
                 self._emit(update, outbox)
-            self._pending = outbox
+                has_first_token = has_first_token or update.seq.num_output_tokens == 1
+            if has_first_token:
+                # A request's first token goes at once, not after the next pass is planned: time
+                # to first token counts it, and it comes once per request.
+                self._send_pending()
+                outbox.send()
+            else:
+                self._pending = outbox
         return True
 
     def _emit(self, update: SequenceUpdate, outbox: Outbox) -> None:
