@@ -205,9 +205,10 @@ async def test_copies_back_layer_by_layer_equal_generate_from_scratch(
     references: References, key: str, mode: str, native_forward: bool, turn_length: int
 ) -> None:
     """Every chunk goes to the host pool and comes back layer by layer, each layer's copy
-    waited for just before its attention. A long turn (90 new tokens over a 300-token
-    history) makes the native forward call back per layer for its prefill attention; a
-    short one runs it inside the C pass, which waits for every layer first."""
+    waited for just before its attention. The native forward attends inside its C pass (a
+    short turn with the decode kernel, a long one — 90 new tokens over a 300-token history —
+    with the tiled prefill attention), so it waits for every layer first; the transformers
+    forward waits layer by layer."""
     model = references.load(key)
     block_bytes = _block_bytes(model)
     settings = _settings(gpu_fraction=0.0, host_pool_bytes=400 * block_bytes, swap_in_by_layer=mode)

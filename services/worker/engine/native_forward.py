@@ -362,7 +362,7 @@ class NativeForward:
             key_cache, value_cache = self.layer_caches[layer]
             reference.run_attention(out, query, key_cache, value_cache, plan, weights.scale, key, value)
 
-        if decode_address is not None and batch.before_attention is not None:
+        if (decode_address is not None or prefill is not None) and batch.before_attention is not None:
             # The attention runs inside the C pass, with no call per layer: every layer's
             # copies back from the host pool are waited for first.
             batch.before_attention(len(self.layer_caches) - 1)
