@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import aiohttp
+import nats.errors
 import pytest
 
 from shoal.services.gateway.app import start_gateway
@@ -122,6 +123,22 @@ async def _stream_leader(bus: Bus, stream: str) -> str:
     return info.cluster.leader
 
 
+async def _move_leader_off(bus: Bus, stream: str, server: int) -> int:
+    """Asks `stream`'s leader on `server` to step down (JetStream elects another); returns the
+    new leader's index."""
+    for _ in range(10):
+        await bus.nc.request(f"$JS.API.STREAM.LEADER.STEPDOWN.{stream}", b"", timeout=5.0)
+        for _ in range(50):
+            await asyncio.sleep(0.1)
+            try:
+                leader = int((await _stream_leader(bus, stream)).removeprefix("n"))
+            except (AssertionError, nats.errors.Error):  # no leader while the election runs
+                continue
+            if leader != server:
+                return leader
+    raise AssertionError(f"{stream}'s leader stayed on server {server}")
+
+
 async def _pick_victim(shoal: Shoal, replica_id: str) -> int:
     """The server to kill: the one the worker is connected to (its pulls, chunks and acks move
     to another server), else the request stream's leader (JetStream elects a new one), but
@@ -131,6 +148,8 @@ async def _pick_victim(shoal: Shoal, replica_id: str) -> int:
     gateway = next(i for i, clients in enumerate(names) if any(n.startswith("gateway-") for n in clients))
     worker = next(i for i, clients in enumerate(names) if f"worker-{replica_id}" in clients)
     leader = int((await _stream_leader(shoal.admin, subjects.REQUESTS_STREAM)).removeprefix("n"))
+    if worker == gateway and leader == gateway:  # nothing to kill but the gateway's own server
+        leader = await _move_leader_off(shoal.admin, subjects.REQUESTS_STREAM, gateway)
     candidates = [i for i in range(len(names)) if i != gateway]
     victim = max(candidates, key=lambda i: (i == worker, i == leader))
     assert victim in (worker, leader), "the kill must move the worker or the stream's leader"
