@@ -16,12 +16,12 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import sys
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
+from shoal.shared import event_loop
 from shoal.shared.config import ConfigError, ShoalConfig, load_config
 from shoal.shared.logs import configure_logging
 
@@ -220,17 +220,17 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "up":
             launcher.ensure_demo_models(config)
             with launcher.nats_for(config) as url:
-                asyncio.run(launcher.run_up(config, url))
+                event_loop.run(launcher.run_up(config, url))
         elif args.command == "inspect":
-            asyncio.run(_with_bus(config, "shoal-inspect", lambda bus: inspect(bus, sys.stdout)))
+            event_loop.run(_with_bus(config, "shoal-inspect", lambda bus: inspect(bus, sys.stdout)))
         elif args.command == "status":
-            asyncio.run(_with_bus(config, "shoal-status",
+            event_loop.run(_with_bus(config, "shoal-status",
                                   lambda bus: status(bus, sys.stdout, config.scheduler.placement)))
         elif args.command in ("scale", "evict"):
-            asyncio.run(_with_bus(config, f"shoal-{args.command}",
+            event_loop.run(_with_bus(config, f"shoal-{args.command}",
                                   lambda bus: _scheduler_command(bus, args)))
         else:
-            asyncio.run(_run_service(config, args))
+            event_loop.run(_run_service(config, args))
     except ServiceCallError as exc:
         print(f"shoal {args.command}: {exc}", file=sys.stderr)
         return 1

@@ -14,6 +14,9 @@ exactly `--max-tokens` output tokens each, greedy, EOS ignored:
   converted by ``peer_llama_cpp.py`` (skipped with ``--no-llama``, or when it is not built
   yet and ``--build`` is not given: a build takes ~10 minutes).
 
+* **gateway, asyncio loop** (with ``--asyncio-side``): a second `shoal up`, its processes on
+  asyncio's standard event loop instead of uvloop (``SHOAL_EVENT_LOOP=asyncio``).
+
 All sides get `--threads` threads. Each round runs every side once (`--requests` requests
 each), the order reversed every other round; a round waits first (at most `--quiet-wait`
 seconds) for the cores to be idle. Per side the table gives the median TTFT of every request
@@ -170,6 +173,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--quiet-wait", type=float, default=30.0,
                         help="seconds a round waits at most for idle cores (0: no wait)")
     parser.add_argument("--no-llama", action="store_true", help="leave llama.cpp out")
+    parser.add_argument("--asyncio-side", action="store_true",
+                        help="add a second `shoal up` on asyncio's standard event loop (SHOAL_EVENT_LOOP=asyncio)")
     parser.add_argument("--build", action="store_true", help="build llama-server if it is not built yet")
     parser.add_argument("--cache", type=Path, default=llama_cpp.DEFAULT_CACHE)
     parser.add_argument("--json", type=Path, help="write every request's timings here")
@@ -222,6 +227,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     from transformers import AutoTokenizer
 
+    from shoal.shared.event_loop import EVENT_LOOP_ENV
     from tests.e2e.conftest import start_shoal_up
 
     os.environ["SHOAL_WORKER_TORCH_THREADS"] = str(args.threads)
@@ -235,6 +241,9 @@ def main(argv: list[str] | None = None) -> None:
         logs = Path(state) / "logs"
         logs.mkdir()
         shoal = start_shoal_up(args.models_root.resolve(), Path(state) / "shoal", "--log-level", "warning")
+        shoal_asyncio = (start_shoal_up(args.models_root.resolve(), Path(state) / "shoal-asyncio", "--log-level",
+                                        "warning", env={EVENT_LOOP_ENV: "asyncio"})
+                         if args.asyncio_side else None)
         llama = None
         try:
             llama = start_llama(args, logs)
@@ -250,6 +259,9 @@ def main(argv: list[str] | None = None) -> None:
                         "engine": lambda p: direct.time_request(p, args.max_tokens),
                         "gateway": lambda p: time_http_stream(session, shoal.base_url, args.model, p, args.max_tokens),
                     }
+                    if shoal_asyncio is not None:
+                        runners["gateway, asyncio loop"] = lambda p: time_http_stream(
+                            session, shoal_asyncio.base_url, args.model, p, args.max_tokens)
                     if llama is not None:
                         runners["llama.cpp"] = lambda p: time_http_stream(session, llama.base_url, args.model, p,
                                                                           args.max_tokens)
@@ -263,6 +275,8 @@ def main(argv: list[str] | None = None) -> None:
             if llama is not None:
                 llama.stop()
             shoal.stop()
+            if shoal_asyncio is not None:
+                shoal_asyncio.stop()
     loads.append(os.getloadavg()[0])
     print(f"\n{args.model}, ~{args.prompt_tokens}-token prompts, {args.max_tokens} output tokens, C = 1, "
           f"{args.threads} thread(s), {args.rounds} rounds x {args.requests} requests per side; "

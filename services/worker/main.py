@@ -37,7 +37,7 @@ from shoal.services.worker.prompts import eos_token_ids
 from shoal.services.worker.service import WorkerIdentity, WorkerService
 from shoal.services.worker.sessions_api import add_session_endpoints
 from shoal.services.worker.stats import StatsPublisher
-from shoal.shared import subjects
+from shoal.shared import event_loop, subjects
 from shoal.shared.bus import Bus, connect
 from shoal.shared.config import SessionConfig
 from shoal.shared.kv_cache.session_settings import SessionSettings
@@ -240,7 +240,7 @@ def run_worker(ns: argparse.Namespace) -> int:
     if launch.worker.torch_threads > 0:
         torch.set_num_threads(launch.worker.torch_threads)
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
-    return asyncio.run(serve(launch))
+    return event_loop.run(serve(launch))
 
 
 def main(argv: list[str] | None = None) -> int:
