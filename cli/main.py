@@ -225,10 +225,10 @@ def main(argv: list[str] | None = None) -> int:
             event_loop.run(_with_bus(config, "shoal-inspect", lambda bus: inspect(bus, sys.stdout)))
         elif args.command == "status":
             event_loop.run(_with_bus(config, "shoal-status",
-                                  lambda bus: status(bus, sys.stdout, config.scheduler.placement)))
+                                     lambda bus: status(bus, sys.stdout, config.scheduler.placement)))
         elif args.command in ("scale", "evict"):
             event_loop.run(_with_bus(config, f"shoal-{args.command}",
-                                  lambda bus: _scheduler_command(bus, args)))
+                                     lambda bus: _scheduler_command(bus, args)))
         else:
             event_loop.run(_run_service(config, args))
     except ServiceCallError as exc:
