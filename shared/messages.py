@@ -508,6 +508,9 @@ class CacheReplica(Struct, tag="to_cache", tag_field="type"):
     """Park a replica WARM: drain, weights to CPU RAM, GPU memory given back."""
 
     replica_id: ReplicaId
+    drop_weights: bool = False
+    """Cold sleep: the weights are dropped too (no host RAM held for them) and reloaded from the
+    model's files on wake; the process stays."""
 
 
 class RestoreReplica(Struct, tag="from_cache", tag_field="type"):
