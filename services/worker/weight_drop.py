@@ -198,10 +198,11 @@ def reload_weights(loaded: LoadedModel, dropped: DroppedWeights) -> None:
             fill_bias(source, fill.modules, fill.target)
         else:
             copies.append((fill.target, source.get(fill.names[0])))
-    if jobs and kernels is None:
+    if kernels is None and jobs:
         raise ModelLoadError("the native CPU library is gone: packed weights cannot be reloaded")
     pool = get_copy_pool()
-    futures = [pool.submit(pack_into, kernels, w, panels, silu_mul=silu) for w, panels, silu in jobs]
+    futures = [pool.submit(pack_into, kernels, w, panels, silu_mul=silu)  # type: ignore[arg-type]
+               for w, panels, silu in jobs]
     futures += [pool.submit(_copy, target, source) for target, source in copies]
     for future in futures:
         future.result()

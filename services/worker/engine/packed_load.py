@@ -366,8 +366,7 @@ def add_pack_jobs(
     weights = [weights_file.get(name) for name in names]
     if any(w.dtype != torch.float32 for w in weights):
         weights = [w.to(torch.float32) for w in weights]
-        joined = weights[0] if len(weights) == 1 else torch.cat(weights)
-        jobs.append((joined, panels, silu_mul))
+        jobs.append((weights[0] if len(weights) == 1 else torch.cat(weights), panels, silu_mul))
         return
     num_in = weights[0].shape[1]
     joined = weights[0] if len(weights) == 1 else weights_file.join(names)
