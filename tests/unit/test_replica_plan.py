@@ -355,3 +355,11 @@ def test_cpu_pressure_ends_a_cold_slept_replica_by_its_process_charge() -> None:
     # 3 GiB of cache, 1.5 GiB held: c (0.5 GiB held) goes first, then w1, to park x1's 3 GiB.
     assert [(e.replica_id, e.to_level, e.reason) for e in plan.evictions] == [
         ("x1", "WARM", "pressure"), ("c", "COLD", "cpu_pressure"), ("w1", "COLD", "cpu_pressure")]
+
+
+def test_parked_process_bytes_is_validated() -> None:
+    import pytest
+
+    assert PlacementConfig().parked_process_bytes == 512 << 20
+    with pytest.raises(ValueError, match="parked_process_bytes"):
+        PlacementConfig(parked_process_bytes=-1)
