@@ -364,6 +364,8 @@ class ReplicaRecord(Struct, kw_only=True, omit_defaults=True):
     """While ``draining``: where it goes once drained (parked WARM, or stopped)."""
     cpu_bytes: int = 0
     """Host RAM the replica's weights take when parked WARM."""
+    weights_dropped: bool = False
+    """Parked (or parking) as a cold sleep: its worker stays, its weights are dropped."""
     created_at: float = 0.0
     updated_at: float = 0.0
     scheduler_id: str = ""
@@ -508,6 +510,9 @@ class CacheReplica(Struct, tag="to_cache", tag_field="type"):
     """Park a replica WARM: drain, weights to CPU RAM, GPU memory given back."""
 
     replica_id: ReplicaId
+    drop_weights: bool = False
+    """Cold sleep: the weights are dropped too (no host RAM held for them) and reloaded from the
+    model's files on wake; the process stays."""
 
 
 class RestoreReplica(Struct, tag="from_cache", tag_field="type"):

@@ -66,8 +66,12 @@ class SleepSettings(Struct, kw_only=True, omit_defaults=True):
     those still running then go back to the queue (served again after the wake, or by
     another replica), none is failed."""
     level: SleepLevel = "warm"
-    """``warm``: weights to CPU RAM (pinned on CUDA), a fast wake. ``cold``: weights dropped,
-    the wake reloads them from disk (no CPU RAM held)."""
+    """Both levels keep the worker process (WARM in the cluster's records; on CUDA its context
+    stays on the GPU as residual bytes). ``warm``: the weights stay in CPU RAM (moved there from
+    the GPU), the wake copies them back. ``cold``: the weights are dropped too (no host RAM held
+    for them: the node's CPU cache is charged ``[scheduler.placement] parked_process_bytes``),
+    the wake reloads them from the model's files into place. CPU-cache pressure ends a parked
+    replica of either level (its process exits; the next wake is a fresh worker)."""
 
     def __post_init__(self) -> None:
         if self.idle_timeout_s < 0 or self.drain_timeout_s < 0:

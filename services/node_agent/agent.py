@@ -331,7 +331,7 @@ class NodeAgent:
         return await self._stop_replica(command.replica_id, command.reason)
 
     async def _on_to_cache(self, command: CacheReplica) -> NodeReply:
-        return await self._to_cache(command.replica_id)
+        return await self._to_cache(command.replica_id, drop_weights=command.drop_weights)
 
     async def _on_from_cache(self, command: RestoreReplica) -> NodeReply:
         return await self._from_cache(command.replica)
@@ -400,13 +400,13 @@ class NodeAgent:
             raise RequestError(404, f"replica {replica_id} has no running worker on {self.node_id}")
         return replica
 
-    async def _to_cache(self, replica_id: str) -> NodeReply:
+    async def _to_cache(self, replica_id: str, *, drop_weights: bool = False) -> NodeReply:
         """Park a replica WARM: its worker drains, drops its KV pool, moves its weights to CPU RAM."""
         replica = self._running(replica_id)
         started = time.monotonic()
         try:
             reply = await request_json(self._bus.nc, subjects.worker_subject(replica_id, "to_cache"),
-                                       CacheReplica(replica_id), worker_reply_decoder, timeout_s=WORKER_CONTROL_TIMEOUT_S)
+                                       CacheReplica(replica_id, drop_weights), worker_reply_decoder, timeout_s=WORKER_CONTROL_TIMEOUT_S)
         except ServiceCallError as exc:
             raise RequestError(502, f"worker of {replica_id} did not park: {exc}") from exc
         self._sleep_seconds.observe(time.monotonic() - started, model=replica.record.model)

@@ -146,15 +146,15 @@ class PlacementCommands:
         return await self._reply(model, "ok" if outcome.committed else "contended", outcome.message)
 
     async def sleep_idle(self, idle: list[ReplicaRecord]) -> PassOutcome:
-        """Put idle replicas to sleep, one pass: parked WARM or dropped COLD (their model's
-        ``sleep.level``), each model's desired count lowered (the next request wakes it)."""
+        """Put idle replicas to sleep, one pass: parked WARM, weights kept or (``sleep.level =
+        "cold"``) dropped, each model's desired count lowered (the next request wakes it)."""
         levels = {spec.key: spec.sleep.level for spec in
                   (e.value for e in (await self._bus.models.get_all()).values())}
 
         def operate(planner: ClusterPlanner, _: dict[str, ModelSpec]) -> None:
             for record in idle:
-                planner.sleep_replica(record.model, record.replica_id, reason="idle",
-                                      park=levels.get(record.model, "warm") == "warm")
+                planner.sleep_replica(record.model, record.replica_id, reason="idle", park=True,
+                                      drop_weights=levels.get(record.model, "warm") == "cold")
 
         outcome = await self._passes.run(operate)
         for record in idle:

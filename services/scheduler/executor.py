@@ -94,6 +94,8 @@ class _Step:
     waits_on_gpus: list[asyncio.Future[bool]]
     finished: asyncio.Future[bool]
     """True once carried out; False when failed or skipped (later steps then skip too)."""
+    drop_weights: bool = False
+    """to_cache: a cold sleep (the plan's record of the replica says so)."""
 
 
 async def send_node_command(bus: Bus, node_id: str, verb: str, command: NodeCommand, timeout_s: float) -> None:
@@ -176,8 +178,10 @@ class NodeSteps:
         finished: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
         self._unfinished[waits.step_id] = finished
         after_replica = self._unfinished[waits.after_replica] if waits.after_replica is not None else None
+        after = records_after.get(location.replica_id)
         return _Step(waits.step_id, op, location, record, after_replica,
-                     [self._unfinished[i] for i in waits.after_freeing], finished)
+                     [self._unfinished[i] for i in waits.after_freeing], finished,
+                     drop_weights=op == "to_cache" and after is not None and after.weights_dropped)
 
     def _set_finished(self, step: _Step, carried_out: bool) -> None:
         """Resolve `step` for the steps waiting on it; steps submitted later do not wait on it."""
@@ -236,7 +240,8 @@ class NodeSteps:
         node_id, replica_id, record = step.location.node_id, step.record.replica_id, step.record
         match step.op:
             case "to_cache":
-                await send_node_command(self._bus, node_id, "to_cache", CacheReplica(replica_id), CACHE_TIMEOUT_S)
+                await send_node_command(self._bus, node_id, "to_cache",
+                                        CacheReplica(replica_id, step.drop_weights), CACHE_TIMEOUT_S)
             case "delete":
                 await send_node_command(self._bus, node_id, "stop", StopReplica(replica_id, "evicted"),
                                         STOP_TIMEOUT_S)

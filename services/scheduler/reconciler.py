@@ -235,7 +235,7 @@ class Reconciler:
                     await send_node_command(self._bus, record.node_id, "from_cache", RestoreReplica(record),
                                             CACHE_TIMEOUT_S)
                 case "to_cache":
-                    await send_node_command(self._bus, record.node_id, "to_cache", CacheReplica(record.replica_id),
+                    await send_node_command(self._bus, record.node_id, "to_cache", CacheReplica(record.replica_id, record.weights_dropped),
                                             CACHE_TIMEOUT_S)
                 case "delete":
                     await send_node_command(self._bus, record.node_id, "stop",

@@ -191,6 +191,7 @@ def _build_node(
                 level="HOT" if is_hot else "WARM",
                 gpu_bytes=gpu_bytes if is_hot else {},
                 cpu_bytes=replica.cpu_bytes or (spec.weight_bytes or 0 if spec is not None else 0),
+                parked_bytes=config.parked_process_bytes if replica.weights_dropped and not is_hot else None,
                 protected=protected,
                 last_accessed=last_accessed_by_id.get(replica.replica_id, replica.last_request_at),
             )
@@ -378,7 +379,7 @@ def plan_to_records(
                 )
             )
         puts[key] = msgspec.structs.replace(old, state="draining", leaving_to=eviction.to_level, updated_at=at,
-                                            scheduler_id=scheduler_id)
+                                            scheduler_id=scheduler_id, weights_dropped=eviction.drop_weights)
     for placement in plan.placements:
         for gpu_id, num_bytes in placement.gpu_bytes.items():
             additions.setdefault(gpu_kv_key(placement.node_id, gpu_id), []).append(

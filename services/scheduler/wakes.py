@@ -291,8 +291,9 @@ class WakeCoordinator:
         def operate(planner: ClusterPlanner, _: dict[str, ModelSpec]) -> None:
             for victim in chosen:
                 victim_spec = specs.get(victim.model)
-                park = victim_spec is None or victim_spec.sleep.level == "warm"
-                planner.sleep_replica(victim.model, victim.replica_id, reason="preempted", park=park)
+                cold = victim_spec is not None and victim_spec.sleep.level == "cold"
+                planner.sleep_replica(victim.model, victim.replica_id, reason="preempted", park=True,
+                                      drop_weights=cold)
 
         # The pass returns once the victims are parked or stopped (its node steps).
         self._background.spawn(self._passes.run(operate))

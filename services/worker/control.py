@@ -3,7 +3,8 @@
 Served as the ``shoal-worker`` micro service on ``shoal.worker.<replica id>.<verb>``,
 called by the replica's node agent. Parking raises the barrier first (no new
 requests; in-flight ones drain up to the drain timeout), drops the engine and
-its KV pool, and moves the weights to CPU RAM; restoring moves them onto the
+its KV pool, and moves the weights to CPU RAM (or, told to drop them, gives their memory back:
+`weight_drop`); restoring reloads dropped weights from the model's files, moves them onto the
 new allocation, builds a fresh engine sized for it, and serves again.
 """
 
@@ -27,6 +28,7 @@ from shoal.services.worker.loader import (
     restore_weights,
 )
 from shoal.services.worker.service import WorkerService
+from shoal.services.worker.weight_drop import DroppedWeights, drop_weights, reload_weights
 from shoal.shared.bus import Bus
 from shoal.shared.messages import (
     CacheReplica,
@@ -70,22 +72,36 @@ class ReplicaRuntime:
     drain_timeout_s: float = 30.0
     min_engine_bytes: MinEngineBytes = 0
     """What the engine needs besides the weights: checked before a restore rebuilds it."""
+    dropped: DroppedWeights | None = None
+    """Set while parked cold: the weights are dropped, a restore reloads them first."""
 
-    async def to_cache(self) -> WorkerReply:
-        if self.engine is None:
+    async def to_cache(self, *, drop: bool = False) -> WorkerReply:
+        if self.engine is None and (not drop or self.dropped is not None):
             return WorkerReply(ok=True, message="already parked")
-        await self.service.pause(self.drain_timeout_s)
-        engine, self.engine = self.engine, None
-        await engine.close()
+        if self.engine is not None:
+            await self.service.pause(self.drain_timeout_s)
+            engine, self.engine = self.engine, None
+            await engine.close()
+        message = "parked"
+        if drop:
+            try:
+                self.dropped = await asyncio.to_thread(drop_weights, self.loaded)
+                message = "parked, weights dropped"
+            except ModelLoadError as exc:  # nothing dropped: it sleeps warm
+                log.warning("weights_kept", error=str(exc))
+                message = f"parked, weights kept: {exc}"
         await asyncio.to_thread(park_weights, self.loaded, self.replica)
         residual_bytes = measure_residual_bytes(self.loaded)
-        log.info("replica_parked", residual_bytes=residual_bytes)
-        return WorkerReply(ok=True, message="parked", residual_bytes=residual_bytes)
+        log.info("replica_parked", residual_bytes=residual_bytes, weights_dropped=self.dropped is not None)
+        return WorkerReply(ok=True, message=message, residual_bytes=residual_bytes)
 
     async def from_cache(self, replica: ReplicaRecord) -> WorkerReply:
         if self.engine is not None:
             return WorkerReply(ok=True, message="already serving")
         try:
+            if self.dropped is not None:
+                await asyncio.to_thread(reload_weights, self.loaded, self.dropped)
+                self.dropped = None
             await asyncio.to_thread(
                 restore_weights, self.loaded, replica, min_kv_reserve_bytes=self.min_engine_bytes
             )
@@ -98,8 +114,8 @@ class ReplicaRuntime:
         log.info("replica_restored", measured_bytes=measured)
         return WorkerReply(ok=True, message="serving", measured_bytes=measured)
 
-    async def on_to_cache(self, _: CacheReplica) -> WorkerReply:
-        return await self.to_cache()
+    async def on_to_cache(self, command: CacheReplica) -> WorkerReply:
+        return await self.to_cache(drop=command.drop_weights)
 
     async def on_from_cache(self, command: RestoreReplica) -> WorkerReply:
         return await self.from_cache(command.replica)

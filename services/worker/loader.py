@@ -57,6 +57,8 @@ class LoadedModel:
     context_gpus: frozenset[int] = frozenset()
     """The CUDA devices this process has a context on (its first allocation's GPUs): a
     context lives as long as the process, parked or not (see `restore_weights`)."""
+    model_dir: Path | None = None
+    """Where the weights were read from (under the models root): a cold sleep reloads them from here."""
 
 
 def model_weight_bytes(model: torch.nn.Module) -> int:
@@ -194,6 +196,7 @@ def load_model(
         max_model_len=max_len,
         allocation_bytes=allocation_bytes,
         context_gpus=frozenset(replica.gpu_bytes) if device.type == "cuda" else frozenset(),
+        model_dir=model_dir,
     )
 
 

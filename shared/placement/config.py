@@ -42,7 +42,14 @@ class PlacementConfig(Struct, frozen=True, forbid_unknown_fields=True, kw_only=T
     """Share of a node's CPU RAM that WARM replicas (weights parked in host memory) may
     hold; the rest stays for the OS, node agent and HOT workers."""
 
+    parked_process_bytes: int = 512 << 20
+    """Host RAM a replica slept at ``sleep.level = "cold"`` is charged to its node's CPU cache:
+    its worker process stays (weights dropped, reloaded from disk on wake), and this is what the
+    process itself holds (interpreter, torch, tokenizer)."""
+
     def __post_init__(self) -> None:
+        if self.parked_process_bytes < 0:
+            raise ValueError(f"parked_process_bytes must be >= 0, got {self.parked_process_bytes}")
         if self.gpu_fraction_factor < 1.0:
             raise ValueError(f"gpu_fraction_factor must be >= 1.0, got {self.gpu_fraction_factor}")
         if not 0.0 < self.fraction_threshold <= 1.0:

@@ -4,7 +4,7 @@ Built from a `NodeSnapshot` (never mutated) and changed only through `place`, `d
 `take_warm` and `evict_hot`, which keep three things consistent:
 
     GpuResources.available_bytes_by_gpu  ==  total - pinned - sum(HOT replicas' bytes per GPU)
-    CpuCacheResources.used_bytes          ==  sum(WARM replicas' cpu_bytes)
+    CpuCacheResources.used_bytes          ==  sum(WARM replicas' held_cpu_bytes)
     hot_ids_by_gpu[g]                     ==  HOT replicas holding bytes on GPU g
 
 Evicting a HOT replica (seed 002, "Node side"): its GPU memory is given back; it is
@@ -46,6 +46,13 @@ class WorkReplica:
     last_accessed: float = 0.0
     locked: bool = False
     """Placed by this plan: not evicted again by the same plan (no thrashing inside one plan)."""
+    parked_bytes: int | None = None
+    """WARM with its weights dropped: what it holds of the CPU cache (None: `cpu_bytes`)."""
+
+    @property
+    def held_cpu_bytes(self) -> int:
+        """What it holds of the CPU cache while WARM."""
+        return self.cpu_bytes if self.parked_bytes is None else self.parked_bytes
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,6 +109,7 @@ class NodeWork:
                 cpu_bytes=replica.cpu_bytes,
                 protected=replica.protected,
                 last_accessed=replica.last_accessed,
+                parked_bytes=replica.parked_bytes if replica.level == "WARM" else None,
             )
             if replica.level == "HOT":
                 self._add_hot(work)
@@ -111,7 +119,7 @@ class NodeWork:
             snapshot.gpu_total_bytes, get_reserved_bytes(snapshot), min_available_gpu_fraction
         )
         self.cpu_cache = CpuCacheResources(
-            snapshot.cpu_cache_bytes, sum(r.cpu_bytes for r in self.warm.values())
+            snapshot.cpu_cache_bytes, sum(r.held_cpu_bytes for r in self.warm.values())
         )
 
     # ------------------------------------------------------------------ queries
@@ -166,13 +174,14 @@ class NodeWork:
         replica.node_id = self.node_id
         replica.level = "HOT"
         replica.gpu_bytes = dict(gpu_bytes)
+        replica.parked_bytes = None
         replica.locked = True
         self._add_hot(replica)
 
     def take_warm(self, replica_id: str) -> WorkReplica:
         """Remove a WARM replica from the CPU cache (to promote it, move it, or drop it)."""
         replica = self.warm.pop(replica_id)
-        self.cpu_cache.release(replica.cpu_bytes)
+        self.cpu_cache.release(replica.held_cpu_bytes)
         return replica
 
     def evict_hot(
@@ -182,6 +191,7 @@ class NodeWork:
         *,
         park: bool = True,
         keep_warm_ids: Collection[str] = (),
+        parked_bytes: int | None = None,
     ) -> list[LevelChange]:
         """Take a HOT replica off its GPUs: park it WARM if CPU RAM allows, else delete it.
 
@@ -191,6 +201,8 @@ class NodeWork:
             park: False deletes the replica outright (scale down).
             keep_warm_ids: WARM replicas that must not be dropped to make CPU room (a plan
                 is about to promote them).
+            parked_bytes: park with its weights dropped (a cold sleep), holding this much of
+                the CPU cache instead of its weights' bytes.
 
         Returns:
             The evicted replica's change first, then any WARM replicas dropped for room.
@@ -201,11 +213,13 @@ class NodeWork:
             self.hot_ids_by_gpu[gpu_id].discard(replica_id)
         self.gpus.release(freed_gpu_bytes)
         replica.gpu_bytes = {}
-        dropped = self._make_cpu_room(replica.cpu_bytes, keep_warm_ids) if park else None
+        charge = replica.cpu_bytes if parked_bytes is None else parked_bytes
+        dropped = self._make_cpu_room(charge, keep_warm_ids) if park else None
         if dropped is None:
             replica.level = "COLD"
             return [LevelChange(replica, "HOT", "COLD", freed_gpu_bytes, reason)]
-        held = self.cpu_cache.try_hold(replica.cpu_bytes)
+        held = self.cpu_cache.try_hold(charge)
+        replica.parked_bytes = parked_bytes
         assert held, f"node {self.node_id}: CPU cache has no room after making room for {replica_id}"
         replica.level = "WARM"
         self.warm[replica_id] = replica
@@ -228,10 +242,10 @@ class NodeWork:
             return []
         droppable = sorted(
             (r for r in self.warm.values() if not r.protected and r.replica_id not in keep_warm_ids),
-            key=lambda r: (r.cpu_bytes, r.replica_id),
+            key=lambda r: (r.held_cpu_bytes, r.replica_id),
         )
         headroom_bytes = self.cpu_cache.capacity_bytes - self.cpu_cache.used_bytes
-        if headroom_bytes + sum(r.cpu_bytes for r in droppable) < num_bytes:
+        if headroom_bytes + sum(r.held_cpu_bytes for r in droppable) < num_bytes:
             return None
         dropped = []
         for replica in droppable:

@@ -52,6 +52,8 @@ class Eviction:
     freed_gpu_bytes: Mapping[int, int]
     """GPU bytes it gave back, per GPU index (empty for WARM -> COLD)."""
     reason: EvictionReason
+    drop_weights: bool = False
+    """HOT -> WARM as a cold sleep: the worker stays, its weights are dropped."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -329,9 +329,12 @@ class ClusterPlanner:
             self._desired[model] = max(0, self._desired.get(model, 0) - 1)
         return True
 
-    def sleep_replica(self, model: str, replica_id: str, *, reason: EvictionReason, park: bool) -> bool:
+    def sleep_replica(
+        self, model: str, replica_id: str, *, reason: EvictionReason, park: bool, drop_weights: bool = False
+    ) -> bool:
         """Put one HOT replica to sleep: parked WARM (`park`, where CPU RAM allows) or dropped to
-        COLD. A preempted replica keeps its model's desired count (it comes back when room
+        COLD. With `drop_weights` (a cold sleep) it parks with its weights dropped, charged
+        ``parked_process_bytes`` of its node's CPU cache; CPU pressure ends it as any parked one. A preempted replica keeps its model's desired count (it comes back when room
         returns); one that sleeps because it is idle lowers it by one (it comes back on the
         next request).
 
@@ -340,7 +343,7 @@ class ClusterPlanner:
         """
         if replica_id not in self._get_ids(model) or self._where[replica_id][1] != "HOT":
             return False
-        self._remove(replica_id, reason, park=park)
+        self._remove(replica_id, reason, park=park, drop_weights=drop_weights)
         if reason == "idle":
             self._desired[model] = max(0, self._desired.get(model, 0) - 1)
         return True
@@ -366,7 +369,8 @@ class ClusterPlanner:
             elif before is not None:
                 to_level = "COLD" if after is None else "WARM"
                 if before[1].level != to_level:
-                    evictions.append(self._eviction(before, to_level, self._reasons[replica_id]))
+                    evictions.append(self._eviction(before, to_level, self._reasons[replica_id],
+                                                    drop_weights=replica.parked_bytes is not None))
         desired = {m: n for m, n in self._desired.items() if self._initial_desired.get(m) != n}
         return PlacementPlan(
             tuple(placements), tuple(evictions), tuple(self._unplaced), desired, self._clock()
@@ -396,7 +400,8 @@ class ClusterPlanner:
             eviction_ids=offer.eviction_ids,
         )
 
-    def _eviction(self, before: Origin, to_level: str, reason: EvictionReason) -> Eviction:
+    def _eviction(self, before: Origin, to_level: str, reason: EvictionReason, *, drop_weights: bool = False
+                  ) -> Eviction:
         pos, replica = before
         assert to_level in ("WARM", "COLD"), f"an eviction ends WARM or COLD, not {to_level}"
         return Eviction(
@@ -407,6 +412,7 @@ class ClusterPlanner:
             to_level="WARM" if to_level == "WARM" else "COLD",
             freed_gpu_bytes=dict(replica.gpu_bytes),
             reason=reason,
+            drop_weights=drop_weights and to_level == "WARM",
         )
 
     # ------------------------------------------------------------------ bookkeeping
@@ -452,14 +458,15 @@ class ClusterPlanner:
         ids = sorted(self._get_ids(model))
         return [r for r in ids if self._where[r][1] == "HOT"], [r for r in ids if self._where[r][1] == "WARM"]
 
-    def _remove(self, replica_id: str, reason: EvictionReason, *, park: bool) -> None:
+    def _remove(self, replica_id: str, reason: EvictionReason, *, park: bool, drop_weights: bool = False) -> None:
         """Evict or delete one replica. One this pass created is deleted outright: parking
         it would leave a WARM copy of a replica that was never started."""
         pos, level = self._where[replica_id]
         node = self._node(pos)
         park = park and self._is_from_snapshot(replica_id)
         changes = (
-            node.evict_hot(replica_id, reason, park=park)
+            node.evict_hot(replica_id, reason, park=park,
+                           parked_bytes=self._config.parked_process_bytes if drop_weights else None)
             if level == "HOT"
             else [node.drop_warm(replica_id, reason)]
         )

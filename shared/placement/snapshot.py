@@ -60,6 +60,9 @@ class ReplicaSnapshot:
     runtime (seed 001; the scheduler decides, `fairness.is_protected`)."""
     last_accessed: float = 0.0
     """Clock time of its last request; least recently used replicas go first."""
+    parked_bytes: int | None = None
+    """WARM with its weights dropped (a cold sleep: the process stays, reloads from disk): the
+    CPU cache bytes it holds instead of `cpu_bytes` (``parked_process_bytes``)."""
 
     def __post_init__(self) -> None:
         assert self.level == "HOT" or not self.gpu_bytes, (

@@ -188,3 +188,23 @@ async def test_two_wakers_racing_for_one_gpu_never_both_claim_it(
         placed = [m for m in ("b", "c") if any(r.level == "HOT" and r.is_active for r in await cluster.replicas(m))]
         assert len(placed) == 1, f"exactly one waker claims the memory, got {placed}"
         assert cluster.max_reserved_seen[0] <= (await cluster.gpu()).total_bytes
+
+
+async def test_a_cold_sleep_keeps_the_worker_and_reloads_its_weights_on_wake(
+        nats_server: EmbeddedNatsServer, demo_models_root: Path, tmp_path: Path) -> None:
+    sleepy = model("a", sleep=SleepSettings(level="cold", idle_timeout_s=2.0, drain_timeout_s=5.0))
+    async with sleep_wake_cluster(nats_server.url, demo_models_root, tmp_path, [sleepy],
+                                  reconcile_interval_s=0.5) as cluster:
+        first = await cluster.complete("a")
+        (serving,) = await cluster.replicas("a")
+
+        async def a_asleep() -> bool:
+            return any(r.level == "WARM" and r.state == "sleeping" for r in await cluster.replicas("a"))
+
+        await cluster.wait_for(a_asleep, "a to sleep cold after 2 s idle", timeout_s=30)
+        (asleep,) = await cluster.replicas("a")
+        assert asleep.weights_dropped and asleep.pid == serving.pid, "the process stays, its weights go"
+        again = await cluster.complete("a")
+        assert again["choices"][0]["text"] == first["choices"][0]["text"], "reloaded weights answer the same"
+        (woken,) = await cluster.replicas("a")
+        assert (woken.replica_id, woken.pid, woken.weights_dropped) == (serving.replica_id, serving.pid, False)

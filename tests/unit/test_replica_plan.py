@@ -332,3 +332,34 @@ def test_planned_locations_follow_a_plan() -> None:
         ("delete", "b"),
         ("from_cache", "c"),
     ]
+
+
+# --------------------------------------------------------------------------- cold sleep
+
+
+def test_a_cold_sleep_parks_with_the_process_charge_not_the_weights() -> None:
+    # 10 GiB of weights would not fit a 4 GiB cache; the parked process (512 MiB) does.
+    p = planner(one_node(hot("x1", "x", {0: 20}, cpu_gib=10), cpu_cache_gib=4), desired={"x": 1})
+    assert p.sleep_replica("x", "x1", reason="idle", park=True, drop_weights=True)
+    plan = p.finish()
+    assert [(e.replica_id, e.to_level, e.drop_weights) for e in plan.evictions] == [("x1", "WARM", True)]
+
+
+def test_cpu_pressure_ends_a_cold_slept_replica_by_its_process_charge() -> None:
+    parked = CONFIG.parked_process_bytes
+    node = one_node(hot("x1", "x", {0: 70}, cpu_gib=3), warm("c", "y", 8, parked_bytes=parked),
+                    warm("w1", "z", 1), cpu_cache_gib=3)
+    p = planner(node)
+    p.ensure(demand("m", 20))
+    plan = p.finish()
+    # 3 GiB of cache, 1.5 GiB held: c (0.5 GiB held) goes first, then w1, to park x1's 3 GiB.
+    assert [(e.replica_id, e.to_level, e.reason) for e in plan.evictions] == [
+        ("x1", "WARM", "pressure"), ("c", "COLD", "cpu_pressure"), ("w1", "COLD", "cpu_pressure")]
+
+
+def test_parked_process_bytes_is_validated() -> None:
+    import pytest
+
+    assert PlacementConfig().parked_process_bytes == 512 << 20
+    with pytest.raises(ValueError, match="parked_process_bytes"):
+        PlacementConfig(parked_process_bytes=-1)

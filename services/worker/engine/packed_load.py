@@ -68,6 +68,8 @@ _MADV_HUGEPAGE = 14
 _ALIGN_FLOATS = 16
 """Each tensor in the shared allocation starts on a 64-byte boundary."""
 _SOURCE_ATTR = "_shoal_packed_source"
+_ALLOCATION_ATTR = "_shoal_packed_allocation"
+_FILE_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 
 
 def get_skip_reason(model_dir: Path, config: Any, dtype: torch.dtype, device: torch.device) -> str | None:
@@ -159,10 +161,11 @@ class WeightsFile:
         }
 
     def get(self, name: str) -> torch.Tensor:
-        """The float32 tensor `name` (a view of the mapping)."""
+        """The tensor `name` (a view of the mapping; float32, float16 or bfloat16)."""
         dtype, shape, begin, end = self.entries[name]
-        assert dtype == "F32", "load_packed reads float32 files only"
-        return self._bytes[begin:end].view(torch.float32).view(shape)
+        if dtype not in _FILE_DTYPES:
+            raise ValueError(f"{name}: dtype {dtype} is not one Shoal reads")
+        return self._bytes[begin:end].view(_FILE_DTYPES[dtype]).view(shape)
 
     def join(self, names: list[str]) -> torch.Tensor | None:
         """The matrices `names` stacked by rows, as one view when each follows the previous in
@@ -203,7 +206,7 @@ def _get_products(num_layers: int, tied: bool) -> list[_Product]:
 
 
 def start_load(model_dir: Path, config: Any) -> PendingLoad | None:
-    """Starts copying `model_dir`'s weights into their places, on the copy threads (`_get_pool`),
+    """Starts copying `model_dir`'s weights into their places, on the copy threads (`get_copy_pool`),
     and returns at once: the caller reads the tokenizer meanwhile, then calls `finish`. None
     when the file is not what this path reads (float32 tensors, the products of a Llama-style
     decoder of `config`'s layers); `get_skip_reason` is asked first."""
@@ -232,11 +235,11 @@ def start_load(model_dir: Path, config: Any) -> PendingLoad | None:
     packed = [_plan_product(allocation, kernels, weights_file, modules, silu_mul, jobs)
               for modules, silu_mul in products]
     copies = {name: allocation.take(*weights_file.get(name).shape) for name in plain}
-    pool = _get_pool()
+    pool = get_copy_pool()
     futures = [pool.submit(pack_into, kernels, weight, panels, silu_mul=silu_mul) for weight, panels, silu_mul in jobs]
     futures += [pool.submit(_copy, target, weights_file.get(name)) for name, target in copies.items()]
     shapes = {name: shape for name, (_, shape, _, _) in entries.items()}
-    return PendingLoad(model_dir / WEIGHTS_FILE, products, packed, copies, futures, shapes)
+    return PendingLoad(model_dir / WEIGHTS_FILE, products, packed, copies, futures, shapes, allocation.buffer)
 
 
 def _copy(target: torch.Tensor, source: torch.Tensor) -> None:
@@ -257,6 +260,8 @@ class PendingLoad:
     futures: list[Future[None]]
     shapes: dict[str, tuple[int, ...]]
     """Every tensor of the file: the model's parameters must be these."""
+    allocation: torch.Tensor
+    """The one buffer every weight lives in (`allocate_weights`)."""
 
     def wait(self) -> None:
         """Until every copy is done (raising the first copy's error, if one failed)."""
@@ -318,6 +323,7 @@ class PendingLoad:
             log.info("packed_load.declined", reason=reason)
             return None
         setattr(model, _SOURCE_ATTR, self.path)
+        setattr(model, _ALLOCATION_ATTR, self.allocation)
         model.eval()
         return model, weight_bytes
 
@@ -330,14 +336,39 @@ def _plan_product(
     silu_mul: bool,
     jobs: list[tuple[torch.Tensor, torch.Tensor, bool]],
 ) -> PackedLinear:
-    """Takes the product's panels (and bias) from `allocation` and adds the copies that fill
-    its panels to `jobs`: one per weight, each straight from the mapping, when every weight but
-    the last fills whole panels (q/k/v) or the weights lie next to each other in the file
-    (gate/up); else one copy of the weights joined first."""
+    """Takes the product's panels (and bias) from `allocation`, adds the copies that fill its
+    panels to `jobs` (`add_pack_jobs`) and copies its bias."""
     names = [m + ".weight" for m in modules]
-    weights = [weights_file.get(name) for name in names]
-    num_out, num_in = sum(w.shape[0] for w in weights), weights[0].shape[1]
+    num_out, num_in = sum(weights_file.entries[n][1][0] for n in names), weights_file.entries[names[0]][1][1]
     panels = allocation.take(get_num_panels(num_out) * num_in * PANEL)
+    add_pack_jobs(weights_file, names, panels, silu_mul, jobs)
+    bias = None
+    if any(m + ".bias" in weights_file.entries for m in modules):
+        bias = allocation.take(num_out)
+        fill_bias(weights_file, modules, bias)
+    return PackedLinear.from_panels(
+        kernels, panels, bias, num_out=num_out, num_in=num_in,
+        epilogue=EPILOGUE_SILU_MUL if silu_mul else EPILOGUE_STORE,
+    )
+
+
+def add_pack_jobs(
+    weights_file: WeightsFile,
+    names: list[str],
+    panels: torch.Tensor,
+    silu_mul: bool,
+    jobs: list[tuple[torch.Tensor, torch.Tensor, bool]],
+) -> None:
+    """Adds the copies that fill `panels` with the weights `names` (joined by rows) to `jobs`:
+    one per weight, each straight from the mapping, when every weight but the last fills whole
+    panels (q/k/v) or the weights lie next to each other in the file (gate/up); else one copy
+    of the weights joined first. A file in another dtype is converted first."""
+    weights = [weights_file.get(name) for name in names]
+    if any(w.dtype != torch.float32 for w in weights):
+        weights = [w.to(torch.float32) for w in weights]
+        jobs.append((weights[0] if len(weights) == 1 else torch.cat(weights), panels, silu_mul))
+        return
+    num_in = weights[0].shape[1]
     joined = weights[0] if len(weights) == 1 else weights_file.join(names)
     if joined is not None:
         jobs.append((joined, panels, silu_mul))
@@ -348,27 +379,30 @@ def _plan_product(
             row += weight.shape[0]
     else:
         jobs.append((torch.cat(weights), panels, silu_mul))
-    bias = None
-    if any(m + ".bias" in weights_file.entries for m in modules):
-        bias = allocation.take(num_out)
-        row = 0
-        for module, weight in zip(modules, weights, strict=True):
-            part = bias[row : row + weight.shape[0]]
-            if module + ".bias" in weights_file.entries:
-                part.copy_(weights_file.get(module + ".bias"))
-            else:
-                part.zero_()
-            row += weight.shape[0]
-    return PackedLinear.from_panels(
-        kernels, panels, bias, num_out=num_out, num_in=num_in,
-        epilogue=EPILOGUE_SILU_MUL if silu_mul else EPILOGUE_STORE,
-    )
+
+
+def fill_bias(weights_file: WeightsFile, modules: list[str], bias: torch.Tensor) -> None:
+    """Copies the modules' biases into `bias`, joined by rows (zeros for a module without one)."""
+    row = 0
+    for module in modules:
+        num_rows = weights_file.entries[module + ".weight"][1][0]
+        part = bias[row : row + num_rows]
+        if module + ".bias" in weights_file.entries:
+            part.copy_(weights_file.get(module + ".bias"))
+        else:
+            part.zero_()
+        row += num_rows
+
+
+def get_allocation(model: Any) -> torch.Tensor | None:
+    """The buffer a model loaded here keeps every weight in (None: not loaded here)."""
+    return getattr(model, _ALLOCATION_ATTR, None)
 
 
 _pool: ThreadPoolExecutor | None = None
 
 
-def _get_pool() -> ThreadPoolExecutor:
+def get_copy_pool() -> ThreadPoolExecutor:
     """The threads that copy weights into panels, as many as torch's intra-op threads (a plain
     copy's), kept for the next load: the copies let go of the GIL."""
     global _pool
