@@ -556,6 +556,9 @@ class WorkerReply(Struct, omit_defaults=True):
     """After a restore: what the replica holds now."""
     residual_bytes: int | None = None
     """After a park: what the worker still holds on its GPUs (0 on virtual GPUs)."""
+    weights_dropped: bool | None = None
+    """After a park: whether its weights were dropped (a cold sleep that could not drop them
+    parks warm, holding them in host RAM)."""
 
 
 class WorkerEvent(Struct, tag="worker_event", tag_field="type", omit_defaults=True):

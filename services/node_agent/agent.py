@@ -401,7 +401,8 @@ class NodeAgent:
         return replica
 
     async def _to_cache(self, replica_id: str, *, drop_weights: bool = False) -> NodeReply:
-        """Park a replica WARM: its worker drains, drops its KV pool, moves its weights to CPU RAM."""
+        """Park a replica WARM: its worker drains, drops its KV pool, moves its weights to CPU RAM
+        (or, `drop_weights`, drops them: its record says which happened)."""
         replica = self._running(replica_id)
         started = time.monotonic()
         try:
@@ -412,9 +413,10 @@ class NodeAgent:
         self._sleep_seconds.observe(time.monotonic() - started, model=replica.record.model)
         pid = replica.process.pid if replica.process else None
         residual_by_gpu = self._measure_residue(replica.record, pid, reply.residual_bytes)
-        await record_parked(self._bus, replica.record, residual_by_gpu)
+        dropped = drop_weights if reply.weights_dropped is None else reply.weights_dropped
+        await record_parked(self._bus, replica.record, residual_by_gpu, weights_dropped=dropped)
         replica.record = msgspec.structs.replace(replica.record, level="WARM", state="sleeping", gpu_bytes={},
-                                                 gpu_memory_fraction=None, leaving_to=None)
+                                                 gpu_memory_fraction=None, leaving_to=None, weights_dropped=dropped)
         residual_bytes = sum(residual_by_gpu.values())
         if residual_bytes:
             log.warning("sleep_left_gpu_memory", replica=replica_id, residual_bytes=residual_bytes)

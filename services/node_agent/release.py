@@ -20,8 +20,11 @@ from shoal.shared.gpu_state import mark_parked, remove_occupant
 from shoal.shared.messages import ReplicaRecord, now
 
 
-async def record_parked(bus: Bus, record: ReplicaRecord, residual_by_gpu: dict[int, int]) -> None:
-    """`record`'s worker has parked: see the module doc."""
+async def record_parked(
+    bus: Bus, record: ReplicaRecord, residual_by_gpu: dict[int, int], *, weights_dropped: bool
+) -> None:
+    """`record`'s worker has parked, its weights dropped or not (a cold sleep that could not drop
+    them holds them in host RAM, and is charged for them): see the module doc."""
     stamp = now()
     for index, residual in sorted(residual_by_gpu.items()):
         await cas_update(bus.gpus, subjects.gpu_kv_key(record.node_id, index),
@@ -33,7 +36,7 @@ async def record_parked(bus: Bus, record: ReplicaRecord, residual_by_gpu: dict[i
             return None
         return msgspec.structs.replace(current, level="WARM", state="sleeping", gpu_bytes={},
                                        gpu_memory_fraction=None, leaving_to=None, num_in_flight=0,
-                                       updated_at=stamp)
+                                       weights_dropped=weights_dropped, updated_at=stamp)
 
     await cas_update(bus.replicas, subjects.replica_kv_key(record.model, record.replica_id), mutate)
 

@@ -77,7 +77,7 @@ class ReplicaRuntime:
 
     async def to_cache(self, *, drop: bool = False) -> WorkerReply:
         if self.engine is None and (not drop or self.dropped is not None):
-            return WorkerReply(ok=True, message="already parked")
+            return WorkerReply(ok=True, message="already parked", weights_dropped=self.dropped is not None)
         if self.engine is not None:
             await self.service.pause(self.drain_timeout_s)
             engine, self.engine = self.engine, None
@@ -93,7 +93,8 @@ class ReplicaRuntime:
         await asyncio.to_thread(park_weights, self.loaded, self.replica)
         residual_bytes = measure_residual_bytes(self.loaded)
         log.info("replica_parked", residual_bytes=residual_bytes, weights_dropped=self.dropped is not None)
-        return WorkerReply(ok=True, message=message, residual_bytes=residual_bytes)
+        return WorkerReply(ok=True, message=message, residual_bytes=residual_bytes,
+                           weights_dropped=self.dropped is not None)
 
     async def from_cache(self, replica: ReplicaRecord) -> WorkerReply:
         if self.engine is not None:

@@ -59,20 +59,29 @@ class DroppedWeights:
 def _weight_files(model_dir: Path) -> list[Path]:
     index = model_dir / _INDEX_FILE
     if index.is_file():
-        return [model_dir / name for name in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
+        weight_map = json.loads(index.read_text())["weight_map"]
+        names = {name for name in weight_map.values() if isinstance(name, str) and "/" not in name}
+        if len(names) != len(set(weight_map.values())):
+            raise ValueError("the index names a file outside the model's directory")
+        return [model_dir / name for name in sorted(names)]
     return [model_dir / "model.safetensors"]
 
 
 def _open_sources(model_dir: Path) -> dict[str, Any]:
-    """Each tensor name of the model's safetensors files -> the mapped file holding it."""
+    """Each tensor name of the model's safetensors files -> the mapped file holding it. Raises
+    ModelLoadError when a file is missing or not one it can read (a truncated file, a broken
+    index): a restore then answers 507 and the replica is not served half-loaded."""
     from shoal.services.worker.engine.packed_load import WeightsFile
 
     sources: dict[str, Any] = {}
-    for path in _weight_files(model_dir):
-        if not path.is_file():
-            raise ModelLoadError(f"{path} is missing: the weights cannot be reloaded")
-        weights_file = WeightsFile(path)
-        sources.update(dict.fromkeys(weights_file.entries, weights_file))
+    try:
+        for path in _weight_files(model_dir):
+            if not path.is_file():
+                raise ModelLoadError(f"{path} is missing: the weights cannot be reloaded")
+            weights_file = WeightsFile(path)
+            sources.update(dict.fromkeys(weights_file.entries, weights_file))
+    except (OSError, ValueError, KeyError, TypeError) as exc:  # json's errors are ValueErrors
+        raise ModelLoadError(f"the weights in {model_dir} cannot be read back: {exc}") from exc
     return sources
 
 

@@ -103,7 +103,8 @@ class StandInNode:
         entries = await self._bus.replicas.get_all(f"*.{replica_id}")
         for entry in entries.values():
             if verb == "to_cache":
-                await record_parked(self._bus, entry.value, {i: 0 for i in entry.value.gpu_bytes})
+                await record_parked(self._bus, entry.value, {i: 0 for i in entry.value.gpu_bytes},
+                                    weights_dropped=entry.value.weights_dropped)
             else:
                 await record_stopped(self._bus, entry.value)
 

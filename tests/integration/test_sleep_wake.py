@@ -4,11 +4,12 @@ three models: the right model sleeps, popular and young replicas are spared, not
 from __future__ import annotations
 
 import asyncio
+import shutil
 from pathlib import Path
 
 from shoal.shared.model_settings import FairnessSettings, SleepSettings
 from shoal.shared.nats_server import EmbeddedNatsServer
-from tests.integration.sleep_wake_harness import model, sleep_wake_cluster
+from tests.integration.sleep_wake_harness import CHECKPOINT, model, sleep_wake_cluster
 
 ACTIVITY_S = 1.2
 """A worker writes its activity at most once a second: wait this long for it to land."""
@@ -208,3 +209,25 @@ async def test_a_cold_sleep_keeps_the_worker_and_reloads_its_weights_on_wake(
         assert again["choices"][0]["text"] == first["choices"][0]["text"], "reloaded weights answer the same"
         (woken,) = await cluster.replicas("a")
         assert (woken.replica_id, woken.pid, woken.weights_dropped) == (serving.replica_id, serving.pid, False)
+
+
+async def test_a_cold_sleep_that_cannot_drop_its_weights_parks_warm_and_says_so(
+        nats_server: EmbeddedNatsServer, demo_models_root: Path, tmp_path: Path) -> None:
+    """The model's file is gone by the time it sleeps: dropping the weights would lose them, so
+    the worker keeps them, and its record says so (the planner then charges their bytes)."""
+    models_root = tmp_path / "models"
+    shutil.copytree(demo_models_root / CHECKPOINT, models_root / CHECKPOINT)
+    sleepy = model("a", sleep=SleepSettings(level="cold", idle_timeout_s=2.0, drain_timeout_s=5.0))
+    async with sleep_wake_cluster(nats_server.url, models_root, tmp_path, [sleepy],
+                                  reconcile_interval_s=0.5) as cluster:
+        first = await cluster.complete("a")
+        (models_root / CHECKPOINT / "model.safetensors").unlink()
+
+        async def a_asleep() -> bool:
+            return any(r.level == "WARM" and r.state == "sleeping" for r in await cluster.replicas("a"))
+
+        await cluster.wait_for(a_asleep, "a to sleep after 2 s idle", timeout_s=30)
+        (asleep,) = await cluster.replicas("a")
+        assert not asleep.weights_dropped, "the weights were kept, and the record says so"
+        again = await cluster.complete("a")
+        assert again["choices"][0]["text"] == first["choices"][0]["text"], "the kept weights answer the same"

@@ -69,3 +69,19 @@ async def test_a_changed_file_is_refused(demo_models_root: Path, tmp_path: Path)
     shutil.copyfile(other, tmp_path / "m/model.safetensors")
     with pytest.raises(ModelLoadError, match="changed"):
         reload_weights(loaded, dropped)
+
+
+@pytest.mark.parametrize("damage", ["truncated", "broken index"])
+async def test_unreadable_files_are_refused_with_a_load_error(
+        demo_models_root: Path, tmp_path: Path, damage: str) -> None:
+    shutil.copytree(demo_models_root / "demo/llama-5m", tmp_path / "m")
+    loaded = _load(tmp_path, "m", packed=True)
+    dropped = drop_weights(loaded)
+    weights = tmp_path / "m/model.safetensors"
+    if damage == "truncated":
+        with open(weights, "r+b") as file:
+            file.truncate(weights.stat().st_size // 2)
+    else:
+        (tmp_path / "m/model.safetensors.index.json").write_text('{"weight_map": {"x": "../../etc/passwd"}}')
+    with pytest.raises(ModelLoadError, match="cannot be read back"):
+        reload_weights(loaded, dropped)

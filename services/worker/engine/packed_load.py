@@ -34,6 +34,7 @@ import ctypes
 import ctypes.util
 import itertools
 import json
+import math
 import mmap
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -150,6 +151,8 @@ class WeightsFile:
         with open(path, "rb") as file:
             self._mapping = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_COPY)
         header_bytes = int.from_bytes(self._mapping[:8], "little")
+        if len(self._mapping) < 8 or 8 + header_bytes > len(self._mapping):
+            raise ValueError(f"{path} is not a safetensors file (its header runs past its end)")
         header = json.loads(self._mapping[8 : 8 + header_bytes])
         header.pop("__metadata__", None)
         self._bytes = torch.frombuffer(self._mapping, dtype=torch.uint8)
@@ -159,6 +162,10 @@ class WeightsFile:
                    data_start + entry["data_offsets"][1])
             for name, entry in header.items()
         }
+        for name, (dtype, shape, begin, end) in self.entries.items():
+            size = _FILE_DTYPES[dtype].itemsize * math.prod(shape) if dtype in _FILE_DTYPES else end - begin
+            if not data_start <= begin <= end <= len(self._mapping) or end - begin != size:
+                raise ValueError(f"{path}: {name}'s bytes are not where its header says (a truncated file?)")
 
     def get(self, name: str) -> torch.Tensor:
         """The tensor `name` (a view of the mapping; float32, float16 or bfloat16)."""
