@@ -93,7 +93,8 @@ class Simulator:
         self.timing = timing
         self.config = cluster.placement
         self.state = ClusterState(cluster.get_gpus_by_node(), cluster.gpu_memory_bytes,
-                                  int(cluster.cpu_ram_bytes * self.config.warm_cache_fraction))
+                                  int(cluster.cpu_ram_bytes * self.config.warm_cache_fraction),
+                                  parked_process_bytes=self.config.parked_process_bytes)
         self.rng = random.Random(scenario.seed)
         self.now = 0.0
         self.heap: list[tuple[Any, ...]] = []
@@ -111,7 +112,8 @@ class Simulator:
             params_b = group.params_b
             self.models.append(SimModel(
                 index=index, key=key, group=group, fairness=policy.get_fairness(group),
-                idle_timeout_s=policy.get_idle_timeout_s(group), parks_warm=policy.parks_warm(group),
+                idle_timeout_s=policy.get_idle_timeout_s(group), parks=policy.parks(group),
+                drops_weights=policy.drops_weights(group),
                 demand=policy.build_demand(key, group, self.config, cluster.gpu_memory_bytes, 0),
                 kv_capacity=group.kv_cache_tokens, max_num_seqs=timing.max_num_seqs,
                 prefill_s_per_token=timing.prefill_s_per_token_per_b * params_b,
@@ -342,7 +344,8 @@ class Simulator:
         for eviction in plan.evictions:
             replica = state.replicas[eviction.replica_id]
             if eviction.from_level == "HOT":
-                self._leave(replica, warm=eviction.to_level == "WARM", reason=eviction.reason)
+                self._leave(replica, warm=eviction.to_level == "WARM", drop_weights=eviction.drop_weights,
+                            reason=eviction.reason)
             else:
                 state.remove_replica(replica)
                 self.log("dropped", replica.model.key, eviction.reason)
@@ -354,8 +357,10 @@ class Simulator:
             if placement.from_level == "WARM":
                 replica = state.replicas[placement.replica_id]
                 assert replica.state == WARM and replica.node == node, "a restore is of a WARM replica there"
+                reload = replica.weights_dropped
                 replica.load(gpu_bytes, slots)
-                load_s = self.timing.get_restore_s(replica.cpu_bytes, len(slots))
+                load_s = (self.timing.get_reload_s if reload else self.timing.get_restore_s)(
+                    replica.cpu_bytes, len(slots))
             else:
                 replica = SimReplica(placement.replica_id, model, node, gpu_bytes, slots, placement.cpu_bytes)
                 state.add_replica(replica)
@@ -365,7 +370,9 @@ class Simulator:
             model.num_loading += 1
             if self._starting:
                 continue  # serving from the start (`_place_at_start`)
-            self.metrics.counters[f"loads_from_{'cpu' if placement.from_level == 'WARM' else 'disk'}"] += 1
+            counter = "loads_from_disk" if placement.from_level != "WARM" else \
+                "reloads_in_place" if reload else "loads_from_cpu"
+            self.metrics.counters[counter] += 1
             self.log("load", model.key, f"{placement.from_level} {placement.node_id} {sorted(gpu_bytes)}")
             self.push(self.now + self.timing.scheduler_latency_s + load_s, READY, replica)
         for key, desired in plan.desired_replicas.items():
@@ -406,16 +413,19 @@ class Simulator:
         if not replica.running and model.idle_timeout_s and replica.idle_check_at is None:
             self._schedule_idle_check(replica, self.now)
 
-    def _leave(self, replica: SimReplica, *, warm: bool, reason: str) -> None:
-        """A HOT replica is evicted: it takes no new request, drains, then parks or stops."""
+    def _leave(self, replica: SimReplica, *, warm: bool, drop_weights: bool, reason: str) -> None:
+        """A HOT replica is evicted: it takes no new request, drains, then parks (with its
+        weights, or without them: `drop_weights`, a cold sleep) or stops."""
         model = replica.model
         assert replica.state == SERVING, f"only serving replicas are evicted, not {replica.state}"
         model.serving.remove(replica)
         replica.state = DRAINING
         replica.leaves_warm = warm
+        replica.weights_dropped = warm and drop_weights
         self.state.start_leaving(replica)
         self.metrics.counters[f"evicted_{reason}"] += 1
-        self.log("evict", model.key, f"{reason} to {'WARM' if warm else 'COLD'}")
+        self.log("evict", model.key, f"{reason} to {'WARM' if warm else 'COLD'}"
+                 f"{' (weights dropped)' if replica.weights_dropped else ''}")
         if not replica.running:
             self._drained(replica)
         else:
@@ -448,7 +458,8 @@ class Simulator:
 
     def _drained(self, replica: SimReplica) -> None:
         replica.state = RELEASING
-        sleep_s = self.timing.get_sleep_s(replica.cpu_bytes, len(replica.slots), park=replica.leaves_warm)
+        sleep_s = self.timing.get_sleep_s(replica.cpu_bytes, len(replica.slots), park=replica.leaves_warm,
+                                          drop_weights=replica.weights_dropped)
         self.push(self.now + sleep_s, RELEASED, replica)
 
     def _on_released(self, replica: SimReplica) -> None:
@@ -497,7 +508,7 @@ class Simulator:
         def operate(planner: ClusterPlanner) -> None:
             for replica in idle:
                 planner.sleep_replica(replica.model.key, replica.replica_id, reason="idle",
-                                      park=replica.model.parks_warm)
+                                      park=replica.model.parks, drop_weights=replica.model.drops_weights)
 
         self.run_pass(operate, full_nodes={replica.node for replica in idle})
 

@@ -12,7 +12,7 @@ Definitions used in the report (docs/simulation.md):
     tail attainment    the same over the requests for models not marked popular in the catalog
     worst model        the lowest attainment of one model (among models with >= 10 requests)
     unserved models    models asked for that never gave a first token (left out)
-    swaps / GPU-hour   replicas loaded after the start (restored or created) / (GPUs x hours)
+    swaps / GPU-hour   replicas loaded after the start (restored, reloaded or created) / (GPUs x hours)
     longest wait       the longest wait of any model
     memory used        time average of measured bytes held / all GPU memory
     memory reserved    time average of bytes held (the policy's figures) / all GPU memory
@@ -146,7 +146,7 @@ class Metrics:
         # A sample of the data (no interpolation): inf stays inf, never nan.
         p50, p99 = (float(v) for v in np.percentile(ttft, [50, 99], method="inverted_cdf")) if num else (0.0, 0.0)
         hours = self.duration_s / 3600.0
-        loads = self.counters["loads_from_cpu"] + self.counters["loads_from_disk"]
+        loads = sum(self.counters[k] for k in ("loads_from_cpu", "loads_from_disk", "reloads_in_place"))
         area = self.total_gpu_bytes * self.duration_s
         samples = self._samples
         timeline = Timeline(tuple(s[0] for s in samples), tuple(s[1] for s in samples), tuple(s[2] for s in samples),

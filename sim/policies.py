@@ -9,7 +9,11 @@ who is preempted and when, `is_idle` who sleeps. What differs is only what they 
 | shoal     | measured                | the catalog's              | catalog's  | catalog's | planner, select_victims  |
 | dedicated | whole GPUs              | never preempted            | no         | -         | none                     |
 | seed      | 3x weights (seed 000)   | none                       | no         | CPU RAM   | the planner's evictions  |
-| lru       | measured                | none                       | no         | disk      | least recently used GPU  |
+| lru       | measured                | none                       | no         | stopped   | least recently used GPU  |
+
+"catalog's" sleep is what the scheduler does (`services/scheduler/commands.py` `sleep_idle`):
+every replica parks (its process stays, WARM), ``sleep.level = "warm"`` with its weights in CPU
+RAM, ``"cold"`` with them dropped (charged ``parked_process_bytes``, reloaded from disk on wake).
 
 All but ``dedicated`` keep the catalog's ``popular`` flag: seed 000 never evicts a
 "dedicated" deployment, llama-swap keeps a ``persistent`` group loaded.
@@ -25,7 +29,7 @@ All but ``dedicated`` keep the catalog's ``popular`` flag: seed 000 never evicts
 * ``lru``: llama-swap / Ollama-like swapping: a model that does not fit goes to the GPU
   whose memory it needs was used least recently, and evicts those replicas (least recently
   used first) at once: no minimum runtime, no fairness wait; models stay until evicted (no
-  idle timeout); evicted weights are dropped (a wake reloads from disk). It keeps Shoal's
+  idle timeout); an evicted replica stops (a wake starts a new process, weights from disk). It keeps Shoal's
   packing by measured memory. (A model spanning GPUs goes where the planner says.)
 """
 
@@ -53,7 +57,9 @@ class Policy:
     memory: Literal["measured", "factor", "whole_gpus"]
     fairness: Literal["catalog", "none", "never"]
     idle_sleep: bool
-    park: Literal["catalog", "warm", "cold"]
+    park: Literal["catalog", "warm", "stop"]
+    """How a replica goes to sleep: "catalog" as the scheduler does (parked, weights dropped for
+    ``sleep.level = "cold"``), "warm" parked with its weights, "stop" its process stopped."""
     victims: Literal["fair", "planner", "lru", "none"]
     refill: bool
     """The reconciler refills a model short of its desired replicas where it fits (Shoal)."""
@@ -65,11 +71,16 @@ class Policy:
             return FairnessSettings(min_runtime_s=0.0, max_wait_s=0.0, popular=group.fairness.popular)
         return NEVER_PREEMPTED
 
-    def parks_warm(self, group: ModelGroup) -> bool:
-        """Whether a replica of `group` going to sleep keeps its weights in CPU RAM."""
-        if self.park == "catalog":
-            return group.sleep.level == "warm"
-        return self.park == "warm"
+    def parks(self, group: ModelGroup) -> bool:
+        """`ClusterPlanner.sleep_replica`'s ``park`` for a replica of `group` going to sleep:
+        its process stays (WARM) where CPU RAM allows, or it stops."""
+        del group  # every level parks under "catalog" (the scheduler's `sleep_idle`)
+        return self.park != "stop"
+
+    def drops_weights(self, group: ModelGroup) -> bool:
+        """`ClusterPlanner.sleep_replica`'s ``drop_weights``: a cold sleep parks the process
+        without its weights (reloaded from disk on wake)."""
+        return self.park == "catalog" and group.sleep.level == "cold"
 
     def get_idle_timeout_s(self, group: ModelGroup) -> float:
         return group.sleep.idle_timeout_s if self.idle_sleep else 0.0
@@ -104,5 +115,5 @@ POLICIES: dict[PolicyName, Policy] = {
     "shoal": Policy("shoal", "Shoal", "measured", "catalog", True, "catalog", "fair", True),
     "dedicated": Policy("dedicated", "one model per GPU", "whole_gpus", "never", False, "warm", "none", False),
     "seed": Policy("seed", "seed heuristic (3x)", "factor", "none", False, "warm", "planner", False),
-    "lru": Policy("lru", "LRU swapping", "measured", "none", False, "cold", "lru", False),
+    "lru": Policy("lru", "LRU swapping", "measured", "none", False, "stop", "lru", False),
 }

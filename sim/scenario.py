@@ -128,7 +128,8 @@ class TimingSpec(Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     scheduler_latency_s: float = 0.02
     """From a decision to its node step starting (KV writes, NATS round trips)."""
     restore_fixed_s: float = 1.0
-    """Waking a parked (WARM) replica: fixed part (engine rebuilt, KV pool, warm-up) ..."""
+    """Waking a parked (WARM) replica: fixed part (engine rebuilt, KV pool, warm-up) ...
+    (one parked by a cold sleep first reads its weights from disk: `get_reload_s`)"""
     host_to_device_bytes_per_s: float = 25e9
     """... plus its weights copied CPU -> GPU at this rate per GPU."""
     create_fixed_s: float = 10.0
@@ -136,7 +137,8 @@ class TimingSpec(Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     disk_bytes_per_s: float = 2e9
     """... plus its weights read from disk at this rate (per node)."""
     park_fixed_s: float = 0.5
-    """Putting a drained replica to sleep WARM: fixed part ..."""
+    """Putting a drained replica to sleep WARM: fixed part (all of it for a cold sleep, whose
+    weights are dropped, not copied) ..."""
     device_to_host_bytes_per_s: float = 25e9
     """... plus its weights copied GPU -> CPU at this rate per GPU."""
     stop_s: float = 1.0
@@ -176,9 +178,20 @@ class TimingSpec(Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
         """COLD -> serving: the fixed part plus the weights from the node's disk."""
         return self.create_fixed_s + weight_bytes / self.disk_bytes_per_s
 
-    def get_sleep_s(self, weight_bytes: int, num_gpus: int, *, park: bool) -> float:
-        """Drained -> memory released: parked (weights copied out) or stopped."""
+    def get_reload_s(self, weight_bytes: int, num_gpus: int) -> float:
+        """WARM with its weights dropped (a cold sleep) -> serving: its process stays, so no
+        ``create_fixed_s``; the wake reads the weights from the node's disk into host memory
+        (``services/worker/weight_drop.py``), then restores as a parked replica does: the fixed
+        part plus the copy to each GPU. ``restore_fixed_s + weights / disk_bytes_per_s +
+        weights / (host_to_device_bytes_per_s x GPUs)``."""
+        return weight_bytes / self.disk_bytes_per_s + self.get_restore_s(weight_bytes, num_gpus)
+
+    def get_sleep_s(self, weight_bytes: int, num_gpus: int, *, park: bool, drop_weights: bool = False) -> float:
+        """Drained -> memory released: parked (weights copied out; with `drop_weights`, a cold
+        sleep, only the fixed part: nothing is copied) or stopped."""
         if park:
+            if drop_weights:
+                return self.park_fixed_s
             return self.park_fixed_s + weight_bytes / (self.device_to_host_bytes_per_s * num_gpus)
         return self.stop_s
 

@@ -14,9 +14,10 @@ builds the same policy inputs from (`services/scheduler/records.py` does it from
 
 The snapshot reads like `records.build_snapshot`'s: a HOT replica is protected when
 `fairness.is_protected` says so (popular, not serving yet, inside its minimum runtime);
-a WARM one when its model is popular; leaving replicas and other wakers' intents
-(`fairness.get_pinned_intent_bytes`, first come first served) are pinned bytes; a
-replica's last access is now while it runs a request.
+a WARM one when its model is popular, and one parked by a cold sleep (weights dropped) holds
+``parked_process_bytes`` of its node's CPU cache, not its weights (records' ``weights_dropped``);
+leaving replicas and other wakers' intents (`fairness.get_pinned_intent_bytes`, first come
+first served) are pinned bytes; a replica's last access is now while it runs a request.
 
 A node outside `full_nodes` is given with only the claimant's replicas and everything
 else as pinned bytes: a pass that may not evict (a claim, a refill) decides the same on
@@ -50,7 +51,7 @@ class SimReplica:
         "compute_share", "cpu_bytes", "decode_s_per_token", "gpu_bytes", "idle_check_at", "kv_capacity", "kv_free",
         "last_access", "leaves_warm",
         "max_num_seqs", "model", "node", "prefill_free_at", "prefill_s_per_token", "replica_id", "running",
-        "serving_since", "slots", "state",
+        "serving_since", "slots", "state", "weights_dropped",
     )
 
     def __init__(self, replica_id: str, model: SimModel, node: int, gpu_bytes: dict[int, int],
@@ -68,6 +69,9 @@ class SimReplica:
         self.max_num_seqs = model.max_num_seqs
         self.last_access = 0.0
         self.leaves_warm = False
+        self.weights_dropped = False
+        """Leaving to, or parked WARM after, a cold sleep: its process stays, its weights are
+        dropped (charged ``parked_process_bytes`` of its node's CPU cache; reloaded on wake)."""
         self.idle_check_at: float | None = None
         """The reconciler round that will look at it, if one is scheduled."""
         self.load(gpu_bytes, slots)
@@ -78,6 +82,7 @@ class SimReplica:
         self.gpu_bytes = gpu_bytes
         self.slots = slots
         self.state = LOADING
+        self.weights_dropped = False
         self.kv_capacity = get_kv_capacity(self.model, sum(gpu_bytes.values()))
         self.kv_free = self.kv_capacity
         num_gpus = max(1, len(slots))
@@ -113,7 +118,10 @@ class SimModel:
     group: ModelGroup
     fairness: FairnessSettings
     idle_timeout_s: float
-    parks_warm: bool
+    parks: bool
+    """A replica going to sleep parks (WARM, where CPU RAM allows) or stops (`Policy.parks`)."""
+    drops_weights: bool
+    """... parked with its weights dropped: a cold sleep (`Policy.drops_weights`)."""
     demand: ModelDemand
     """The planner's view (`Simulator.get_demand` fills in the desired count)."""
     kv_capacity: int
@@ -158,11 +166,14 @@ class SimGpu:
 class ClusterState:
     """GPUs, nodes' CPU RAM and every replica, with the conversions to the policy's types."""
 
-    def __init__(self, gpus_by_node: Sequence[int], gpu_bytes: int, cpu_cache_bytes: int) -> None:
+    def __init__(self, gpus_by_node: Sequence[int], gpu_bytes: int, cpu_cache_bytes: int, *,
+                 parked_process_bytes: int = 0) -> None:
         """Args:
         gpus_by_node: how many GPUs each node has.
         gpu_bytes: each GPU's memory.
         cpu_cache_bytes: each node's CPU RAM for parked (WARM) replicas.
+        parked_process_bytes: what a WARM replica with its weights dropped holds of it
+            (``placement.parked_process_bytes``).
         """
         num_nodes = len(gpus_by_node)
         self.num_nodes = num_nodes
@@ -176,6 +187,7 @@ class ClusterState:
         self.gpu_totals = [totals[count] for count in gpus_by_node]
         """Per node: GPU index -> total bytes."""
         self.cpu_cache_bytes = cpu_cache_bytes
+        self.parked_process_bytes = parked_process_bytes
         self.replicas: dict[str, SimReplica] = {}
         """Every replica that is not COLD."""
         self.replica_ids_by_node: list[set[str]] = [set() for _ in range(num_nodes)]
@@ -267,7 +279,8 @@ class ClusterState:
         fairness = replica.model.fairness
         if replica.state == WARM:
             return ReplicaSnapshot(replica.replica_id, replica.model.key, "WARM", {}, replica.cpu_bytes,
-                                   fairness.popular, replica.last_access)
+                                   fairness.popular, replica.last_access,
+                                   parked_bytes=self.parked_process_bytes if replica.weights_dropped else None)
         protected = is_protected(fairness, serving=replica.state == SERVING, serving_since=replica.serving_since,
                                  now=now)
         return ReplicaSnapshot(replica.replica_id, replica.model.key, "HOT", replica.gpu_bytes, replica.cpu_bytes,

@@ -154,7 +154,7 @@ class WakeCoordinator:
             def operate(planner: ClusterPlanner) -> None:
                 for victim in victims:
                     planner.sleep_replica(victim.model.key, victim.replica_id, reason="preempted",
-                                          park=victim.model.parks_warm)
+                                          park=victim.model.parks, drop_weights=victim.model.drops_weights)
 
             sim.log("preempt", wake.model.key, " ".join(sorted(v.model.key for v in victims)))
             sim.run_pass(operate, full_nodes={victim.node for victim in victims})

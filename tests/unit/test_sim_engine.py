@@ -15,9 +15,11 @@ from typing import Any
 import numpy as np
 import pytest
 
+from shoal.shared.placement.node_state import NodeWork
 from shoal.sim.engine import Simulator
 from shoal.sim.policies import POLICIES
 from shoal.sim.scenario import Scenario, parse_scenario
+from shoal.sim.state import WARM
 from shoal.sim.traces import Trace
 
 GiB = 1 << 30
@@ -108,13 +110,22 @@ def test_shoal_waits_out_the_fairness_wait_while_an_occupant_may_sleep_within_it
     assert sim.metrics.counters["evicted_preempted"] == 1
 
 
-def test_lru_swaps_at_once_and_reloads_from_disk() -> None:
+@pytest.mark.parametrize("level", ["warm", "cold"])
+def test_lru_swaps_at_once_and_reloads_from_disk(level: str) -> None:
     """No fairness wait, no minimum runtime: the victim stops (0.5 s) the moment the other
-    model asks, and comes back from disk (5 s)."""
-    sim, ttft = run(two_models(), make_trace(SWAP_TRACE), "lru")
+    model asks, and comes back from disk (5 s), whatever the catalog's sleep level (plain
+    LRU swapping stops processes; only Shoal's cold sleep keeps them)."""
+    scenario = two_models(models=[
+        {"name": name, "params_b": 1.0, "weight_bytes": "30GiB", "measured_bytes": "60GiB", "replicas": 0,
+         "sleep": {"level": level}} for name in ("a", "b")])
+    sim, ttft = run(scenario, make_trace(SWAP_TRACE), "lru")
     assert ttft == pytest.approx([5.1, 5.6, 5.6])
-    assert (sim.metrics.counters["loads_from_disk"], sim.metrics.counters["loads_from_cpu"]) == (3, 0)
+    counters = sim.metrics.counters
+    assert (counters["loads_from_disk"], counters["loads_from_cpu"], counters["reloads_in_place"]) == (3, 0, 0)
     assert [e for e in kinds(sim) if e[1] == "evict"] == [(16.0, "evict", "a"), (40.0, "evict", "b")]
+    assert sim.events is not None
+    assert [e.detail for e in sim.events if e.kind == "released"] == ["COLD", "COLD"]
+    assert not any(r.state == WARM for r in sim.state.replicas.values())
 
 
 def test_seed_heuristic_reserves_the_whole_gpu_and_parks() -> None:
@@ -259,3 +270,72 @@ def test_a_replica_given_less_than_its_measured_memory_gets_a_smaller_kv_pool() 
         sim, _ = run(scenario, trace, policy)
         (replica,) = [r for r in sim.state.replicas.values() if r.model.key == "a"]
         assert replica.kv_capacity == kv_tokens
+
+
+def sleeping_models(a_level: str, *, cpu_ram: str = "1TiB", idle_timeout_s: float | None = 5.0) -> Scenario:
+    """a sleeps at `a_level` (after `idle_timeout_s` idle, if given), b parks warm."""
+    sleep: dict[str, Any] = {"level": a_level}
+    if idle_timeout_s is not None:
+        sleep["idle_timeout_s"] = idle_timeout_s
+    return two_models(cluster={"cpu_ram_bytes": cpu_ram}, models=[
+        {"name": "a", "params_b": 1.0, "weight_bytes": "30GiB", "measured_bytes": "60GiB", "replicas": 0,
+         "fairness": {"min_runtime_s": 0.0}, "sleep": sleep},
+        {"name": "b", "params_b": 1.0, "weight_bytes": "30GiB", "measured_bytes": "60GiB", "replicas": 0},
+    ])
+
+
+@pytest.mark.parametrize(("level", "parked"), [("cold", True), ("warm", False)])
+def test_a_cold_sleep_parks_the_process_charged_only_parked_process_bytes(level: str, parked: bool) -> None:
+    """8 GiB of RAM: 4 GiB of CPU cache, too little for a's 30 GiB of weights. a's request ends
+    at 5.2; the round at 15 puts it to sleep. Slept cold, it parks WARM with its weights dropped
+    (0.5 s: nothing copied), charged 512 MiB (``parked_process_bytes``), in the sim's snapshot
+    and in the planner's CPU cache alike; slept warm, its weights find no room: it stops."""
+    scenario = sleeping_models(level, cpu_ram="8GiB")
+    sim, _ = run(scenario, make_trace([(0.0, "a")]), "shoal")
+    assert [e for e in kinds(sim) if e[1] in ("evict", "released")] == [(15.0, "evict", "a"),
+                                                                          (15.5, "released", "a")]
+    assert sim.events is not None
+    assert [e.detail for e in sim.events if e.kind == "released"] == ["WARM" if parked else "COLD"]
+    assert [(r.state, r.weights_dropped) for r in sim.state.replicas.values()] == ([(WARM, True)] if parked else [])
+    charge = scenario.cluster.placement.parked_process_bytes
+    assert charge == 512 << 20
+    (node,) = sim.state.build_snapshot(sim.now, sim.desired).nodes
+    assert [(r.level, r.cpu_bytes, r.parked_bytes) for r in node.replicas] == (
+        [("WARM", 30 * GiB, charge)] if parked else [])
+    work = NodeWork(node, 0.0, {0: 0.0}, 0.0)
+    assert work.cpu_cache.used_bytes == (charge if parked else 0)
+
+
+@pytest.mark.parametrize(("level", "sleep_s", "wake_s", "counter"), [
+    ("cold", 0.5, 3.0, "reloads_in_place"),  # park_fixed; restore_fixed 1 + disk 1 + to the GPU 1
+    ("warm", 1.0, 2.0, "loads_from_cpu"),    # park_fixed 0.5 + copy out 0.5; restore_fixed 1 + copy in 1
+])
+def test_a_cold_slept_replica_wakes_by_reloading_its_weights_into_its_process(
+        level: str, sleep_s: float, wake_s: float, counter: str) -> None:
+    """a sleeps idle at 15 and is asked again at 30: the same replica is woken. Cold, it reads its
+    weights from disk and copies them to the GPU in its living process (3 s, not a 5 s create)."""
+    sim, ttft = run(sleeping_models(level), make_trace([(0.0, "a"), (30.0, "a")]), "shoal")
+    assert ttft == pytest.approx([5.1, wake_s + 0.1])
+    assert [e for e in kinds(sim) if e[1] in ("evict", "released", "load", "ready") and e[0] < 35.0] == [
+        (0.0, "load", "a"), (5.0, "ready", "a"), (15.0, "evict", "a"), (15.0 + sleep_s, "released", "a"),
+        (30.0, "load", "a"), (30.0 + wake_s, "ready", "a")]
+    counters = sim.metrics.counters
+    assert counters["loads_from_disk"] == 1 and counters[counter] == 1
+    assert counters["loads_from_cpu"] + counters["reloads_in_place"] == 1
+    assert sim.events is not None
+    assert [e.detail for e in sim.events if e.kind == "evict"] == (
+        ["idle to WARM (weights dropped)"] * 2 if level == "cold" else ["idle to WARM"] * 2)
+
+
+def test_a_preempted_cold_model_parks_without_its_weights_and_reloads() -> None:
+    """SWAP_TRACE with a cold: b preempts a at 16; a parks in 0.5 s (its weights dropped), b is
+    created by its claim after that. a at 40 preempts b (a warm park, 1 s: released at 41)
+    and is reloaded in its own process: 1 + 1 + 1 = 3 s, ready at 44."""
+    sim, ttft = run(sleeping_models("cold", idle_timeout_s=None), make_trace(SWAP_TRACE), "shoal")
+    events = kinds(sim)
+    assert (16.5, "released", "a") in events
+    assert [e for e in events if e[0] >= 40.0] == [
+        (40.0, "wake", "a"), (40.0, "preempt", "a"), (40.0, "evict", "b"), (41.0, "released", "b"),
+        (41.0, "load", "a"), (41.0, "claimed", "a"), (44.0, "ready", "a")]
+    assert ttft[2] == pytest.approx(4.1)
+    assert sim.metrics.counters["reloads_in_place"] == 1
