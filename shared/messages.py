@@ -521,6 +521,13 @@ class RestoreReplica(Struct, tag="from_cache", tag_field="type"):
     replica: ReplicaRecord
 
 
+class PingWorker(Struct, tag="ping", tag_field="type"):
+    """Is this replica's worker alive and on the bus? Asked by a gateway when the replica's node
+    is lost (its agent silent): a worker that answers may still be serving its requests."""
+
+    replica_id: ReplicaId
+
+
 class InspectModel(Struct, tag="inspect", tag_field="type"):
     """Scheduler -> any node agent (they hold the models): read a model's config and size."""
 
@@ -763,6 +770,7 @@ create_replica_decoder = msgspec.json.Decoder(CreateReplica)
 stop_replica_decoder = msgspec.json.Decoder(StopReplica)
 cache_replica_decoder = msgspec.json.Decoder(CacheReplica)
 restore_replica_decoder = msgspec.json.Decoder(RestoreReplica)
+ping_worker_decoder = msgspec.json.Decoder(PingWorker)
 node_command_decoders: dict[str, msgspec.json.Decoder[Any]] = {
     "create": create_replica_decoder,
     "stop": stop_replica_decoder,

@@ -136,6 +136,8 @@ PERMISSIONS: dict[Role, tuple[Grant, ...]] = {
         write_kv((subjects.SESSIONS_BUCKET,), "route a session's turns to the replica holding its KV"),
         Grant("list and drop the sessions workers hold (the admin API)",
               publish=(subjects.worker_subject("*", "sessions"), subjects.worker_subject("*", "drop_session"))),
+        Grant("ping the worker of a lost replica (fail over its requests if it is gone too)",
+              publish=(subjects.worker_subject("*", "ping"),)),
     ),
     "scheduler": (
         bind_streams(),

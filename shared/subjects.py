@@ -222,7 +222,8 @@ def node_subject(node_id: str, verb: str) -> str:
 
 
 def worker_subject(replica_id: str, verb: str) -> str:
-    """A replica's control endpoint (to_cache, from_cache), called by its node agent."""
+    """A replica's control endpoint: to_cache and from_cache, called by its node agent; ping,
+    asked by gateways when its node is lost."""
     return f"{WORKER_PREFIX}.{replica_id}.{verb}"
 
 

@@ -72,10 +72,12 @@ from shoal.shared.messages import (
     ErrorReply,
     FinalReply,
     InferenceRequest,
+    PingWorker,
     ReplicaRecord,
     TokenChunk,
     encode_msgpack,
     scheduler_reply_decoder,
+    worker_reply_decoder,
 )
 from shoal.shared.metrics import Registry
 from shoal.shared.micro import ServiceCallError, ServiceError, ServiceUnavailable, request_json
@@ -95,6 +97,11 @@ PUBLISH_RETRY_S = 30.0
 """How long a request's publish is retried while the stream cannot take it (a NATS cluster
 electing a leader, the gateway reconnecting), within its deadline."""
 PUBLISH_RETRY_PAUSE_S = 0.25
+LOST_PING_TRIES = 3
+LOST_PING_TIMEOUT_S = 2.0
+LOST_PING_PAUSE_S = 1.0
+"""A lost replica's worker is pinged up to `LOST_PING_TRIES` times, this far apart (a worker
+reconnecting to NATS has no responders for a moment), before its requests fail over."""
 MAX_DELIVERIES_ADVISORY = f"$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{subjects.REQUESTS_STREAM}.>"
 
 
@@ -170,6 +177,7 @@ class Dispatcher:
                                              ["model"])
         self._running_on: dict[str, set[str]] = {}
         """Replica id -> wire ids of the requests whose current attempt runs there."""
+        self._lost_checks: set[asyncio.Task[None]] = set()
         self._replica_of: dict[str, str] = {}
         self._wire_by_seq: dict[int, str] = {}
         """Stream sequence -> wire id of every request waiting for replies."""
@@ -248,6 +256,8 @@ class Dispatcher:
     async def stop(self) -> None:
         if self._advisories is not None:
             await self._advisories.unsubscribe()
+        for task in list(self._lost_checks):
+            task.cancel()
 
     async def run(self, request: InferenceRequest, *, restartable: bool) -> AsyncGenerator[DispatchEvent, None]:
         """Publish `request` and yield its chunks and final reply (see the module doc).
@@ -396,11 +406,37 @@ class Dispatcher:
 
     def _on_replica_changed(self, previous: ReplicaRecord | None, current: ReplicaRecord | None) -> None:
         """A replica record changed (ClusterView): when it turns failed, every request whose
-        current attempt runs there hears of it at once."""
-        if current is None or current.state != "failed" or (previous is not None and previous.state == "failed"):
+        current attempt runs there hears of it at once. When it turns lost (its node agent went
+        silent), its worker may still be serving, so it is asked first (`_check_lost`)."""
+        if current is None or (previous is not None and previous.state == current.state):
             return
-        for wire_id in list(self._running_on.get(current.replica_id, ())):
-            self._router.signal(wire_id, ReplicaDied(current.replica_id))
+        if current.state == "failed":
+            self._signal_died(current.replica_id)
+        elif current.state == "lost" and current.replica_id in self._running_on:
+            task = asyncio.create_task(self._check_lost(current.replica_id))
+            self._lost_checks.add(task)
+            task.add_done_callback(self._lost_checks.discard)
+
+    def _signal_died(self, replica_id: str) -> None:
+        for wire_id in list(self._running_on.get(replica_id, ())):
+            self._router.signal(wire_id, ReplicaDied(replica_id))
+
+    async def _check_lost(self, replica_id: str) -> None:
+        """A lost replica's requests fail over when its worker does not answer a ping either
+        (its node died with it): at once, not after ``ack_wait``. A worker that answers keeps
+        them (only its agent is cut off; it serves on)."""
+        for _ in range(LOST_PING_TRIES):
+            try:
+                await request_json(self._bus.nc, subjects.worker_subject(replica_id, "ping"), PingWorker(replica_id),
+                                   worker_reply_decoder, timeout_s=LOST_PING_TIMEOUT_S)
+                return
+            except ServiceCallError as exc:
+                log.info("lost_replica_ping_failed", replica=replica_id, error=str(exc))
+            except nats.errors.Error as exc:  # the gateway's own connection: try again
+                log.warning("lost_replica_ping_error", replica=replica_id, error=str(exc))
+            await asyncio.sleep(LOST_PING_PAUSE_S)
+        log.warning("lost_replica_worker_gone", replica=replica_id)
+        self._signal_died(replica_id)
 
     async def _on_death(self, wire: InferenceRequest, tracker: AttemptTracker, replica_id: str) -> None:
         """The replica running `wire`'s current attempt died (see `AttemptTracker.on_replica_failed`)."""

@@ -32,10 +32,12 @@ from shoal.services.worker.weight_drop import DroppedWeights, drop_weights, relo
 from shoal.shared.bus import Bus
 from shoal.shared.messages import (
     CacheReplica,
+    PingWorker,
     ReplicaRecord,
     RestoreReplica,
     WorkerReply,
     cache_replica_decoder,
+    ping_worker_decoder,
     restore_replica_decoder,
 )
 from shoal.shared.micro import RequestError, add_json_endpoint
@@ -121,15 +123,22 @@ class ReplicaRuntime:
     async def on_from_cache(self, command: RestoreReplica) -> WorkerReply:
         return await self.from_cache(command.replica)
 
+    async def on_ping(self, command: PingWorker) -> WorkerReply:
+        if command.replica_id != self.replica.replica_id:
+            raise RequestError(404, f"this worker serves {self.replica.replica_id}, not {command.replica_id}")
+        return WorkerReply(ok=True, message="serving" if self.engine is not None else "parked")
+
 
 async def serve_control(bus: Bus, runtime: ReplicaRuntime) -> Service:
     replica_id = runtime.replica.replica_id
     service = await add_service(bus.nc, name="shoal-worker", version=SHOAL_VERSION,
-                                description=f"Shoal replica {runtime.replica.name}: park WARM and restore",
+                                description=f"Shoal replica {runtime.replica.name}: park WARM, restore, ping",
                                 metadata={"replica_id": replica_id, "model": runtime.replica.model})
     # The node agent relays its own to_cache / from_cache commands: same types, same decoders.
     await add_json_endpoint(service, "to_cache", worker_subject(replica_id, "to_cache"),
                             cache_replica_decoder.decode, runtime.on_to_cache)
     await add_json_endpoint(service, "from_cache", worker_subject(replica_id, "from_cache"),
                             restore_replica_decoder.decode, runtime.on_from_cache)
+    await add_json_endpoint(service, "ping", worker_subject(replica_id, "ping"),
+                            ping_worker_decoder.decode, runtime.on_ping)
     return service
