@@ -131,7 +131,7 @@ def _check_fill(fill: _Fill, sources: dict[str, Any]) -> None:
             raise ModelLoadError(f"{fill.names}: the file's shapes {shapes} are not the packed product's")
 
 
-def _release_pages(tensor: torch.Tensor, libc: Any) -> None:
+def release_pages(tensor: torch.Tensor, libc: Any) -> None:
     """Gives the whole pages inside `tensor`'s bytes back to the kernel (they read as zeros)."""
     start = tensor.data_ptr()
     end = start + tensor.numel() * tensor.element_size()
@@ -141,7 +141,7 @@ def _release_pages(tensor: torch.Tensor, libc: Any) -> None:
         libc.madvise(first, last - first, _MADV_DONTNEED)
 
 
-def _get_libc() -> Any:
+def get_libc() -> Any:
     name = ctypes.util.find_library("c")
     if not name:
         raise ModelLoadError("no libc: weights cannot be dropped in place")
@@ -172,12 +172,12 @@ def drop_weights(loaded: LoadedModel) -> DroppedWeights:
     from shoal.services.worker.engine.packed_load import get_allocation
 
     dropped.fills = _plan_cpu_fills(loaded.model, sources)
-    libc = _get_libc()
+    libc = get_libc()
     allocation = get_allocation(loaded.model)
     if allocation is not None:
-        _release_pages(allocation, libc)
+        release_pages(allocation, libc)
     for fill in dropped.fills:
-        _release_pages(fill.target, libc)
+        release_pages(fill.target, libc)
     log.info("weights_dropped", model_dir=str(loaded.model_dir), tensors=len(dropped.fills))
     return dropped
 
