@@ -8,7 +8,9 @@ plain copy of the same number of bytes (and, stricter, the same copy into memory
 huge pages, as a packed load allocates its weights), best of `--repeats`. On a virtual GPU the weights of
 a WARM replica already live in host RAM, so its wake moves no weights: what it measures is
 the engine rebuild (KV pool and warm-up pass). On CUDA the same code path copies the weights
-host -> device (see docs/benchmarks.md).
+host -> device (see docs/benchmarks.md). ``--device cuda`` runs part 1 on a GPU: WARM -> HOT
+copies the weights from page-locked host memory, COLD -> HOT reads them from the file first,
+both against a pinned host -> GPU copy of the same bytes.
 
 Part 2 (end to end, `shoal up`): the Azure conversation trace's requests in a window, spread
 over six models of Zipf popularity (scripts/swap_workload.py), on two virtual GPUs with room
@@ -100,41 +102,82 @@ def _fresh_page_copy_seconds(num_bytes: int) -> float:
     return time.perf_counter() - started
 
 
-async def _wake_seconds(models_root: Path, key: str, repeats: int) -> dict[str, float]:
+def _host_to_device_seconds(num_bytes: int) -> float:
+    """CUDA: a copy of the same bytes from page-locked host memory onto the GPU (what a WARM
+    wake moves), into a fresh device allocation, as a restore does."""
+    source = torch.empty(num_bytes, dtype=torch.uint8, pin_memory=True)
+    source.fill_(1)
+    torch.cuda.synchronize()
+    started = time.perf_counter()
+    copy = source.to("cuda")
+    torch.cuda.synchronize()
+    elapsed = time.perf_counter() - started
+    del copy, source
+    torch.cuda.empty_cache()
+    return elapsed
+
+
+async def _wake_seconds(models_root: Path, key: str, repeats: int, device: torch.device) -> dict[str, float]:
     worker = WorkerConfig(torch_threads=1)
     spec = ModelSpec(key=key, path=key)
     replica = ReplicaRecord(replica_id="bench", model=key, node_id="n", gpu_bytes={0: 2 << 30})
-    device = torch.device("cpu")
+    cuda = device.type == "cuda"
     minimum = get_min_engine_bytes_for(device, worker)
     register_attention()
-    best = {name: float("inf") for name in ("fresh", "cold", "warm", "copy", "huge_copy", "fresh_page_copy")}
+    best = {name: float("inf") for name in ("fresh", "cold", "warm", "warm_restore", "copy", "huge_copy",
+                                                 "fresh_page_copy")}
     weight_bytes = 0
+
+    def synchronized() -> float:
+        if cuda:
+            torch.cuda.synchronize()
+        return time.perf_counter()
+
     for _ in range(repeats):
-        started = time.perf_counter()
+        started = synchronized()
         loaded = load_model(models_root, spec, replica, device=device, attn_implementation="shoal_paged",
-                            min_kv_reserve_bytes=minimum, native_pack=True)
+                            min_kv_reserve_bytes=minimum, native_pack=not cuda)
         engine = build_paged_engine(loaded, worker, kv_cache_tokens=spec.kv_cache_tokens)
-        best["fresh"] = min(best["fresh"], time.perf_counter() - started)
+        best["fresh"] = min(best["fresh"], synchronized() - started)
         weight_bytes = loaded.weight_bytes
         await engine.close()
         dropped = drop_weights(loaded)  # cold sleep: the process stays, its weights go
         park_weights(loaded, replica)
-        started = time.perf_counter()
+        started = synchronized()
         reload_weights(loaded, dropped)
         restore_weights(loaded, replica, min_kv_reserve_bytes=minimum)
         engine = build_paged_engine(loaded, worker, kv_cache_tokens=spec.kv_cache_tokens, warm_up=False)
-        best["cold"] = min(best["cold"], time.perf_counter() - started)
+        best["cold"] = min(best["cold"], synchronized() - started)
         await engine.close()
         park_weights(loaded, replica)
-        started = time.perf_counter()
+        started = synchronized()
         restore_weights(loaded, replica, min_kv_reserve_bytes=minimum)
+        restored = synchronized()
         engine = build_paged_engine(loaded, worker, kv_cache_tokens=spec.kv_cache_tokens, warm_up=False)
-        best["warm"] = min(best["warm"], time.perf_counter() - started)
+        best["warm"] = min(best["warm"], synchronized() - started)
+        best["warm_restore"] = min(best["warm_restore"], restored - started)
         await engine.close()
+        del engine, loaded
+        if cuda:
+            best["copy"] = min(best["copy"], _host_to_device_seconds(weight_bytes))
+            continue
         best["copy"] = min(best["copy"], _copy_seconds(weight_bytes))
         best["huge_copy"] = min(best["huge_copy"], _huge_page_copy_seconds(weight_bytes))
         best["fresh_page_copy"] = min(best["fresh_page_copy"], _fresh_page_copy_seconds(weight_bytes))
     return {**best, "weight_bytes": float(weight_bytes)}
+
+
+def render_cuda_wake_table(rows: dict[str, dict[str, float]]) -> str:
+    lines = ["| model | weights | pinned host -> GPU copy of the same bytes | WARM -> HOT | ratio | "
+             "of which the weights' restore | ratio | COLD -> HOT (reload in place) | ratio | fresh load | ratio |",
+             "|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|"]
+    for key, r in rows.items():
+        copy = r["copy"]
+        lines.append(f"| {key} | {r['weight_bytes'] / MiB:.0f} MiB | {copy * 1e3:.2f} ms | {r['warm'] * 1e3:.1f} ms | "
+                     f"{r['warm'] / copy:.2f}x | {r['warm_restore'] * 1e3:.1f} ms | {r['warm_restore'] / copy:.2f}x | "
+                     f"{r['cold'] * 1e3:.1f} ms | {r['cold'] / copy:.2f}x | "
+                     f"{r['fresh'] * 1e3:.0f} ms | {r['fresh'] / copy:.1f}x |")
+    return "\n".join(lines)
 
 
 def render_wake_table(rows: dict[str, dict[str, float]]) -> str:
@@ -234,13 +277,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-output-tokens", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path, help="also write the figures here")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                        help="part 1 on this device (cuda: WARM and COLD wakes against a pinned host -> GPU copy)")
     args = parser.parse_args(argv)
     make_demo_models(args.models_root)
     results: dict[str, Any] = {}
     if not args.skip_wake:
-        rows = {key: asyncio.run(_wake_seconds(args.models_root, key, args.repeats)) for key in DEMO_MODEL_KEYS}
+        device = torch.device(args.device)
+        rows = {key: asyncio.run(_wake_seconds(args.models_root, key, args.repeats, device)) for key in DEMO_MODEL_KEYS}
         results["wake"] = rows
-        print(render_wake_table(rows))
+        print(render_cuda_wake_table(rows) if device.type == "cuda" else render_wake_table(rows))
     if not args.skip_replay:
         from transformers import AutoTokenizer
 

@@ -11,8 +11,8 @@ lacks), so every doubt falls back to the shared queue:
     gone        its replica's record is gone, failed, stopping
     asleep      its replica is not serving (draining, parked WARM, loading)
     no_cache    its replica's engine keeps no sessions (its stats say so)
-    saturated   its replica has requests waiting for room while another replica of the
-                model has none
+    saturated   its replica has requests waiting for room (waiting while others run) while
+                another replica of the model has none waiting
     affinity    otherwise                                   -> the replica's own subject
 
 A turn sent to a replica that goes away before answering is moved to the shared queue
@@ -64,11 +64,18 @@ def choose_route(session_id: str | None, holder_id: str | None, holder: ReplicaR
         return SHARED_QUEUE["asleep"]
     if holder_stats is not None and holder_stats.engine and holder_stats.sessions is None:
         return SHARED_QUEUE["no_cache"]
-    if holder_stats is not None and holder_stats.num_requests_waiting > 0 and any(
+    if holder_stats is not None and _is_saturated(holder_stats) and any(
         stats.replica_id != holder_id and stats.serving and stats.num_requests_waiting == 0 for stats in others
     ):
         return SHARED_QUEUE["saturated"]
     return Route(holder_id, "affinity")
+
+
+def _is_saturated(stats: WorkerStats) -> bool:
+    """Requests wait while others run: the replica has no room for more. Requests waiting on
+    an idle engine are only not yet picked up (a snapshot taken as one arrived), not a sign of
+    saturation: acting on one sent a sequential session's turns to another replica."""
+    return stats.num_requests_waiting > 0 and stats.num_requests_running > 0
 
 
 def must_move(record: ReplicaRecord | None) -> bool:

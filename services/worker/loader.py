@@ -19,6 +19,12 @@ import structlog
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
+from shoal.services.worker.pinned_park import (
+    PinnedWeights,
+    park_to_pinned_host,
+    release_pinned_host_cache_later,
+    restore_to_device,
+)
 from shoal.shared.errors import ShoalError
 from shoal.shared.messages import ModelSpec, ReplicaRecord
 from shoal.shared.model_settings import InvalidModelPath, resolve_model_dir
@@ -59,6 +65,8 @@ class LoadedModel:
     context lives as long as the process, parked or not (see `restore_weights`)."""
     model_dir: Path | None = None
     """Where the weights were read from (under the models root): a cold sleep reloads them from here."""
+    parked: PinnedWeights | None = None
+    """CUDA, while parked: the one page-locked buffer holding the weights (`pinned_park`)."""
 
 
 def model_weight_bytes(model: torch.nn.Module) -> int:
@@ -245,8 +253,7 @@ def park_weights(loaded: LoadedModel, replica: ReplicaRecord) -> None:
     if loaded.device.type != "cuda":
         return  # virtual GPUs: the weights already live in host RAM
     detach_dispatch(loaded.model)
-    loaded.model.to("cpu")
-    torch.cuda.synchronize()
+    loaded.parked = park_to_pinned_host(loaded.model)
     for index in replica.gpu_bytes:
         torch.cuda.set_per_process_memory_fraction(1.0, index)
     clear_workspaces = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
@@ -294,7 +301,12 @@ def restore_weights(
             )
             loaded.model = dispatch_model(loaded.model, device_map=device_map)
         else:
-            loaded.model.to(placement["device_map"][""])
+            device = torch.device(placement["device_map"][""])
+            if loaded.parked is not None:
+                restore_to_device(loaded.parked, device)
+            loaded.model.to(device)  # what the parked buffer did not hold (a cold sleep's reloaded weights)
+        loaded.parked = None
+        release_pinned_host_cache_later()
         _verify_placement(loaded.model, replica, loaded.device)
         loaded.context_gpus |= set(replica.gpu_bytes)
     else:

@@ -79,6 +79,7 @@ async def test_a_parked_worker_keeps_only_its_context_and_serves_again_after_a_r
     assert residual < MAX_CONTEXT_BYTES, "only the context stays: weights, KV pool and cached blocks are gone"
     assert torch.cuda.memory_reserved(0) == 0
     assert all(p.device.type == "cpu" for p in loaded.model.parameters())
+    assert all(p.is_pinned() for p in loaded.model.parameters()), "parked in page-locked memory (DMA on wake)"
 
     if torch.cuda.device_count() >= 2:
         with pytest.raises(ModelLoadError, match="CUDA context lives on GPU"):
@@ -114,3 +115,37 @@ def test_a_model_dispatched_over_two_gpus_parks_without_hooks_and_restores_over_
         after = loaded.model(input_ids).logits.cpu()
     torch.testing.assert_close(after, before)
     detach_dispatch(loaded.model)
+
+
+async def test_a_cold_sleep_drops_the_weights_and_a_wake_reloads_them_onto_the_gpu(demo_models_root: Path) -> None:
+    """`weight_drop` on CUDA: the parameters' storage is released (neither GPU nor host memory
+    holds the weights), the wake reads them from the model's file, and the replica answers as
+    before."""
+    from shoal.services.worker.weight_drop import drop_weights, reload_weights
+
+    pid = os.getpid()
+    prompt = list(range(20, 60))
+    replica = _replica({0: 4 << 30})
+    loaded = load_model(demo_models_root, ModelSpec(key=MODEL, path=MODEL), replica, device=torch.device("cuda"))
+    params = SamplingParams(max_tokens=NUM_NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    engine = build_paged_engine(loaded)
+    text_before = "".join([o.text async for o in engine.generate(GenerationRequest("a", prompt, params))])
+    await engine.close()
+    del engine
+    gc.collect()
+
+    dropped = drop_weights(loaded)
+    park_weights(loaded, replica)
+    residual = nvml_process_bytes(pid, [0])
+    assert residual is not None and residual < MAX_CONTEXT_BYTES
+    assert sum(p.numel() for p in loaded.model.parameters()) == 0, "no copy of the weights is kept anywhere"
+
+    reload_weights(loaded, dropped)
+    restore_weights(loaded, replica)
+    assert all(p.device.type == "cuda" for p in loaded.model.parameters())
+    engine = build_paged_engine(loaded)
+    try:
+        text_after = "".join([o.text async for o in engine.generate(GenerationRequest("b", prompt, params))])
+        assert text_after == text_before
+    finally:
+        await engine.close()

@@ -62,12 +62,14 @@ def test_a_replica_without_a_session_cache_gets_no_affinity() -> None:
 
 
 def test_a_saturated_replica_keeps_its_turns_unless_another_has_room() -> None:
-    busy = stats(num_requests_waiting=3)
+    busy = stats(num_requests_waiting=3, num_requests_running=8)
     assert route(holder_stats=busy) == Route("r1", "affinity"), "no other replica"
     assert route(holder_stats=busy, others=(stats("r2", num_requests_waiting=1),)) == Route("r1", "affinity")
     assert route(holder_stats=busy, others=(stats("r2", serving=False),)) == Route("r1", "affinity")
     assert route(holder_stats=busy, others=(stats("r2"),)) == Route(None, "saturated")
     assert route(holder_stats=stats(), others=(stats("r2"),)) == Route("r1", "affinity")
+    just_arrived = stats(num_requests_waiting=1)  # nothing running: not yet picked up, not saturated
+    assert route(holder_stats=just_arrived, others=(stats("r2"),)) == Route("r1", "affinity")
 
 
 def test_a_request_is_moved_only_off_a_replica_that_will_never_answer_it() -> None:
