@@ -415,14 +415,11 @@ def count_ops(engine: Any, tokenizer: Any, c: int, args: argparse.Namespace) -> 
 
 
 def engine_mode(args: argparse.Namespace) -> list[dict[str, Any]]:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from shoal.services.worker.engine.engine_config import EngineConfig
-    from shoal.services.worker.engine.paged_engine import PagedEngine
-
-    from transformers import AutoConfig
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     from shoal.services.worker.engine import packed_load
+    from shoal.services.worker.engine.engine_config import EngineConfig
+    from shoal.services.worker.engine.paged_engine import PagedEngine
 
     torch.set_num_threads(args.threads)
     results = []
