@@ -12,6 +12,11 @@
  * 250-270 GFLOPS from 8 rows up and ~35 GB/s of weights for one row, faster than oneDNN's
  * packed sgemm at every row count tried.
  *
+ * Bfloat16 weights (struct shoal_linear's dtype, SHOAL_WEIGHTS_BF16; shoal_pack_linear_bf16):
+ * the same panels at half the bytes, two columns to a 32-bit word, widened to float32 in
+ * registers (a shift, a mask) by kernels that are otherwise the float32 ones: a product equals
+ * the float32 product of the rounded weights on the same code path, bit for bit.
+ *
  * Code paths, chosen at run time: AVX-512F, AVX2 + FMA, and generic C. Each sums over k in
  * order within a chain (one chain per output for more than two rows), so a row's results do
  * not depend on the other rows of the batch, except for which kernel ran it (1, 2 or more
