@@ -4,7 +4,9 @@ its packed float32 products (cpu_gemm.c).
 `PackedLinear` holds one weight in the products' panel layout; `ModelWeights` holds a
 decoder's packed weights and the C structure that describes them; `run_forward` runs one
 batch through every layer. The engine's adapter from a Hugging Face model to these is
-`shoal.services.worker.engine.native_forward`. Everything here is float32 on the CPU.
+`shoal.services.worker.engine.native_forward`. Everything here is float32 on the CPU, except
+that a product's panels may hold its weights as bfloat16 (`PANEL_DTYPES`): they are widened to
+float32 in registers, and the arithmetic stays float32.
 """
 
 from __future__ import annotations
@@ -21,6 +23,10 @@ from shoal.kernels.cpu_kernels import CpuKernels, DecodePlan
 PANEL = 32
 """Output columns per packed panel (cpu_model.h's SHOAL_PANEL)."""
 EPILOGUE_STORE, EPILOGUE_SILU_MUL = 0, 1
+WEIGHTS_F32, WEIGHTS_BF16 = 0, 1
+PANEL_DTYPES = {torch.float32: WEIGHTS_F32, torch.bfloat16: WEIGHTS_BF16}
+"""The panels' element types (cpu_model.h's SHOAL_WEIGHTS_*): float32, or bfloat16 in words of
+two columns (column j and j + 16 of a panel's step), half the bytes."""
 ISA_BEST, ISA_GENERIC, ISA_AVX2, ISA_AVX512 = -1, 0, 1, 2
 ISA_NAMES = {ISA_GENERIC: "generic", ISA_AVX2: "avx2", ISA_AVX512: "avx512"}
 
@@ -41,7 +47,8 @@ AttendCallback = ctypes.CFUNCTYPE(None, ctypes.c_int64)
 class _Linear(ctypes.Structure):
     """cpu_model.h's ``struct shoal_linear``."""
 
-    _fields_ = [("panels", _ptr), ("bias", _ptr), ("num_out", _i64), ("num_in", _i64), ("epilogue", _i64)]
+    _fields_ = [("panels", _ptr), ("bias", _ptr), ("num_out", _i64), ("num_in", _i64), ("epilogue", _i64),
+                ("dtype", _i64)]
 
 
 class _LayerWeights(ctypes.Structure):
@@ -119,6 +126,8 @@ def _bind(library: ctypes.CDLL) -> None:
         return
     library.shoal_pack_linear.argtypes = [_ptr, _i64, _i64, _i64, _ptr]
     library.shoal_pack_linear.restype = None
+    library.shoal_pack_linear_bf16.argtypes = [_ptr, _i64, _i64, _i64, _i64, _ptr]
+    library.shoal_pack_linear_bf16.restype = None
     library.shoal_linear_forward.argtypes = [_ptr, _ptr, _i64, _ptr, _i64, _i64, _i64, _i64]
     library.shoal_linear_forward.restype = _i64
     library.shoal_model_forward.argtypes = [_ptr, _ptr]
@@ -138,21 +147,31 @@ def get_gemm_isa(kernels: CpuKernels) -> int:
 
 
 def pack_into(kernels: CpuKernels, weight: torch.Tensor, panels: torch.Tensor, *, silu_mul: bool = False) -> None:
-    """Writes `weight` [num_out, num_in] (float32, contiguous, on the CPU) into `panels` in the
-    products' layout, as `PackedLinear` packs it: `panels` holds at least ceil(num_out / PANEL)
-    * num_in * PANEL contiguous floats. ctypes lets go of the GIL for the copy: several
-    threads may pack at once (`engine.packed_load`)."""
-    if weight.dtype != torch.float32 or weight.dim() != 2 or not weight.is_cpu or not weight.is_contiguous():
+    """Writes `weight` [num_out, num_in] (contiguous, on the CPU) into `panels` in the products'
+    layout, as `PackedLinear` packs it: float32 `panels` (a float32 weight) hold at least
+    ceil(num_out / PANEL) * num_in * PANEL contiguous floats; bfloat16 `panels` as many
+    bfloat16 (the weight float32, rounded to nearest even, or bfloat16, taken as it is).
+    ctypes lets go of the GIL for the copy: several threads may pack at once
+    (`engine.packed_load`)."""
+    bf16_panels = panels.dtype == torch.bfloat16
+    weight_dtypes = (torch.float32, torch.bfloat16) if bf16_panels else (torch.float32,)
+    if weight.dtype not in weight_dtypes or weight.dim() != 2 or not weight.is_cpu or not weight.is_contiguous():
         raise ValueError(f"pack_into takes a contiguous float32 CPU matrix, got {weight.dtype} {tuple(weight.shape)}")
     num_out, num_in = weight.shape
-    if panels.dtype != torch.float32 or not panels.is_contiguous() or panels.numel() < -(-num_out // PANEL) * num_in * PANEL:
-        raise ValueError(f"panels too small for a [{num_out}, {num_in}] weight")
+    if panels.dtype not in PANEL_DTYPES or not panels.is_contiguous() or (
+        panels.numel() < -(-num_out // PANEL) * num_in * PANEL
+    ):
+        raise ValueError(f"panels too small for a [{num_out}, {num_in}] weight (or not float32 / bfloat16)")
     if silu_mul and (num_out % 32 or num_out == 0):
         raise ValueError(f"a gate/up weight needs 2 x a multiple of 16 rows, got {num_out}")
     _bind(kernels.library)
-    kernels.library.shoal_pack_linear(
-        weight.data_ptr(), num_out, num_in, EPILOGUE_SILU_MUL if silu_mul else EPILOGUE_STORE, panels.data_ptr()
-    )
+    epilogue = EPILOGUE_SILU_MUL if silu_mul else EPILOGUE_STORE
+    if bf16_panels:
+        kernels.library.shoal_pack_linear_bf16(
+            weight.data_ptr(), int(weight.dtype == torch.bfloat16), num_out, num_in, epilogue, panels.data_ptr()
+        )
+    else:
+        kernels.library.shoal_pack_linear(weight.data_ptr(), num_out, num_in, epilogue, panels.data_ptr())
 
 
 class PackedLinear:
@@ -164,25 +183,35 @@ class PackedLinear:
             ([2 x intermediate, num_in], intermediate a multiple of 16): the product then
             returns SiLU(gate) * up, [rows, intermediate].
         bias: [num_out] or None.
+        panel_dtype: float32, or bfloat16: the panels hold the weight rounded to bfloat16
+            (a bfloat16 `weight` as it is), and the product is float32 arithmetic on those
+            values.
     """
 
     def __init__(
-        self, kernels: CpuKernels, weight: torch.Tensor, bias: torch.Tensor | None = None, *, silu_mul: bool = False
+        self,
+        kernels: CpuKernels,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        *,
+        silu_mul: bool = False,
+        panel_dtype: torch.dtype = torch.float32,
     ) -> None:
         library = kernels.library
         _bind(library)
-        if weight.dtype != torch.float32 or weight.dim() != 2 or not weight.is_cpu:
+        if panel_dtype not in PANEL_DTYPES:
+            raise ValueError(f"panels are float32 or bfloat16, not {panel_dtype}")
+        if weight.dtype != torch.float32 and not (weight.dtype == torch.bfloat16 == panel_dtype):
+            raise ValueError(f"PackedLinear takes a float32 CPU matrix, got {weight.dtype} {tuple(weight.shape)}")
+        if weight.dim() != 2 or not weight.is_cpu:
             raise ValueError(f"PackedLinear takes a float32 CPU matrix, got {weight.dtype} {tuple(weight.shape)}")
         num_out, num_in = weight.shape
         if silu_mul and (num_out % 32 or num_out == 0):
             raise ValueError(f"a gate/up weight needs 2 x a multiple of 16 rows, got {num_out}")
         weight = weight.contiguous()
         num_panels = -(-num_out // PANEL)
-        self.panels = torch.empty(num_panels * num_in * PANEL, dtype=torch.float32)
-        library.shoal_pack_linear(
-            weight.data_ptr(), num_out, num_in, EPILOGUE_SILU_MUL if silu_mul else EPILOGUE_STORE,
-            self.panels.data_ptr(),
-        )
+        self.panels = torch.empty(num_panels * num_in * PANEL, dtype=panel_dtype)
+        pack_into(kernels, weight, self.panels, silu_mul=silu_mul)
         self.bias = None if bias is None else bias.detach().to(torch.float32).contiguous().clone()
         if self.bias is not None and self.bias.shape != (num_out,):
             raise ValueError(f"bias must be [{num_out}], got {tuple(self.bias.shape)}")
@@ -195,6 +224,7 @@ class PackedLinear:
             num_out,
             num_in,
             EPILOGUE_SILU_MUL if silu_mul else EPILOGUE_STORE,
+            PANEL_DTYPES[panel_dtype],
         )
         self._library = library
 
@@ -210,12 +240,12 @@ class PackedLinear:
         epilogue: int = EPILOGUE_STORE,
     ) -> PackedLinear:
         """A weight already in the panel layout (`engine.packed_load` fills it straight from a
-        weights file): `panels` float32, contiguous, as `shoal_pack_linear` writes them for
+        weights file): `panels` float32 or bfloat16, contiguous, as `pack_into` writes them for
         `num_out` weight rows of `num_in`; `bias` [num_out] float32 contiguous or None. Both
         are used as they are (not copied) and must live as long as this does."""
         _bind(kernels.library)
-        if panels.dtype != torch.float32 or not panels.is_contiguous() or not panels.is_cpu:
-            raise ValueError("panels must be a contiguous float32 CPU tensor")
+        if panels.dtype not in PANEL_DTYPES or not panels.is_contiguous() or not panels.is_cpu:
+            raise ValueError("panels must be a contiguous float32 or bfloat16 CPU tensor")
         if panels.numel() != -(-num_out // PANEL) * num_in * PANEL:
             raise ValueError(f"{panels.numel()} floats are not the panels of a [{num_out}, {num_in}] weight")
         if bias is not None and (bias.dtype != torch.float32 or bias.shape != (num_out,) or not bias.is_contiguous()):
@@ -226,7 +256,8 @@ class PackedLinear:
         self.num_in = num_in
         self.num_out = num_out // 2 if epilogue == EPILOGUE_SILU_MUL else num_out
         self.struct = _Linear(
-            panels.data_ptr(), None if bias is None else bias.data_ptr(), num_out, num_in, epilogue
+            panels.data_ptr(), None if bias is None else bias.data_ptr(), num_out, num_in, epilogue,
+            PANEL_DTYPES[panels.dtype],
         )
         self._library = kernels.library
         return self
@@ -235,7 +266,7 @@ class PackedLinear:
     def nbytes(self) -> int:
         """Bytes held (panels, padding and bias)."""
         bias_bytes = 0 if self.bias is None else self.bias.numel() * 4
-        return self.panels.numel() * 4 + bias_bytes
+        return self.panels.numel() * self.panels.element_size() + bias_bytes
 
     def forward(self, x: torch.Tensor, *, num_threads: int = 1, isa: int = ISA_BEST) -> torch.Tensor:
         """x [rows, num_in] float32 (rows contiguous) -> [rows, num_out]: tests and benchmarks.

@@ -26,6 +26,12 @@ it does with it.
     python scripts/bench_peers.py                                     # everything (~1-2 h)
     python scripts/bench_peers.py --models demo/llama-5m --concurrency 1,8 --prompt-lengths 64
     python scripts/bench_peers.py --build-only
+
+``--weights bf16`` compares bfloat16 weights on both sides instead: the models converted to
+BF16 GGUFs (the converter's ``--outtype bf16``) and served by Shoal with ``dtype =
+"bfloat16"`` (a shoal.toml of `[[models]]` entries; docs/engine.md, "Bfloat16 weights"),
+greedy outputs checked against ``generate`` of the model with every weight rounded to
+bfloat16.
 """
 
 from __future__ import annotations
@@ -95,6 +101,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--no-docs", action="store_true", help="print only; leave the docs alone")
     parser.add_argument("--json", type=Path, help="also write every run as JSON here")
     parser.add_argument("--build-only", action="store_true", help="build llama-server and convert the models, then stop")
+    parser.add_argument("--weights", choices=["f32", "bf16"], default="f32",
+                        help="the weights' type on both sides: f32 (GGUF f32, Shoal float32) or bf16 (GGUF bf16, "
+                             "Shoal dtype = \"bfloat16\")")
     args = parser.parse_args(argv)
     if args.max_tokens < 1 or args.rounds < 1 or args.threads < 1 or args.greedy_checks < 0 \
             or args.max_extra_rounds < 0:
@@ -373,7 +382,8 @@ class Bench:
         finally:
             server.stop()
         texts_shoal = [asyncio.run(complete_once(self.shoal_url, model, p, self.args.max_tokens)) for p in checked]
-        ids_hf = [_hf_greedy(self.args.models_root / model, tokenizer, p, self.args.max_tokens) for p in checked]
+        ids_hf = [_hf_greedy(self.args.models_root / model, tokenizer, p, self.args.max_tokens,
+                             rounded=self.args.weights == "bf16") for p in checked]
         label = f"~{workload.target_length:,}-token prompts"
         report.checks.append(f"{label}: llama-server's /tokenize equals the model tokenizer for {num_same} of "
                              f"{len(prompts)} prompts")
@@ -447,16 +457,22 @@ class Bench:
         return row
 
 
-def _hf_greedy(path: Path, tokenizer: Any, prompt: str, max_tokens: int) -> tuple[list[int], list[float]]:
+def _hf_greedy(path: Path, tokenizer: Any, prompt: str, max_tokens: int, *, rounded: bool = False
+               ) -> tuple[list[int], list[float]]:
     """transformers' greedy `generate` of the prompt, never stopping at EOS (as Shoal's ``ignore_eos``):
     the token ids, and at each step the gap between the two largest logits (a near tie flips on
-    the smallest difference in summation order)."""
+    the smallest difference in summation order). `rounded`: the model with every weight rounded
+    to bfloat16, run in float32 (what Shoal serves with ``dtype = "bfloat16"``)."""
     import torch
     from transformers import AutoModelForCausalLM, GenerationConfig
 
-    model = _HF_MODELS.get(path)
+    model = _HF_MODELS.get((path, rounded))
     if model is None:
-        model = _HF_MODELS[path] = AutoModelForCausalLM.from_pretrained(path).eval()
+        model = _HF_MODELS[path, rounded] = AutoModelForCausalLM.from_pretrained(path).eval()
+        if rounded:
+            with torch.no_grad():
+                for parameter in model.parameters():
+                    parameter.data = parameter.data.to(torch.bfloat16).float()
     ids = torch.tensor([tokenizer.encode(prompt)])
     config = GenerationConfig(max_new_tokens=max_tokens, do_sample=False, eos_token_id=None,
                               pad_token_id=tokenizer.pad_token_id, output_logits=True, return_dict_in_generate=True)
@@ -466,7 +482,7 @@ def _hf_greedy(path: Path, tokenizer: Any, prompt: str, max_tokens: int) -> tupl
     return [int(t) for t in out.sequences[0, ids.shape[1]:]], margins
 
 
-_HF_MODELS: dict[Path, Any] = {}
+_HF_MODELS: dict[tuple[Path, bool], Any] = {}
 
 
 def compare_texts(tokenizer: Any, text: str, reference_ids: list[int], margins: list[float]) -> str:
@@ -551,6 +567,11 @@ def _fmt_share(shares: list[float]) -> str:
             f"({below} of {len(shares)} runs started below 70%)")
 
 
+def get_bf16_config(models: list[str]) -> str:
+    """A shoal.toml serving `models` (demo keys) with bfloat16 weights, under their own keys."""
+    return "".join(f'[[models]]\nkey = "{m}"\npath = "{m}"\ndtype = "bfloat16"\n\n' for m in models)
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     started = datetime.datetime.now(datetime.UTC)
@@ -560,8 +581,9 @@ def main(argv: list[str] | None = None) -> None:
     ggufs = {}
     for model in args.models:
         gguf = llama_cpp.get_version_dir(args.cache, args.llama_cpp_python) / "gguf" / (
-            model.replace("/", "--") + "-f32.gguf")
-        ggufs[model] = llama_cpp.convert_model(llama, args.models_root / model, gguf, gguf.with_suffix(".log"))
+            model.replace("/", "--") + f"-{args.weights}.gguf")
+        ggufs[model] = llama_cpp.convert_model(llama, args.models_root / model, gguf, gguf.with_suffix(".log"),
+                                               outtype=args.weights)
     print(f"llama-server: {llama.server} ({llama_version}); GGUFs: {', '.join(map(str, ggufs.values()))}",
           flush=True)
     if args.build_only:
@@ -574,11 +596,17 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory(prefix="bench-peers-") as state:
         logs = Path(state) / "bench-logs"
         logs.mkdir()
-        shoal = start_shoal_up(args.models_root.resolve(), Path(state) / "shoal", "--log-level", "warning",
+        extra: list[str] = []
+        if args.weights == "bf16":  # the models under their own keys, served with bfloat16 weights
+            config = Path(state) / "shoal.toml"
+            config.write_text(get_bf16_config(args.models))
+            extra = ["--config", str(config)]
+        shoal = start_shoal_up(args.models_root.resolve(), Path(state) / "shoal", "--log-level", "warning", *extra,
                                env={"SHOAL_WORKER_STATS_INTERVAL_S": str(STATS_INTERVAL_S)})
         shoal_command = (f"SHOAL_WORKER_TORCH_THREADS={args.threads} SHOAL_WORKER_STATS_INTERVAL_S="
                          f"{STATS_INTERVAL_S:g} shoal up --port <free> --models-root <models root> --state-dir <temp> "
-                         f"--gpus virtual:2x16GiB")
+                         f"--gpus virtual:2x16GiB" + (" --config <shoal.toml: the models with dtype = \"bfloat16\">"
+                                                      if extra else ""))
         bench = Bench(args, llama, shoal.base_url, logs)
         try:
             for model in args.models:

@@ -132,8 +132,9 @@ def measure(prefiller: Prefiller, path: str, length: int, repeats: int) -> tuple
         native_forward.NATIVE_LONG_PREFILL = torch_long
 
 
-def time_products(model_dir: Path, rows: list[int], repeats: int) -> None:
-    """GFLOPS of the packed products of one layer's shapes of `model_dir`'s model, by rows."""
+def time_products(model_dir: Path, rows: list[int], repeats: int, dtype: str = "float32") -> None:
+    """GFLOPS of the packed products of one layer's shapes of `model_dir`'s model, by rows, with
+    `dtype` (float32 or bfloat16) panels."""
     from transformers import AutoConfig
 
     from shoal.kernels import cpu_kernels
@@ -148,7 +149,8 @@ def time_products(model_dir: Path, rows: list[int], repeats: int) -> None:
     shapes = [("qkv", qkv, hidden, False), ("o", hidden, config.num_attention_heads * head_dim, False),
               ("gate_up", 2 * inter, hidden, True), ("down", hidden, inter, False)]
     for name, num_out, num_in, silu_mul in shapes:
-        packed = PackedLinear(kernels, torch.randn(num_out, num_in), silu_mul=silu_mul)
+        packed = PackedLinear(kernels, torch.randn(num_out, num_in), silu_mul=silu_mul,
+                              panel_dtype=getattr(torch, dtype))
         cells = []
         for m in rows:
             x = torch.randn(m, num_in)
@@ -160,7 +162,7 @@ def time_products(model_dir: Path, rows: list[int], repeats: int) -> None:
 
             seconds = best_seconds(run, repeats) / calls
             cells.append(f"{2 * m * num_in * num_out / seconds / 1e9:.0f}")
-        print(f"| {model_dir.name} | {name} {num_out} x {num_in} | " + " | ".join(cells) + " |", flush=True)
+        print(f"| {model_dir.name} | {dtype} | {name} {num_out} x {num_in} | " + " | ".join(cells) + " |", flush=True)
 
 
 def main() -> None:
@@ -174,12 +176,15 @@ def main() -> None:
     parser.add_argument("--split", action="store_true", help="the torch path's attention share")
     parser.add_argument("--products", type=lambda s: [int(x) for x in parse_list(s)], default=None,
                         help="time the packed products alone at these row counts (e.g. 1,16,64,512,1920)")
+    parser.add_argument("--dtype", type=parse_list, default=["float32"],
+                        help="--products: the panels' dtypes, each in turn (float32,bfloat16)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if args.products:
         print("GFLOPS of one thread by rows M: " + ", ".join(str(m) for m in args.products))
         for key in args.models:
-            time_products(args.models_root / key, args.products, args.repeats)
+            for dtype in args.dtype:
+                time_products(args.models_root / key, args.products, args.repeats, dtype)
         return
     print(f"threads {args.threads}, best of {args.repeats}; tokens/s (ratio to hf)")
     print("| model | prompt | " + " | ".join(args.paths) + " | max abs logit diff native vs hf |")

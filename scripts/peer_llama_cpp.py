@@ -169,8 +169,9 @@ def get_pre_tokenizer_name(model_dir: Path) -> str:
     raise RuntimeError(f"{model_dir}: no pre-tokenizer split regex that llama.cpp names ({spec})")
 
 
-def convert_model(llama: LlamaCpp, model_dir: Path, outfile: Path, log: Path) -> Path:
-    """`model_dir` as an f32 GGUF at `outfile` (kept when newer than the model's files).
+def convert_model(llama: LlamaCpp, model_dir: Path, outfile: Path, log: Path, outtype: str = "f32") -> Path:
+    """`model_dir` as a GGUF of `outtype` (f32, or bf16: the converter's ``--outtype``) at
+    `outfile` (kept when newer than the model's files).
 
     The converter identifies a BPE pre-tokenizer by hashing how it splits a test text and
     knows only published tokenizers' hashes; for others it stops with "BPE pre-tokenizer was
@@ -193,11 +194,13 @@ def convert_model(llama: LlamaCpp, model_dir: Path, outfile: Path, log: Path) ->
     chkhsh = get_tokenizer_hash(AutoTokenizer.from_pretrained(model_dir), test_text)
     name = get_pre_tokenizer_name(model_dir)
     _run([sys.executable, str(Path(__file__).resolve()), "convert", "--source", str(llama.source_dir),
-          "--register", f"{chkhsh}={name}", "--outfile", str(outfile), "--model", str(model_dir)], log)
+          "--register", f"{chkhsh}={name}", "--outfile", str(outfile), "--model", str(model_dir),
+          "--outtype", outtype], log)
     return outfile
 
 
-def _convert_in_this_process(source_dir: Path, registered: dict[str, str], model_dir: Path, outfile: Path) -> None:
+def _convert_in_this_process(source_dir: Path, registered: dict[str, str], model_dir: Path, outfile: Path,
+                             outtype: str = "f32") -> None:
     import runpy
 
     sys.path[:0] = [str(source_dir), str(source_dir / "gguf-py")]
@@ -211,7 +214,7 @@ def _convert_in_this_process(source_dir: Path, registered: dict[str, str], model
         return name if name is not None else original(self, tokenizer)
 
     base.TextModel.get_vocab_base_pre = get_vocab_base_pre
-    sys.argv = ["convert_hf_to_gguf.py", "--outtype", "f32", "--outfile", str(outfile), str(model_dir)]
+    sys.argv = ["convert_hf_to_gguf.py", "--outtype", outtype, "--outfile", str(outfile), str(model_dir)]
     runpy.run_path(str(source_dir / "convert_hf_to_gguf.py"), run_name="__main__")
 
 
@@ -293,12 +296,13 @@ def _main() -> None:
     parser.add_argument("--register", action="append", default=[], help="HASH=NAME")
     parser.add_argument("--outfile", type=Path)
     parser.add_argument("--model", type=Path)
+    parser.add_argument("--outtype", choices=["f32", "bf16"], default="f32")
     args = parser.parse_args()
     if args.command == "convert":
         if args.source is None or args.outfile is None or args.model is None:
             parser.error("convert needs --source, --outfile and --model")
         registered = dict(item.split("=", 1) for item in args.register)
-        _convert_in_this_process(args.source, registered, args.model, args.outfile)
+        _convert_in_this_process(args.source, registered, args.model, args.outfile, args.outtype)
         return
     llama = build_server(args.cache, args.version, args.jobs)
     print(llama.server, get_server_commit(llama))

@@ -64,6 +64,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="the engine's forward pass: Shoal's native C code (default, as shipped) or the model's "
                              "transformers modules (passes 2 and 3 split only that one)")
     parser.add_argument("--cpu-threads", default="auto", help="EngineConfig.cpu_threads: auto or a number")
+    parser.add_argument("--dtype", default="float32",
+                        help="engine mode: the weights' dtype, or several (float32,bfloat16) each in turn; "
+                             "bfloat16 loads packed with bf16 panels (packed_load), computes in float32")
     parser.add_argument("--runs", type=int, default=3, help="timed runs per level (pass 1); the median step is kept")
     parser.add_argument("--models-root", type=Path,
                         default=Path(os.environ.get("SHOAL_TEST_MODELS_ROOT", REPO / "models")))
@@ -412,17 +415,27 @@ def count_ops(engine: Any, tokenizer: Any, c: int, args: argparse.Namespace) -> 
 
 
 def engine_mode(args: argparse.Namespace) -> list[dict[str, Any]]:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+    from shoal.services.worker.engine import packed_load
     from shoal.services.worker.engine.engine_config import EngineConfig
     from shoal.services.worker.engine.paged_engine import PagedEngine
 
     torch.set_num_threads(args.threads)
     results = []
-    for key in args.models.split(","):
+    for key, dtype in ((k, d) for k in args.models.split(",") for d in args.dtype.split(",")):
         path = args.models_root / key
         tokenizer = AutoTokenizer.from_pretrained(path)
-        model = AutoModelForCausalLM.from_pretrained(path).eval()
+        if dtype == "float32":
+            model = AutoModelForCausalLM.from_pretrained(path).eval()
+        elif dtype == "bfloat16":
+            loaded = packed_load.load_packed(path, AutoConfig.from_pretrained(path), attn_implementation=None,
+                                             weights_dtype=torch.bfloat16)
+            if loaded is None:
+                raise SystemExit(f"{key} does not load with bfloat16 panels")
+            model = loaded[0]
+        else:
+            raise SystemExit(f"--dtype: float32 or bfloat16, not {dtype!r}")
         config = EngineConfig(max_num_seqs=64, max_num_batched_tokens=2048, warm_up=True,
                               max_kv_cache_tokens=args.kv_cache_tokens or None,
                               native_forward=args.forward == "native",
@@ -430,7 +443,8 @@ def engine_mode(args: argparse.Namespace) -> list[dict[str, Any]]:
         engine = PagedEngine(model, tokenizer, allocation_bytes=int(args.allocation_gib * GiB), config=config)
         try:
             for c in (int(x) for x in args.concurrency.split(",")):
-                result = {"model": key, "c": c, "forward": engine.forward, **time_phases(engine, tokenizer, c, args)}
+                result = {"model": key, "dtype": dtype, "c": c, "forward": engine.forward,
+                          **time_phases(engine, tokenizer, c, args)}
                 if engine.forward == "transformers":  # the native pass is one C call: no modules to wrap
                     result |= {**time_forward(engine, tokenizer, c, args), **count_ops(engine, tokenizer, c, args)}
                 result["num_preemptions"] = engine.get_stats().num_preemptions

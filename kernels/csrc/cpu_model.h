@@ -32,17 +32,24 @@ int shoal_run_phases(const struct shoal_phase *phases, int64_t num_phases, int n
 
 enum { SHOAL_EPILOGUE_STORE = 0, SHOAL_EPILOGUE_SILU_MUL = 1 };
 
+/* The panels' element type. BF16: a panel is [num_in][16] 32-bit words, word j of step k
+ * holding column j's bfloat16 in its low half and column j + 16's in its high half (the
+ * columns of the float32 layout, same order); a kernel widens them to float32 in registers
+ * (a shift, a mask) and computes as for float32 panels. Half the bytes to stream. */
+enum { SHOAL_WEIGHTS_F32 = 0, SHOAL_WEIGHTS_BF16 = 1 };
+
 /* A packed weight: y[m, n] = sum_k x[m, k] * W[n, k] (+ bias[n]) for n < num_out.
  * Panels of SHOAL_PANEL output columns: panels[p][k][c] = W[p * 32 + c][k], zero past num_out.
  * With the SILU_MUL epilogue the panels interleave a gate/up pair: panel p holds gate columns
  * 16p .. 16p+15 then the up columns with the same indices, and y[m, j] = silu(gate_j) * up_j
  * for j < num_out / 2. */
 struct shoal_linear {
-    const float *panels;
+    const void *panels; /* float (SHOAL_WEIGHTS_F32) or uint32_t words of two bf16 (SHOAL_WEIGHTS_BF16) */
     const float *bias; /* [num_out] (SILU_MUL: gate biases then up biases, 2 x num_out / 2), or NULL */
     int64_t num_out;
     int64_t num_in;
     int64_t epilogue;
+    int64_t dtype; /* SHOAL_WEIGHTS_* */
 };
 
 /* y = x W^T for the columns of panels [panel_begin, panel_end); x rows x_stride floats apart,

@@ -138,7 +138,9 @@ def load_model(
             where it can (the paged engine on the CPU): a float32 Llama/Mistral/Qwen2 model
             in one safetensors file is then read straight into the packed layout
             (`engine.packed_load`: one copy, no transformers initialisation); any other model
-            loads as without it.
+            loads as without it. A bfloat16 one (`spec.dtype`, or "auto" with a bfloat16
+            checkpoint) loads the same way with bfloat16 panels and runs in float32: its
+            `LoadedModel.dtype` is then float32, the dtype its activations and KV cache have.
 
     Raises ModelLoadError when the path is not a transformers checkpoint under
     the models root, or the weights (plus `min_kv_reserve_bytes`) do not fit
@@ -174,8 +176,10 @@ def load_model(
         kwargs.update(_cuda_placement(replica))
     model: Any
     packed = _try_finish_packed(pending, config, attn_implementation) if pending is not None else None
+    weights_dtype = dtype
     if packed is not None:
         model, weight_bytes = packed
+        dtype = next(model.parameters()).dtype  # float32: bfloat16 weights stay in the panels
     else:
         try:
             model = AutoModelForCausalLM.from_pretrained(model_dir, **kwargs)
@@ -194,7 +198,7 @@ def load_model(
         )
     _verify_placement(model, replica, device)
     log.info("model_loaded", path=str(model_dir), dtype=str(dtype), weight_bytes=weight_bytes, device=str(device),
-             packed=packed is not None)
+             packed=packed is not None, weights_dtype=str(weights_dtype))
     return LoadedModel(
         model=model,
         tokenizer=tokenizer,
@@ -217,7 +221,7 @@ def _try_start_packed(model_dir: Path, config: Any, dtype: torch.dtype, device: 
         log.debug("packed_load.skipped", reason=reason)
         return None
     try:
-        return packed_load.start_load(model_dir, config)
+        return packed_load.start_load(model_dir, config, weights_dtype=dtype)
     except (OSError, ValueError, KeyError) as exc:  # an unreadable file: the ordinary path says why
         log.info("packed_load.failed", error=str(exc))
         return None

@@ -4,7 +4,8 @@ from the model's files on wake, in place, while its process stays.
 CPU: every weight tensor keeps its address (the packed products' structs, the engine's views
 stay valid); its pages go back to the kernel (``madvise(MADV_DONTNEED)``: the whole buffer of a
 packed load, else each tensor's whole pages) and a reload writes the file's tensors back
-where they were. CUDA: each parameter's storage is released (an empty CPU tensor keeps its
+where they were (bfloat16 weights, `packed_load.get_weights_dtype`: rounded again, into their
+bfloat16 panels). CUDA: each parameter's storage is released (an empty CPU tensor keeps its
 Parameter object) and a reload reads the files to the CPU; `loader.restore_weights` then
 moves the model onto its allocation, as after a warm park.
 """
@@ -53,6 +54,8 @@ class DroppedWeights:
     model_dir: Path
     entries: dict[str, FileEntry]
     fills: list[_Fill] = field(default_factory=list)
+    rounded: bool = False
+    """The model's weights are the files' rounded to bfloat16 (a packed load's bfloat16 weights)."""
     parameters: dict[str, tuple[torch.nn.Parameter, torch.Size, torch.dtype]] = field(default_factory=dict)
 
 
@@ -169,9 +172,10 @@ def drop_weights(loaded: LoadedModel) -> DroppedWeights:
         for parameter, _, dtype in dropped.parameters.values():
             parameter.data = torch.empty(0, dtype=dtype)
         return dropped
-    from shoal.services.worker.engine.packed_load import get_allocation
+    from shoal.services.worker.engine.packed_load import get_allocation, get_weights_dtype
 
     dropped.fills = _plan_cpu_fills(loaded.model, sources)
+    dropped.rounded = get_weights_dtype(loaded.model) == torch.bfloat16
     libc = get_libc()
     allocation = get_allocation(loaded.model)
     if allocation is not None:
@@ -194,7 +198,7 @@ def reload_weights(loaded: LoadedModel, dropped: DroppedWeights) -> None:
         return
     from shoal.kernels import cpu_kernels
     from shoal.kernels.cpu_model import pack_into
-    from shoal.services.worker.engine.packed_load import add_pack_jobs, fill_bias, get_copy_pool
+    from shoal.services.worker.engine.packed_load import add_pack_jobs, copy_weight, fill_bias, get_copy_pool
 
     kernels = cpu_kernels.try_load()
     jobs: list[tuple[torch.Tensor, torch.Tensor, bool]] = []
@@ -204,7 +208,7 @@ def reload_weights(loaded: LoadedModel, dropped: DroppedWeights) -> None:
         if fill.kind == "pack":
             add_pack_jobs(source, fill.names, fill.target, fill.silu_mul, jobs)
         elif fill.kind == "bias":
-            fill_bias(source, fill.modules, fill.target)
+            fill_bias(source, fill.modules, fill.target, rounded=dropped.rounded)
         else:
             copies.append((fill.target, source.get(fill.names[0])))
     if kernels is None and jobs:
@@ -212,12 +216,8 @@ def reload_weights(loaded: LoadedModel, dropped: DroppedWeights) -> None:
     pool = get_copy_pool()
     futures = [pool.submit(pack_into, kernels, w, panels, silu_mul=silu)  # type: ignore[arg-type]
                for w, panels, silu in jobs]
-    futures += [pool.submit(_copy, target, source) for target, source in copies]
+    futures += [pool.submit(copy_weight, target, source, rounded=dropped.rounded) for target, source in copies]
     for future in futures:
         future.result()
     log.info("weights_reloaded", model_dir=str(dropped.model_dir))
 
-
-def _copy(target: torch.Tensor, source: torch.Tensor) -> None:
-    with torch.no_grad():
-        target.copy_(source)

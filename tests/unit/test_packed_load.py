@@ -109,10 +109,10 @@ def test_load_model_reads_packed_only_when_asked_and_where_it_applies(demo_model
     assert packed.weight_bytes == ordinary.weight_bytes
     assert packed.model.model.layers[0].self_attn.q_proj.weight.numel() == 0
     assert ordinary.model.model.layers[0].self_attn.q_proj.weight.numel() > 0
-    # not float32: the ordinary path, with every parameter
-    half = load_model(demo_models_root, ModelSpec(key="m", path="demo/llama-5m", dtype="bfloat16"), _replica(),
+    # neither float32 nor bfloat16 (which loads packed: test_bf16_weights.py): the ordinary path
+    half = load_model(demo_models_root, ModelSpec(key="m", path="demo/llama-5m", dtype="float16"), _replica(),
                       device=CPU, native_pack=True)
-    assert all(p.numel() > 0 and p.dtype == torch.bfloat16 for p in half.model.parameters())
+    assert all(p.numel() > 0 and p.dtype == torch.float16 for p in half.model.parameters())
 
 
 def test_a_file_that_is_not_float32_loads_the_ordinary_way(tmp_path: Path) -> None:
@@ -127,7 +127,8 @@ def test_a_model_on_another_device_or_dtype_is_skipped(demo_models_root: Path) -
     model_dir = demo_models_root / "demo/llama-5m"
     config = AutoConfig.from_pretrained(model_dir)
     assert packed_load.get_skip_reason(model_dir, config, torch.float32, CPU) is None
-    assert packed_load.get_skip_reason(model_dir, config, torch.bfloat16, CPU) is not None
+    assert packed_load.get_skip_reason(model_dir, config, torch.bfloat16, CPU) is None
+    assert packed_load.get_skip_reason(model_dir, config, torch.float16, CPU) is not None
     assert packed_load.get_skip_reason(model_dir, config, torch.float32, torch.device("cuda")) is not None
     assert "no single" in str(packed_load.get_skip_reason(demo_models_root, config, torch.float32, CPU))
 

@@ -13,6 +13,7 @@ import torch
 
 from shoal.kernels import cpu_kernels
 from shoal.services.worker.engine.engine_config import EngineConfig
+from shoal.services.worker.engine.native_forward import pack_model
 from shoal.services.worker.engine.paged_engine import PagedEngine
 from shoal.services.worker.generation import GenerationRequest
 from shoal.services.worker.loader import LoadedModel, ModelLoadError, load_model
@@ -29,9 +30,9 @@ def _rss_bytes() -> int:
         return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def _load(root: Path, key: str, *, packed: bool) -> LoadedModel:
+def _load(root: Path, key: str, *, packed: bool, dtype: str = "auto") -> LoadedModel:
     replica = ReplicaRecord(replica_id="r", model="m", node_id="n", gpu_bytes={0: 4 << 30})
-    return load_model(root, ModelSpec(key="m", path=key), replica, device=CPU, native_pack=packed)
+    return load_model(root, ModelSpec(key="m", path=key, dtype=dtype), replica, device=CPU, native_pack=packed)
 
 
 async def _generate(loaded: LoadedModel) -> str:
@@ -58,6 +59,27 @@ async def test_dropped_weights_come_back_token_for_token(demo_models_root: Path,
     released = rss - _rss_bytes()
     assert released > loaded.weight_bytes * 0.8, f"{released} of {loaded.weight_bytes} bytes given back"
     reload_weights(loaded, dropped)
+    assert await _generate(loaded) == before
+
+
+@pytest.mark.parametrize("key", ["demo/llama-5m", "demo/qwen2-25m"])
+async def test_bf16_weights_come_back_bit_for_bit(demo_models_root: Path, key: str) -> None:
+    """Bfloat16 weights (packed_load): the panels refilled in their layout, the other tensors
+    rounded again."""
+    loaded = _load(demo_models_root, key, packed=True, dtype="bfloat16")
+    before = await _generate(loaded)
+    packed = pack_model(loaded.model)
+    tensors = [layer_tensor for layer in packed.layers for layer_tensor in (
+        layer.qkv.panels, layer.o.panels, layer.gate_up.panels, layer.down.panels)]
+    tensors += [p.data for p in loaded.model.parameters() if p.numel() > 0]
+    assert any(t.dtype == torch.bfloat16 for t in tensors)
+    snapshot = [t.clone() for t in tensors]
+    dropped = drop_weights(loaded)
+    assert dropped.rounded
+    reload_weights(loaded, dropped)
+    for tensor, saved in zip(tensors, snapshot, strict=True):
+        assert torch.equal(tensor.view(torch.int16 if tensor.dtype == torch.bfloat16 else torch.int32),
+                           saved.view(torch.int16 if saved.dtype == torch.bfloat16 else torch.int32))
     assert await _generate(loaded) == before
 
 

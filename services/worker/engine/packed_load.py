@@ -21,7 +21,15 @@ put there, bit for bit (tests/unit/test_packed_load.py); the model's product par
 released as `pack_model` releases them, and the `PackedModel` is attached to the model, so
 the engine's `pack_model` call returns it.
 
-A model this path does not take (not float32 on the CPU, another architecture, weights
+Bfloat16 weights (a model served with ``dtype = "bfloat16"``, or ``"auto"`` with a bfloat16
+checkpoint): the products' panels hold bfloat16 (`cpu_model.PANEL_DTYPES`: half the bytes a
+decode step streams), packed from the file's float32 rounded to nearest even or from its
+bfloat16 as it is; the embedding, norms and biases are float32 tensors holding the
+bfloat16-rounded values. The model is then exactly the file's model with every parameter
+rounded to bfloat16, run in float32 (activations, KV cache, sums): what
+`get_weights_dtype` says, and what a cold sleep's reload and `restore_parameters` rebuild.
+
+A model this path does not take (not float32 or bfloat16 on the CPU, another architecture, weights
 split over several files, names or shapes that are not the modules', anything
 `native_forward.get_unsupported_reason` refuses) loads through the ordinary path. An engine
 that then does not run the native forward (its `native_forward` setting off, or the CPU
@@ -71,12 +79,15 @@ _ALIGN_FLOATS = 16
 _SOURCE_ATTR = "_shoal_packed_source"
 _ALLOCATION_ATTR = "_shoal_packed_allocation"
 _FILE_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+_WEIGHTS_DTYPE_ATTR = "_shoal_weights_dtype"
+WEIGHTS_DTYPES = (torch.float32, torch.bfloat16)
+"""The dtypes this path loads weights in (the products' panels; the rest float32)."""
 
 
 def get_skip_reason(model_dir: Path, config: Any, dtype: torch.dtype, device: torch.device) -> str | None:
     """Why `load_packed` does not load this model (None: it may; it can still decline)."""
-    if device.type != "cpu" or dtype != torch.float32:
-        return f"{dtype} on {device} (packed load: float32 on the CPU)"
+    if device.type != "cpu" or dtype not in WEIGHTS_DTYPES:
+        return f"{dtype} on {device} (packed load: float32 or bfloat16 on the CPU)"
     if getattr(config, "model_type", None) not in SUPPORTED_MODEL_TYPES:
         return f"model type {getattr(config, 'model_type', None)!r}"
     if not (model_dir / WEIGHTS_FILE).is_file():
@@ -85,20 +96,24 @@ def get_skip_reason(model_dir: Path, config: Any, dtype: torch.dtype, device: to
 
 
 class _Allocation:
-    """Consecutive 64-byte-aligned float32 tensors cut from one buffer."""
+    """Consecutive 64-byte-aligned float32 (or bfloat16) tensors cut from one buffer."""
 
     def __init__(self, num_floats: int) -> None:
         self.buffer = allocate_weights(num_floats)
         self.used = 0
 
-    def take(self, *shape: int) -> torch.Tensor:
-        num_floats = 1
-        for extent in shape:
-            num_floats *= extent
+    def take(self, *shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        num_elements = math.prod(shape)
+        num_floats = _get_floats(num_elements, dtype)
         start = self.used
         self.used += _get_aligned_floats(num_floats)
         assert self.used <= self.buffer.numel(), "the allocation was sized for every tensor it holds"
-        return self.buffer[start : start + num_floats].view(*shape)
+        return self.buffer[start : start + num_floats].view(dtype)[:num_elements].view(*shape)
+
+
+def _get_floats(num_elements: int, dtype: torch.dtype) -> int:
+    """Float32 slots that hold `num_elements` of `dtype` (float32 or bfloat16)."""
+    return -(-num_elements * dtype.itemsize // 4)
 
 
 def _get_aligned_floats(num_floats: int) -> int:
@@ -176,19 +191,25 @@ class WeightsFile:
 
     def join(self, names: list[str]) -> torch.Tensor | None:
         """The matrices `names` stacked by rows, as one view when each follows the previous in
-        the file (None otherwise)."""
+        the file and all have one dtype (None otherwise)."""
         spans = [self.entries[name] for name in names]
         if any(end != next_begin for (_, _, _, end), (_, _, next_begin, _) in itertools.pairwise(spans)):
             return None
+        if len({dtype for dtype, _, _, _ in spans}) != 1 or spans[0][0] not in _FILE_DTYPES:
+            return None
         num_rows = sum(shape[0] for _, shape, _, _ in spans)
-        return self._bytes[spans[0][2] : spans[-1][3]].view(torch.float32).view(num_rows, spans[0][1][1])
+        dtype = _FILE_DTYPES[spans[0][0]]
+        return self._bytes[spans[0][2] : spans[-1][3]].view(dtype).view(num_rows, spans[0][1][1])
 
 
-def load_packed(model_dir: Path, config: Any, *, attn_implementation: str | None) -> tuple[Any, int] | None:
+def load_packed(
+    model_dir: Path, config: Any, *, attn_implementation: str | None, weights_dtype: torch.dtype = torch.float32
+) -> tuple[Any, int] | None:
     """The model of `model_dir` with its products packed for the native forward, and the bytes
-    its weights take (as `loader.model_weight_bytes` counts them in an ordinary load), or
-    None when this path does not take it: `start_load` then `PendingLoad.finish`."""
-    pending = start_load(model_dir, config)
+    its weights take (as `loader.model_weight_bytes` counts them in an ordinary load; the
+    products' at 2 bytes each with bfloat16 weights), or None when this path does not take
+    it: `start_load` then `PendingLoad.finish`."""
+    pending = start_load(model_dir, config, weights_dtype=weights_dtype)
     return None if pending is None else pending.finish(config, attn_implementation=attn_implementation)
 
 
@@ -212,46 +233,53 @@ def _get_products(num_layers: int, tied: bool) -> list[_Product]:
     return products
 
 
-def start_load(model_dir: Path, config: Any) -> PendingLoad | None:
+def start_load(model_dir: Path, config: Any, *, weights_dtype: torch.dtype = torch.float32) -> PendingLoad | None:
     """Starts copying `model_dir`'s weights into their places, on the copy threads (`get_copy_pool`),
     and returns at once: the caller reads the tokenizer meanwhile, then calls `finish`. None
-    when the file is not what this path reads (float32 tensors, the products of a Llama-style
-    decoder of `config`'s layers); `get_skip_reason` is asked first."""
+    when the file is not what this path reads (float32 tensors, or float32 and bfloat16 ones
+    for bfloat16 `weights_dtype`; the products of a Llama-style decoder of `config`'s layers);
+    `get_skip_reason` is asked first."""
     kernels = cpu_kernels.try_load()
-    if kernels is None:
+    if kernels is None or weights_dtype not in WEIGHTS_DTYPES:
         return None
     weights_file = WeightsFile(model_dir / WEIGHTS_FILE)
     entries = weights_file.entries
     products = _get_products(int(config.num_hidden_layers), tied="lm_head.weight" not in entries)
     weight_names = [m + ".weight" for modules, _ in products for m in modules]
-    if any(dtype != "F32" for dtype, _, _, _ in entries.values()) or any(
+    file_dtypes = {"F32", "BF16"} if weights_dtype == torch.bfloat16 else {"F32"}
+    if any(dtype not in file_dtypes for dtype, _, _, _ in entries.values()) or any(
         name not in entries or len(entries[name][1]) != 2 for name in weight_names
     ):
-        log.info("packed_load.declined", reason="not float32, or not the products of a Llama-style decoder")
+        log.info("packed_load.declined", reason=f"not {weights_dtype}, or not the products of a Llama-style decoder")
         return None
+    rounded = weights_dtype == torch.bfloat16
     product_tensors = {module + suffix for modules, _ in products for module in modules for suffix in (".weight", ".bias")}
     plain = [name for name in entries if name not in product_tensors]
     num_floats = sum(_get_aligned_floats(weights_file.get(name).numel()) for name in plain)
     for modules, _ in products:
         num_out = sum(entries[m + ".weight"][1][0] for m in modules)
-        num_floats += _get_aligned_floats(get_num_panels(num_out) * entries[modules[0] + ".weight"][1][1] * PANEL)
+        num_panel_elements = get_num_panels(num_out) * entries[modules[0] + ".weight"][1][1] * PANEL
+        num_floats += _get_aligned_floats(_get_floats(num_panel_elements, weights_dtype))
         if any(m + ".bias" in entries for m in modules):
             num_floats += _get_aligned_floats(num_out)
     allocation = _Allocation(num_floats)
     jobs: list[tuple[torch.Tensor, torch.Tensor, bool]] = []  # (weight rows, their panels, silu_mul)
-    packed = [_plan_product(allocation, kernels, weights_file, modules, silu_mul, jobs)
+    packed = [_plan_product(allocation, kernels, weights_file, modules, silu_mul, jobs, weights_dtype)
               for modules, silu_mul in products]
     copies = {name: allocation.take(*weights_file.get(name).shape) for name in plain}
     pool = get_copy_pool()
     futures = [pool.submit(pack_into, kernels, weight, panels, silu_mul=silu_mul) for weight, panels, silu_mul in jobs]
-    futures += [pool.submit(_copy, target, weights_file.get(name)) for name, target in copies.items()]
+    futures += [pool.submit(copy_weight, target, weights_file.get(name), rounded=rounded)
+                for name, target in copies.items()]
     shapes = {name: shape for name, (_, shape, _, _) in entries.items()}
-    return PendingLoad(model_dir / WEIGHTS_FILE, products, packed, copies, futures, shapes, allocation.buffer)
+    return PendingLoad(model_dir / WEIGHTS_FILE, products, packed, copies, futures, shapes, allocation.buffer,
+                       weights_dtype)
 
 
-def _copy(target: torch.Tensor, source: torch.Tensor) -> None:
+def copy_weight(target: torch.Tensor, source: torch.Tensor, *, rounded: bool = False) -> None:
+    """target = source (converted to target's dtype); `rounded`: source rounded to bfloat16 first."""
     with torch.no_grad():
-        target.copy_(source)
+        target.copy_(source.to(torch.bfloat16) if rounded else source)
 
 
 @dataclass
@@ -269,6 +297,8 @@ class PendingLoad:
     """Every tensor of the file: the model's parameters must be these."""
     allocation: torch.Tensor
     """The one buffer every weight lives in (`allocate_weights`)."""
+    weights_dtype: torch.dtype = torch.float32
+    """The panels' dtype (bfloat16: every weight rounded to it, `get_weights_dtype`)."""
 
     def wait(self) -> None:
         """Until every copy is done (raising the first copy's error, if one failed)."""
@@ -299,7 +329,10 @@ class PendingLoad:
             log.info("packed_load.declined", reason="the file's tensors are not the model's parameters",
                      names=mismatch[:5])
             return None
-        weight_bytes = sum(p.numel() * 4 for p in parameters.values()) + sum(
+        product_weights = {m + ".weight" for modules, _ in self.products for m in modules}
+        product_bytes = self.weights_dtype.itemsize
+        weight_bytes = sum(p.numel() * (product_bytes if name in product_weights else 4)
+                           for name, p in parameters.items()) + sum(
             b.numel() * b.element_size() for b in model.buffers()
         )
         for name, target in self.copies.items():  # embedding, norms: the only copy
@@ -331,6 +364,7 @@ class PendingLoad:
             return None
         setattr(model, _SOURCE_ATTR, self.path)
         setattr(model, _ALLOCATION_ATTR, self.allocation)
+        setattr(model, _WEIGHTS_DTYPE_ATTR, self.weights_dtype)
         model.eval()
         return model, weight_bytes
 
@@ -342,17 +376,18 @@ def _plan_product(
     modules: list[str],
     silu_mul: bool,
     jobs: list[tuple[torch.Tensor, torch.Tensor, bool]],
+    weights_dtype: torch.dtype,
 ) -> PackedLinear:
     """Takes the product's panels (and bias) from `allocation`, adds the copies that fill its
     panels to `jobs` (`add_pack_jobs`) and copies its bias."""
     names = [m + ".weight" for m in modules]
     num_out, num_in = sum(weights_file.entries[n][1][0] for n in names), weights_file.entries[names[0]][1][1]
-    panels = allocation.take(get_num_panels(num_out) * num_in * PANEL)
+    panels = allocation.take(get_num_panels(num_out) * num_in * PANEL, dtype=weights_dtype)
     add_pack_jobs(weights_file, names, panels, silu_mul, jobs)
     bias = None
     if any(m + ".bias" in weights_file.entries for m in modules):
         bias = allocation.take(num_out)
-        fill_bias(weights_file, modules, bias)
+        fill_bias(weights_file, modules, bias, rounded=weights_dtype == torch.bfloat16)
     return PackedLinear.from_panels(
         kernels, panels, bias, num_out=num_out, num_in=num_in,
         epilogue=EPILOGUE_SILU_MUL if silu_mul else EPILOGUE_STORE,
@@ -369,9 +404,12 @@ def add_pack_jobs(
     """Adds the copies that fill `panels` with the weights `names` (joined by rows) to `jobs`:
     one per weight, each straight from the mapping, when every weight but the last fills whole
     panels (q/k/v) or the weights lie next to each other in the file (gate/up); else one copy
-    of the weights joined first. A file in another dtype is converted first."""
+    of the weights joined first. Float32 panels take float32 weights, bfloat16 panels float32
+    or bfloat16 ones (`pack_into`); weights in another dtype, or in several, are converted to
+    float32 first."""
     weights = [weights_file.get(name) for name in names]
-    if any(w.dtype != torch.float32 for w in weights):
+    taken = (torch.float32, torch.bfloat16) if panels.dtype == torch.bfloat16 else (torch.float32,)
+    if len({w.dtype for w in weights}) != 1 or weights[0].dtype not in taken:
         weights = [w.to(torch.float32) for w in weights]
         jobs.append((weights[0] if len(weights) == 1 else torch.cat(weights), panels, silu_mul))
         return
@@ -388,17 +426,25 @@ def add_pack_jobs(
         jobs.append((torch.cat(weights), panels, silu_mul))
 
 
-def fill_bias(weights_file: WeightsFile, modules: list[str], bias: torch.Tensor) -> None:
-    """Copies the modules' biases into `bias`, joined by rows (zeros for a module without one)."""
+def fill_bias(weights_file: WeightsFile, modules: list[str], bias: torch.Tensor, *, rounded: bool = False) -> None:
+    """Copies the modules' biases into `bias`, joined by rows (zeros for a module without one);
+    `rounded`: the values rounded to bfloat16."""
     row = 0
     for module in modules:
         num_rows = weights_file.entries[module + ".weight"][1][0]
         part = bias[row : row + num_rows]
         if module + ".bias" in weights_file.entries:
-            part.copy_(weights_file.get(module + ".bias"))
+            copy_weight(part, weights_file.get(module + ".bias"), rounded=rounded)
         else:
             part.zero_()
         row += num_rows
+
+
+def get_weights_dtype(model: Any) -> torch.dtype:
+    """The dtype a model loaded here holds its weights in: bfloat16 (every weight rounded to it;
+    the products' panels bfloat16, the other tensors float32) or float32 (also a model loaded
+    the ordinary way)."""
+    return getattr(model, _WEIGHTS_DTYPE_ATTR, torch.float32)
 
 
 def get_allocation(model: Any) -> torch.Tensor | None:
@@ -440,11 +486,14 @@ def restore_parameters(model: Any) -> bool:
         return False
     parameters = dict(model.named_parameters())
     weights_file = WeightsFile(source)
+    rounded = get_weights_dtype(model) == torch.bfloat16
     with torch.no_grad():
         for name in weights_file.entries:
             parameter = parameters.get(name)
             if parameter is not None and parameter.numel() == 0:
-                parameter.data = weights_file.get(name).clone()
+                value = weights_file.get(name)
+                # float32, as the rest of the model (with bfloat16 weights: their values, rounded)
+                parameter.data = value.to(torch.bfloat16).float() if rounded else value.float().clone()
     delattr(model, _SOURCE_ATTR)
     return True
 
