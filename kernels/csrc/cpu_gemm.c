@@ -52,28 +52,31 @@ int64_t shoal_num_panels(const struct shoal_linear *w) {
     return (w->num_out + SHOAL_PANEL - 1) / SHOAL_PANEL;
 }
 
-/* Packs W [num_out, num_in] (row-major) into panels; SILU_MUL: W is [2 * inter, num_in],
- * gate rows then up rows, and num_out = 2 * inter with inter a multiple of 16. */
 /* Columns of PACK_K_BLOCK k at a time: the panel's 32 source rows' next 256 bytes each stay
  * in L1 while they are transposed 4 x 4 into the block's panel rows (a c-outer loop wrote one
  * float per 128 bytes). A load copies every product weight
  * through here (docs/benchmarks.md, "Sleep and wake"). */
 #define PACK_K_BLOCK 64
 
+/* The row of W that column c of panel p holds, or -1 (zero padding). A gate/up pair
+ * (SILU_MUL) interleaves them by panel: 16 gate columns, then the same 16 up columns. */
+static int64_t panel_source_row(int64_t p, int64_t c, int64_t num_out, int64_t epilogue) {
+    if (epilogue == SHOAL_EPILOGUE_SILU_MUL) {
+        const int64_t inter = num_out / 2, j = p * 16 + (c % 16);
+        return j < inter ? (c < 16 ? j : inter + j) : -1;
+    }
+    return p * SHOAL_PANEL + c < num_out ? p * SHOAL_PANEL + c : -1;
+}
+
+/* Packs W [num_out, num_in] (row-major) into panels; SILU_MUL: W is [2 * inter, num_in],
+ * gate rows then up rows, and num_out = 2 * inter with inter a multiple of 16. */
 void shoal_pack_linear(const float *weight, int64_t num_out, int64_t num_in, int64_t epilogue, float *panels) {
     const int64_t num_panels = (num_out + SHOAL_PANEL - 1) / SHOAL_PANEL;
-    const int64_t inter = num_out / 2;
     const float *rows[SHOAL_PANEL]; /* W's row for each panel column, or NULL (zero padding) */
     for (int64_t p = 0; p < num_panels; ++p) {
         float *panel = panels + p * num_in * SHOAL_PANEL;
         for (int64_t c = 0; c < SHOAL_PANEL; ++c) {
-            int64_t source;
-            if (epilogue == SHOAL_EPILOGUE_SILU_MUL) {
-                const int64_t j = p * 16 + (c % 16);
-                source = j < inter ? (c < 16 ? j : inter + j) : -1;
-            } else {
-                source = p * SHOAL_PANEL + c < num_out ? p * SHOAL_PANEL + c : -1;
-            }
+            const int64_t source = panel_source_row(p, c, num_out, epilogue);
             rows[c] = source >= 0 ? weight + source * num_in : NULL;
         }
         for (int64_t k0 = 0; k0 < num_in; k0 += PACK_K_BLOCK) {
@@ -120,19 +123,12 @@ static inline uint32_t to_bf16(float value) {
 void shoal_pack_linear_bf16(const void *weight, int64_t weight_is_bf16, int64_t num_out, int64_t num_in,
                             int64_t epilogue, uint32_t *panels) {
     const int64_t num_panels = (num_out + SHOAL_PANEL - 1) / SHOAL_PANEL;
-    const int64_t inter = num_out / 2;
     const float *rows_f32[SHOAL_PANEL];
     const uint16_t *rows_bf16[SHOAL_PANEL];
     for (int64_t p = 0; p < num_panels; ++p) {
         uint32_t *panel = panels + p * num_in * (SHOAL_PANEL / 2);
         for (int64_t c = 0; c < SHOAL_PANEL; ++c) {
-            int64_t source;
-            if (epilogue == SHOAL_EPILOGUE_SILU_MUL) {
-                const int64_t j = p * 16 + (c % 16);
-                source = j < inter ? (c < 16 ? j : inter + j) : -1;
-            } else {
-                source = p * SHOAL_PANEL + c < num_out ? p * SHOAL_PANEL + c : -1;
-            }
+            const int64_t source = panel_source_row(p, c, num_out, epilogue);
             rows_f32[c] = source >= 0 && !weight_is_bf16 ? (const float *)weight + source * num_in : NULL;
             rows_bf16[c] = source >= 0 && weight_is_bf16 ? (const uint16_t *)weight + source * num_in : NULL;
         }

@@ -31,6 +31,7 @@ from shoal.shared.bus import Bus, connect
 from shoal.shared.config import LoggingConfig, NodeConfig, SchedulerConfig, WorkerConfig
 from shoal.shared.messages import AttemptNotice, ModelSpec, ReplicaRecord, reply_decoder
 from shoal.shared.model_settings import FairnessSettings, SleepSettings
+from tests.faults.proxy import CuttableProxy, cuttable_proxy
 from tests.integration.gateway_harness import gateway_running
 
 MiB = 1 << 20
@@ -202,3 +203,15 @@ async def fault_cluster(nats_url: str, models_root: Path, log_dir: Path, models:
         await agent.stop()
         for bus in (agent_bus, *buses):
             await bus.close()
+
+
+@contextlib.asynccontextmanager
+async def agent_cut_off_cluster(nats_url: str, models_root: Path, log_dir: Path, *, node_ttl_s: float
+                                ) -> AsyncIterator[tuple[CuttableProxy, FaultCluster]]:
+    """A one-model cluster whose node agent reaches NATS through a proxy the test can cut
+    (its workers do not), with a short node TTL and a scheduler that marks a silent node's
+    replicas lost after 1 s."""
+    async with cuttable_proxy(nats_url) as proxy, \
+            fault_cluster(nats_url, models_root, log_dir, [model("m")], agent_url=proxy.url, worker_url=nats_url,
+                          node_ttl_s=node_ttl_s, scheduler={"node_lost_after_s": 1.0}) as cluster:
+        yield proxy, cluster

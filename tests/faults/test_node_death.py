@@ -15,8 +15,7 @@ from shoal.services.node_agent.gpus import discover_gpus
 from shoal.shared.bus import connect
 from shoal.shared.config import LoggingConfig, NodeConfig, WorkerConfig
 from shoal.shared.nats_server import EmbeddedNatsServer
-from tests.faults.harness import fault_cluster, kill_worker, model
-from tests.faults.proxy import cuttable_proxy
+from tests.faults.harness import agent_cut_off_cluster, kill_worker
 from tests.faults.test_worker_kill import ACK_WAIT_S, MAX_TOKENS, assert_complete, start_requests
 
 NODE_TTL_S = 3.0
@@ -24,10 +23,8 @@ NODE_TTL_S = 3.0
 
 async def test_a_dead_node_s_requests_run_again_on_another_node_before_ack_wait(
         nats_server: EmbeddedNatsServer, demo_models_root: Path, tmp_path: Path) -> None:
-    async with cuttable_proxy(nats_server.url) as proxy, \
-            fault_cluster(nats_server.url, demo_models_root, tmp_path / "logs", [model("m")],
-                          agent_url=proxy.url, worker_url=nats_server.url, node_ttl_s=NODE_TTL_S,
-                          scheduler={"node_lost_after_s": 1.0}) as cluster:
+    async with agent_cut_off_cluster(nats_server.url, demo_models_root, tmp_path / "logs",
+                                     node_ttl_s=NODE_TTL_S) as (proxy, cluster):
         (replica,) = await cluster.wait_serving("m")
         reference = await cluster.complete("m", max_tokens=MAX_TOKENS)
         # A second node, empty: where the replacement goes once the first is lost.

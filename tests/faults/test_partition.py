@@ -17,8 +17,7 @@ from nats.aio.msg import Msg
 from shoal.shared import subjects
 from shoal.shared.messages import gpu_record_decoder
 from shoal.shared.nats_server import EmbeddedNatsServer
-from tests.faults.harness import REPLICA_BYTES, Answer, FaultCluster, fault_cluster, model
-from tests.faults.proxy import cuttable_proxy
+from tests.faults.harness import REPLICA_BYTES, Answer, FaultCluster, agent_cut_off_cluster
 
 NODE_TTL_S = 3.0
 CUT_S = 4 * NODE_TTL_S
@@ -40,10 +39,8 @@ async def held_bytes(cluster: FaultCluster) -> int:
 
 async def test_an_agent_cut_off_from_nats_leaves_no_orphan_and_loses_no_request(
         nats_server: EmbeddedNatsServer, demo_models_root: Path, tmp_path: Path) -> None:
-    async with cuttable_proxy(nats_server.url) as proxy, \
-            fault_cluster(nats_server.url, demo_models_root, tmp_path / "logs", [model("m")],
-                          agent_url=proxy.url, worker_url=nats_server.url, node_ttl_s=NODE_TTL_S,
-                          scheduler={"node_lost_after_s": 1.0}) as cluster:
+    async with agent_cut_off_cluster(nats_server.url, demo_models_root, tmp_path / "logs",
+                                     node_ttl_s=NODE_TTL_S) as (proxy, cluster):
         (replica,) = await cluster.wait_serving("m")
         pid = (await cluster.worker_pids())[replica.replica_id]
         freed_while_running: list[bool] = []

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, LlamaConfig
 
 from shoal.kernels import cpu_kernels
-from shoal.kernels.cpu_model import ISA_NAMES, PANEL, PackedLinear, get_gemm_isa, pack_into
+from shoal.kernels.cpu_model import ISA_NAMES, PANEL, PackedLinear, pack_into
 from shoal.services.worker.engine import native_forward, packed_load
 from shoal.services.worker.engine.engine_config import EngineConfig
 from shoal.services.worker.engine.model_runner import ModelRunner
@@ -24,6 +24,7 @@ from shoal.services.worker.generation import GenerationRequest
 from shoal.services.worker.loader import LoadedModel, load_model, model_weight_bytes
 from shoal.shared.messages import ModelSpec, ReplicaRecord, SamplingParams
 from tests.token_echo import TokenEcho, echo
+from tests.unit.test_native_forward import available_isas, make_product, product_cases
 from tests.unit.test_packed_load import _save_tiny, _tiny_models
 
 pytestmark = pytest.mark.skipif(cpu_kernels.try_load() is None, reason="no native CPU library")
@@ -42,33 +43,20 @@ def tiny_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
-def _isas(native: cpu_kernels.CpuKernels) -> list[int]:
-    return list(range(get_gemm_isa(native) + 1))
-
-
 def _rounded(weight: torch.Tensor) -> torch.Tensor:
     return weight.to(torch.bfloat16).float()
 
 
 @settings(max_examples=30, deadline=None)
-@given(
-    rows=st.integers(1, 40),
-    num_out=st.integers(1, 130),
-    num_in=st.integers(1, 150),
-    with_bias=st.booleans(),
-    seed=st.integers(0, 2**31),
-)
+@product_cases
 def test_bf16_products_equal_float32_products_of_the_rounded_weights(
     native: cpu_kernels.CpuKernels, rows: int, num_out: int, num_in: int, with_bias: bool, seed: int
 ) -> None:
-    generator = torch.Generator().manual_seed(seed)
-    weight = torch.randn(num_out, num_in, generator=generator)
-    bias = torch.randn(num_out, generator=generator) if with_bias else None
-    x = torch.randn(rows, num_in, generator=generator)
+    weight, bias, x = make_product(seed, rows, num_out, num_in, with_bias)
     half = PackedLinear(native, weight, bias, panel_dtype=torch.bfloat16)
     rounded = PackedLinear(native, _rounded(weight), bias)
     expected = torch.nn.functional.linear(x.double(), _rounded(weight).double(), None if bias is None else bias.double())
-    for isa in _isas(native):
+    for isa in available_isas(native):
         out = half.forward(x, isa=isa)
         # the same kernel on the same values, summed in the same order: the same bits
         assert torch.equal(out, rounded.forward(x, isa=isa)), ISA_NAMES[isa]
@@ -89,7 +77,7 @@ def test_the_bf16_gate_up_product_equals_the_rounded_float32_one(
     x = torch.randn(rows, num_in, generator=generator)
     half = PackedLinear(native, weight, bias, silu_mul=True, panel_dtype=torch.bfloat16)
     rounded = PackedLinear(native, _rounded(weight), bias, silu_mul=True)
-    for isa in _isas(native):
+    for isa in available_isas(native):
         assert torch.equal(half.forward(x, isa=isa), rounded.forward(x, isa=isa)), ISA_NAMES[isa]
 
 

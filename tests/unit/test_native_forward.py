@@ -36,21 +36,31 @@ def available_isas(native: cpu_kernels.CpuKernels) -> list[int]:
     return list(range(get_gemm_isa(native) + 1))
 
 
-@settings(max_examples=30, deadline=None)
-@given(
+product_cases = given(
     rows=st.integers(1, 40),
     num_out=st.integers(1, 130),
     num_in=st.integers(1, 150),
     with_bias=st.booleans(),
     seed=st.integers(0, 2**31),
 )
-def test_packed_products_match_torch_on_every_code_path_and_thread_count(
-    native: cpu_kernels.CpuKernels, rows: int, num_out: int, num_in: int, with_bias: bool, seed: int
-) -> None:
+"""Random product shapes (partial last panels, odd inputs, with and without a bias)."""
+
+
+def make_product(seed: int, rows: int, num_out: int, num_in: int, with_bias: bool
+                 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """A `product_cases` case's weight, bias (or None) and input rows."""
     generator = torch.Generator().manual_seed(seed)
     weight = torch.randn(num_out, num_in, generator=generator)
     bias = torch.randn(num_out, generator=generator) if with_bias else None
-    x = torch.randn(rows, num_in, generator=generator)
+    return weight, bias, torch.randn(rows, num_in, generator=generator)
+
+
+@settings(max_examples=30, deadline=None)
+@product_cases
+def test_packed_products_match_torch_on_every_code_path_and_thread_count(
+    native: cpu_kernels.CpuKernels, rows: int, num_out: int, num_in: int, with_bias: bool, seed: int
+) -> None:
+    weight, bias, x = make_product(seed, rows, num_out, num_in, with_bias)
     expected = torch.nn.functional.linear(x.double(), weight.double(), None if bias is None else bias.double())
     packed = PackedLinear(native, weight, bias)
     for isa in available_isas(native):
