@@ -51,9 +51,9 @@ async def serving(nats_server: EmbeddedNatsServer, demo_models_root: Path, tmp_p
     await scheduler.start([ModelSpec(key=MODEL, path=MODEL)])
     try:
         assert (await scheduler.ensure(MODEL)).ok
-        for _ in range(480):
+        for _ in range(480):  # ready, and the model's measured figure written (the agent's next write)
             records = [e.value for e in (await buses[2].replicas.get_all()).values()]
-            if any(r.state == "ready" for r in records):
+            if any(r.state == "ready" for r in records) and await _measured(buses[2]) is not None:
                 break
             await asyncio.sleep(0.25)
         (record,) = records
