@@ -33,6 +33,7 @@ import json
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -52,7 +53,8 @@ from shoal.services.worker.engine.attention import register_attention  # noqa: E
 from shoal.services.worker.engine.factory import build_paged_engine, get_min_engine_bytes_for  # noqa: E402
 from shoal.services.worker.engine.packed_load import allocate_weights  # noqa: E402
 from shoal.services.worker.loader import load_model, park_weights, restore_weights  # noqa: E402
-from shoal.services.worker.weight_drop import drop_weights, get_libc, release_pages, reload_weights  # noqa: E402
+from shoal.services.worker.page_advice import release_pages  # noqa: E402
+from shoal.services.worker.weight_drop import drop_weights, reload_weights  # noqa: E402
 from shoal.shared.config import WorkerConfig  # noqa: E402
 from shoal.shared.messages import ModelSpec, ReplicaRecord  # noqa: E402
 
@@ -64,27 +66,26 @@ SIZES_MIB = (100, 200, 100, 200, 100, 100)
 # --------------------------------------------------------------------------- part 1
 
 
-def _copy_seconds(num_bytes: int) -> float:
+def _timed_copy(num_bytes: int, copy: Callable[[torch.Tensor], object]) -> float:
+    """Seconds `copy` takes on a filled source of `num_bytes` (the source made beforehand)."""
     source = torch.empty(num_bytes, dtype=torch.uint8)
     source.fill_(1)
     started = time.perf_counter()
-    copy = source.clone()  # allocation and copy, as a load or a restore does
+    result = copy(source)
     elapsed = time.perf_counter() - started
-    del copy
+    del result  # freed after the clock stops
     return elapsed
+
+
+def _copy_seconds(num_bytes: int) -> float:
+    return _timed_copy(num_bytes, torch.clone)  # allocation and copy, as a load or a restore does
 
 
 def _huge_page_copy_seconds(num_bytes: int) -> float:
     """The same copy into memory marked for transparent huge pages, as a packed load allocates
     its weights (`packed_load.allocate_weights`): a stricter reference than `_copy_seconds`."""
-    source = torch.empty(num_bytes, dtype=torch.uint8)
-    source.fill_(1)
-    started = time.perf_counter()
-    copy = allocate_weights(-(-num_bytes // 4)).view(torch.uint8)[:num_bytes]
-    copy.copy_(source)
-    elapsed = time.perf_counter() - started
-    del copy
-    return elapsed
+    return _timed_copy(num_bytes, lambda source: allocate_weights(-(-num_bytes // 4))
+                       .view(torch.uint8)[:num_bytes].copy_(source))
 
 
 def _fresh_page_copy_seconds(num_bytes: int) -> float:
@@ -92,14 +93,10 @@ def _fresh_page_copy_seconds(num_bytes: int) -> float:
     ``MADV_DONTNEED``, as a cold sleep gives its weights' pages back): what a cold wake's
     memory costs before anything is read. `_copy_seconds` of a buffer under glibc's mmap
     threshold (32 MiB at most) reuses pages a previous copy faulted in, and pays no fault."""
-    source = torch.empty(num_bytes, dtype=torch.uint8)
-    source.fill_(1)
     target = torch.empty(num_bytes, dtype=torch.uint8)
     target.fill_(0)
-    release_pages(target, get_libc())
-    started = time.perf_counter()
-    target.copy_(source)
-    return time.perf_counter() - started
+    release_pages(target)
+    return _timed_copy(num_bytes, target.copy_)
 
 
 def _host_to_device_seconds(num_bytes: int) -> float:

@@ -48,20 +48,10 @@ class PinnedWeights:
     slots: list[_Slot]
 
 
-def _cuda_tensors(model: torch.nn.Module) -> list[torch.Tensor]:
-    seen: set[int] = set()
-    tensors = []
-    for tensor in [*model.parameters(), *model.buffers()]:
-        if tensor.device.type == "cuda" and id(tensor) not in seen:
-            seen.add(id(tensor))
-            tensors.append(tensor)
-    return tensors
-
-
 def park_to_pinned_host(model: torch.nn.Module) -> PinnedWeights | None:
     """Every CUDA parameter and buffer of `model` to host memory: one pinned buffer (returned),
     or ordinary pages where pinning is refused (None)."""
-    tensors = _cuda_tensors(model)
+    tensors = [t for t in (*model.parameters(), *model.buffers()) if t.device.type == "cuda"]
     slots, offset = [], 0
     for tensor in tensors:
         num_bytes = tensor.numel() * tensor.element_size()

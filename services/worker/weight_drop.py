@@ -12,8 +12,6 @@ moves the model onto its allocation, as after a warm park.
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,11 +21,10 @@ import structlog
 import torch
 
 from shoal.services.worker.loader import LoadedModel, ModelLoadError
+from shoal.services.worker.page_advice import can_advise, release_pages
 
 log = structlog.get_logger(__name__)
 
-_MADV_DONTNEED = 4
-_PAGE_BYTES = 4096
 _INDEX_FILE = "model.safetensors.index.json"
 
 FileEntry = tuple[str, tuple[int, ...]]
@@ -93,23 +90,17 @@ def _entries(sources: dict[str, Any]) -> dict[str, FileEntry]:
 
 
 def _plan_cpu_fills(model: Any, sources: dict[str, Any]) -> list[_Fill]:
-    from shoal.services.worker.engine.native_forward import _PACKED_ATTR
+    from shoal.services.worker.engine.native_forward import get_packed_model
+    from shoal.services.worker.engine.packed_load import get_products
 
     fills: list[_Fill] = []
-    packed = getattr(model, _PACKED_ATTR, None)
+    packed = get_packed_model(model)
     if packed is not None:
-        for index, layer in enumerate(packed.layers):
-            prefix = f"model.layers.{index}."
-            roles = [(layer.qkv, [prefix + f"self_attn.{p}_proj" for p in "qkv"], False),
-                     (layer.o, [prefix + "self_attn.o_proj"], False),
-                     (layer.gate_up, [prefix + "mlp.gate_proj", prefix + "mlp.up_proj"], True),
-                     (layer.down, [prefix + "mlp.down_proj"], False)]
-            for linear, modules, silu_mul in roles:
-                fills.append(_Fill([m + ".weight" for m in modules], linear.panels, "pack", silu_mul, modules))
-                if linear.bias is not None:
-                    fills.append(_Fill([], linear.bias, "bias", modules=modules))
-        if packed.lm_head is not None:
-            fills.append(_Fill(["lm_head.weight"], packed.lm_head.panels, "pack", modules=["lm_head"]))
+        products = get_products(len(packed.layers), tied=packed.lm_head is None)
+        for (modules, silu_mul), linear in zip(products, packed.linears, strict=True):
+            fills.append(_Fill([m + ".weight" for m in modules], linear.panels, "pack", silu_mul, modules))
+            if linear.bias is not None:
+                fills.append(_Fill([], linear.bias, "bias", modules=modules))
     for name, parameter in model.named_parameters():
         if parameter.numel() > 0:
             fills.append(_Fill([name], parameter.data, "copy"))
@@ -134,26 +125,6 @@ def _check_fill(fill: _Fill, sources: dict[str, Any]) -> None:
             raise ModelLoadError(f"{fill.names}: the file's shapes {shapes} are not the packed product's")
 
 
-def release_pages(tensor: torch.Tensor, libc: Any) -> None:
-    """Gives the whole pages inside `tensor`'s bytes back to the kernel (they read as zeros)."""
-    start = tensor.data_ptr()
-    end = start + tensor.numel() * tensor.element_size()
-    first = -(-start // _PAGE_BYTES) * _PAGE_BYTES
-    last = end // _PAGE_BYTES * _PAGE_BYTES
-    if last > first:
-        libc.madvise(first, last - first, _MADV_DONTNEED)
-
-
-def get_libc() -> Any:
-    name = ctypes.util.find_library("c")
-    if not name:
-        raise ModelLoadError("no libc: weights cannot be dropped in place")
-    libc = ctypes.CDLL(name, use_errno=True)
-    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    libc.madvise.restype = ctypes.c_int
-    return libc
-
-
 def drop_weights(loaded: LoadedModel) -> DroppedWeights:
     """Drops the model's weights (the engine is closed); raises ModelLoadError when they could
     not be reloaded (no model dir, files that are not the model's): nothing is dropped then."""
@@ -176,12 +147,13 @@ def drop_weights(loaded: LoadedModel) -> DroppedWeights:
 
     dropped.fills = _plan_cpu_fills(loaded.model, sources)
     dropped.rounded = get_weights_dtype(loaded.model) == torch.bfloat16
-    libc = get_libc()
+    if not can_advise():
+        raise ModelLoadError("no libc: weights cannot be dropped in place")
     allocation = get_allocation(loaded.model)
     if allocation is not None:
-        release_pages(allocation, libc)
+        release_pages(allocation)
     for fill in dropped.fills:
-        release_pages(fill.target, libc)
+        release_pages(fill.target)
     log.info("weights_dropped", model_dir=str(loaded.model_dir), tensors=len(dropped.fills))
     return dropped
 

@@ -110,16 +110,26 @@ class PackedModel:
     layers: list[LayerWeights]
 
     @property
-    def nbytes(self) -> int:
-        """Bytes this holds that the model's parameters no longer do: the packed products and
-        their biases (the embedding, norms and rotary frequencies stay the model's)."""
+    def linears(self) -> list[PackedLinear]:
+        """Every packed product: each layer's q/k/v, o, gate/up and down, then an untied lm_head."""
         linears = [p for layer in self.layers for p in (layer.qkv, layer.o, layer.gate_up, layer.down)]
         if self.lm_head is not None:
             linears.append(self.lm_head)
-        return sum(p.nbytes for p in linears)
+        return linears
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes this holds that the model's parameters no longer do: the packed products and
+        their biases (the embedding, norms and rotary frequencies stay the model's)."""
+        return sum(p.nbytes for p in self.linears)
 
 
 _PACKED_ATTR = "_shoal_native_packed"
+
+
+def get_packed_model(model: Any) -> PackedModel | None:
+    """The `PackedModel` `pack_model` (or a packed load) attached to `model`, if any."""
+    return getattr(model, _PACKED_ATTR, None)
 
 
 def pack_model(model: Any) -> PackedModel:
@@ -130,7 +140,7 @@ def pack_model(model: Any) -> PackedModel:
     Raises:
         ValueError: `get_unsupported_reason` has one.
     """
-    packed: PackedModel | None = getattr(model, _PACKED_ATTR, None)
+    packed = get_packed_model(model)
     if packed is not None:
         return packed
     reason = get_unsupported_reason(model)

@@ -38,8 +38,6 @@ settings changed since) gets the parameters back from the file (`restore_paramet
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import itertools
 import json
 import math
@@ -68,12 +66,12 @@ from shoal.services.worker.engine.native_forward import (
     attach_packed_model,
     get_unsupported_reason,
 )
+from shoal.services.worker.page_advice import MADV_HUGEPAGE, advise
 
 log = structlog.get_logger(__name__)
 
 WEIGHTS_FILE = "model.safetensors"
 HUGE_PAGE_BYTES = 2 << 20
-_MADV_HUGEPAGE = 14
 _ALIGN_FLOATS = 16
 """Each tensor in the shared allocation starts on a 64-byte boundary."""
 _SOURCE_ATTR = "_shoal_packed_source"
@@ -130,24 +128,9 @@ def allocate_weights(num_floats: int) -> torch.Tensor:
     raw = torch.empty(num_bytes + HUGE_PAGE_BYTES, dtype=torch.uint8)
     address = raw.data_ptr()
     start = -(-address // HUGE_PAGE_BYTES) * HUGE_PAGE_BYTES
-    _advise_huge_pages(start, (address + raw.numel() - start) // HUGE_PAGE_BYTES * HUGE_PAGE_BYTES)
+    advise(start, (address + raw.numel() - start) // HUGE_PAGE_BYTES * HUGE_PAGE_BYTES, MADV_HUGEPAGE)
     offset = start - address
     return raw[offset : offset + num_bytes].view(torch.float32)
-
-
-_libc: Any = None
-
-
-def _advise_huge_pages(address: int, num_bytes: int) -> None:
-    global _libc
-    if _libc is None:
-        name = ctypes.util.find_library("c")
-        _libc = ctypes.CDLL(name, use_errno=True) if name else False
-        if _libc:
-            _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-            _libc.madvise.restype = ctypes.c_int
-    if _libc and num_bytes > 0:
-        _libc.madvise(address, num_bytes, _MADV_HUGEPAGE)  # a refusal only leaves plain pages
 
 
 def get_num_panels(num_out: int) -> int:
@@ -218,7 +201,8 @@ _Product = tuple[list[str], bool]
 whether it is a gate/up pair (the SiLU * up epilogue)."""
 
 
-def _get_products(num_layers: int, tied: bool) -> list[_Product]:
+def get_products(num_layers: int, tied: bool) -> list[_Product]:
+    """The packed products of a Llama-style decoder, in `PackedModel.linears`' order."""
     products: list[_Product] = []
     for index in range(num_layers):
         prefix = f"model.layers.{index}."
@@ -244,7 +228,7 @@ def start_load(model_dir: Path, config: Any, *, weights_dtype: torch.dtype = tor
         return None
     weights_file = WeightsFile(model_dir / WEIGHTS_FILE)
     entries = weights_file.entries
-    products = _get_products(int(config.num_hidden_layers), tied="lm_head.weight" not in entries)
+    products = get_products(int(config.num_hidden_layers), tied="lm_head.weight" not in entries)
     weight_names = [m + ".weight" for modules, _ in products for m in modules]
     file_dtypes = {"F32", "BF16"} if weights_dtype == torch.bfloat16 else {"F32"}
     if any(dtype not in file_dtypes for dtype, _, _, _ in entries.values()) or any(
