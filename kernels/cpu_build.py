@@ -49,7 +49,7 @@ HEADERS = (_CSRC / "cpu_model.h", _CSRC / "cpu_vec.h")
 """Included by the sources: part of the cache key, not of the compile command."""
 LIBRARY_STEM = "shoal_cpu_kernels"
 """The built library is ``<stem>-<hash>.so`` in the cache directory."""
-ABI_VERSION = 5
+ABI_VERSION = 6
 """What ``shoal_cpu_kernels_abi()`` must return: the C signatures `shoal.kernels.cpu_kernels`
 calls. Part of the cache key."""
 COMPILE_FLAGS = ("-O3", "-std=c11", "-fPIC", "-shared", "-pthread", "-ffp-contract=fast")

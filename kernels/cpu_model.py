@@ -134,6 +134,10 @@ def _bind(library: ctypes.CDLL) -> None:
     library.shoal_model_forward.restype = _i64
     library.shoal_gemm_isa.argtypes = []
     library.shoal_gemm_isa.restype = _i64
+    library.shoal_rest_threads.argtypes = []
+    library.shoal_rest_threads.restype = None
+    library.shoal_thread_stats.argtypes = [_ptr]
+    library.shoal_thread_stats.restype = None
     library.shoal_prefill_attention.argtypes = [_ptr, _ptr, _ptr, _i64, _ptr, _i64, _i64, _i64, _ptr, _ptr, _f64,
                                                 _i64, _i64]
     library.shoal_prefill_attention.restype = _i64
@@ -144,6 +148,37 @@ def get_gemm_isa(kernels: CpuKernels) -> int:
     """The products' code path on this CPU: `ISA_AVX512`, `ISA_AVX2` or `ISA_GENERIC`."""
     _bind(kernels.library)
     return int(kernels.library.shoal_gemm_isa())
+
+
+def rest_threads(kernels: CpuKernels) -> None:
+    """Lets the forward's idle helper threads sleep now rather than keep their cores looking for
+    the next pass: call it when none comes soon (the engine has nothing to run)."""
+    _bind(kernels.library)
+    kernels.library.shoal_rest_threads()
+
+
+@dataclass(frozen=True)
+class ThreadStats:
+    """The native forward's helper threads, counted since the library was loaded."""
+
+    num_helpers: int
+    """Helper threads started (each pass uses the caller and up to ``num_threads - 1`` of them)."""
+    num_shared_programs: int
+    """Passes (or products) posted to the helpers."""
+    num_idle_told: int
+    """Helpers' idle waits that ended asleep because they were told to rest (`rest_threads`,
+    or a pass run on one thread)."""
+    num_idle_timed_out: int
+    """Helpers' idle waits that ended asleep after looking for the next pass for their whole
+    idle window (~2 ms)."""
+
+
+def get_thread_stats(kernels: CpuKernels) -> ThreadStats:
+    """The library's thread counters (`ThreadStats`)."""
+    _bind(kernels.library)
+    values = (ctypes.c_int64 * 4)()
+    kernels.library.shoal_thread_stats(values)
+    return ThreadStats(*(int(v) for v in values))
 
 
 def pack_into(kernels: CpuKernels, weight: torch.Tensor, panels: torch.Tensor, *, silu_mul: bool = False) -> None:

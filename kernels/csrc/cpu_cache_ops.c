@@ -28,7 +28,7 @@
 #define CACHED_PREFETCH_DISTANCE 2
 
 /* Bumped whenever shoal_write_kv's signature changes; the loader checks it. */
-int64_t shoal_cpu_kernels_abi(void) { return 5; }
+int64_t shoal_cpu_kernels_abi(void) { return 6; }
 
 /* Whether this build has streaming stores (x86-64); elsewhere every copy is memcpy. */
 int64_t shoal_cpu_kernels_streaming(void) { return SHOAL_X86_64; }

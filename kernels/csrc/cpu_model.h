@@ -26,6 +26,16 @@ struct shoal_phase {
  * SHOAL_MAX_PHASES phases or 2^20 - 1 items (nothing run). */
 int shoal_run_phases(const struct shoal_phase *phases, int64_t num_phases, int num_threads);
 
+/* Tells idle helpers not to look for another program (they sleep until the next one is
+ * posted): the caller's next work is not shared, or there is none for a while. Running a
+ * program on one thread says the same. */
+void shoal_rest_threads(void);
+
+/* out[4]: helper threads started; programs posted to them; helpers' idle waits that ended
+ * asleep because they were told to rest; ... because they looked for the next program for
+ * their whole idle window. */
+void shoal_thread_stats(int64_t *out);
+
 /* --- products (cpu_gemm.c) --------------------------------------------------------------- */
 
 #define SHOAL_PANEL 32 /* output columns per packed panel */

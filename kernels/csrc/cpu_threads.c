@@ -28,6 +28,7 @@
 #include <sched.h>
 #include <stdatomic.h>
 #include <stdint.h>
+#include <stdio.h>
 #include <time.h>
 
 #include "cpu_model.h"
@@ -46,7 +47,8 @@
 /* How long a helper that finished a program keeps looking for the next one (yielding its core
  * to any other thread that wants it) before it sleeps: an engine's steps come a fraction of a
  * millisecond apart, and waking a sleeping thread costs tens to hundreds of microseconds on a
- * virtual machine, during which the caller runs the next program alone. */
+ * virtual machine, during which the caller runs the next program alone. It stops looking at
+ * once when told the next programs will not want it (helpers_may_spin, below). */
 #define IDLE_YIELD_NS 2000000
 
 #define ITEM_BITS 20
@@ -86,26 +88,46 @@ static void futex_wake_all(atomic_uint *word) {
 #endif
 }
 
-/* Returns once *word >= target (reached(value) below): spins SPIN_NS, then sleeps (counted in
- * *sleepers so that wakers know whether to make the system call). Sequentially consistent
- * operations on both sides: a waker either sees the sleeper counted, or the sleeper sees the
- * new value before it sleeps (and futex_wait re-checks it atomically). */
+/* Whether a waited-for word got there: changed from target, or at least target. */
 static int reached(unsigned value, unsigned target, int until_changed) {
     return until_changed ? value != target : value >= target;
 }
 
+/* What an idle helper's wait needs besides the word it waits on: how long to look before it
+ * sleeps, the flag that tells it to stop looking now, and where to count how it went to
+ * sleep (shoal_thread_stats). */
+struct idle_watch {
+    uint64_t yield_ns;
+    const atomic_int *keep_looking;
+    atomic_llong *num_told;
+    atomic_llong *num_timed_out;
+};
+
+/* Returns once *word reached target (reached(value) below): spins SPIN_NS (plus the idle
+ * watch's yield_ns, yielding the core), then sleeps, counted in *sleepers so that wakers know
+ * whether to make the system call. Sequentially consistent operations on both sides: a waker
+ * either sees the sleeper counted, or the sleeper sees the new value before it sleeps (and
+ * futex_wait re-checks it atomically). */
 static void wait_on(atomic_uint *word, unsigned target, int until_changed, atomic_int *sleepers,
-                    uint64_t yield_ns) {
+                    const struct idle_watch *idle) {
+    const uint64_t yield_ns = idle != NULL ? idle->yield_ns : 0;
     uint64_t start = 0;
     for (unsigned i = 1;; ++i) {
         if (reached(atomic_load_explicit(word, memory_order_acquire), target, until_changed)) {
             return;
         }
         if ((i & 255u) == 0) {
+            if (idle != NULL && !atomic_load_explicit(idle->keep_looking, memory_order_relaxed)) {
+                atomic_fetch_add(idle->num_told, 1);
+                break;
+            }
             const uint64_t now = now_ns();
             if (start == 0) {
                 start = now;
             } else if (now > start + SPIN_NS + yield_ns) {
+                if (idle != NULL) {
+                    atomic_fetch_add(idle->num_timed_out, 1);
+                }
                 break;
             } else if (now > start + SPIN_NS) {
                 sched_yield(); /* any other thread that wants this core runs first */
@@ -137,6 +159,15 @@ static unsigned helper_start_posts[SHOAL_MAX_THREADS];
 
 static atomic_uint posts; /* bumped when a program is posted: helpers sleep on it */
 static atomic_int post_sleepers;
+/* 1 from a program posted to the helpers until the caller runs one alone (too small to
+ * share) or rests: while 0 an idle helper sleeps at once instead of looking for the next
+ * program. A helper spinning or yielding on its core for nothing keeps that core from the
+ * threads that carry the step's results out (the event loop, NATS, the gateway): Linux
+ * places them on a free core, and a spinning thread's core is not free. */
+static atomic_int helpers_may_spin;
+/* shoal_thread_stats: programs posted to helpers; helpers' idle waits that ended asleep, told
+ * to rest or after looking for IDLE_YIELD_NS. */
+static atomic_llong num_shared_programs, num_idle_told, num_idle_timed_out;
 static _Atomic uint64_t claim_word;
 static atomic_uint num_done; /* items of the live program done */
 static atomic_int done_sleepers;
@@ -167,7 +198,7 @@ static void run_items(uint64_t generation) {
         }
         const int64_t first = phase == 0 ? 0 : phase_ends[phase - 1];
         if (first > 0) {
-            wait_on(&num_done, (unsigned)first, 0, &done_sleepers, 0);
+            wait_on(&num_done, (unsigned)first, 0, &done_sleepers, NULL);
         }
         const struct shoal_phase *p = &program[phase];
         p->run(p->context, (int64_t)item - first);
@@ -178,8 +209,9 @@ static void run_items(uint64_t generation) {
 static void *helper_main(void *arg) {
     const int index = (int)(intptr_t)arg; /* 1 .. */
     unsigned seen = helper_start_posts[index];
+    const struct idle_watch idle = {IDLE_YIELD_NS, &helpers_may_spin, &num_idle_told, &num_idle_timed_out};
     for (;;) {
-        wait_on(&posts, seen, 1, &post_sleepers, IDLE_YIELD_NS);
+        wait_on(&posts, seen, 1, &post_sleepers, &idle);
         seen = atomic_load(&posts);
         const uint64_t word = atomic_load(&claim_word);
         if (index < program_threads) {
@@ -236,9 +268,29 @@ static int start_helpers(int wanted) {
         if (failed) {
             break;
         }
+#if defined(__linux__)
+        char name[16];
+        snprintf(name, sizeof name, "shoal-fwd-%d", index);
+        pthread_setname_np(thread, name); /* what top -H and py-spy show */
+#endif
         ++num_helpers;
     }
     return num_helpers;
+}
+
+void shoal_rest_threads(void) {
+    if (atomic_load_explicit(&helpers_may_spin, memory_order_relaxed)) {
+        atomic_store(&helpers_may_spin, 0);
+    }
+}
+
+void shoal_thread_stats(int64_t *out) {
+    pthread_mutex_lock(&submit_lock);
+    out[0] = num_helpers;
+    pthread_mutex_unlock(&submit_lock);
+    out[1] = atomic_load(&num_shared_programs);
+    out[2] = atomic_load(&num_idle_told);
+    out[3] = atomic_load(&num_idle_timed_out);
 }
 
 int shoal_run_phases(const struct shoal_phase *phases, int64_t num_phases, int num_threads) {
@@ -255,7 +307,8 @@ int shoal_run_phases(const struct shoal_phase *phases, int64_t num_phases, int n
     if (num_threads > SHOAL_MAX_THREADS) {
         num_threads = SHOAL_MAX_THREADS;
     }
-    if (num_threads <= 1 || total <= 1) { /* inline: no atomics, no helpers */
+    if (num_threads <= 1 || total <= 1) { /* inline: no helpers */
+        shoal_rest_threads();
         for (int64_t i = 0; i < num_phases; ++i) {
             for (int64_t item = 0; item < phases[i].num_items; ++item) {
                 phases[i].run(phases[i].context, item);
@@ -273,11 +326,13 @@ int shoal_run_phases(const struct shoal_phase *phases, int64_t num_phases, int n
     }
     program_threads = helpers + 1 < num_threads ? helpers + 1 : num_threads;
     atomic_store(&num_done, 0);
+    atomic_store(&helpers_may_spin, 1);
+    atomic_fetch_add(&num_shared_programs, 1);
     const uint64_t generation = ((atomic_load(&claim_word) >> GENERATION_SHIFT) + 1) & GENERATION_MASK;
     atomic_store(&claim_word, (generation << GENERATION_SHIFT) | ((uint64_t)total << ITEM_BITS));
     bump(&posts, &post_sleepers);
     run_items(generation);
-    wait_on(&num_done, (unsigned)total, 0, &done_sleepers, 0);
+    wait_on(&num_done, (unsigned)total, 0, &done_sleepers, NULL);
     pthread_mutex_unlock(&submit_lock);
     return 0;
 }

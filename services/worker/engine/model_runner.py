@@ -158,6 +158,11 @@ class ModelRunner:
         cache = self.host_cache
         return 0 if cache is None else cache.numel() * cache.element_size()
 
+    def rest(self) -> None:
+        """The engine has nothing to run: threads kept ready for the next pass may sleep."""
+        if self.native is not None:
+            self.native.rest()
+
     def take_swap_in_seconds(self) -> float:
         """How long the last `execute`'s copies back to the GPU took (0.0 without any): the
         pass waited for them. On CUDA, read from events once the pass is done."""

@@ -38,6 +38,7 @@ from shoal.kernels.cpu_model import (
     PackedLinear,
     PrefillPlan,
     StepBuffers,
+    rest_threads,
     run_forward,
 )
 from shoal.services.worker.engine.attention import PagedBatch
@@ -289,6 +290,10 @@ class NativeForward:
         self.last_argmax: torch.Tensor | None = None
         """int64 [rows kept]: the last pass's most likely token per row (None without an
         lm_head of its own: tied to the embedding, the logits are a torch product)."""
+
+    def rest(self) -> None:
+        """No pass comes soon: the forward's helper threads sleep now (`rest_threads`)."""
+        rest_threads(self.packed.kernels)
 
     def _plan_rows(self, plan: AttentionPlan, num_tokens: int) -> DecodePlan | None:
         """Every row of the batch as a native decode entry: a decode row as it is, a prefill
