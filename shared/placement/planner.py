@@ -247,7 +247,9 @@ class ClusterPlanner:
         else:
             replica = self._node(where[0]).take_warm(replica_id)  # CPU RAM only: no index moves
         self._touch(replica)
-        replica.protected = demand.popular
+        # A WARM replica keeps the protection it came with: promoted and demoted again within
+        # one plan, it must not become a CPU-pressure victim that it was not at the start.
+        replica.protected = replica.protected or demand.popular
         node.place(replica, offer.gpu_bytes, whole_gpus=offer.kind != "fractional")
         self._where[replica_id] = (pos, "HOT")
         self._get_ids(demand.model).add(replica_id)

@@ -324,6 +324,22 @@ def test_cluster_cant_accommodate() -> None:
 # --------------------------------------------------------------------------- resources
 
 
+def test_a_protected_warm_replica_promoted_and_demoted_in_one_plan_stays_protected() -> None:
+    """Found by the property test: m0's protected WARM copy is promoted (desired 1), then m0
+    is evicted back to WARM, then m1's demotion needs the CPU cache that copy fills. It was
+    dropped for room, having lost its protection on the way up: m1's copy goes COLD instead."""
+    warm = ReplicaSnapshot("r-m0", "m0", "WARM", {}, 1 * GiB, True)
+    node = make_node([16], hot("r-m1", "m1", {0: 1}, protected=True), warm, cpu_cache_gib=1)
+    planner = ClusterPlanner(ClusterSnapshot((node,)), config=CONFIG, rng=random.Random(0), clock=lambda: 0.0)
+    planner.ensure(measured("m0", 3))
+    planner.evict_model("m0")
+    planner.evict_model("m1")
+    plan = planner.finish()
+    assert [(e.replica_id, e.from_level, e.to_level, e.reason) for e in plan.evictions] == [
+        ("r-m1", "HOT", "COLD", "explicit")
+    ]
+
+
 def test_available_set_follows_the_min_available_gpu_fraction() -> None:
     gpus = GpuResources({0: 100, 1: 100}, {0: 71, 1: 70}, min_available_gpu_fraction=0.3)
     assert gpus.available_gpu_ids == {1}
