@@ -25,6 +25,7 @@ from shoal.services.node_agent.gpus import discover_gpus
 from shoal.services.scheduler.service import SchedulerService
 from shoal.shared.bus import connect
 from shoal.shared.config import ShoalConfig
+from shoal.shared.gc_freeze import freeze_startup_objects
 from shoal.shared.messages import ModelSpec, now
 from shoal.shared.metrics import Registry
 from shoal.shared.nats_connect import redacted_url
@@ -150,6 +151,7 @@ async def run_up(config: ShoalConfig, nats_url: str) -> None:
         await stack.enter_async_context(node_agent_running(config, nats_url, registry))
         await stack.enter_async_context(scheduler_running(config, nats_url, registry))
         await stack.enter_async_context(gateway_running(config, nats_url, registry))
+        freeze_startup_objects()
         url = f"http://{config.gateway.host}:{config.gateway.port}/v1"
         print(f"Shoal is up: OpenAI API at {url}  (NATS {redacted_url(nats_url)}; Ctrl-C stops everything)",
               flush=True)

@@ -152,6 +152,7 @@ async def _with_bus(config: ShoalConfig, name: str, action: Callable[[Any], Awai
 
 async def _run_service(config: ShoalConfig, args: argparse.Namespace) -> None:
     from shoal.cli import launcher
+    from shoal.shared.gc_freeze import freeze_startup_objects
     from shoal.shared.metrics import Registry
     from shoal.shared.nats_connect import redacted_url
 
@@ -167,6 +168,7 @@ async def _run_service(config: ShoalConfig, args: argparse.Namespace) -> None:
         launcher.metrics_serving(registry, getattr(args, "metrics_host", "127.0.0.1"),
                                  getattr(args, "metrics_port", None)),
     ):
+        freeze_startup_objects()
         print(f"shoal {args.command} is up (NATS {redacted_url(url)})", flush=True)
         await launcher.wait_for_signal()
 

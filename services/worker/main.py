@@ -40,6 +40,7 @@ from shoal.services.worker.stats import StatsPublisher
 from shoal.shared import event_loop, subjects
 from shoal.shared.bus import Bus, connect
 from shoal.shared.config import SessionConfig
+from shoal.shared.gc_freeze import freeze_startup_objects
 from shoal.shared.kv_cache.session_settings import SessionSettings
 from shoal.shared.logs import configure_logging
 from shoal.shared.messages import (
@@ -164,6 +165,7 @@ async def serve(launch: WorkerLaunch) -> int:
                 await asyncio.to_thread(ops.prepare, device)  # the engine finds them built
                 await report(bus, launch, WorkerEvent(replica.replica_id, "loading", pid=pid,
                                                               phase="warming_up"))
+            log.info("startup_objects_frozen", num_objects=freeze_startup_objects())
             engine, engine_bytes = await asyncio.to_thread(build_engine, launch, loaded)
         except (ModelLoadError, KernelBuildError, MemoryError) as exc:
             log.error("model_load_failed", error=str(exc))
