@@ -26,6 +26,7 @@ import structlog
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
+from shoal.services.worker.pulling import pull_arrivals
 from shoal.shared import subjects
 from shoal.shared.bus import MOVED_ATTEMPT_OFFSET, ensure_replica_consumer
 from shoal.shared.messages import encode_msgpack, request_decoder
@@ -100,21 +101,20 @@ class ReplicaQueue:
         """Take or move every turn that arrives; once stopping, end at the first empty fetch
         (a fetch lasts `FETCH_TIMEOUT_S`, so no earlier pull request is still open)."""
         while True:
+            num_arrived = 0
+            moving: list[Awaitable[bool]] = []
             try:
-                msgs = await pull.fetch(batch=self._max_fetch, timeout=FETCH_TIMEOUT_S)
-            except (nats.errors.TimeoutError, TimeoutError):
-                if self._stopping.is_set():
-                    return
-                continue
+                async for msg in pull_arrivals(pull, self._max_fetch, FETCH_TIMEOUT_S):
+                    num_arrived += 1
+                    if self._is_serving():
+                        self._start(msg)
+                    else:
+                        moving.append(move_to_shared(self._js, msg))
             except nats.errors.ConnectionClosedError:
                 return
-            moving: list[Awaitable[bool]] = []
-            for msg in msgs:
-                if self._is_serving():
-                    self._start(msg)
-                else:
-                    moving.append(move_to_shared(self._js, msg))
             await asyncio.gather(*moving)
+            if num_arrived == 0 and self._stopping.is_set():
+                return
 
     async def _delete_consumer(self, name: str) -> None:
         # A locked-down bus does not let workers delete consumers (one could delete its model's

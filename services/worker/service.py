@@ -38,6 +38,7 @@ from nats.js import JetStreamContext
 from shoal.services.worker.activity import ActivityReporter
 from shoal.services.worker.generation import Engine, EngineFailed, GenerationRequest, RequestRejected
 from shoal.services.worker.prompts import prompt_chars, prompt_token_ids
+from shoal.services.worker.pulling import pull_arrivals
 from shoal.services.worker.replica_queue import ReplicaQueue
 from shoal.shared import subjects
 from shoal.shared.bus import Bus, ensure_model_consumer
@@ -278,11 +279,7 @@ class WorkerService:
                 except TimeoutError:
                     pass
                 continue
-            try:
-                msgs = await pull.fetch(batch=num_free, timeout=FETCH_TIMEOUT_S)
-            except (nats.errors.TimeoutError, TimeoutError):
-                continue
-            for msg in msgs:
+            async for msg in pull_arrivals(pull, num_free, FETCH_TIMEOUT_S):
                 if self._stopping.is_set() or not self._serving.is_set():
                     await msg.nak()  # fetched while the barrier went up: another replica takes it
                     continue
