@@ -369,7 +369,9 @@ class ClusterPlanner:
                     evictions.append(self._eviction(before, to_level, reason))
                 placements.append(self._placement(replica, before))
             elif before is not None:
-                to_level = "COLD" if after is None else "WARM"
+                # Parked on another node than it started on (moved there HOT, then evicted within
+                # this pass), it never ran there: it leaves its first node's CPU cache for good.
+                to_level = "WARM" if after is not None and after[0] == before[0] else "COLD"
                 if before[1].level != to_level:
                     evictions.append(self._eviction(before, to_level, self._reasons[replica_id],
                                                     drop_weights=replica.parked_bytes is not None))

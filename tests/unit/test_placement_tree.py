@@ -340,6 +340,26 @@ def test_a_protected_warm_replica_promoted_and_demoted_in_one_plan_stays_protect
     ]
 
 
+def test_a_warm_replica_moved_then_parked_on_another_node_leaves_its_first_node() -> None:
+    """Found by the property test: m0's WARM copy on n1 is placed on n2 (n1's GPU is too
+    small), then parked there; m1's demotion on n1 takes the CPU cache it left. The plan must
+    not say the copy stayed WARM where it was (n1 would hold both): it is dropped there."""
+    warm = ReplicaSnapshot("r-m0", "m0", "WARM", {}, 1 * GiB, True)
+    first = make_node([8], hot("r-m1", "m1", {0: 1}, protected=True), warm, node_id="n1", cpu_cache_gib=1)
+    other = make_node([16], node_id="n2", cpu_cache_gib=1)
+    planner = ClusterPlanner(ClusterSnapshot((first, other)), config=CONFIG, rng=random.Random(0),
+                             clock=lambda: 0.0)
+    planner.ensure(measured("m0", 12))
+    planner.evict_model("m0")
+    planner.evict_model("m1")
+    plan = planner.finish()
+    assert plan.placements == ()
+    assert [(e.replica_id, e.node_id, e.from_level, e.to_level) for e in plan.evictions] == [
+        ("r-m0", "n1", "WARM", "COLD"),
+        ("r-m1", "n1", "HOT", "WARM"),
+    ]
+
+
 def test_available_set_follows_the_min_available_gpu_fraction() -> None:
     gpus = GpuResources({0: 100, 1: 100}, {0: 71, 1: 70}, min_available_gpu_fraction=0.3)
     assert gpus.available_gpu_ids == {1}
