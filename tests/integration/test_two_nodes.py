@@ -16,6 +16,7 @@ from shoal.shared.bus import Bus, connect
 from shoal.shared.config import LoggingConfig, NodeConfig, SchedulerConfig, WorkerConfig
 from shoal.shared.messages import ModelSpec, ReplicaRecord
 from shoal.shared.nats_server import EmbeddedNatsServer
+from tests.integration.model_records import wait_for_measured_spec
 
 SMALL = "demo/llama-5m"
 LARGE = "demo/llama-100m"
@@ -71,11 +72,7 @@ async def test_placement_uses_both_nodes_and_a_large_model_lands_where_it_fits(c
     large = await scheduler.scale(LARGE, 1)
     assert large.ok, large.message
     (large_replica,) = await _wait_ready(bus, LARGE, 1)
-    for _ in range(40):  # the agent records the measured figure on the model just after "ready"
-        spec = (await bus.models.get(subjects.model_token(LARGE))).value
-        if spec.measured_serving_bytes is not None:
-            break
-        await asyncio.sleep(0.25)
+    spec = await wait_for_measured_spec(bus, LARGE)
     assert spec.estimated_bytes is not None and spec.estimated_bytes > (1 << 30), "too large for node-a's GPU"
     assert large_replica.node_id == "node-b"
 

@@ -32,6 +32,7 @@ from shoal.shared.messages import (
     reply_decoder,
 )
 from shoal.shared.nats_server import EmbeddedNatsServer
+from tests.integration.model_records import wait_for_measured_spec
 
 MODEL = "demo/llama-5m"
 
@@ -114,11 +115,7 @@ async def test_a_replica_goes_warm_and_back_hot_and_serves_and_placement_reserve
     bus, scheduler = cluster
     assert (await scheduler.scale(MODEL, 1)).ok
     (first,) = (await _ready(bus, 1)).values()
-    for _ in range(40):  # the agent records the measured figure on the model just after "ready"
-        spec = await _spec(bus)
-        if spec.measured_serving_bytes is not None:
-            break
-        await asyncio.sleep(0.25)
+    spec = await wait_for_measured_spec(bus, MODEL)
     measured = spec.measured_serving_bytes
     assert measured is not None and spec.estimated_bytes is not None and measured != spec.estimated_bytes
     assert sum(first.gpu_bytes.values()) == spec.estimated_bytes, "the first replica had only the estimate"
