@@ -223,6 +223,7 @@ typedef void (*score_function)(const struct prefill_scratch *s, const float *con
                                int64_t head_dim, float scale);
 typedef void (*accumulate_function)(const struct prefill_scratch *s, const float *const *value_rows, int num_keys,
                                     int64_t head_dim);
+typedef void (*softmax_function)(const struct prefill_scratch *s, int64_t k0, int num_keys, int64_t width);
 
 #if SHOAL_X86
 /* AVX2 has 16 registers: its micro-kernels are written with intrinsics, as the products' are.
@@ -337,15 +338,187 @@ __attribute__((target("avx2,fma"))) static void accumulate_avx2(const struct pre
 }
 #endif
 
+#if SHOAL_X86
+/* AVX-512 has 32 registers: scores 4 keys x 16 to 64 vectors, values 4 vectors x 64 or 16
+ * elements (16 accumulators at most). The generic code, compiled for AVX-512, runs one chain
+ * of FMAs per output vector: 0.55x the AVX2 micro-kernels' speed on Zen 4. */
+#define AVX512_KEYS 4
+#define AVX512_VECTORS 4
+
+#define SCORE_AVX512(COLUMNS)                                                                               \
+    __attribute__((target("avx512f"), noinline)) static void score_avx512_##COLUMNS(                        \
+        const struct prefill_scratch *s, const float *const *key_rows, int num_keys, int64_t head_dim,       \
+        int64_t i, float scale) {                                                                            \
+        const int64_t width = s->width;                                                                      \
+        for (int t0 = 0; t0 < num_keys; t0 += AVX512_KEYS) {                                                 \
+            const float *keys[AVX512_KEYS];                                                                  \
+            for (int r = 0; r < AVX512_KEYS; ++r) { /* past the end: zeros, result unused */                 \
+                keys[r] = t0 + r < num_keys ? key_rows[t0 + r] : s->zeros;                                   \
+            }                                                                                                \
+            __m512 acc[AVX512_KEYS][COLUMNS];                                                                \
+            for (int r = 0; r < AVX512_KEYS; ++r) {                                                          \
+                for (int v = 0; v < COLUMNS; ++v) {                                                          \
+                    acc[r][v] = _mm512_setzero_ps();                                                         \
+                }                                                                                            \
+            }                                                                                                \
+            for (int64_t k = 0; k < head_dim; ++k) {                                                         \
+                __m512 q[COLUMNS];                                                                           \
+                for (int v = 0; v < COLUMNS; ++v) {                                                          \
+                    q[v] = _mm512_loadu_ps(s->q_t + k * width + i + 16 * v);                                 \
+                }                                                                                            \
+                for (int r = 0; r < AVX512_KEYS; ++r) {                                                      \
+                    const __m512 x = _mm512_set1_ps(keys[r][k]);                                             \
+                    for (int v = 0; v < COLUMNS; ++v) {                                                      \
+                        acc[r][v] = _mm512_fmadd_ps(x, q[v], acc[r][v]);                                     \
+                    }                                                                                        \
+                }                                                                                            \
+            }                                                                                                \
+            const __m512 scales = _mm512_set1_ps(scale);                                                     \
+            for (int r = 0; r < AVX512_KEYS; ++r) {                                                          \
+                for (int v = 0; v < COLUMNS; ++v) {                                                          \
+                    _mm512_storeu_ps(s->scores + (t0 + r) * width + i + 16 * v, _mm512_mul_ps(acc[r][v], scales)); \
+                }                                                                                            \
+            }                                                                                                \
+        }                                                                                                    \
+    }
+SCORE_AVX512(1)
+SCORE_AVX512(2)
+SCORE_AVX512(4)
+
+__attribute__((target("avx512f"))) static void score_avx512(const struct prefill_scratch *s,
+                                                             const float *const *key_rows, int num_keys,
+                                                             int64_t head_dim, float scale) {
+    int64_t i = 0;
+    for (; i + 64 <= s->width; i += 64) {
+        score_avx512_4(s, key_rows, num_keys, head_dim, i, scale);
+    }
+    if (i + 32 <= s->width) {
+        score_avx512_2(s, key_rows, num_keys, head_dim, i, scale);
+        i += 32;
+    }
+    if (i < s->width) { /* 16 left (the width is a multiple of 16) */
+        score_avx512_1(s, key_rows, num_keys, head_dim, i, scale);
+    }
+}
+
+/* e^x for x <= 0, exp8's steps 16 lanes at a time with mask compares. */
+__attribute__((target("avx512f"))) static inline __m512 exp_avx512(__m512 x) {
+    const __m512 magic = _mm512_set1_ps(12582912.0f);
+    const __mmask16 kept = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_NLT_UQ);
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    const __m512 shifted = _mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), magic);
+    const __m512 n = _mm512_sub_ps(shifted, magic);
+    const __m512i exponent = _mm512_sub_epi32(_mm512_castps_si512(shifted), _mm512_castps_si512(magic));
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.0f));
+    const __m512 two_to_n = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(exponent, _mm512_set1_epi32(127)), 23));
+    return _mm512_maskz_mul_ps(kept, p, two_to_n);
+}
+
+/* softmax_tile, 16 vectors at a time. */
+__attribute__((target("avx512f"))) static void softmax_tile_avx512(const struct prefill_scratch *s, int64_t k0,
+                                                                    int num_keys, int64_t width) {
+    const __m512 minus_inf = _mm512_set1_ps(-__builtin_inff());
+    const int diagonal = k0 + num_keys - 1 > s->positions[0];
+    for (int64_t i = 0; i < width; i += 16) {
+        const __m512i positions = _mm512_loadu_si512(s->positions + i);
+        __m512 highest = minus_inf;
+        for (int t = 0; t < num_keys; ++t) {
+            float *row = s->scores + t * width + i;
+            __m512 scores = _mm512_loadu_ps(row);
+            if (diagonal) {
+                const __mmask16 after = _mm512_cmpgt_epi32_mask(_mm512_set1_epi32((int32_t)(k0 + t)), positions);
+                scores = _mm512_mask_mov_ps(scores, after, minus_inf);
+                _mm512_storeu_ps(row, scores);
+            }
+            highest = _mm512_max_ps(highest, scores);
+        }
+        const __m512 old_max = _mm512_loadu_ps(s->running_max + i);
+        const __m512 new_max = _mm512_max_ps(highest, old_max);
+        __m512 total = _mm512_setzero_ps();
+        for (int t = 0; t < num_keys; ++t) {
+            float *row = s->scores + t * width + i;
+            const __m512 weights = exp_avx512(_mm512_sub_ps(_mm512_loadu_ps(row), new_max));
+            _mm512_storeu_ps(row, weights);
+            total = _mm512_add_ps(total, weights);
+        }
+        const __m512 alpha = exp_avx512(_mm512_sub_ps(old_max, new_max));
+        _mm512_storeu_ps(s->alpha + i, alpha);
+        _mm512_storeu_ps(s->running_sum + i, _mm512_fmadd_ps(_mm512_loadu_ps(s->running_sum + i), alpha, total));
+        _mm512_storeu_ps(s->running_max + i, new_max);
+    }
+}
+
+/* Vectors `vectors` (the last one repeated past the item's count: the same values are stored
+ * again), elements [index, index + 16 * ELEMENTS). */
+#define ACCUMULATE_AVX512(ELEMENTS)                                                                        \
+    __attribute__((target("avx512f"), noinline)) static void accumulate_avx512_##ELEMENTS(                  \
+        const struct prefill_scratch *s, const float *const *value_rows, int num_keys, int64_t head_dim,     \
+        const int64_t *vectors, int64_t index) {                                                             \
+        const int64_t width = s->width;                                                                      \
+        __m512 acc[AVX512_VECTORS][ELEMENTS];                                                                \
+        for (int v = 0; v < AVX512_VECTORS; ++v) {                                                           \
+            const __m512 alpha = _mm512_set1_ps(s->alpha[vectors[v]]);                                      \
+            for (int e = 0; e < ELEMENTS; ++e) {                                                             \
+                acc[v][e] = _mm512_mul_ps(_mm512_loadu_ps(s->acc + vectors[v] * head_dim + index + 16 * e), alpha); \
+            }                                                                                                \
+        }                                                                                                    \
+        for (int t = 0; t < num_keys; ++t) {                                                                 \
+            __m512 values[ELEMENTS];                                                                         \
+            for (int e = 0; e < ELEMENTS; ++e) {                                                             \
+                values[e] = _mm512_loadu_ps(value_rows[t] + index + 16 * e);                                 \
+            }                                                                                                \
+            for (int v = 0; v < AVX512_VECTORS; ++v) {                                                       \
+                const __m512 x = _mm512_set1_ps(s->scores[t * width + vectors[v]]);                          \
+                for (int e = 0; e < ELEMENTS; ++e) {                                                         \
+                    acc[v][e] = _mm512_fmadd_ps(x, values[e], acc[v][e]);                                    \
+                }                                                                                            \
+            }                                                                                                \
+        }                                                                                                    \
+        for (int v = AVX512_VECTORS - 1; v >= 0; --v) { /* the first of repeated vectors last */             \
+            for (int e = 0; e < ELEMENTS; ++e) {                                                             \
+                _mm512_storeu_ps(s->acc + vectors[v] * head_dim + index + 16 * e, acc[v][e]);                \
+            }                                                                                                \
+        }                                                                                                    \
+    }
+ACCUMULATE_AVX512(1)
+ACCUMULATE_AVX512(4)
+
+__attribute__((target("avx512f"))) static void accumulate_avx512(const struct prefill_scratch *s,
+                                                                   const float *const *value_rows, int num_keys,
+                                                                   int64_t head_dim) {
+    for (int64_t i = 0; i < s->num_vectors; i += AVX512_VECTORS) {
+        int64_t vectors[AVX512_VECTORS];
+        for (int v = 0; v < AVX512_VECTORS; ++v) {
+            vectors[v] = i + v < s->num_vectors ? i + v : s->num_vectors - 1;
+        }
+        int64_t index = 0;
+        for (; index + 64 <= head_dim; index += 64) {
+            accumulate_avx512_4(s, value_rows, num_keys, head_dim, vectors, index);
+        }
+        for (; index < head_dim; index += 16) { /* head_dim is a multiple of 16 */
+            accumulate_avx512_1(s, value_rows, num_keys, head_dim, vectors, index);
+        }
+    }
+}
+#endif
+
 /* One item: sequence seq's query rows [q_first, q_first + q_count) of its num_queries, the
- * query heads of kv head kv_head. score and accumulate: the ISA's micro-kernels, or NULL for
- * the generic code. */
+ * query heads of kv head kv_head. score, softmax and accumulate: the ISA's micro-kernels, or
+ * NULL for the generic code. */
 ALWAYS_INLINE void attend_item(const struct shoal_decode_plan *plan, int64_t seq, int64_t num_queries,
                                int64_t kv_head, int64_t q_first, int64_t q_count, float *out,
                                int64_t out_token_stride, const float *query, int64_t query_token_stride,
                                int64_t num_heads, const float *key_cache, const float *value_cache, float scale,
                                struct prefill_scratch *s, const score_function score,
-                               const accumulate_function accumulate) {
+                               const softmax_function softmax, const accumulate_function accumulate) {
     const int64_t d = plan->head_dim, group = num_heads / plan->num_kv_heads, block_size = plan->block_size;
     const int64_t row_floats = plan->num_kv_heads * d;
     const int32_t *table = plan->block_tables + seq * plan->table_stride;
@@ -383,7 +556,11 @@ ALWAYS_INLINE void attend_item(const struct shoal_decode_plan *plan, int64_t seq
         } else {
             score_generic(s, key_rows, num_keys, d, width, scale);
         }
-        softmax_tile(s, k0, num_keys, width);
+        if (softmax != NULL) {
+            softmax(s, k0, num_keys, width);
+        } else {
+            softmax_tile(s, k0, num_keys, width);
+        }
         if (accumulate != NULL) {
             accumulate(s, value_rows, num_keys, d);
         } else {
@@ -405,19 +582,20 @@ typedef void (*item_function)(const struct shoal_decode_plan *plan, int64_t seq,
                               int64_t num_heads, const float *key_cache, const float *value_cache, float scale,
                               struct prefill_scratch *s);
 
-#define ITEM_FUNCTION(NAME, TARGET, SCORE, ACCUMULATE)                                                       \
+#define ITEM_FUNCTION(NAME, TARGET, SCORE, SOFTMAX, ACCUMULATE)                                                       \
     TARGET static void NAME(const struct shoal_decode_plan *plan, int64_t seq, int64_t num_queries,           \
                             int64_t kv_head, int64_t q_first, int64_t q_count, float *out,                    \
                             int64_t out_token_stride, const float *query, int64_t query_token_stride,         \
                             int64_t num_heads, const float *key_cache, const float *value_cache, float scale, \
                             struct prefill_scratch *s) {                                                     \
         attend_item(plan, seq, num_queries, kv_head, q_first, q_count, out, out_token_stride, query,          \
-                    query_token_stride, num_heads, key_cache, value_cache, scale, s, SCORE, ACCUMULATE);      \
+                    query_token_stride, num_heads, key_cache, value_cache, scale, s, SCORE, SOFTMAX, ACCUMULATE);      \
     }
-ITEM_FUNCTION(item_generic, , NULL, NULL)
+ITEM_FUNCTION(item_generic, , NULL, NULL, NULL)
 #if SHOAL_X86
-ITEM_FUNCTION(item_avx2, __attribute__((target("avx2,fma"))), score_avx2, accumulate_avx2)
-ITEM_FUNCTION(item_avx512, __attribute__((target("avx512f"))), NULL, NULL)
+ITEM_FUNCTION(item_avx2, __attribute__((target("avx2,fma"))), score_avx2, NULL, accumulate_avx2)
+ITEM_FUNCTION(item_avx512, __attribute__((target("avx512f"))), score_avx512, softmax_tile_avx512,
+              accumulate_avx512)
 #endif
 
 static item_function item_for_isa(int isa) {
