@@ -16,6 +16,9 @@ Paths (``--paths``):
 ``--split`` adds, for the torch path, the share of the pass spent in the attention callback.
 ``--products`` instead times each model's packed products alone (`PackedLinear.forward`, its
 layer shapes, random weights) in GFLOPS by rows: how the GEMM does at decode and prefill sizes.
+``--attention`` times the tiled causal attention alone (one layer's heads of each model, one
+prompt of each length in a paged cache, random values) on every code path this CPU has and at
+1 and ``--threads`` threads, in GFLOPS of the causal products (QK and PV).
 
     .venv/bin/python scripts/bench_prefill.py --models-root /work/main/models \\
         --models demo/llama-5m,demo/llama-100m --lengths 64,512,1920 --threads 1
@@ -165,6 +168,42 @@ def time_products(model_dir: Path, rows: list[int], repeats: int, dtype: str = "
         print(f"| {model_dir.name} | {dtype} | {name} {num_out} x {num_in} | " + " | ".join(cells) + " |", flush=True)
 
 
+def time_attention(model_dir: Path, lengths: list[int], threads: int, repeats: int) -> None:
+    """GFLOPS of the tiled causal attention (cpu_prefill_attention.c) for one layer of
+    `model_dir`'s model, by prompt length, on each code path and thread count."""
+    from transformers import AutoConfig
+
+    from shoal.kernels import cpu_kernels
+    from shoal.kernels.cpu_model import ISA_NAMES, PrefillPlan, get_gemm_isa
+
+    config = AutoConfig.from_pretrained(model_dir)
+    kernels = cpu_kernels.try_load()
+    assert kernels is not None
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    generator = torch.Generator().manual_seed(0)
+    for num_threads in sorted({1, threads}):
+        for isa in range(get_gemm_isa(kernels) + 1):
+            cells = []
+            for length in lengths:
+                num_blocks = -(-length // BLOCK_SIZE)
+                key_cache, value_cache = (torch.randn(num_blocks, BLOCK_SIZE, kv_heads, head_dim, generator=generator)
+                                          for _ in range(2))
+                query = torch.randn(length, heads, head_dim, generator=generator)
+                out = torch.empty_like(query)
+                plan = PrefillPlan.build(kernels, key_cache, [list(range(num_blocks))], [length], [0, length])
+                assert plan is not None
+
+                def run(plan: PrefillPlan = plan, out: torch.Tensor = out, query: torch.Tensor = query,
+                        key_cache: torch.Tensor = key_cache, value_cache: torch.Tensor = value_cache,
+                        isa: int = isa, num_threads: int = num_threads) -> None:
+                    plan.run(out, query, key_cache, value_cache, head_dim**-0.5, isa=isa, num_threads=num_threads)
+
+                flops = 4 * heads * head_dim * length * (length + 1) / 2  # QK and PV over the causal half
+                cells.append(f"{flops / best_seconds(run, repeats) / 1e9:.0f}")
+            print(f"| {model_dir.name} | {ISA_NAMES[isa]} | {num_threads} | " + " | ".join(cells) + " |", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models-root", type=Path, required=True)
@@ -178,8 +217,17 @@ def main() -> None:
                         help="time the packed products alone at these row counts (e.g. 1,16,64,512,1920)")
     parser.add_argument("--dtype", type=parse_list, default=["float32"],
                         help="--products: the panels' dtypes, each in turn (float32,bfloat16)")
+    parser.add_argument("--attention", type=lambda s: [int(x) for x in parse_list(s)], default=None,
+                        help="time the tiled causal attention alone at these prompt lengths (e.g. 512,1920)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    if args.attention:
+        print("GFLOPS of the tiled causal attention by prompt length: " + ", ".join(map(str, args.attention)))
+        print("| model | code path | threads | " + " | ".join(map(str, args.attention)) + " |")
+        print("| --- | --- | ---: | " + " | ".join("---:" for _ in args.attention) + " |")
+        for key in args.models:
+            time_attention(args.models_root / key, args.attention, args.threads, args.repeats)
+        return
     if args.products:
         print("GFLOPS of one thread by rows M: " + ", ".join(str(m) for m in args.products))
         for key in args.models:
