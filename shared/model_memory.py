@@ -10,6 +10,10 @@ A replica's GPU (or virtual GPU) bytes split as::
 Weights are parameters x dtype bytes (a 7B model in fp16 is ~13.5 GB, not 28); KV bytes per
 token use the real KV head count and head size (hidden size is not kv_heads x head_dim
 under GQA or with an explicit `head_dim`); activations use the real hidden and MLP sizes.
+Activations and KV take the dtype the replica computes in: the weights' own, except for a
+bfloat16 Llama-style model on the CPU, whose native forward keeps bfloat16 only in its
+products' panels and computes, caches K/V and holds the embedding and norms in float32
+(`get_model_shape(..., on_cpu=True)`; docs/engine.md, "Bfloat16 weights (CPU)").
 
 Pure: no torch at import. `get_model_shape` reads a transformers config; for architectures
 whose parameter layout is not written out here it counts parameters on the meta device
@@ -36,8 +40,10 @@ _DTYPE_BYTES = {
     "float8_e5m2": 1,
     "int8": 1,
 }
-# Decoder layouts whose parameter count is written out in `_count_decoder_parameters`.
-_LLAMA_LIKE_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2"})
+LLAMA_LIKE_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2"})
+"""Decoder layouts whose parameter count is written out here (`_count_decoder_parameters`),
+and the model types the CPU's native forward runs (`engine.native_forward`)."""
+FLOAT32_BYTES = 4
 
 
 @dataclass(frozen=True)
@@ -46,6 +52,7 @@ class ModelShape:
 
     num_parameters: int
     dtype_bytes: int
+    """Of the weights."""
     num_layers: int
     num_heads: int
     num_kv_heads: int
@@ -54,15 +61,25 @@ class ModelShape:
     intermediate_size: int
     vocab_size: int
     max_model_len: int
+    compute_dtype_bytes: int = 0
+    """Of activations and the KV cache; 0: the weights' (`dtype_bytes`)."""
+    num_float32_parameters: int = 0
+    """Parameters held in float32 whatever the weights' dtype (the CPU's bfloat16 path:
+    embedding, norms, biases)."""
 
     @property
     def weight_bytes(self) -> int:
-        return self.num_parameters * self.dtype_bytes
+        other = self.num_parameters - self.num_float32_parameters
+        return other * self.dtype_bytes + self.num_float32_parameters * FLOAT32_BYTES
+
+    @property
+    def activation_dtype_bytes(self) -> int:
+        return self.compute_dtype_bytes or self.dtype_bytes
 
     @property
     def kv_bytes_per_token(self) -> int:
         """K and V of one token across all layers."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype_bytes
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.activation_dtype_bytes
 
     def get_kv_bytes_per_block(self, block_size: int) -> int:
         return block_size * self.kv_bytes_per_token
@@ -94,20 +111,27 @@ def get_dtype_bytes(dtype: Any) -> int:
     return _DTYPE_BYTES[name]
 
 
-def get_model_shape(config: Any, dtype: Any = None) -> ModelShape:
+def get_model_shape(config: Any, dtype: Any = None, *, on_cpu: bool = False) -> ModelShape:
     """The shape of a transformers `PretrainedConfig`'s model, without loading weights.
 
     Args:
         config: a decoder-only causal LM config (Llama, Mistral, Qwen2 and alike).
         dtype: the dtype the weights are served in; None or "auto" means the config's own
             (`dtype`, else float32, as transformers loads it).
+        on_cpu: served by a CPU worker, whose native forward runs a bfloat16 Llama-style
+            model in float32 (activations, KV cache, embedding and norms; bfloat16 panels).
     """
     if dtype is None or dtype == "auto":
         dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or "float32"
     num_heads = config.num_attention_heads
+    widened = on_cpu and str(dtype).removeprefix("torch.") == "bfloat16" and (
+        getattr(config, "model_type", None) in LLAMA_LIKE_MODEL_TYPES
+    )
     return ModelShape(
         num_parameters=count_parameters(config),
         dtype_bytes=get_dtype_bytes(dtype),
+        compute_dtype_bytes=FLOAT32_BYTES if widened else 0,
+        num_float32_parameters=_count_unpacked_parameters(config) if widened else 0,
         num_layers=config.num_hidden_layers,
         num_heads=num_heads,
         num_kv_heads=getattr(config, "num_key_value_heads", None) or num_heads,
@@ -121,7 +145,7 @@ def get_model_shape(config: Any, dtype: Any = None) -> ModelShape:
 
 def count_parameters(config: Any) -> int:
     """Parameters of the causal LM `config` describes (tied embeddings counted once)."""
-    if getattr(config, "model_type", None) in _LLAMA_LIKE_MODEL_TYPES:
+    if getattr(config, "model_type", None) in LLAMA_LIKE_MODEL_TYPES:
         return _count_decoder_parameters(config)
     return _count_parameters_on_meta_device(config)
 
@@ -141,8 +165,8 @@ def get_activation_bytes(shape: ModelShape, max_num_batched_tokens: int, max_num
         + (2 * shape.num_heads + 2 * shape.num_kv_heads) * shape.head_dim
         + 3 * shape.intermediate_size
     )
-    hidden_bytes = max_num_batched_tokens * per_token * shape.dtype_bytes
-    logit_bytes = max_num_seqs * shape.vocab_size * (4 + shape.dtype_bytes)
+    hidden_bytes = max_num_batched_tokens * per_token * shape.activation_dtype_bytes
+    logit_bytes = max_num_seqs * shape.vocab_size * (4 + shape.activation_dtype_bytes)
     return hidden_bytes + logit_bytes
 
 
@@ -174,10 +198,11 @@ def estimate_memory_requirements(
 
 
 def estimate_from_config(
-    config: Any, kv_cache_tokens: int, dtype: Any = None, **kwargs: int
+    config: Any, kv_cache_tokens: int, dtype: Any = None, *, on_cpu: bool = False, **kwargs: int
 ) -> MemoryEstimate:
-    """`estimate_memory_requirements` for a transformers config (keyword arguments pass through)."""
-    return estimate_memory_requirements(get_model_shape(config, dtype), kv_cache_tokens, **kwargs)
+    """`estimate_memory_requirements` for a transformers config (`on_cpu` as `get_model_shape`;
+    other keyword arguments pass through)."""
+    return estimate_memory_requirements(get_model_shape(config, dtype, on_cpu=on_cpu), kv_cache_tokens, **kwargs)
 
 
 def size_kv_pool(
@@ -221,6 +246,18 @@ def _count_decoder_parameters(config: Any) -> int:
     embeddings = config.vocab_size * hidden
     lm_head = 0 if getattr(config, "tie_word_embeddings", False) else config.vocab_size * hidden
     return embeddings + config.num_hidden_layers * per_layer + hidden + lm_head
+
+
+def _count_unpacked_parameters(config: Any) -> int:
+    """Of a Llama-style model, the parameters outside the products' weight matrices (the
+    embedding, the norms, biases): what the CPU's packed load keeps as float32 tensors."""
+    hidden = config.hidden_size
+    head_dim = _get_head_dim(config)
+    q_dim = config.num_attention_heads * head_dim
+    kv_dim = (getattr(config, "num_key_value_heads", None) or config.num_attention_heads) * head_dim
+    products = hidden * q_dim + 2 * hidden * kv_dim + q_dim * hidden + 3 * hidden * config.intermediate_size
+    lm_head = 0 if getattr(config, "tie_word_embeddings", False) else config.vocab_size * hidden
+    return _count_decoder_parameters(config) - config.num_hidden_layers * products - lm_head
 
 
 def _count_parameters_on_meta_device(config: Any) -> int:

@@ -319,7 +319,8 @@ class NodeAgent:
             # safe from several threads at once.
             async with self._inspecting:
                 return await asyncio.to_thread(
-                    inspect_model, self._node.models_root, command, self._worker.runtime_overhead_bytes
+                    functools.partial(inspect_model, on_cpu=self._gpus.virtual),
+                    self._node.models_root, command, self._worker.runtime_overhead_bytes,
                 )
         except ModelInspectionError as exc:
             raise RequestError(404, str(exc)) from exc

@@ -23,8 +23,11 @@ def checkpoint_weight_bytes(model_dir: Path) -> int:
     return sum(p.stat().st_size for p in files)
 
 
-def inspect_model(models_root: str | Path, command: InspectModel, runtime_overhead_bytes: int) -> ModelFacts:
-    """Size `command.path` from its config (parameters x dtype bytes + KV budget + overhead)."""
+def inspect_model(
+    models_root: str | Path, command: InspectModel, runtime_overhead_bytes: int, *, on_cpu: bool = False
+) -> ModelFacts:
+    """Size `command.path` from its config (parameters x dtype bytes + KV budget + overhead),
+    as a CPU worker runs it when `on_cpu` (this node's GPUs are virtual)."""
     from transformers import AutoConfig  # heavy: imported only when a model is inspected
 
     try:
@@ -34,7 +37,7 @@ def inspect_model(models_root: str | Path, command: InspectModel, runtime_overhe
         raise ModelInspectionError(f"cannot read model {command.path!r}: {exc}") from exc
     dtype = None if command.dtype == "auto" else command.dtype
     estimate = estimate_from_config(
-        config, command.kv_cache_tokens, dtype=dtype, runtime_overhead_bytes=runtime_overhead_bytes
+        config, command.kv_cache_tokens, dtype=dtype, on_cpu=on_cpu, runtime_overhead_bytes=runtime_overhead_bytes
     )
     architectures = getattr(config, "architectures", None) or [type(config).__name__]
     return ModelFacts(

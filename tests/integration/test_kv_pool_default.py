@@ -1,11 +1,15 @@
 """The default KV budget holds 32 concurrent requests of 2,048 tokens without preemption.
 
 The replica is sized the way a cluster sizes it: the node agent's inspection estimates the
-model's memory from its config with the default ``kv_cache_tokens`` (`inspect_model`),
-placement reserves that figure (the replica's allocation), the worker loads the model into
-it and builds its engine with the worker's factory. Then 32 requests of 1,920 prompt tokens
-and 128 output tokens (the demo models' whole 2,048-token context) run at once, and the
-engine's own counter says whether any was preempted.
+model's memory from its config with the default ``kv_cache_tokens`` (`inspect_model`, as a
+node with virtual GPUs runs it), placement reserves that figure (the replica's allocation),
+the worker loads the model into it and builds its engine with the worker's factory. Then 32
+requests of 1,920 prompt tokens and 128 output tokens (the demo models' whole 2,048-token
+context) run at once, and the engine's own counter says whether any was preempted.
+
+The same estimate must hold a bfloat16 model's pool as a CPU worker runs it: the native
+packed load keeps bfloat16 only in the products' panels and computes, and caches K/V, in
+float32 (estimated at 2 bytes, llama-100m's pool held 52,192 of its 65,536 tokens).
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
+import pytest
 import torch
 
 from shoal.services.node_agent.model_files import inspect_model
@@ -22,6 +27,7 @@ from shoal.services.worker.generation import GenerationRequest
 from shoal.services.worker.loader import load_model
 from shoal.shared.config import WorkerConfig
 from shoal.shared.messages import InspectModel, ModelSpec, ReplicaRecord, SamplingParams
+from shoal.shared.model_memory import get_model_shape
 from shoal.shared.model_settings import DEFAULT_KV_CACHE_TOKENS
 
 NUM_REQUESTS = 32
@@ -37,6 +43,7 @@ async def test_the_default_pool_serves_32_full_context_requests_without_preempti
         demo_models_root,
         InspectModel(spec.path, spec.dtype, spec.kv_cache_tokens),
         runtime_overhead_bytes=worker.runtime_overhead_bytes,
+        on_cpu=True,
     )
     assert facts.max_model_len == CONTEXT_TOKENS
     replica = ReplicaRecord(replica_id="r-kv", model=spec.key, node_id="n", gpu_bytes={0: facts.estimated_bytes})
@@ -76,5 +83,40 @@ async def test_the_default_pool_serves_32_full_context_requests_without_preempti
         assert stats.pool.num_allocations == NUM_REQUESTS * blocks_per_request
         # they ran together: at the peak, nearly every request held nearly all its blocks
         assert stats.pool.num_peak_used_blocks > NUM_REQUESTS * (blocks_per_request - 8)
+    finally:
+        await engine.close()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("key", ["demo/llama-5m", "demo/qwen2-25m", "demo/llama-100m"])
+async def test_the_estimate_holds_the_default_pool_as_a_cpu_worker_loads_the_model(
+    demo_models_root: Path, key: str, dtype: str
+) -> None:
+    spec = ModelSpec(key=key, path=key, dtype=dtype)
+    worker = WorkerConfig()
+    facts = inspect_model(
+        demo_models_root,
+        InspectModel(spec.path, spec.dtype, spec.kv_cache_tokens),
+        runtime_overhead_bytes=worker.runtime_overhead_bytes,
+        on_cpu=True,
+    )
+    replica = ReplicaRecord(replica_id="r-pool", model=key, node_id="n", gpu_bytes={0: facts.estimated_bytes})
+    register_attention()
+    device = torch.device("cpu")
+    loaded = load_model(
+        demo_models_root,
+        spec,
+        replica,
+        device=device,
+        attn_implementation=ATTN_IMPLEMENTATION,
+        min_kv_reserve_bytes=get_min_engine_bytes_for(device, worker),
+        native_pack=True,  # as the worker loads for the paged engine
+    )
+    assert loaded.dtype == torch.float32  # bfloat16 weights included: panels, computed in float32
+    estimated_weights = get_model_shape(loaded.model.config, dtype, on_cpu=True).weight_bytes
+    assert abs(loaded.weight_bytes - estimated_weights) < 4096  # the rotary tables (buffers)
+    engine = build_paged_engine(loaded, worker, kv_cache_tokens=spec.kv_cache_tokens)
+    try:
+        assert engine.kv_cache_tokens == spec.kv_cache_tokens == DEFAULT_KV_CACHE_TOKENS
     finally:
         await engine.close()

@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, MistralConfig, Qwen2Config
+from transformers import (
+    AutoModelForCausalLM,
+    GemmaConfig,
+    GPT2Config,
+    LlamaConfig,
+    MistralConfig,
+    Qwen2Config,
+)
 
 from shoal.shared.model_memory import (
     GIB,
@@ -161,6 +168,32 @@ def test_estimate_from_config_uses_the_config_dtype() -> None:
     config = LlamaConfig(**{**LLAMA_2_7B.to_dict(), "dtype": "bfloat16"})
     assert estimate_from_config(config, kv_cache_tokens=0).weight_bytes == 13_476_831_232
     assert estimate_from_config(config, 0, dtype="float32").weight_bytes == 2 * 13_476_831_232
+
+
+def test_a_cpu_worker_runs_a_bfloat16_llama_in_float32_and_is_sized_so() -> None:
+    """The native CPU forward keeps bfloat16 only in its products' panels: activations, the
+    KV cache, the embedding and the norms are float32, and placement must reserve that."""
+    gpu = get_model_shape(LLAMA_3_8B, "bfloat16")
+    cpu = get_model_shape(LLAMA_3_8B, "bfloat16", on_cpu=True)
+    float32 = get_model_shape(LLAMA_3_8B, "float32")
+    assert cpu.kv_bytes_per_token == float32.kv_bytes_per_token == 2 * gpu.kv_bytes_per_token
+    embedding, norms = 128256 * 4096, (2 * 32 + 1) * 4096
+    assert cpu.num_float32_parameters == embedding + norms
+    assert cpu.weight_bytes == gpu.weight_bytes + 2 * (embedding + norms)  # +1 GB: the embedding
+    assert cpu.num_parameters == gpu.num_parameters
+    cpu_estimate = estimate_from_config(LLAMA_3_8B, 65536, "bfloat16", on_cpu=True, max_num_seqs=32)
+    float32_estimate = estimate_from_config(LLAMA_3_8B, 65536, "float32", max_num_seqs=32)
+    assert cpu_estimate.kv_cache_bytes == float32_estimate.kv_cache_bytes
+    assert cpu_estimate.activation_bytes == float32_estimate.activation_bytes
+    qwen = get_model_shape(QWEN2_7B, "bfloat16", on_cpu=True)  # q/k/v biases stay float32 too
+    assert qwen.num_float32_parameters == 152064 * 3584 + (2 * 28 + 1) * 3584 + 28 * (3584 + 2 * 512)
+    # Everything else is sized as its dtype: float32 and float16 weights on the CPU, other
+    # architectures (run by transformers in their own dtype), and any model on a GPU.
+    assert get_model_shape(LLAMA_3_8B, "float32", on_cpu=True) == float32
+    assert get_model_shape(LLAMA_3_8B, "float16", on_cpu=True) == get_model_shape(LLAMA_3_8B, "float16")
+    gemma = GemmaConfig(hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4,
+                        num_key_value_heads=2, head_dim=16, vocab_size=100)
+    assert get_model_shape(gemma, "bfloat16", on_cpu=True) == get_model_shape(gemma, "bfloat16")
 
 
 def test_dtype_bytes() -> None:

@@ -42,8 +42,10 @@ from shoal.kernels.cpu_model import (
     run_forward,
 )
 from shoal.services.worker.engine.attention import PagedBatch
+from shoal.shared.model_memory import LLAMA_LIKE_MODEL_TYPES
 
-SUPPORTED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2"})
+SUPPORTED_MODEL_TYPES = LLAMA_LIKE_MODEL_TYPES
+"""The memory estimate sizes these the way this forward runs them (`get_model_shape`)."""
 _UNSUPPORTED_ROPE_TYPES = frozenset({"dynamic", "longrope"})
 """Rotary types whose frequencies depend on the sequence length (`dynamic_rope_update`):
 a table computed once would not hold them."""
