@@ -227,13 +227,21 @@ def _get_head_dim(config: Any) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
+def _get_projection_dims(config: Any) -> tuple[int, int, int]:
+    """(hidden, q, kv) widths of a Llama-style layer's attention projections."""
+    head_dim = _get_head_dim(config)
+    num_kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    return config.hidden_size, config.num_attention_heads * head_dim, num_kv_heads * head_dim
+
+
+def _count_lm_head_parameters(config: Any) -> int:
+    return 0 if getattr(config, "tie_word_embeddings", False) else config.vocab_size * config.hidden_size
+
+
 def _count_decoder_parameters(config: Any) -> int:
     """Llama / Mistral / Qwen2 layout: embeddings, per-layer attention + gated MLP + 2 RMSNorms,
     a final norm, and an lm_head unless tied to the embeddings."""
-    hidden = config.hidden_size
-    head_dim = _get_head_dim(config)
-    q_dim = config.num_attention_heads * head_dim
-    kv_dim = (getattr(config, "num_key_value_heads", None) or config.num_attention_heads) * head_dim
+    hidden, q_dim, kv_dim = _get_projection_dims(config)
     attention = hidden * q_dim + 2 * hidden * kv_dim + q_dim * hidden
     if config.model_type == "qwen2":
         attention += q_dim + 2 * kv_dim  # q/k/v biases, none on o_proj
@@ -244,20 +252,15 @@ def _count_decoder_parameters(config: Any) -> int:
         mlp += 2 * config.intermediate_size + hidden
     per_layer = attention + mlp + 2 * hidden
     embeddings = config.vocab_size * hidden
-    lm_head = 0 if getattr(config, "tie_word_embeddings", False) else config.vocab_size * hidden
-    return embeddings + config.num_hidden_layers * per_layer + hidden + lm_head
+    return embeddings + config.num_hidden_layers * per_layer + hidden + _count_lm_head_parameters(config)
 
 
 def _count_unpacked_parameters(config: Any) -> int:
     """Of a Llama-style model, the parameters outside the products' weight matrices (the
     embedding, the norms, biases): what the CPU's packed load keeps as float32 tensors."""
-    hidden = config.hidden_size
-    head_dim = _get_head_dim(config)
-    q_dim = config.num_attention_heads * head_dim
-    kv_dim = (getattr(config, "num_key_value_heads", None) or config.num_attention_heads) * head_dim
+    hidden, q_dim, kv_dim = _get_projection_dims(config)
     products = hidden * q_dim + 2 * hidden * kv_dim + q_dim * hidden + 3 * hidden * config.intermediate_size
-    lm_head = 0 if getattr(config, "tie_word_embeddings", False) else config.vocab_size * hidden
-    return _count_decoder_parameters(config) - config.num_hidden_layers * products - lm_head
+    return _count_decoder_parameters(config) - config.num_hidden_layers * products - _count_lm_head_parameters(config)
 
 
 def _count_parameters_on_meta_device(config: Any) -> int:
