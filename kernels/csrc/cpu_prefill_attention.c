@@ -230,42 +230,49 @@ typedef void (*softmax_function)(const struct prefill_scratch *s, int64_t k0, in
  * Scores: 3 keys x 16 or 32 vectors (12 accumulators); values: 2 vectors x 32 elements. */
 #define AVX2_ROWS 3
 
-#define SCORE_AVX2(COLUMNS)                                                                                 \
-    __attribute__((target("avx2,fma"), noinline)) static void score_avx2_##COLUMNS(                                    \
-        const struct prefill_scratch *s, const float *const *key_rows, int num_keys, int64_t head_dim,       \
-        int64_t i, float scale) {                                                                            \
+/* Scores of the vectors [i, i + COLUMNS * LANES) against the tile's keys, ROWS keys at a time:
+ * ROWS x COLUMNS accumulators of the ISA's registers (VEC, LANES floats; ZERO, LOAD, SET1,
+ * FMA, MUL, STORE its intrinsics). Rows past the tile's keys read zeros and go to the spare
+ * rows of the scratch. */
+#define SCORE_KERNEL(NAME, TARGET, VEC, LANES_, ROWS, COLUMNS, ZERO, LOAD, SET1, FMA, MUL, STORE)            \
+    __attribute__((target(TARGET), noinline)) static void NAME(const struct prefill_scratch *s,               \
+                                                               const float *const *key_rows, int num_keys,     \
+                                                               int64_t head_dim, int64_t i, float scale) {    \
         const int64_t width = s->width;                                                                      \
-        for (int t0 = 0; t0 < num_keys; t0 += AVX2_ROWS) {                                                   \
-            const float *keys[AVX2_ROWS];                                                                    \
-            for (int r = 0; r < AVX2_ROWS; ++r) { /* past the end: zeros, result unused */                   \
+        for (int t0 = 0; t0 < num_keys; t0 += ROWS) {                                                        \
+            const float *keys[ROWS];                                                                         \
+            for (int r = 0; r < ROWS; ++r) {                                                                 \
                 keys[r] = t0 + r < num_keys ? key_rows[t0 + r] : s->zeros;                                   \
             }                                                                                                \
-            __m256 acc[AVX2_ROWS][COLUMNS];                                                                  \
-            for (int r = 0; r < AVX2_ROWS; ++r) {                                                            \
+            VEC acc[ROWS][COLUMNS];                                                                          \
+            for (int r = 0; r < ROWS; ++r) {                                                                 \
                 for (int v = 0; v < COLUMNS; ++v) {                                                          \
-                    acc[r][v] = _mm256_setzero_ps();                                                         \
+                    acc[r][v] = ZERO();                                                                      \
                 }                                                                                            \
             }                                                                                                \
             for (int64_t k = 0; k < head_dim; ++k) {                                                         \
-                __m256 q[COLUMNS];                                                                           \
+                VEC q[COLUMNS];                                                                              \
                 for (int v = 0; v < COLUMNS; ++v) {                                                          \
-                    q[v] = _mm256_loadu_ps(s->q_t + k * width + i + 8 * v);                                  \
+                    q[v] = LOAD(s->q_t + k * width + i + LANES_ * v);                                        \
                 }                                                                                            \
-                for (int r = 0; r < AVX2_ROWS; ++r) {                                                        \
-                    const __m256 x = _mm256_broadcast_ss(keys[r] + k);                                       \
+                for (int r = 0; r < ROWS; ++r) {                                                             \
+                    const VEC x = SET1(keys[r][k]);                                                          \
                     for (int v = 0; v < COLUMNS; ++v) {                                                      \
-                        acc[r][v] = _mm256_fmadd_ps(x, q[v], acc[r][v]);                                     \
+                        acc[r][v] = FMA(x, q[v], acc[r][v]);                                                 \
                     }                                                                                        \
                 }                                                                                            \
             }                                                                                                \
-            const __m256 scales = _mm256_set1_ps(scale);                                                     \
-            for (int r = 0; r < AVX2_ROWS; ++r) { /* rows past the tile: spare rows of the scratch */         \
+            const VEC scales = SET1(scale);                                                                  \
+            for (int r = 0; r < ROWS; ++r) {                                                                 \
                 for (int v = 0; v < COLUMNS; ++v) {                                                          \
-                    _mm256_storeu_ps(s->scores + (t0 + r) * width + i + 8 * v, _mm256_mul_ps(acc[r][v], scales)); \
+                    STORE(s->scores + (t0 + r) * width + i + LANES_ * v, MUL(acc[r][v], scales));            \
                 }                                                                                            \
             }                                                                                                \
         }                                                                                                    \
     }
+#define SCORE_AVX2(COLUMNS)                                                                                 \
+    SCORE_KERNEL(score_avx2_##COLUMNS, "avx2,fma", __m256, 8, AVX2_ROWS, COLUMNS, _mm256_setzero_ps,          \
+                 _mm256_loadu_ps, _mm256_set1_ps, _mm256_fmadd_ps, _mm256_mul_ps, _mm256_storeu_ps)
 SCORE_AVX2(2)
 SCORE_AVX2(4)
 
@@ -346,41 +353,8 @@ __attribute__((target("avx2,fma"))) static void accumulate_avx2(const struct pre
 #define AVX512_VECTORS 4
 
 #define SCORE_AVX512(COLUMNS)                                                                               \
-    __attribute__((target("avx512f"), noinline)) static void score_avx512_##COLUMNS(                        \
-        const struct prefill_scratch *s, const float *const *key_rows, int num_keys, int64_t head_dim,       \
-        int64_t i, float scale) {                                                                            \
-        const int64_t width = s->width;                                                                      \
-        for (int t0 = 0; t0 < num_keys; t0 += AVX512_KEYS) {                                                 \
-            const float *keys[AVX512_KEYS];                                                                  \
-            for (int r = 0; r < AVX512_KEYS; ++r) { /* past the end: zeros, result unused */                 \
-                keys[r] = t0 + r < num_keys ? key_rows[t0 + r] : s->zeros;                                   \
-            }                                                                                                \
-            __m512 acc[AVX512_KEYS][COLUMNS];                                                                \
-            for (int r = 0; r < AVX512_KEYS; ++r) {                                                          \
-                for (int v = 0; v < COLUMNS; ++v) {                                                          \
-                    acc[r][v] = _mm512_setzero_ps();                                                         \
-                }                                                                                            \
-            }                                                                                                \
-            for (int64_t k = 0; k < head_dim; ++k) {                                                         \
-                __m512 q[COLUMNS];                                                                           \
-                for (int v = 0; v < COLUMNS; ++v) {                                                          \
-                    q[v] = _mm512_loadu_ps(s->q_t + k * width + i + 16 * v);                                 \
-                }                                                                                            \
-                for (int r = 0; r < AVX512_KEYS; ++r) {                                                      \
-                    const __m512 x = _mm512_set1_ps(keys[r][k]);                                             \
-                    for (int v = 0; v < COLUMNS; ++v) {                                                      \
-                        acc[r][v] = _mm512_fmadd_ps(x, q[v], acc[r][v]);                                     \
-                    }                                                                                        \
-                }                                                                                            \
-            }                                                                                                \
-            const __m512 scales = _mm512_set1_ps(scale);                                                     \
-            for (int r = 0; r < AVX512_KEYS; ++r) {                                                          \
-                for (int v = 0; v < COLUMNS; ++v) {                                                          \
-                    _mm512_storeu_ps(s->scores + (t0 + r) * width + i + 16 * v, _mm512_mul_ps(acc[r][v], scales)); \
-                }                                                                                            \
-            }                                                                                                \
-        }                                                                                                    \
-    }
+    SCORE_KERNEL(score_avx512_##COLUMNS, "avx512f", __m512, 16, AVX512_KEYS, COLUMNS, _mm512_setzero_ps,       \
+                 _mm512_loadu_ps, _mm512_set1_ps, _mm512_fmadd_ps, _mm512_mul_ps, _mm512_storeu_ps)
 SCORE_AVX512(1)
 SCORE_AVX512(2)
 SCORE_AVX512(4)

@@ -24,9 +24,9 @@ from shoal.services.node_agent.model_files import inspect_model
 from shoal.services.worker.engine.attention import ATTN_IMPLEMENTATION, register_attention
 from shoal.services.worker.engine.factory import build_paged_engine, get_min_engine_bytes_for
 from shoal.services.worker.generation import GenerationRequest
-from shoal.services.worker.loader import load_model
+from shoal.services.worker.loader import LoadedModel, load_model
 from shoal.shared.config import WorkerConfig
-from shoal.shared.messages import InspectModel, ModelSpec, ReplicaRecord, SamplingParams
+from shoal.shared.messages import InspectModel, ModelFacts, ModelSpec, ReplicaRecord, SamplingParams
 from shoal.shared.model_memory import get_model_shape
 from shoal.shared.model_settings import DEFAULT_KV_CACHE_TOKENS
 
@@ -35,28 +35,36 @@ CONTEXT_TOKENS = 2048
 NUM_OUTPUT_TOKENS = 128
 
 
-async def test_the_default_pool_serves_32_full_context_requests_without_preemption(demo_models_root: Path) -> None:
-    spec = ModelSpec(key="demo/llama-5m", path="demo/llama-5m")
-    assert spec.kv_cache_tokens == DEFAULT_KV_CACHE_TOKENS == NUM_REQUESTS * CONTEXT_TOKENS
-    worker = WorkerConfig()
+def load_as_placed(models_root: Path, spec: ModelSpec, worker: WorkerConfig) -> tuple[ModelFacts, LoadedModel]:
+    """The model's estimate from a CPU node's inspection, and the model loaded into an
+    allocation of that many bytes as the worker loads it for the paged engine."""
     facts = inspect_model(
-        demo_models_root,
+        models_root,
         InspectModel(spec.path, spec.dtype, spec.kv_cache_tokens),
         runtime_overhead_bytes=worker.runtime_overhead_bytes,
         on_cpu=True,
     )
-    assert facts.max_model_len == CONTEXT_TOKENS
     replica = ReplicaRecord(replica_id="r-kv", model=spec.key, node_id="n", gpu_bytes={0: facts.estimated_bytes})
     register_attention()
     device = torch.device("cpu")
     loaded = load_model(
-        demo_models_root,
+        models_root,
         spec,
         replica,
         device=device,
         attn_implementation=ATTN_IMPLEMENTATION,
         min_kv_reserve_bytes=get_min_engine_bytes_for(device, worker),
+        native_pack=True,
     )
+    return facts, loaded
+
+
+async def test_the_default_pool_serves_32_full_context_requests_without_preemption(demo_models_root: Path) -> None:
+    spec = ModelSpec(key="demo/llama-5m", path="demo/llama-5m")
+    assert spec.kv_cache_tokens == DEFAULT_KV_CACHE_TOKENS == NUM_REQUESTS * CONTEXT_TOKENS
+    worker = WorkerConfig()
+    facts, loaded = load_as_placed(demo_models_root, spec, worker)
+    assert facts.max_model_len == CONTEXT_TOKENS
     engine = build_paged_engine(loaded, worker, kv_cache_tokens=spec.kv_cache_tokens)
     try:
         assert engine.kv_cache_tokens >= NUM_REQUESTS * CONTEXT_TOKENS
@@ -94,24 +102,7 @@ async def test_the_estimate_holds_the_default_pool_as_a_cpu_worker_loads_the_mod
 ) -> None:
     spec = ModelSpec(key=key, path=key, dtype=dtype)
     worker = WorkerConfig()
-    facts = inspect_model(
-        demo_models_root,
-        InspectModel(spec.path, spec.dtype, spec.kv_cache_tokens),
-        runtime_overhead_bytes=worker.runtime_overhead_bytes,
-        on_cpu=True,
-    )
-    replica = ReplicaRecord(replica_id="r-pool", model=key, node_id="n", gpu_bytes={0: facts.estimated_bytes})
-    register_attention()
-    device = torch.device("cpu")
-    loaded = load_model(
-        demo_models_root,
-        spec,
-        replica,
-        device=device,
-        attn_implementation=ATTN_IMPLEMENTATION,
-        min_kv_reserve_bytes=get_min_engine_bytes_for(device, worker),
-        native_pack=True,  # as the worker loads for the paged engine
-    )
+    _, loaded = load_as_placed(demo_models_root, spec, worker)
     assert loaded.dtype == torch.float32  # bfloat16 weights included: panels, computed in float32
     estimated_weights = get_model_shape(loaded.model.config, dtype, on_cpu=True).weight_bytes
     assert abs(loaded.weight_bytes - estimated_weights) < 4096  # the rotary tables (buffers)
