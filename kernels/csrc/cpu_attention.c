@@ -495,10 +495,10 @@ static int tile_row_pointers(const int32_t *table, int64_t start, int64_t seq_le
     return num_tokens;
 }
 
-/* The whole batch. tiles: the ISA's tile functions for the plan's dtype, by subgroup size
- * 1, 2, 4, 8. */
-static void decode_batch(const struct shoal_decode_plan *plan, int64_t seq_begin, int64_t seq_end, int64_t num_heads,
-                         char *out, int64_t out_token_stride,
+/* Sequences [seq_begin, seq_end), kv heads [kv_begin, kv_end) and their query heads. tiles:
+ * the ISA's tile functions for the plan's dtype, by subgroup size 1, 2, 4, 8. */
+static void decode_batch(const struct shoal_decode_plan *plan, int64_t seq_begin, int64_t seq_end, int64_t kv_begin,
+                         int64_t kv_end, int64_t num_heads, char *out, int64_t out_token_stride,
                          int64_t out_head_stride, const char *query, int64_t query_token_stride,
                          int64_t query_head_stride, const char *key_cache, const char *value_cache, float scale,
                          const struct scratch *s, const tile_function tiles[4]) {
@@ -507,12 +507,13 @@ static void decode_batch(const struct shoal_decode_plan *plan, int64_t seq_begin
     const int64_t group = num_heads / num_kv_heads, block_size = plan->block_size;
     const int64_t element_bytes = dtype == DTYPE_FLOAT32 ? 4 : 2;
     const int64_t row_bytes = num_kv_heads * head_dim * element_bytes; /* one token's K (or V) */
+    const int64_t head_begin = kv_begin * group, head_end = kv_end * group;
     const char *key_rows[2][TILE];
     const char *value_rows[2][TILE];
     for (int64_t seq = seq_begin; seq < seq_end; ++seq) {
         const int32_t *table = plan->block_tables + seq * plan->table_stride;
         const int64_t seq_len = plan->seq_lens[seq], row = plan->rows[seq];
-        for (int64_t head = 0; head < num_heads; ++head) {
+        for (int64_t head = head_begin; head < head_end; ++head) {
             const char *q_row = query + (row * query_token_stride + head * query_head_stride) * element_bytes;
             for (int64_t index = 0; index < head_dim; index += CHUNK) {
                 v8f first, second;
@@ -523,7 +524,7 @@ static void decode_batch(const struct shoal_decode_plan *plan, int64_t seq_begin
             s->running_max[head] = -__builtin_inff();
             s->running_sum[head] = 0.0f;
         }
-        memset(s->acc, 0, (size_t)(num_heads * head_dim) * sizeof(float));
+        memset(s->acc + head_begin * head_dim, 0, (size_t)((head_end - head_begin) * head_dim) * sizeof(float));
         /* Row pointers of tile i in key_rows[i % 2]; tile i + 1's are made before tile i runs,
          * so that its rows can be prefetched while tile i is computed. */
         int64_t block = 0, in_block = 0;
@@ -535,7 +536,7 @@ static void decode_batch(const struct shoal_decode_plan *plan, int64_t seq_begin
             const int next_tokens =
                 tile_row_pointers(table, start + TILE, seq_len, block_size, row_bytes, key_cache, value_cache,
                                   key_rows[!current], value_rows[!current], &block, &in_block);
-            for (int64_t kv_head = 0; kv_head < num_kv_heads; ++kv_head) {
+            for (int64_t kv_head = kv_begin; kv_head < kv_end; ++kv_head) {
                 const int64_t offset = kv_head * head_dim * element_bytes;
                 /* the kv head's query heads, 8, 4, 2, 1 at a time; the first subgroup prefetches */
                 for (int64_t done = 0; done < group;) {
@@ -553,7 +554,7 @@ static void decode_batch(const struct shoal_decode_plan *plan, int64_t seq_begin
             }
             num_tokens = next_tokens;
         }
-        for (int64_t head = 0; head < num_heads; ++head) {
+        for (int64_t head = head_begin; head < head_end; ++head) {
             char *out_row = out + (row * out_token_stride + head * out_head_stride) * element_bytes;
             const v8f inverse = splat(1.0f / s->running_sum[head]);
             const float *a = s->acc + head * head_dim;
@@ -656,17 +657,18 @@ int64_t shoal_decode_attention(const struct shoal_decode_plan *plan, char *out, 
         tiles = tiles_avx2[plan->dtype];
     }
 #endif
-    decode_batch(plan, 0, plan->num_seqs, num_heads, out, out_token_stride, out_head_stride, query, query_token_stride, query_head_stride,
-                 key_cache, value_cache, (float)scale, &s, tiles);
+    decode_batch(plan, 0, plan->num_seqs, 0, plan->num_kv_heads, num_heads, out, out_token_stride, out_head_stride,
+                 query, query_token_stride, query_head_stride, key_cache, value_cache, (float)scale, &s, tiles);
     free(memory);
     return DECODE_OK;
 }
 
-/* Sequences [seq_begin, seq_end) of a checked plan (shoal_decode_check), the best code path,
- * with the caller's scratch: the native model forward's attention, run by several threads
- * over disjoint ranges of sequences. */
+/* Sequences [seq_begin, seq_end) and kv heads [kv_begin, kv_end) of a checked plan
+ * (shoal_decode_check), the best code path, with the caller's scratch: the native model
+ * forward's attention, run by several threads over disjoint ranges of sequences (or of one
+ * sequence's kv heads). */
 void shoal_decode_attention_range(const struct shoal_decode_plan *plan, int64_t seq_begin, int64_t seq_end,
-                                  char *out, int64_t out_token_stride, int64_t out_head_stride, const char *query,
+                                  int64_t kv_begin, int64_t kv_end, char *out, int64_t out_token_stride, int64_t out_head_stride, const char *query,
                                   int64_t query_token_stride, int64_t query_head_stride, int64_t num_heads,
                                   const char *key_cache, const char *value_cache, float scale, float *scratch) {
     static int64_t best = -1;
@@ -680,6 +682,6 @@ void shoal_decode_attention_range(const struct shoal_decode_plan *plan, int64_t 
         tiles = tiles_avx2[plan->dtype];
     }
 #endif
-    decode_batch(plan, seq_begin, seq_end, num_heads, out, out_token_stride, out_head_stride, query,
+    decode_batch(plan, seq_begin, seq_end, kv_begin, kv_end, num_heads, out, out_token_stride, out_head_stride, query,
                  query_token_stride, query_head_stride, key_cache, value_cache, scale, &s, tiles);
 }

@@ -137,6 +137,7 @@ struct forward_job {
     int64_t num_row_items;
     int64_t num_groups;
     int64_t group_bounds[MAX_GROUPS + 1]; /* decode sequences of each group */
+    int64_t head_parts; /* decode items per group: its kv heads cut in this many parts (1: whole) */
     int64_t num_prefill_items;
     struct shoal_prefill_item *prefill_items; /* the most costly first */
     int64_t prefill_scratch_floats;
@@ -209,15 +210,18 @@ static void run_phase_item(const void *context, int64_t item) {
         shoal_gemm_panels(&layer->qkv, s->normed, hidden, s->qkv, qkv_stride, rows, first, last, job->isa);
         break;
     case PHASE_DECODE: {
-        const int64_t seq_begin = job->group_bounds[item], seq_end = job->group_bounds[item + 1];
-        for (int64_t seq = seq_begin; seq < seq_end && s->decode_rows_are_sequences; ++seq) {
+        const int64_t group = item / job->head_parts, part = item % job->head_parts;
+        const int64_t seq_begin = job->group_bounds[group], seq_end = job->group_bounds[group + 1];
+        const int64_t kv_begin = m->num_kv_heads * part / job->head_parts;
+        const int64_t kv_end = m->num_kv_heads * (part + 1) / job->head_parts;
+        for (int64_t seq = seq_begin; seq < seq_end && s->decode_rows_are_sequences && job->head_parts == 1; ++seq) {
             rope_and_write(m, s, layer, s->decode->rows[seq], qkv_stride);
         }
         float *scratch = get_scratch(shoal_decode_scratch_floats(m->num_heads, d));
         if (scratch == NULL) {
             abort(); /* a few KB: out of memory here is not recoverable */
         }
-        shoal_decode_attention_range(s->decode, seq_begin, seq_end, (char *)s->attn, attn_stride, d,
+        shoal_decode_attention_range(s->decode, seq_begin, seq_end, kv_begin, kv_end, (char *)s->attn, attn_stride, d,
                                      (const char *)s->qkv, qkv_stride, d, m->num_heads, layer->key_cache,
                                      layer->value_cache, (float)m->scale, scratch);
         break;
@@ -385,6 +389,7 @@ int64_t shoal_model_forward(const struct shoal_model *model, const struct shoal_
     const int64_t rows = step->num_tokens;
     job.num_row_items = rows < 4 * num_threads ? rows : 4 * num_threads;
     job.num_groups = 0;
+    job.head_parts = 1;
     job.num_prefill_items = 0;
     job.prefill_items = NULL;
     job.prefill_scratch_floats = 0;
@@ -403,6 +408,11 @@ int64_t shoal_model_forward(const struct shoal_model *model, const struct shoal_
             shoal_prefill_scratch_floats(model->num_heads / model->num_kv_heads, model->head_dim);
     } else if (step->decode != NULL) {
         job.num_groups = group_sequences(step->decode, num_threads == 1 ? 1 : 4 * num_threads, job.group_bounds);
+        if (job.num_groups < num_threads) {
+            /* Fewer sequences than threads (one user's long chat): their kv heads are split too,
+             * so that every thread streams its part of the cache. */
+            job.head_parts = model->num_kv_heads < num_threads ? model->num_kv_heads : num_threads;
+        }
     }
     struct shoal_phase *phases = malloc((size_t)num_phases * sizeof *phases);
     struct phase_context *contexts = malloc((size_t)num_phases * sizeof *contexts);
@@ -425,10 +435,12 @@ int64_t shoal_model_forward(const struct shoal_model *model, const struct shoal_
             add_phase(phases, contexts, &count, &job, layer, PHASE_PREFILL, job.num_prefill_items,
                       job.num_prefill_items);
         } else if (step->decode != NULL) {
-            if (!step->decode_rows_are_sequences) { /* a row may attend to K/V another thread writes */
+            /* A row may attend to K/V another thread writes, or a row's heads be split: write first. */
+            if (!step->decode_rows_are_sequences || job.head_parts > 1) {
                 add_phase(phases, contexts, &count, &job, layer, PHASE_ROPE_WRITE, row_items, rows);
             }
-            add_phase(phases, contexts, &count, &job, layer, PHASE_DECODE, job.num_groups, job.num_groups);
+            const int64_t decode_items = job.num_groups * job.head_parts;
+            add_phase(phases, contexts, &count, &job, layer, PHASE_DECODE, decode_items, decode_items);
         } else {
             add_phase(phases, contexts, &count, &job, layer, PHASE_ROPE_WRITE, row_items, rows);
             add_phase(phases, contexts, &count, &job, layer, PHASE_ATTEND, 1, 1);

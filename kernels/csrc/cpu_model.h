@@ -114,11 +114,12 @@ struct shoal_decode_plan {
 };
 
 
-/* shoal_decode_attention for the plan's sequences [seq_begin, seq_end) only, with a scratch
- * of shoal_decode_scratch_floats floats, float32 caches, the best ISA; the plan must already
+/* shoal_decode_attention for the plan's sequences [seq_begin, seq_end) and kv heads
+ * [kv_begin, kv_end) only (their query heads' outputs), with a scratch of
+ * shoal_decode_scratch_floats floats, float32 caches, the best ISA; the plan must already
  * have passed shoal_decode_check. */
 void shoal_decode_attention_range(const struct shoal_decode_plan *plan, int64_t seq_begin, int64_t seq_end,
-                                  char *out, int64_t out_token_stride, int64_t out_head_stride, const char *query,
+                                  int64_t kv_begin, int64_t kv_end, char *out, int64_t out_token_stride, int64_t out_head_stride, const char *query,
                                   int64_t query_token_stride, int64_t query_head_stride, int64_t num_heads,
                                   const char *key_cache, const char *value_cache, float scale, float *scratch);
 int64_t shoal_decode_scratch_floats(int64_t num_heads, int64_t head_dim);

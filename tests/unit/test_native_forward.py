@@ -173,6 +173,38 @@ def test_logits_match_transformers_for_prefill_and_decode_on_any_thread_count(
         assert torch.equal(one, two), "thread count must not change a single bit"
 
 
+@pytest.mark.parametrize("key", ["demo/llama-5m", "demo/qwen2-25m"])
+@pytest.mark.parametrize("num_prompts", [1, 2])
+def test_fewer_sequences_than_threads_split_their_kv_heads_with_the_same_bits(
+    models_root: Path, key: str, num_prompts: int
+) -> None:
+    """A decode step of fewer sequences than threads (one user's chat) cuts each sequence's kv
+    heads between the threads (cpu_model.c): every head still gets transformers' logits, and
+    the bits of one thread."""
+    reference = AutoModelForCausalLM.from_pretrained(models_root / key).eval()
+    model = AutoModelForCausalLM.from_pretrained(models_root / key).eval()
+    packed = native_forward.pack_model(model)
+    assert packed.num_kv_heads >= 2  # something to split
+    generator = torch.Generator().manual_seed(9)
+    prompts = [torch.randint(5, 4000, (length,), generator=generator).tolist() for length in (40, 23)[:num_prompts]]
+    logits_by_threads = []
+    for threads in (1, 2, 3):
+        runner = ModelRunner(model, 2 * 64 // BLOCK_SIZE, BLOCK_SIZE, packed_model=packed,
+                             threads=native_forward.ThreadPolicy(max_threads=threads, fixed=threads))
+        sequences = Sequences(runner, prompts)
+        steps = [sequences.step()]
+        for _ in range(3):
+            for seq, tokens in enumerate(sequences.tokens):
+                tokens.append(int(steps[-1][seq].argmax()))
+            steps.append(sequences.step())
+        for seq, tokens in enumerate(sequences.tokens):
+            torch.testing.assert_close(steps[-1][seq], hf_last_logits(reference, tokens), rtol=1e-4, atol=1e-4)
+        logits_by_threads.append(steps)
+    for steps in logits_by_threads[1:]:
+        for one, other in zip(logits_by_threads[0], steps, strict=True):
+            assert torch.equal(one, other), "thread count must not change a single bit"
+
+
 def test_a_batch_with_an_index_out_of_range_is_refused(models_root: Path) -> None:
     model = AutoModelForCausalLM.from_pretrained(models_root / "demo/llama-5m").eval()
     runner = ModelRunner(model, 48, BLOCK_SIZE, packed_model=native_forward.pack_model(model))
