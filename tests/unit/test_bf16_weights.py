@@ -270,11 +270,7 @@ def test_logits_with_bf16_weights_match_the_rounded_model_not_the_float32_one(de
     runner = ModelRunner(model, 3 * 64 // BLOCK_SIZE, BLOCK_SIZE, packed_model=native_forward.pack_model(model))
     prompts = _prompts(reference.config.vocab_size, [5, 17, 33])
     sequences = Sequences(runner, prompts)
-    steps = [sequences.step()]
-    for _ in range(2):
-        for seq, tokens in enumerate(sequences.tokens):
-            tokens.append(int(steps[-1][seq].argmax()))
-        steps.append(sequences.step())
+    steps = sequences.greedy(2)
     for step, logits in enumerate(steps):
         for seq, tokens in enumerate(sequences.tokens):
             context = tokens[: len(tokens) - 2 + step]

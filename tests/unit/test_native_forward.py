@@ -130,6 +130,15 @@ class Sequences:
         self.argmaxes.append(None if argmax is None else argmax.clone())
         return logits
 
+    def greedy(self, num_decode_steps: int) -> list[torch.Tensor]:
+        """The prefills' logits, then those of `num_decode_steps` greedy decode rows per sequence."""
+        steps = [self.step()]
+        for _ in range(num_decode_steps):
+            for seq, tokens in enumerate(self.tokens):
+                tokens.append(int(steps[-1][seq].argmax()))
+            steps.append(self.step())
+        return steps
+
 
 def hf_last_logits(model: torch.nn.Module, tokens: list[int]) -> torch.Tensor:
     with torch.inference_mode():
@@ -156,11 +165,7 @@ def test_logits_match_transformers_for_prefill_and_decode_on_any_thread_count(
         runner = ModelRunner(model, 3 * 64 // BLOCK_SIZE, BLOCK_SIZE, packed_model=packed,
                              threads=native_forward.ThreadPolicy(max_threads=threads, fixed=threads))
         sequences = Sequences(runner, prompts)
-        steps = [sequences.step()]  # the prefills
-        for _ in range(3):  # decode rows only: everything native
-            for seq, tokens in enumerate(sequences.tokens):
-                tokens.append(int(steps[-1][seq].argmax()))
-            steps.append(sequences.step())
+        steps = sequences.greedy(3)  # the prefills, then decode rows only: everything native
         for step, logits in enumerate(steps):
             for seq, tokens in enumerate(sequences.tokens):
                 expected = hf_last_logits(reference, tokens[: len(tokens) - 3 + step])
@@ -192,11 +197,7 @@ def test_fewer_sequences_than_threads_split_their_kv_heads_with_the_same_bits(
         runner = ModelRunner(model, 2 * 64 // BLOCK_SIZE, BLOCK_SIZE, packed_model=packed,
                              threads=native_forward.ThreadPolicy(max_threads=threads, fixed=threads))
         sequences = Sequences(runner, prompts)
-        steps = [sequences.step()]
-        for _ in range(3):
-            for seq, tokens in enumerate(sequences.tokens):
-                tokens.append(int(steps[-1][seq].argmax()))
-            steps.append(sequences.step())
+        steps = sequences.greedy(3)
         for seq, tokens in enumerate(sequences.tokens):
             torch.testing.assert_close(steps[-1][seq], hf_last_logits(reference, tokens), rtol=1e-4, atol=1e-4)
         logits_by_threads.append(steps)
