@@ -19,7 +19,9 @@ def test_start_up_objects_are_frozen_and_later_garbage_is_still_collected() -> N
         kept = _Node()
         kept.partner = kept  # a cycle that stays alive: the collector would walk it every time
         num_frozen = freeze_startup_objects()
-        assert num_frozen == gc.get_freeze_count() > 0
+        # Frozen objects that other threads of this process drop since leave the permanent
+        # generation (the count fell by 2 in a CI run): it never grows without another freeze.
+        assert 0 < gc.get_freeze_count() <= num_frozen
         assert not any(o is kept for o in gc.get_objects())  # not in any generation now
 
         garbage = _Node()
