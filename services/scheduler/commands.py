@@ -18,7 +18,7 @@ import structlog
 
 from shoal.services.scheduler import backoff, records
 from shoal.services.scheduler.passes import PassOutcome, PlacementPasses
-from shoal.services.scheduler.registry import ModelRegistry
+from shoal.services.scheduler.registry import ModelRegistry, not_registered
 from shoal.services.scheduler.store import ClusterStore
 from shoal.services.scheduler.wakes import WakeCoordinator
 from shoal.shared import subjects
@@ -43,6 +43,14 @@ OPERATOR_INTEREST_S = 300.0
 
 
 log = structlog.get_logger(__name__)
+
+
+def registered_in(specs: dict[str, ModelSpec], model: str) -> ModelSpec:
+    """`model`'s spec in a pass's snapshot; 404 when another scheduler removed it after the
+    command first looked it up."""
+    if model not in specs:
+        raise not_registered(model)
+    return specs[model]
 
 
 class PlacementCommands:
@@ -92,7 +100,7 @@ class PlacementCommands:
             return await self._wake_reply(spec, min_replicas)  # a heartbeat of the running wake
 
         def operate(planner: ClusterPlanner, specs: dict[str, ModelSpec]) -> None:
-            current = specs[model]
+            current = registered_in(specs, model)
             desired = max(current.desired_replicas, min_replicas)
             planner.ensure(records.build_demand(current, config=self._policy_config, desired_replicas=desired),
                            allow_evictions=False)
@@ -118,7 +126,7 @@ class PlacementCommands:
         def operate(planner: ClusterPlanner, specs: dict[str, ModelSpec]) -> None:
             planner.scale_down(model, num_replicas)
             if num_replicas:
-                planner.ensure(records.build_demand(specs[model], config=self._policy_config,
+                planner.ensure(records.build_demand(registered_in(specs, model), config=self._policy_config,
                                                     desired_replicas=num_replicas), allow_evictions=False)
 
         outcome = await self._passes.run(operate, claimant=model)

@@ -36,6 +36,11 @@ if TYPE_CHECKING:
 
 log = structlog.get_logger(__name__)
 
+
+def not_registered(model: str) -> RequestError:
+    """The 404 of a command on a model that is not (or no longer) registered."""
+    return RequestError(404, f"model {model!r} is not registered")
+
 INSPECT_TIMEOUT_S = 30.0
 """A node agent reads a model's config and weight sizes (no weights loaded)."""
 
@@ -175,7 +180,7 @@ class ModelRegistry:
         """The spec of `model`; RequestError 404 when it is not registered."""
         spec = await self._store.get_model(model)
         if spec is None:
-            raise RequestError(404, f"model {model!r} is not registered")
+            raise not_registered(model)
         return spec
 
     async def inspect(self, spec: ModelSpec) -> ModelSpec:

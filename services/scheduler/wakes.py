@@ -75,7 +75,7 @@ Phase = Literal["waiting", "preempting", "claiming"]
 
 
 class WakeCancelled(Exception):
-    """Nobody waits for the model any more."""
+    """The wake is not wanted any more (its message says why)."""
 
 
 @dataclass
@@ -179,9 +179,9 @@ class WakeCoordinator:
         log.info("wake_started", model=wake.model, replicas=wake.num_replicas)
         try:
             outcome = await self._wake(wake, spec)
-        except WakeCancelled:
+        except WakeCancelled as exc:
             outcome = "cancelled"
-            await self._event("wake_cancelled", wake.model, "no request waits for it any more")
+            await self._event("wake_cancelled", wake.model, str(exc))
         except Exception:
             outcome = "error"
             log.exception("wake_failed_unexpectedly", model=wake.model)
@@ -242,7 +242,7 @@ class WakeCoordinator:
 
     def _check_interest(self, wake: Wake) -> None:
         if self._clock() > wake.interest_until:
-            raise WakeCancelled()
+            raise WakeCancelled("no request waits for it any more")
 
     async def _find_target(self, wake: Wake) -> dict[str, int] | NoVictim:
         """The memory the model needs, by GPU key: where the planner would place its missing
@@ -257,7 +257,7 @@ class WakeCoordinator:
                     need[key] = need.get(key, 0) + num_bytes
             return need
         specs = [e.value for e in snapshot.models.values()]
-        spec = next(s for s in specs if s.key == wake.model)
+        spec = next(s for s in specs if s.key == wake.model)  # the plan found it in this snapshot
         per_gpu_bytes = records.build_demand(spec, config=self._policy_config).figure.required_bytes // spec.num_gpus
         gpus = [e.value for e in snapshot.gpus.values() if e.value.node_id in snapshot.nodes]
         occupants = records.get_occupant_views(gpus, [e.value for e in snapshot.replicas.values()], specs,
@@ -332,7 +332,7 @@ class WakeCoordinator:
         def operate(planner: ClusterPlanner, specs: dict[str, ModelSpec]) -> None:
             current = specs.get(wake.model)
             if current is None:
-                return
+                raise WakeCancelled(f"{wake.model} was removed")
             desired = max(current.desired_replicas, wake.num_replicas)
             planner.ensure(records.build_demand(current, config=self._policy_config, desired_replicas=desired),
                            allow_evictions=allow_evictions)
