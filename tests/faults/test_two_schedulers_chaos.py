@@ -97,8 +97,10 @@ async def test_two_schedulers_under_random_commands_never_count_held_memory_free
                       asyncio.create_task(load(cluster, random.Random(1)))]
         try:
             until = time.monotonic() + CHAOS_S
-            commands = await asyncio.gather(
-                *(random_commands(cluster.schedulers, random.Random(seed), until) for seed in (11, 12)))
+            async with asyncio.TaskGroup() as group:  # one failing cancels the other
+                runs = [group.create_task(random_commands(cluster.schedulers, random.Random(seed), until))
+                        for seed in (11, 12)]
+            commands = [run.result() for run in runs]
         finally:
             background[1].cancel()
         # Settle: every model ends with one replica, nothing waits for a node step.
