@@ -33,6 +33,7 @@ from shoal.shared import subjects
 from shoal.shared.bus import Bus
 from shoal.shared.messages import Event, WorkerStats, worker_stats_decoder
 from shoal.shared.metrics import Registry
+from shoal.shared.periodic import sleep_or_stop
 
 log = structlog.get_logger(__name__)
 
@@ -172,7 +173,7 @@ class LiveFeeds:
 
     async def _sample_loop(self) -> None:
         while True:
-            await asyncio.sleep(self.sample_interval_s)
+            await sleep_or_stop(self.sample_interval_s)
             try:
                 await self.sample()
             except Exception:  # a bug here must not stop the sampling for good

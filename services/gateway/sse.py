@@ -18,6 +18,8 @@ from collections.abc import AsyncIterator, Callable
 
 from aiohttp import web
 
+from shoal.shared.periodic import sleep_or_stop
+
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 """``X-Accel-Buffering: no`` keeps nginx from holding the stream back."""
 
@@ -95,7 +97,7 @@ class SseStream:
         while True:
             idle_s = self._clock() - self._last_write
             if idle_s < self._keepalive_s:
-                await asyncio.sleep(self._keepalive_s - idle_s)
+                await sleep_or_stop(self._keepalive_s - idle_s)
                 continue
             text = self._describe(self._clock() - self._started) or "waiting"
             async with self._lock:

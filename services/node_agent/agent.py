@@ -66,6 +66,7 @@ from shoal.shared.messages import (
 )
 from shoal.shared.metrics import Registry
 from shoal.shared.micro import RequestError, ServiceCallError, add_json_endpoint, request_json
+from shoal.shared.periodic import sleep_or_stop
 from shoal.shared.placement.memory_figure import next_measured_figure
 from shoal.shared.version import SHOAL_VERSION
 
@@ -628,7 +629,7 @@ class NodeAgent:
 async def _every(interval_s: float, action: Callable[[], Awaitable[None]], failure_event: str) -> None:
     """Run `action` every `interval_s` for ever; a failed round is logged and the next one runs."""
     while True:
-        await asyncio.sleep(interval_s)
+        await sleep_or_stop(interval_s)
         try:
             await action()
         except Exception as exc:

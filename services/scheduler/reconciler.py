@@ -54,6 +54,7 @@ from shoal.shared.messages import (
     StopReplica,
 )
 from shoal.shared.micro import ServiceCallError
+from shoal.shared.periodic import sleep_or_stop
 from shoal.shared.placement.fairness import is_idle
 from shoal.shared.placement.replicas import DeltaOp
 
@@ -115,7 +116,7 @@ class Reconciler:
         """Reconcile every `interval_s` until cancelled; a round that fails is logged."""
         try:
             while True:
-                await asyncio.sleep(self._interval_s)
+                await sleep_or_stop(self._interval_s)
                 try:
                     await self.reconcile()
                 except Exception:

@@ -42,6 +42,7 @@ from shoal.shared import gpu_state, subjects
 from shoal.shared.bus import Bus, cas_update, publish_event
 from shoal.shared.messages import Event, EventKind, GpuRecord, ModelSpec, PreemptionIntent
 from shoal.shared.metrics import Registry
+from shoal.shared.periodic import sleep_or_stop
 from shoal.shared.placement.config import PlacementConfig
 from shoal.shared.placement.fairness import (
     RECHECK_INTERVAL_S,
@@ -387,7 +388,7 @@ class WakeCoordinator:
     async def _renew_locks(self, wake: Wake, keys: list[str]) -> None:
         holder = f"{self._scheduler_id}/{wake.model}"
         while True:
-            await asyncio.sleep(LOCK_TTL_S / 3)
+            await sleep_or_stop(LOCK_TTL_S / 3)
             for key in keys:
                 await cas_update(self._bus.gpus, key, functools.partial(
                     gpu_state.take_wake_lock, holder=holder, now=self._clock(), ttl_s=LOCK_TTL_S))

@@ -8,7 +8,6 @@ whatever the request rate.
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Callable
 
 import msgspec
@@ -17,6 +16,7 @@ import structlog
 from shoal.shared import subjects
 from shoal.shared.bus import Bus, cas_update
 from shoal.shared.messages import ReplicaRecord
+from shoal.shared.periodic import sleep_or_stop
 
 log = structlog.get_logger(__name__)
 
@@ -39,7 +39,7 @@ class ActivityReporter:
     async def run(self) -> None:
         """Until cancelled; a failed write (NATS reconnecting) is retried at the next tick."""
         while True:
-            await asyncio.sleep(self._interval_s)
+            await sleep_or_stop(self._interval_s)
             try:
                 await self.flush()
             except Exception as exc:

@@ -54,6 +54,7 @@ from shoal.shared.messages import (
     now,
     request_decoder,
 )
+from shoal.shared.periodic import sleep_or_stop
 
 log = structlog.get_logger(__name__)
 
@@ -450,7 +451,7 @@ class WorkerService:
     async def _keep_in_progress(self, msg: Msg) -> None:
         interval = max(1.0, self._ack_wait_s / 3)
         while True:
-            await asyncio.sleep(interval)
+            await sleep_or_stop(interval)
             try:
                 await msg.in_progress()
             except nats.errors.Error as exc:

@@ -14,7 +14,6 @@ old engine's last reading forward, so the totals never go down.
 
 from __future__ import annotations
 
-import asyncio
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -29,6 +28,7 @@ from shoal.services.worker.service import WorkerIdentity, WorkerService
 from shoal.shared import subjects
 from shoal.shared.bus import Bus
 from shoal.shared.messages import SESSION_GAUGES, KvCacheStats, SessionStats, WorkerStats, encode_json, now
+from shoal.shared.periodic import sleep_or_stop
 
 log = structlog.get_logger(__name__)
 
@@ -163,4 +163,4 @@ class StatsPublisher:
         """Publish now, then every `interval_s`."""
         while True:
             await self.publish()
-            await asyncio.sleep(self.interval_s)
+            await sleep_or_stop(self.interval_s)
