@@ -5,7 +5,8 @@ returns its inner future's result instead of raising when a cancellation arrives
 that future completes (CPython gh-86296; 3.12 rewrote `wait_for`). The task is then marked
 as cancelling (`Task.cancelling()` > 0) but runs on, and a ``while True`` loop that
 ``task.cancel()`` should end never does: a node agent's `stop()` once waited for its
-heartbeat loop until the test's timeout. Such loops pause with `sleep_or_stop`.
+heartbeat loop until the test's timeout. Such loops pause with `sleep_or_stop`, or call
+`stop_if_cancelled` after the awaits between their waits.
 """
 
 from __future__ import annotations
@@ -13,10 +14,15 @@ from __future__ import annotations
 import asyncio
 
 
-async def sleep_or_stop(seconds: float) -> None:
-    """`asyncio.sleep(seconds)`; CancelledError at once instead when this task's cancellation
-    was requested and something it awaited since swallowed it."""
+def stop_if_cancelled() -> None:
+    """CancelledError when this task's cancellation was requested and something it awaited
+    since swallowed it."""
     task = asyncio.current_task()
     if task is not None and task.cancelling():
         raise asyncio.CancelledError()
+
+
+async def sleep_or_stop(seconds: float) -> None:
+    """`asyncio.sleep(seconds)`, after `stop_if_cancelled`."""
+    stop_if_cancelled()
     await asyncio.sleep(seconds)

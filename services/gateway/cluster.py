@@ -19,6 +19,7 @@ from nats.js.kv import KV_DEL, KV_PURGE
 
 from shoal.shared.bus import Bus, TypedBucket
 from shoal.shared.messages import GpuRecord, ModelSpec, NodeRecord, ReplicaRecord
+from shoal.shared.periodic import sleep_or_stop, stop_if_cancelled
 
 log = structlog.get_logger(__name__)
 
@@ -133,9 +134,10 @@ class ClusterView:
                 watcher = await bucket.kv.watchall()
             except nats.errors.Error as exc:
                 log.warning("watch_failed", bucket=bucket.name, error=str(exc))
-                await asyncio.sleep(1.0)
+                await sleep_or_stop(1.0)
                 continue
             try:
+                stop_if_cancelled()  # the watch waits on a queue: it would not see a lost cancel
                 async for entry in watcher:
                     if entry is None:
                         ready.set()
