@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator
 
 import nats
 import pytest
+from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig
 
@@ -62,11 +63,16 @@ async def test_at_most_max_messages_and_nothing_after_a_quiet_wait(
     js, subscription = pull
     for number in range(5):
         await js.publish("pulling.x", bytes([number]))
-    first = [msg async for msg in pull_arrivals(subscription, 3, LONG_WAIT_S)]
-    second = [msg async for msg in pull_arrivals(subscription, 3, LONG_WAIT_S)]
-    assert [m.data for m in first] == [b"\x00", b"\x01", b"\x02"]
-    assert [m.data for m in second] == [b"\x03", b"\x04"]
-    for msg in first + second:
+    # Each call takes the first message and what else comes within FOLLOW_UP_TIMEOUT_S: on an
+    # idle machine 3 and then 2; on a loaded one the follow-up may end first, and the rest
+    # are the next call's (none lost, none out of order).
+    batches: list[list[Msg]] = []
+    while sum(len(b) for b in batches) < 5:
+        batches.append([msg async for msg in pull_arrivals(subscription, 3, LONG_WAIT_S)])
+        assert 1 <= len(batches[-1]) <= 3, [len(b) for b in batches]
+    taken = [msg for batch in batches for msg in batch]
+    assert [m.data for m in taken] == [bytes([number]) for number in range(5)]
+    for msg in taken:
         await msg.ack()
     assert [msg async for msg in pull_arrivals(subscription, 3, 0.3)] == []
     assert [msg async for msg in pull_arrivals(subscription, 0, LONG_WAIT_S)] == []
