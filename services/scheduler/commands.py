@@ -18,7 +18,7 @@ import structlog
 
 from shoal.services.scheduler import backoff, records
 from shoal.services.scheduler.passes import PassOutcome, PlacementPasses
-from shoal.services.scheduler.registry import ModelRegistry, not_registered
+from shoal.services.scheduler.registry import ModelRegistry, registered_in
 from shoal.services.scheduler.store import ClusterStore
 from shoal.services.scheduler.wakes import WakeCoordinator
 from shoal.shared import subjects
@@ -43,14 +43,6 @@ OPERATOR_INTEREST_S = 300.0
 
 
 log = structlog.get_logger(__name__)
-
-
-def registered_in(specs: dict[str, ModelSpec], model: str) -> ModelSpec:
-    """`model`'s spec in a pass's snapshot; 404 when another scheduler removed it after the
-    command first looked it up."""
-    if model not in specs:
-        raise not_registered(model)
-    return specs[model]
 
 
 class PlacementCommands:

@@ -36,13 +36,21 @@ if TYPE_CHECKING:
 
 log = structlog.get_logger(__name__)
 
+INSPECT_TIMEOUT_S = 30.0
+"""A node agent reads a model's config and weight sizes (no weights loaded)."""
+
 
 def not_registered(model: str) -> RequestError:
     """The 404 of a command on a model that is not (or no longer) registered."""
     return RequestError(404, f"model {model!r} is not registered")
 
-INSPECT_TIMEOUT_S = 30.0
-"""A node agent reads a model's config and weight sizes (no weights loaded)."""
+
+def registered_in(specs: dict[str, ModelSpec], model: str) -> ModelSpec:
+    """`model`'s spec in a placement pass's snapshot; 404 when another scheduler removed it
+    after the command first looked it up."""
+    if model not in specs:
+        raise not_registered(model)
+    return specs[model]
 
 
 def merge_registration(current: ModelSpec | None, incoming: ModelSpec) -> ModelSpec | None:
