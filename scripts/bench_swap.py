@@ -52,7 +52,12 @@ from shoal.cli.demo_models import DEMO_MODEL_KEYS, make_demo_models  # noqa: E40
 from shoal.services.worker.engine.attention import register_attention  # noqa: E402
 from shoal.services.worker.engine.factory import build_paged_engine, get_min_engine_bytes_for  # noqa: E402
 from shoal.services.worker.engine.packed_load import allocate_weights  # noqa: E402
-from shoal.services.worker.loader import load_model, park_weights, restore_weights  # noqa: E402
+from shoal.services.worker.loader import (  # noqa: E402
+    join_restored_weights,
+    load_model,
+    park_weights,
+    restore_weights,
+)
 from shoal.services.worker.page_advice import release_pages  # noqa: E402
 from shoal.services.worker.weight_drop import drop_weights, reload_weights  # noqa: E402
 from shoal.shared.config import WorkerConfig  # noqa: E402
@@ -149,11 +154,16 @@ async def _wake_seconds(models_root: Path, key: str, repeats: int, device: torch
         park_weights(loaded, replica)
         started = synchronized()
         restore_weights(loaded, replica, min_kv_reserve_bytes=minimum)
-        restored = synchronized()
         engine = build_paged_engine(loaded, worker, kv_cache_tokens=spec.kv_cache_tokens, warm_up=False)
         best["warm"] = min(best["warm"], synchronized() - started)
-        best["warm_restore"] = min(best["warm_restore"], restored - started)
         await engine.close()
+        # The weights' part alone, in a wake of its own: waiting for it inside the wake above
+        # would keep the engine build from overlapping the copy, as a worker's wake does.
+        park_weights(loaded, replica)
+        started = synchronized()
+        restore_weights(loaded, replica, min_kv_reserve_bytes=minimum)
+        join_restored_weights(loaded)
+        best["warm_restore"] = min(best["warm_restore"], synchronized() - started)
         del engine, loaded
         if cuda:
             best["copy"] = min(best["copy"], _host_to_device_seconds(weight_bytes))
@@ -166,7 +176,8 @@ async def _wake_seconds(models_root: Path, key: str, repeats: int, device: torch
 
 def render_cuda_wake_table(rows: dict[str, dict[str, float]]) -> str:
     lines = ["| model | weights | pinned host -> GPU copy of the same bytes | WARM -> HOT | ratio | "
-             "of which the weights' restore | ratio | COLD -> HOT (reload in place) | ratio | fresh load | ratio |",
+             "the weights' restore alone (a wake of its own) | ratio | COLD -> HOT (reload in place) | ratio | "
+             "fresh load | ratio |",
              "|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|"]
     for key, r in rows.items():
         copy = r["copy"]

@@ -21,6 +21,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTra
 
 from shoal.services.worker.pinned_park import (
     PinnedWeights,
+    WeightsTransfer,
     park_to_pinned_host,
     release_pinned_host_cache_later,
     restore_to_device,
@@ -67,6 +68,10 @@ class LoadedModel:
     """Where the weights were read from (under the models root): a cold sleep reloads them from here."""
     parked: PinnedWeights | None = None
     """CUDA, while parked: the one page-locked buffer holding the weights (`pinned_park`)."""
+    weights_arriving: WeightsTransfer | None = None
+    """CUDA, from a restore until `join_restored_weights`: the weights' copy still running."""
+    attention_checked: bool = False
+    """The paged engine's attention check passed for this model (`engine.factory`)."""
 
 
 def model_weight_bytes(model: torch.nn.Module) -> int:
@@ -256,6 +261,7 @@ def park_weights(loaded: LoadedModel, replica: ReplicaRecord) -> None:
     "What a parked worker keeps on its GPUs")."""
     if loaded.device.type != "cuda":
         return  # virtual GPUs: the weights already live in host RAM
+    join_restored_weights(loaded)  # the copy below reads them
     detach_dispatch(loaded.model)
     loaded.parked = park_to_pinned_host(loaded.model)
     for index in replica.gpu_bytes:
@@ -264,6 +270,14 @@ def park_weights(loaded: LoadedModel, replica: ReplicaRecord) -> None:
     if clear_workspaces is not None:  # cuBLAS keeps its workspaces in the caching allocator
         clear_workspaces()
     torch.cuda.empty_cache()
+
+
+def join_restored_weights(loaded: LoadedModel) -> None:
+    """Orders everything the device's stream runs from now on after the weights' copy that
+    `restore_weights` started (the host does not wait). Harmless without one."""
+    if loaded.weights_arriving is not None:
+        loaded.weights_arriving.join()
+        loaded.weights_arriving = None
 
 
 def get_stray_context_gpus(loaded: LoadedModel, replica: ReplicaRecord) -> list[int]:
@@ -276,6 +290,9 @@ def restore_weights(
     loaded: LoadedModel, replica: ReplicaRecord, *, min_kv_reserve_bytes: MinEngineBytes = 0
 ) -> None:
     """from_cache: the weights back onto the GPUs of the replica's (new) allocation.
+
+    On one GPU the weights' copy may still run when this returns (the engine is built
+    meanwhile): `join_restored_weights` before anything reads them.
 
     On CUDA the new allocation must include every GPU this process has a context on: a
     context cannot be given back while the process lives, and serving elsewhere would leave
@@ -304,14 +321,16 @@ def restore_weights(
                 dtype=loaded.dtype,
             )
             loaded.model = dispatch_model(loaded.model, device_map=device_map)
+            _verify_placement(loaded.model, replica, loaded.device)
         else:
             device = torch.device(placement["device_map"][""])
-            if loaded.parked is not None:
-                restore_to_device(loaded.parked, device)
-            loaded.model.to(device)  # what the parked buffer did not hold (a cold sleep's reloaded weights)
+            transfer = restore_to_device(loaded.parked, device) if loaded.parked is not None else None
+            if transfer is None or not transfer.complete:  # else every tensor lies in one buffer on `device`
+                loaded.model.to(device)  # what the parked buffer did not hold (a cold sleep's reloaded weights)
+                _verify_placement(loaded.model, replica, loaded.device)
+            loaded.weights_arriving = transfer
         loaded.parked = None
         release_pinned_host_cache_later()
-        _verify_placement(loaded.model, replica, loaded.device)
         loaded.context_gpus |= set(replica.gpu_bytes)
     else:
         min_engine_bytes = _resolve_min_bytes(min_kv_reserve_bytes, loaded.model.config, loaded.dtype)

@@ -32,7 +32,13 @@ from shoal.services.worker.launch import (
     add_worker_arguments,
     read_launch,
 )
-from shoal.services.worker.loader import LoadedModel, MinEngineBytes, ModelLoadError, load_model
+from shoal.services.worker.loader import (
+    LoadedModel,
+    MinEngineBytes,
+    ModelLoadError,
+    join_restored_weights,
+    load_model,
+)
 from shoal.services.worker.prompts import eos_token_ids
 from shoal.services.worker.service import WorkerIdentity, WorkerService
 from shoal.services.worker.sessions_api import add_session_endpoints
@@ -83,6 +89,7 @@ def build_engine(launch: WorkerLaunch, loaded: LoadedModel, *, restoring: bool =
     if worker.engine == "hf":
         from shoal.services.worker.hf_engine import HFGenerateEngine
 
+        join_restored_weights(loaded)
         return HFGenerateEngine(loaded.model, loaded.tokenizer, loaded.max_model_len), 0
     from shoal.services.worker.engine.factory import build_paged_engine
 

@@ -2,12 +2,14 @@
 
 Parking (`park_to_pinned_host`) copies every CUDA parameter and buffer into its slice of one
 pinned host allocation (each slice 256-byte aligned) and points the tensor at it. A wake onto
-one GPU (`restore_to_device`) allocates one device buffer of the same size, copies the whole
-host buffer into it by DMA at the link's speed, and points each tensor at its slice there:
-one allocation and one transfer, where ``Module.to`` makes one allocation and one
-synchronous copy per tensor. The pinned memory is given back a few seconds after the wake
-(`release_pinned_host_cache_later`), not during it. A model spread over several GPUs is moved tensor by tensor by
-accelerate's dispatch instead (from the same pinned slices).
+one GPU (`restore_to_device`) allocates one device buffer of the same size, starts one copy
+of the whole host buffer into it on a side stream (DMA at the link's speed), and points each
+tensor at its slice there: one allocation and one transfer, where ``Module.to`` makes one
+allocation and one synchronous copy per tensor. The caller builds the engine while the copy
+runs and then joins it (`WeightsTransfer.join`): the device's stream waits for the copy, the
+host does not. The pinned memory is given back a few seconds after the wake
+(`release_pinned_host_cache_later`), not during it. A model spread over several GPUs is moved
+tensor by tensor by accelerate's dispatch instead (from the same pinned slices).
 
 Where the host refuses to lock that much memory (RLIMIT_MEMLOCK, a sandbox) the weights go
 to ordinary pages, as ``Module.to("cpu")`` does, and `park_to_pinned_host` returns None.
@@ -46,17 +48,27 @@ class PinnedWeights:
     host: torch.Tensor
     """uint8, page-locked."""
     slots: list[_Slot]
+    holds_every_tensor: bool
+    """Every parameter and buffer of the model was on CUDA when parked and is in `slots` (not
+    so after a cold sleep dropped the parameters)."""
 
 
-def park_to_pinned_host(model: torch.nn.Module) -> PinnedWeights | None:
-    """Every CUDA parameter and buffer of `model` to host memory: one pinned buffer (returned),
-    or ordinary pages where pinning is refused (None)."""
-    tensors = [t for t in (*model.parameters(), *model.buffers()) if t.device.type == "cuda"]
+def lay_out(tensors: list[torch.Tensor]) -> tuple[list[_Slot], int]:
+    """Each tensor's slice of one buffer (256-byte aligned), and the buffer's size in bytes."""
     slots, offset = [], 0
     for tensor in tensors:
         num_bytes = tensor.numel() * tensor.element_size()
         slots.append(_Slot(tensor, offset, num_bytes, tensor.shape, tensor.dtype))
         offset += -(-num_bytes // _ALIGN_BYTES) * _ALIGN_BYTES
+    return slots, offset
+
+
+def park_to_pinned_host(model: torch.nn.Module) -> PinnedWeights | None:
+    """Every CUDA parameter and buffer of `model` to host memory: one pinned buffer (returned),
+    or ordinary pages where pinning is refused (None)."""
+    every_tensor = [*model.parameters(), *model.buffers()]
+    tensors = [t for t in every_tensor if t.device.type == "cuda"]
+    slots, offset = lay_out(tensors)
     try:
         host = torch.empty(offset, dtype=torch.uint8, pin_memory=True)
     except RuntimeError as exc:
@@ -71,21 +83,88 @@ def park_to_pinned_host(model: torch.nn.Module) -> PinnedWeights | None:
             view.copy_(slot.tensor, non_blocking=True)
             slot.tensor.data = view
     torch.cuda.synchronize()
-    return PinnedWeights(host, slots)
+    return PinnedWeights(host, slots, holds_every_tensor=len(tensors) == len(every_tensor))
 
 
-def restore_to_device(parked: PinnedWeights, device: torch.device) -> None:
-    """The parked tensors onto `device` in one transfer (see the module doc). Tensors that are
-    no longer on the host buffer (a cold sleep reloaded them from the file) are left alone."""
-    target = torch.empty(parked.host.numel(), dtype=torch.uint8, device=device)
-    # Not waited for: the engine is built while the transfer runs, and every kernel that reads
-    # the weights is queued after it on this stream. Torch's pinned allocator keeps the host
-    # buffer until the copy's event has completed, whatever happens to `parked`.
-    target.copy_(parked.host, non_blocking=True)
+@dataclass
+class WeightsTransfer:
+    """A restore's copy onto the GPU, running on a side stream (`restore_to_device`)."""
+
+    done: torch.cuda.Event
+    """Recorded on the side stream after the copy."""
+    device: torch.device
+    complete: bool
+    """Every tensor of the model is now on the device; False when some were not parked on the
+    host buffer or are no longer there (a cold sleep dropped and reloaded the parameters):
+    those still have to be moved."""
+
+    def join(self) -> None:
+        """Queues whatever the device's current stream runs from now on after the copy (the
+        host does not wait). Call it before anything reads the weights; calling it again is
+        harmless."""
+        torch.cuda.current_stream(self.device).wait_event(self.done)
+
+
+def point_at(parked: PinnedWeights, buffer: torch.Tensor) -> bool:
+    """Points every parked tensor still on the host buffer at its slice of `buffer` (uint8,
+    laid out as the host buffer, on any device). Returns whether every tensor of the model
+    now lies in `buffer` (see `WeightsTransfer.complete`)."""
+    host_address = parked.host.data_ptr()
+    typed: dict[torch.dtype, torch.Tensor] = {}  # `buffer` seen as each dtype
+    complete = parked.holds_every_tensor
     with torch.no_grad():
         for slot in parked.slots:
-            if slot.tensor.data_ptr() == slot.view_of(parked.host).data_ptr():
-                slot.tensor.data = slot.view_of(target)
+            tensor = slot.tensor
+            if tensor.data_ptr() != host_address + slot.offset:
+                complete = False
+                continue
+            flat = typed.get(slot.dtype)
+            if flat is None:
+                flat = typed[slot.dtype] = buffer.view(slot.dtype)
+            # One view per tensor (a slice and two views cost three): 0.25 ms for llama-100m's
+            # 113 tensors against 1.1 ms on the development CPU.
+            tensor.data = flat.as_strided(slot.shape, _contiguous_strides(slot.shape),
+                                          slot.offset // slot.dtype.itemsize)
+    return complete
+
+
+def _contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
+
+
+_side_streams: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    stream = _side_streams.get(device)
+    if stream is None:
+        stream = _side_streams[device] = torch.cuda.Stream(device)
+    return stream
+
+
+def restore_to_device(parked: PinnedWeights, device: torch.device) -> WeightsTransfer:
+    """Starts the copy of the parked tensors onto `device` and points them at their slices
+    there (see the module doc); the copy is not waited for: `WeightsTransfer.join` it. Tensors
+    no longer on the host buffer (a cold sleep reloaded them from the file) are left alone."""
+    target = torch.empty(parked.host.numel(), dtype=torch.uint8, device=device)
+    # On a side stream: a synchronizing call on the device's own stream while the engine is
+    # built (a copy from pageable memory, say) does not wait for the weights. The side stream
+    # first waits for the current one, which last used `target`'s memory. Torch's pinned
+    # allocator keeps the host buffer until the copy's event has completed, whatever
+    # happens to `parked`.
+    side = _side_stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        target.copy_(parked.host, non_blocking=True)
+        target.record_stream(side)  # never reused before the copy ends, joined or not
+        done = torch.cuda.Event()
+        done.record(side)
+    complete = point_at(parked, target)
+    return WeightsTransfer(done, device, complete)
 
 
 def release_pinned_host_cache() -> None:

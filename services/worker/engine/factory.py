@@ -12,7 +12,7 @@ from shoal.services.worker.engine.model_support import check_attention
 from shoal.services.worker.engine.paged_engine import PagedEngine
 from shoal.services.worker.engine.session_kv import SessionSettings
 from shoal.services.worker.engine.sizing import get_min_engine_bytes
-from shoal.services.worker.loader import LoadedModel
+from shoal.services.worker.loader import LoadedModel, join_restored_weights
 from shoal.shared.config import WorkerConfig
 from shoal.shared.model_settings import DEFAULT_KV_CACHE_TOKENS
 
@@ -74,7 +74,9 @@ def build_paged_engine(
     budget `kv_cache_tokens`; a replica with no allocation gets `kv_cache_tokens` (default
     `DEFAULT_KV_CACHE_TOKENS`, 32 requests of 2,048 tokens). The pool's size is logged
     (``engine.started``) and reported with the worker's ready event (``shoal status``).
-    The engine runs its warm-up pass before it is returned. `sessions` turns the session
+    The engine runs its warm-up pass before it is returned. Weights a restore is still
+    copying to the GPU are joined (`join_restored_weights`): after the build without a
+    warm-up, so the build runs while they arrive. `sessions` turns the session
     cache on (docs/sessions.md); its host pool is CPU memory on top of the allocation.
 
     Raises:
@@ -83,7 +85,9 @@ def build_paged_engine(
         KVPoolTooSmall: the allocation leaves no room for a single block.
         KernelBuildError: on CUDA, Shoal's kernels cannot be built.
     """
-    check_attention(loaded.model.config, loaded.max_model_len, loaded.model)
+    if not loaded.attention_checked:  # a walk over every module: once, not on every wake
+        check_attention(loaded.model.config, loaded.max_model_len, loaded.model)
+        loaded.attention_checked = True
     config = make_engine_config(
         loaded.device,
         worker,
@@ -94,10 +98,14 @@ def build_paged_engine(
         sessions=sessions,
         warm_up=warm_up,
     )
-    return PagedEngine(
+    if warm_up:
+        join_restored_weights(loaded)
+    engine = PagedEngine(
         loaded.model,
         loaded.tokenizer,
         allocation_bytes=loaded.allocation_bytes or None,
         config=config,
         max_model_len=loaded.max_model_len,
     )
+    join_restored_weights(loaded)
+    return engine
