@@ -304,6 +304,7 @@ def restore_weights(
     """
     allocation_bytes = sum(replica.gpu_bytes.values())
     if loaded.device.type == "cuda":
+        join_restored_weights(loaded)  # an earlier restore's copy, if no engine joined it (a failed build)
         stray = get_stray_context_gpus(loaded, replica)
         if stray:
             raise ModelLoadError(
