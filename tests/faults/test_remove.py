@@ -16,6 +16,7 @@ import pytest
 from nats.aio.msg import Msg
 
 from shoal.shared import subjects
+from shoal.shared.config import NodeConfig
 from shoal.shared.messages import ModelSpec
 from shoal.shared.micro import RequestError
 from shoal.shared.model_settings import FairnessSettings, SleepSettings
@@ -25,9 +26,13 @@ from tests.faults.harness import fault_cluster, model
 
 async def test_remove_stops_held_replicas_and_deletes_the_consumer(
         nats_server: EmbeddedNatsServer, demo_models_root: Path, tmp_path: Path) -> None:
+    # Neither the scheduler's reconciler nor the node agent's (which stops the worker of a
+    # ``stopping`` record by itself) may act on the held replica before `remove` does.
+    node = NodeConfig(node_id="n", models_root=str(demo_models_root), heartbeat_interval_s=1.0,
+                      reconcile_interval_s=3600.0)
     async with fault_cluster(nats_server.url, demo_models_root, tmp_path / "logs",
                              [model("m", min_replicas=2), model("keep")],
-                             reconcile_interval_s=3600.0) as cluster:  # no reconciler frees the held one first
+                             reconcile_interval_s=3600.0, node=node) as cluster:
         first, second = await cluster.wait_serving("m", 2)
         await cluster.wait_serving("keep")
         scheduler = cluster.schedulers[0]
