@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from shoal.services.worker.pinned_park import PinnedWeights, _contiguous_strides, lay_out, point_at
+from shoal.services.worker.pinned_park import PinnedWeights, SlotViews, _contiguous_strides, lay_out, point_at
 
 PROMPT = torch.tensor([[5, 17, 29, 3, 41, 8]])
 
@@ -21,9 +21,10 @@ def _parked(model: torch.nn.Module) -> PinnedWeights:
     tensors = [*model.parameters(), *model.buffers()]
     slots, num_bytes = lay_out(tensors)
     host = torch.empty(num_bytes, dtype=torch.uint8)
+    views = SlotViews(host)
     with torch.no_grad():
         for slot in slots:
-            view = slot.view_of(host)
+            view = views(slot)
             view.copy_(slot.tensor)
             slot.tensor.data = view
     return PinnedWeights(host, slots, holds_every_tensor=True)
