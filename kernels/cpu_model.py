@@ -114,6 +114,7 @@ class _Step(ctypes.Structure):
         ("argmax", _ptr),
         ("num_threads", _i64),
         ("prefill_num_queries", _ptr),
+        ("whole_last_layer", _i64),
     ]
 
 
@@ -560,6 +561,7 @@ def run_forward(
     num_threads: int,
     decode_rows_are_sequences: bool = True,
     prefill: PrefillPlan | None = None,
+    whole_last_layer: bool = False,
 ) -> None:
     """One batch through every layer: `buffers.final_rows` (and `buffers.logits` and
     `buffers.argmax` with an lm_head) hold the wanted rows' results after it.
@@ -578,6 +580,9 @@ def run_forward(
             decode step): a row's K/V write and attention run in one phase.
         prefill: instead of a decode plan, every sequence of the batch with its query rows:
             attention then runs natively, by the tiled causal kernel, whatever the lengths.
+        whole_last_layer: compute the last layer past its K/V write for every row, not only
+            for `logit_rows` (which is what a native-attention pass does otherwise; the
+            results differ in the last bits, as decode and prefill attention do).
 
     Raises:
         ForwardError: the batch was refused (an index out of range).
@@ -624,6 +629,7 @@ def run_forward(
         0 if buffers.logits is None else buffers.argmax.data_ptr(),
         num_threads,
         None if prefill is None else prefill.num_queries_address,
+        int(whole_last_layer),
     )
     status = weights.kernels.library.shoal_model_forward(ctypes.addressof(weights.struct), ctypes.addressof(step))
     if status != -1:

@@ -7,7 +7,9 @@ Hugging Face's.
 Paths (``--paths``):
 
     native   the whole prefill in one C call: causal attention over the paged pool inside the
-             forward pass (cpu_prefill_attention.c), whatever the prompt's length
+             forward pass (cpu_prefill_attention.c), whatever the prompt's length; the last
+             layer past its K/V write for the last row only (the one whose logits are wanted)
+    whole    native, with the last layer computed for every row (as before the tail)
     torch    the forward pass calls back into Python once per layer for the prefill's
              attention (`shoal.kernels.reference.run_attention`, torch's batched products):
              what prefills longer than 128 x 128 query-position pairs ran before
@@ -40,7 +42,7 @@ from shoal.services.worker.engine.attention import PagedBatch
 from shoal.services.worker.engine.model_runner import ModelRunner
 
 BLOCK_SIZE = 16
-PATHS = ("native", "torch", "hf")
+PATHS = ("native", "whole", "torch", "hf")
 
 
 def parse_list(text: str) -> list[str]:
@@ -108,7 +110,8 @@ def measure(prefiller: Prefiller, path: str, length: int, repeats: int) -> tuple
     limit = native_forward.MAX_NATIVE_PREFILL_SCORES
     native_forward.MAX_NATIVE_PREFILL_SCORES = 0 if path == "torch" else limit
     torch_long = native_forward.NATIVE_LONG_PREFILL
-    native_forward.NATIVE_LONG_PREFILL = path == "native"
+    native_forward.NATIVE_LONG_PREFILL = path != "torch"
+    native_forward.LAST_LAYER_WANTED_ROWS_ONLY = path == "native"
     try:
         run = prefiller.native_call(tokens)
         seconds = best_seconds(run, repeats)
@@ -133,6 +136,7 @@ def measure(prefiller: Prefiller, path: str, length: int, repeats: int) -> tuple
     finally:
         native_forward.MAX_NATIVE_PREFILL_SCORES = limit
         native_forward.NATIVE_LONG_PREFILL = torch_long
+        native_forward.LAST_LAYER_WANTED_ROWS_ONLY = True
 
 
 def time_products(model_dir: Path, rows: list[int], repeats: int, dtype: str = "float32") -> None:
@@ -209,7 +213,7 @@ def main() -> None:
     parser.add_argument("--models-root", type=Path, required=True)
     parser.add_argument("--models", type=parse_list, default=["demo/llama-5m", "demo/llama-100m"])
     parser.add_argument("--lengths", type=lambda s: [int(x) for x in parse_list(s)], default=[64, 512, 1920])
-    parser.add_argument("--paths", type=parse_list, default=list(PATHS), help="native,torch,hf")
+    parser.add_argument("--paths", type=parse_list, default=list(PATHS), help="native,whole,torch,hf")
     parser.add_argument("--threads", type=int, default=1, help="threads of the native pass and of torch (1)")
     parser.add_argument("--repeats", type=int, default=3, help="timed prefills per cell, best kept (3)")
     parser.add_argument("--split", action="store_true", help="the torch path's attention share")

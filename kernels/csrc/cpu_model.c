@@ -23,7 +23,13 @@
  *   delta = act Wd^T                     panels
  *
  * and at the end, for the rows whose logits are wanted only: h += delta, the final norm,
- * and (unless the caller does it) the lm_head product. The arithmetic is Hugging Face's,
+ * and (unless the caller does it) the lm_head product.
+ *
+ * The last layer's work past its K/V write matters only for those rows. When fewer rows are
+ * wanted than the batch holds (a prefill wants its last row; a chunk that does not end its
+ * prompt wants none) and attention runs natively, the wanted rows are gathered to the top
+ * of the buffers after the K/V write, and the last layer's attention (as decode rows), its
+ * products and norms run for them alone: the "tail" (about 1 / num_layers of a prefill). The arithmetic is Hugging Face's,
  * in float32; sums over k run in another order than MKL's (docs/engine.md).
  *
  * Everything that decides where memory is read or written is checked before anything
@@ -108,6 +114,8 @@ struct shoal_step {
     const int32_t *prefill_num_queries; /* with decode: its entries are sequences of this many query
                                            rows each (from decode->rows[s]), attended by the tiled
                                            causal kernel after all K/V are written; NULL otherwise */
+    int64_t whole_last_layer;           /* compute the last layer for every row, wanted or not (no tail:
+                                           tests and benchmarks compare the two) */
 };
 
 enum phase_kind {
@@ -126,18 +134,35 @@ enum phase_kind {
     PHASE_FINAL_NORM, /* logit rows */
     PHASE_LM_HEAD,    /* panels */
     PHASE_ARGMAX,     /* logit rows */
+    PHASE_GATHER,     /* one item: the logit rows' residual and query moved to rows 0 .. n-1 (the tail) */
 };
 
 #define MAX_GROUPS (4 * SHOAL_MAX_THREADS)
+
+/* A decode plan's sequences cut into the items of a decode phase. */
+struct decode_groups {
+    const struct shoal_decode_plan *plan;
+    int64_t num_groups;
+    int64_t bounds[MAX_GROUPS + 1]; /* decode sequences of each group */
+    int64_t head_parts; /* items per group: its kv heads cut in this many parts (1: whole) */
+    int writes;         /* the items rotate and write their rows' K/V first (every row its own sequence's) */
+};
+
+/* The last layer's wanted rows, gathered (see the top of this file). */
+struct tail {
+    int active;
+    struct shoal_decode_plan plan; /* entry i: logit row i's sequence up to its position, query row i */
+    int32_t *memory;               /* the plan's block tables, lengths and rows */
+};
 
 struct forward_job {
     const struct shoal_model *model;
     const struct shoal_step *step;
     int isa;
     int64_t num_row_items;
-    int64_t num_groups;
-    int64_t group_bounds[MAX_GROUPS + 1]; /* decode sequences of each group */
-    int64_t head_parts; /* decode items per group: its kv heads cut in this many parts (1: whole) */
+    struct decode_groups decode;      /* the step's decode plan (no prefill plan) */
+    struct decode_groups tail_decode; /* the tail's */
+    struct tail tail;
     int64_t num_prefill_items;
     struct shoal_prefill_item *prefill_items; /* the most costly first */
     int64_t prefill_scratch_floats;
@@ -149,6 +174,8 @@ struct phase_context {
     int kind;
     int64_t num_items;
     int64_t num_units; /* rows, panels or logit rows the items share */
+    int64_t num_rows;  /* rows of the batch the phase computes (the tail's: the logit rows) */
+    const struct decode_groups *groups; /* PHASE_DECODE */
 };
 
 /* The attention's scratch of this thread, kept between calls (it only grows). */
@@ -188,7 +215,7 @@ static void run_phase_item(const void *context, int64_t item) {
     const int64_t qkv_stride = (m->num_heads + 2 * m->num_kv_heads) * d, attn_stride = m->num_heads * d;
     const int64_t first = c->num_units * item / c->num_items, last = c->num_units * (item + 1) / c->num_items;
     const float eps = (float)m->eps;
-    const int64_t rows = s->num_tokens;
+    const int64_t rows = c->num_rows;
     switch (c->kind) {
     case PHASE_EMBED:
         for (int64_t row = first; row < last; ++row) {
@@ -210,18 +237,19 @@ static void run_phase_item(const void *context, int64_t item) {
         shoal_gemm_panels(&layer->qkv, s->normed, hidden, s->qkv, qkv_stride, rows, first, last, job->isa);
         break;
     case PHASE_DECODE: {
-        const int64_t group = item / job->head_parts, part = item % job->head_parts;
-        const int64_t seq_begin = job->group_bounds[group], seq_end = job->group_bounds[group + 1];
-        const int64_t kv_begin = m->num_kv_heads * part / job->head_parts;
-        const int64_t kv_end = m->num_kv_heads * (part + 1) / job->head_parts;
-        for (int64_t seq = seq_begin; seq < seq_end && s->decode_rows_are_sequences && job->head_parts == 1; ++seq) {
-            rope_and_write(m, s, layer, s->decode->rows[seq], qkv_stride);
+        const struct decode_groups *g = c->groups;
+        const int64_t group = item / g->head_parts, part = item % g->head_parts;
+        const int64_t seq_begin = g->bounds[group], seq_end = g->bounds[group + 1];
+        const int64_t kv_begin = m->num_kv_heads * part / g->head_parts;
+        const int64_t kv_end = m->num_kv_heads * (part + 1) / g->head_parts;
+        for (int64_t seq = seq_begin; seq < seq_end && g->writes; ++seq) {
+            rope_and_write(m, s, layer, g->plan->rows[seq], qkv_stride);
         }
         float *scratch = get_scratch(shoal_decode_scratch_floats(m->num_heads, d));
         if (scratch == NULL) {
             abort(); /* a few KB: out of memory here is not recoverable */
         }
-        shoal_decode_attention_range(s->decode, seq_begin, seq_end, kv_begin, kv_end, (char *)s->attn, attn_stride, d,
+        shoal_decode_attention_range(g->plan, seq_begin, seq_end, kv_begin, kv_end, (char *)s->attn, attn_stride, d,
                                      (const char *)s->qkv, qkv_stride, d, m->num_heads, layer->key_cache,
                                      layer->value_cache, (float)m->scale, scratch);
         break;
@@ -254,9 +282,20 @@ static void run_phase_item(const void *context, int64_t item) {
     case PHASE_DOWN:
         shoal_gemm_panels(&layer->down, s->act, m->intermediate, s->delta, hidden, rows, first, last, job->isa);
         break;
+    case PHASE_GATHER:
+        /* Ascending rows, each moved up or left in place, by one thread: no row is overwritten
+         * before it is read. Only the query of qkv is read after this. */
+        for (int64_t i = 0; i < s->num_logit_rows; ++i) {
+            const int64_t row = s->logit_rows[i];
+            if (row != i) {
+                memcpy(s->hidden + i * hidden, s->hidden + row * hidden, (size_t)hidden * sizeof(float));
+                memcpy(s->qkv + i * qkv_stride, s->qkv + row * qkv_stride, (size_t)attn_stride * sizeof(float));
+            }
+        }
+        break;
     case PHASE_FINAL_NORM:
         for (int64_t i = first; i < last; ++i) {
-            const int64_t row = s->logit_rows[i];
+            const int64_t row = job->tail.active ? i : s->logit_rows[i];
             shoal_rms_norm_rows(s->final_rows + i * hidden, hidden, s->delta + row * hidden, hidden,
                                 s->hidden + row * hidden, hidden, m->final_norm, 1, hidden, eps);
         }
@@ -289,10 +328,11 @@ static int64_t product_items(const struct shoal_linear *w, int64_t num_rows) {
     return (panels + per_item - 1) / per_item;
 }
 
-static void add_phase(struct shoal_phase *phases, struct phase_context *contexts, int64_t *count,
-                      const struct forward_job *job, int64_t layer, int kind, int64_t num_items, int64_t num_units) {
+static struct phase_context *add_phase(struct shoal_phase *phases, struct phase_context *contexts, int64_t *count,
+                                       const struct forward_job *job, int64_t layer, int kind, int64_t num_items,
+                                       int64_t num_units) {
     if (num_items <= 0) {
-        return;
+        return NULL;
     }
     struct phase_context *c = &contexts[*count];
     c->job = job;
@@ -300,8 +340,11 @@ static void add_phase(struct shoal_phase *phases, struct phase_context *contexts
     c->kind = kind;
     c->num_items = num_items;
     c->num_units = num_units;
+    c->num_rows = job->step->num_tokens;
+    c->groups = NULL;
     phases[*count] = (struct shoal_phase){run_phase_item, c, num_items};
     ++*count;
+    return c;
 }
 
 /* Groups of decode sequences of about equal total context (contiguous runs). */
@@ -328,6 +371,87 @@ static int64_t group_sequences(const struct shoal_decode_plan *plan, int64_t num
         bounds[++count] = plan->num_seqs;
     }
     return count;
+}
+
+static void plan_groups(struct decode_groups *g, const struct shoal_decode_plan *plan, int num_threads,
+                        int64_t num_kv_heads, int writes) {
+    g->plan = plan;
+    g->num_groups = group_sequences(plan, num_threads == 1 ? 1 : 4 * num_threads, g->bounds);
+    g->head_parts = 1;
+    if (g->num_groups < num_threads) {
+        /* Fewer sequences than threads (one user's long chat): their kv heads are split too,
+         * so that every thread streams its part of the cache. */
+        g->head_parts = num_kv_heads < num_threads ? num_kv_heads : num_threads;
+    }
+    g->writes = writes && g->head_parts == 1;
+}
+
+/* The tail's decode plan (struct tail): logit row i attends, as decode row i, to its
+ * sequence's context up to its own position. Inactive when every row is wanted, when the
+ * rows are not ascending, when attention is the caller's, or when a row has no plan entry.
+ * Returns 0, or FORWARD_NO_MEMORY. */
+static int64_t plan_tail(struct tail *t, const struct shoal_model *m, const struct shoal_step *s) {
+    t->active = 0;
+    t->memory = NULL;
+    const struct shoal_decode_plan *plan = s->decode;
+    const int64_t n = s->num_logit_rows;
+    if (plan == NULL || n >= s->num_tokens || s->whole_last_layer ||
+        (s->prefill_num_queries == NULL && s->decode_rows_are_sequences)) {
+        return 0;
+    }
+    for (int64_t i = 1; i < n; ++i) {
+        if (s->logit_rows[i] <= s->logit_rows[i - 1]) {
+            return 0;
+        }
+    }
+    const int64_t stride = plan->table_stride;
+    t->memory = malloc((size_t)(n * stride + 2 * n + 1) * sizeof(int32_t));
+    if (t->memory == NULL) {
+        return FORWARD_NO_MEMORY;
+    }
+    int32_t *tables = t->memory, *lens = tables + n * stride, *rows = lens + n;
+    int64_t entry = 0;
+    for (int64_t i = 0; i < n; ++i) {
+        const int64_t row = s->logit_rows[i];
+        int64_t seq_len;
+        if (s->prefill_num_queries != NULL) { /* entries: sequences of consecutive query rows */
+            while (entry < plan->num_seqs && plan->rows[entry] + s->prefill_num_queries[entry] <= row) {
+                ++entry;
+            }
+            if (entry == plan->num_seqs || plan->rows[entry] > row) {
+                break;
+            }
+            seq_len = plan->seq_lens[entry] - (plan->rows[entry] + s->prefill_num_queries[entry] - 1 - row);
+        } else { /* entries: one per row, in any order (ascending: one pass over them) */
+            int64_t tried = 0;
+            while (tried < plan->num_seqs && plan->rows[entry] != row) {
+                entry = entry + 1 == plan->num_seqs ? 0 : entry + 1;
+                ++tried;
+            }
+            if (tried == plan->num_seqs) {
+                break;
+            }
+            seq_len = plan->seq_lens[entry];
+        }
+        memcpy(tables + i * stride, plan->block_tables + entry * stride, (size_t)stride * sizeof(int32_t));
+        lens[i] = (int32_t)seq_len;
+        rows[i] = (int32_t)i;
+        if (i == n - 1) {
+            t->active = 1;
+        }
+    }
+    if (n == 0) {
+        t->active = 1;
+    }
+    t->plan = *plan;
+    t->plan.num_seqs = n;
+    t->plan.block_tables = tables;
+    t->plan.seq_lens = lens;
+    t->plan.rows = rows;
+    if (t->active && n > 0 && shoal_decode_check(&t->plan, n, m->num_heads) != -1) {
+        t->active = 0;
+    }
+    return 0;
 }
 
 static int64_t check_step(const struct shoal_model *m, const struct shoal_step *s) {
@@ -388,31 +512,32 @@ int64_t shoal_model_forward(const struct shoal_model *model, const struct shoal_
     job.isa = shoal_gemm_best_isa();
     const int64_t rows = step->num_tokens;
     job.num_row_items = rows < 4 * num_threads ? rows : 4 * num_threads;
-    job.num_groups = 0;
-    job.head_parts = 1;
     job.num_prefill_items = 0;
     job.prefill_items = NULL;
     job.prefill_scratch_floats = 0;
     const int prefill = step->decode != NULL && step->prefill_num_queries != NULL;
+    if (plan_tail(&job.tail, model, step) != 0) {
+        return FORWARD_NO_MEMORY;
+    }
     if (prefill) {
         job.num_prefill_items = shoal_prefill_num_items(step->decode, step->prefill_num_queries);
         if (job.num_prefill_items > (1 << 20) - 1) {
+            free(job.tail.memory);
             return FORWARD_BAD_GEOMETRY;
         }
         job.prefill_items = malloc((size_t)job.num_prefill_items * sizeof *job.prefill_items);
         if (job.prefill_items == NULL) {
+            free(job.tail.memory);
             return FORWARD_NO_MEMORY;
         }
         shoal_prefill_items(step->decode, step->prefill_num_queries, job.prefill_items);
         job.prefill_scratch_floats =
             shoal_prefill_scratch_floats(model->num_heads / model->num_kv_heads, model->head_dim);
     } else if (step->decode != NULL) {
-        job.num_groups = group_sequences(step->decode, num_threads == 1 ? 1 : 4 * num_threads, job.group_bounds);
-        if (job.num_groups < num_threads) {
-            /* Fewer sequences than threads (one user's long chat): their kv heads are split too,
-             * so that every thread streams its part of the cache. */
-            job.head_parts = model->num_kv_heads < num_threads ? model->num_kv_heads : num_threads;
-        }
+        plan_groups(&job.decode, step->decode, num_threads, model->num_kv_heads, (int)step->decode_rows_are_sequences);
+    }
+    if (job.tail.active && job.tail.plan.num_seqs > 0) {
+        plan_groups(&job.tail_decode, &job.tail.plan, num_threads, model->num_kv_heads, 0);
     }
     struct shoal_phase *phases = malloc((size_t)num_phases * sizeof *phases);
     struct phase_context *contexts = malloc((size_t)num_phases * sizeof *contexts);
@@ -420,53 +545,76 @@ int64_t shoal_model_forward(const struct shoal_model *model, const struct shoal_
         free(phases);
         free(contexts);
         free(job.prefill_items);
+        free(job.tail.memory);
         return FORWARD_NO_MEMORY;
     }
     const int64_t row_items = job.num_row_items;
+    const int64_t logit_rows = step->num_logit_rows;
+    const int64_t logit_row_items = logit_rows < 4 * num_threads ? logit_rows : 4 * num_threads;
     int64_t count = 0;
     add_phase(phases, contexts, &count, &job, -1, PHASE_EMBED, row_items, rows);
     for (int64_t layer = 0; layer < model->num_layers; ++layer) {
         const struct shoal_layer_weights *w = &model->layers[layer];
+        const int tail = job.tail.active && layer == model->num_layers - 1;
         add_phase(phases, contexts, &count, &job, layer, PHASE_INPUT_NORM, row_items, rows);
         add_phase(phases, contexts, &count, &job, layer, PHASE_QKV, product_items(&w->qkv, rows),
                   shoal_num_panels(&w->qkv));
-        if (prefill) {
+        if (tail) {
+            add_phase(phases, contexts, &count, &job, layer, PHASE_ROPE_WRITE, row_items, rows);
+            add_phase(phases, contexts, &count, &job, layer, PHASE_GATHER, 1, 1);
+            const int64_t items = job.tail.plan.num_seqs > 0 ? job.tail_decode.num_groups * job.tail_decode.head_parts : 0;
+            struct phase_context *c = add_phase(phases, contexts, &count, &job, layer, PHASE_DECODE, items, items);
+            if (c != NULL) {
+                c->groups = &job.tail_decode;
+            }
+        } else if (prefill) {
             add_phase(phases, contexts, &count, &job, layer, PHASE_ROPE_WRITE, row_items, rows);
             add_phase(phases, contexts, &count, &job, layer, PHASE_PREFILL, job.num_prefill_items,
                       job.num_prefill_items);
         } else if (step->decode != NULL) {
             /* A row may attend to K/V another thread writes, or a row's heads be split: write first. */
-            if (!step->decode_rows_are_sequences || job.head_parts > 1) {
+            if (!job.decode.writes) {
                 add_phase(phases, contexts, &count, &job, layer, PHASE_ROPE_WRITE, row_items, rows);
             }
-            const int64_t decode_items = job.num_groups * job.head_parts;
-            add_phase(phases, contexts, &count, &job, layer, PHASE_DECODE, decode_items, decode_items);
+            const int64_t items = job.decode.num_groups * job.decode.head_parts;
+            struct phase_context *c = add_phase(phases, contexts, &count, &job, layer, PHASE_DECODE, items, items);
+            if (c != NULL) {
+                c->groups = &job.decode;
+            }
         } else {
             add_phase(phases, contexts, &count, &job, layer, PHASE_ROPE_WRITE, row_items, rows);
             add_phase(phases, contexts, &count, &job, layer, PHASE_ATTEND, 1, 1);
         }
-        add_phase(phases, contexts, &count, &job, layer, PHASE_O, product_items(&w->o, rows), shoal_num_panels(&w->o));
-        add_phase(phases, contexts, &count, &job, layer, PHASE_POST_NORM, row_items, rows);
-        add_phase(phases, contexts, &count, &job, layer, PHASE_GATE_UP, product_items(&w->gate_up, rows),
-                  shoal_num_panels(&w->gate_up));
-        add_phase(phases, contexts, &count, &job, layer, PHASE_DOWN, product_items(&w->down, rows),
-                  shoal_num_panels(&w->down));
+        const int64_t out_rows = tail ? logit_rows : rows;
+        const int64_t out_row_items = tail ? logit_row_items : row_items;
+        struct phase_context *after[4] = {
+            add_phase(phases, contexts, &count, &job, layer, PHASE_O, product_items(&w->o, out_rows),
+                      shoal_num_panels(&w->o)),
+            add_phase(phases, contexts, &count, &job, layer, PHASE_POST_NORM, out_row_items, out_rows),
+            add_phase(phases, contexts, &count, &job, layer, PHASE_GATE_UP, product_items(&w->gate_up, out_rows),
+                      shoal_num_panels(&w->gate_up)),
+            add_phase(phases, contexts, &count, &job, layer, PHASE_DOWN, product_items(&w->down, out_rows),
+                      shoal_num_panels(&w->down)),
+        };
+        for (int i = 0; i < 4; ++i) {
+            if (after[i] != NULL) {
+                after[i]->num_rows = out_rows;
+            }
+        }
     }
-    const int64_t logit_rows = step->num_logit_rows;
-    add_phase(phases, contexts, &count, &job, -1, PHASE_FINAL_NORM,
-              logit_rows < 4 * num_threads ? logit_rows : 4 * num_threads, logit_rows);
+    add_phase(phases, contexts, &count, &job, -1, PHASE_FINAL_NORM, logit_row_items, logit_rows);
     if (model->lm_head != NULL) {
         add_phase(phases, contexts, &count, &job, -1, PHASE_LM_HEAD, product_items(model->lm_head, logit_rows),
                   shoal_num_panels(model->lm_head));
         if (step->argmax != NULL) {
-            add_phase(phases, contexts, &count, &job, -1, PHASE_ARGMAX,
-                      logit_rows < 4 * num_threads ? logit_rows : 4 * num_threads, logit_rows);
+            add_phase(phases, contexts, &count, &job, -1, PHASE_ARGMAX, logit_row_items, logit_rows);
         }
     }
     const int status = shoal_run_phases(phases, count, num_threads);
     free(phases);
     free(contexts);
     free(job.prefill_items);
+    free(job.tail.memory);
     return status == 0 ? FORWARD_OK : FORWARD_BAD_GEOMETRY;
 }
 

@@ -109,8 +109,10 @@ class Sequences:
         self.tables = [list(range(i * blocks_each, (i + 1) * blocks_each)) for i in range(len(prompts))]
         self.argmaxes: list[torch.Tensor | None] = []
 
-    def step(self) -> torch.Tensor:
-        """Computes every token not yet computed (a prefill, or one decode row per sequence)."""
+    def step(self, want_logits: bool = True) -> torch.Tensor:
+        """Computes every token not yet computed (a prefill, or one decode row per sequence):
+        the logits of each sequence's last row, or of none (a chunk that does not end its
+        prompt)."""
         input_ids, positions, slots, seq_lens, starts, last_rows = [], [], [], [], [0], []
         for seq, tokens in enumerate(self.tokens):
             for position in range(self.num_computed[seq], len(tokens)):
@@ -124,7 +126,9 @@ class Sequences:
         plan = plan_attention(self.runner.layer_caches[0][0], self.tables, seq_lens, starts)
         batch = PagedBatch(layer_caches=self.runner.layer_caches, slot_mapping=torch.tensor(slots), cpu_plan=plan)
         assert self.runner.native is not None
-        keep: int | torch.Tensor = 0 if len(last_rows) == len(input_ids) else torch.tensor(last_rows)
+        if not want_logits:
+            last_rows = []
+        keep: int | torch.Tensor = 0 if len(last_rows) == len(input_ids) else torch.tensor(last_rows, dtype=torch.int64)
         logits = self.runner.native.execute(torch.tensor([input_ids]), torch.tensor([positions]), batch, keep).clone()
         argmax = self.runner.native.last_argmax
         self.argmaxes.append(None if argmax is None else argmax.clone())
@@ -204,6 +208,49 @@ def test_fewer_sequences_than_threads_split_their_kv_heads_with_the_same_bits(
     for steps in logits_by_threads[1:]:
         for one, other in zip(logits_by_threads[0], steps, strict=True):
             assert torch.equal(one, other), "thread count must not change a single bit"
+
+
+@pytest.mark.parametrize("prefill_attention", ["rows", "tiled"])
+def test_the_last_layer_runs_for_the_wanted_rows_only_and_writes_the_same_cache(
+    models_root: Path, prefill_attention: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A pass that wants fewer rows' logits than it holds (cpu_model.c's tail): the prompts'
+    first chunks want none, their last chunks one row each. Every layer's K/V is bit for bit
+    that of a pass computing the whole last layer, the wanted rows' logits match it and
+    transformers, and the decode steps after it are the same bits."""
+    if prefill_attention == "tiled":
+        monkeypatch.setattr(native_forward, "MAX_NATIVE_PREFILL_SCORES", 0)
+    reference = AutoModelForCausalLM.from_pretrained(models_root / "demo/llama-5m").eval()
+    model = AutoModelForCausalLM.from_pretrained(models_root / "demo/llama-5m").eval()
+    packed = native_forward.pack_model(model)
+    generator = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(5, 4000, (length,), generator=generator).tolist() for length in (9, 30, 21)]
+    results = []
+    for wanted_rows_only in (True, False):
+        monkeypatch.setattr(native_forward, "LAST_LAYER_WANTED_ROWS_ONLY", wanted_rows_only)
+        runner = ModelRunner(model, 3 * 64 // BLOCK_SIZE, BLOCK_SIZE, packed_model=packed,
+                             threads=native_forward.ThreadPolicy(max_threads=2, fixed=2))
+        sequences = Sequences(runner, [prompt[: len(prompt) // 2] for prompt in prompts])
+        first_chunks = sequences.step(want_logits=False)
+        assert first_chunks.shape[0] == 0
+        sequences.tokens = [list(prompt) for prompt in prompts]
+        steps = [sequences.step()]
+        for _ in range(2):
+            for seq, tokens in enumerate(sequences.tokens):
+                tokens.append(int(steps[-1][seq].argmax()))
+            steps.append(sequences.step())
+        for seq, tokens in enumerate(sequences.tokens):
+            torch.testing.assert_close(steps[-1][seq], hf_last_logits(reference, tokens), rtol=1e-4, atol=1e-4)
+        caches = [tensor.clone() for layer in runner.layer_caches for tensor in layer]
+        results.append((steps, caches))
+    (tail_steps, tail_caches), (whole_steps, whole_caches) = results
+    assert all(torch.equal(one, other) for one, other in zip(tail_caches, whole_caches, strict=True))
+    torch.testing.assert_close(tail_steps[0], whole_steps[0], rtol=1e-5, atol=1e-5)
+    assert not torch.equal(tail_steps[0], whole_steps[0]) or prefill_attention == "rows", (
+        "the tiled kernel and the decode kernel sum in another order: equal bits would mean no tail ran"
+    )
+    for one, other in zip(tail_steps[1:], whole_steps[1:], strict=True):
+        assert torch.equal(one, other), "decode steps over the same cache are the same bits"
 
 
 def test_a_batch_with_an_index_out_of_range_is_refused(models_root: Path) -> None:

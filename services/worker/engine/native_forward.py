@@ -59,6 +59,10 @@ prefills run the tiled causal kernel, which reuses each K/V row across a tile of
 NATIVE_LONG_PREFILL = True
 """Longer prefills too run natively, by the tiled causal attention of cpu_prefill_attention.c
 (the whole pass one C call); False: through the torch callback (benchmarks compare both)."""
+LAST_LAYER_WANTED_ROWS_ONLY = True
+"""With native attention, the last layer past its K/V write runs only for the rows whose
+logits are wanted (a prefill's last row; none for a chunk that does not end its prompt):
+cpu_model.c's tail. False: for every row (benchmarks and tests compare both)."""
 
 
 def get_unsupported_reason(model: Any) -> str | None:
@@ -395,6 +399,7 @@ class NativeForward:
             num_threads=num_threads,
             decode_rows_are_sequences=rows_are_sequences,
             prefill=prefill,
+            whole_last_layer=not LAST_LAYER_WANTED_ROWS_ONLY,
         )
         if buffers.logits is not None:
             self.last_argmax = buffers.argmax[:num_logit_rows]
