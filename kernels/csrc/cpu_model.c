@@ -174,7 +174,7 @@ struct phase_context {
     int kind;
     int64_t num_items;
     int64_t num_units; /* rows, panels or logit rows the items share */
-    int64_t num_rows;  /* rows of the batch the phase computes (the tail's: the logit rows) */
+    int64_t num_rows;  /* a product's input rows (the tail's: the logit rows) */
     const struct decode_groups *groups; /* PHASE_DECODE */
 };
 
@@ -306,8 +306,7 @@ static void run_phase_item(const void *context, int64_t item) {
         }
         break;
     case PHASE_LM_HEAD:
-        shoal_gemm_panels(m->lm_head, s->final_rows, hidden, s->logits, m->vocab, s->num_logit_rows, first, last,
-                          job->isa);
+        shoal_gemm_panels(m->lm_head, s->final_rows, hidden, s->logits, m->vocab, rows, first, last, job->isa);
         break;
     default:
         break;
@@ -340,11 +339,31 @@ static struct phase_context *add_phase(struct shoal_phase *phases, struct phase_
     c->kind = kind;
     c->num_items = num_items;
     c->num_units = num_units;
-    c->num_rows = job->step->num_tokens;
+    c->num_rows = 0;
     c->groups = NULL;
     phases[*count] = (struct shoal_phase){run_phase_item, c, num_items};
     ++*count;
     return c;
+}
+
+/* A product over num_rows rows of its input: items of runs of panels (product_items). */
+static void add_product_phase(struct shoal_phase *phases, struct phase_context *contexts, int64_t *count,
+                              const struct forward_job *job, int64_t layer, int kind, const struct shoal_linear *w,
+                              int64_t num_rows) {
+    struct phase_context *c =
+        add_phase(phases, contexts, count, job, layer, kind, product_items(w, num_rows), shoal_num_panels(w));
+    if (c != NULL) {
+        c->num_rows = num_rows;
+    }
+}
+
+static void add_decode_phase(struct shoal_phase *phases, struct phase_context *contexts, int64_t *count,
+                             const struct forward_job *job, int64_t layer, const struct decode_groups *groups) {
+    const int64_t items = groups->num_groups * groups->head_parts;
+    struct phase_context *c = add_phase(phases, contexts, count, job, layer, PHASE_DECODE, items, items);
+    if (c != NULL) {
+        c->groups = groups;
+    }
 }
 
 /* Groups of decode sequences of about equal total context (contiguous runs). */
@@ -410,8 +429,8 @@ static int64_t plan_tail(struct tail *t, const struct shoal_model *m, const stru
         return FORWARD_NO_MEMORY;
     }
     int32_t *tables = t->memory, *lens = tables + n * stride, *rows = lens + n;
-    int64_t entry = 0;
-    for (int64_t i = 0; i < n; ++i) {
+    int64_t i = 0, entry = 0;
+    for (; i < n; ++i) {
         const int64_t row = s->logit_rows[i];
         int64_t seq_len;
         if (s->prefill_num_queries != NULL) { /* entries: sequences of consecutive query rows */
@@ -436,20 +455,16 @@ static int64_t plan_tail(struct tail *t, const struct shoal_model *m, const stru
         memcpy(tables + i * stride, plan->block_tables + entry * stride, (size_t)stride * sizeof(int32_t));
         lens[i] = (int32_t)seq_len;
         rows[i] = (int32_t)i;
-        if (i == n - 1) {
-            t->active = 1;
-        }
-    }
-    if (n == 0) {
-        t->active = 1;
     }
     t->plan = *plan;
     t->plan.num_seqs = n;
     t->plan.block_tables = tables;
     t->plan.seq_lens = lens;
     t->plan.rows = rows;
-    if (t->active && n > 0 && shoal_decode_check(&t->plan, n, m->num_heads) != -1) {
-        t->active = 0;
+    t->active = i == n && (n == 0 || shoal_decode_check(&t->plan, n, m->num_heads) == -1);
+    if (!t->active) {
+        free(t->memory);
+        t->memory = NULL;
     }
     return 0;
 }
@@ -536,7 +551,7 @@ int64_t shoal_model_forward(const struct shoal_model *model, const struct shoal_
     } else if (step->decode != NULL) {
         plan_groups(&job.decode, step->decode, num_threads, model->num_kv_heads, (int)step->decode_rows_are_sequences);
     }
-    if (job.tail.active && job.tail.plan.num_seqs > 0) {
+    if (job.tail.active) {
         plan_groups(&job.tail_decode, &job.tail.plan, num_threads, model->num_kv_heads, 0);
     }
     struct shoal_phase *phases = malloc((size_t)num_phases * sizeof *phases);
@@ -557,16 +572,11 @@ int64_t shoal_model_forward(const struct shoal_model *model, const struct shoal_
         const struct shoal_layer_weights *w = &model->layers[layer];
         const int tail = job.tail.active && layer == model->num_layers - 1;
         add_phase(phases, contexts, &count, &job, layer, PHASE_INPUT_NORM, row_items, rows);
-        add_phase(phases, contexts, &count, &job, layer, PHASE_QKV, product_items(&w->qkv, rows),
-                  shoal_num_panels(&w->qkv));
+        add_product_phase(phases, contexts, &count, &job, layer, PHASE_QKV, &w->qkv, rows);
         if (tail) {
             add_phase(phases, contexts, &count, &job, layer, PHASE_ROPE_WRITE, row_items, rows);
             add_phase(phases, contexts, &count, &job, layer, PHASE_GATHER, 1, 1);
-            const int64_t items = job.tail.plan.num_seqs > 0 ? job.tail_decode.num_groups * job.tail_decode.head_parts : 0;
-            struct phase_context *c = add_phase(phases, contexts, &count, &job, layer, PHASE_DECODE, items, items);
-            if (c != NULL) {
-                c->groups = &job.tail_decode;
-            }
+            add_decode_phase(phases, contexts, &count, &job, layer, &job.tail_decode);
         } else if (prefill) {
             add_phase(phases, contexts, &count, &job, layer, PHASE_ROPE_WRITE, row_items, rows);
             add_phase(phases, contexts, &count, &job, layer, PHASE_PREFILL, job.num_prefill_items,
@@ -576,36 +586,20 @@ int64_t shoal_model_forward(const struct shoal_model *model, const struct shoal_
             if (!job.decode.writes) {
                 add_phase(phases, contexts, &count, &job, layer, PHASE_ROPE_WRITE, row_items, rows);
             }
-            const int64_t items = job.decode.num_groups * job.decode.head_parts;
-            struct phase_context *c = add_phase(phases, contexts, &count, &job, layer, PHASE_DECODE, items, items);
-            if (c != NULL) {
-                c->groups = &job.decode;
-            }
+            add_decode_phase(phases, contexts, &count, &job, layer, &job.decode);
         } else {
             add_phase(phases, contexts, &count, &job, layer, PHASE_ROPE_WRITE, row_items, rows);
             add_phase(phases, contexts, &count, &job, layer, PHASE_ATTEND, 1, 1);
         }
         const int64_t out_rows = tail ? logit_rows : rows;
-        const int64_t out_row_items = tail ? logit_row_items : row_items;
-        struct phase_context *after[4] = {
-            add_phase(phases, contexts, &count, &job, layer, PHASE_O, product_items(&w->o, out_rows),
-                      shoal_num_panels(&w->o)),
-            add_phase(phases, contexts, &count, &job, layer, PHASE_POST_NORM, out_row_items, out_rows),
-            add_phase(phases, contexts, &count, &job, layer, PHASE_GATE_UP, product_items(&w->gate_up, out_rows),
-                      shoal_num_panels(&w->gate_up)),
-            add_phase(phases, contexts, &count, &job, layer, PHASE_DOWN, product_items(&w->down, out_rows),
-                      shoal_num_panels(&w->down)),
-        };
-        for (int i = 0; i < 4; ++i) {
-            if (after[i] != NULL) {
-                after[i]->num_rows = out_rows;
-            }
-        }
+        add_product_phase(phases, contexts, &count, &job, layer, PHASE_O, &w->o, out_rows);
+        add_phase(phases, contexts, &count, &job, layer, PHASE_POST_NORM, tail ? logit_row_items : row_items, out_rows);
+        add_product_phase(phases, contexts, &count, &job, layer, PHASE_GATE_UP, &w->gate_up, out_rows);
+        add_product_phase(phases, contexts, &count, &job, layer, PHASE_DOWN, &w->down, out_rows);
     }
     add_phase(phases, contexts, &count, &job, -1, PHASE_FINAL_NORM, logit_row_items, logit_rows);
     if (model->lm_head != NULL) {
-        add_phase(phases, contexts, &count, &job, -1, PHASE_LM_HEAD, product_items(model->lm_head, logit_rows),
-                  shoal_num_panels(model->lm_head));
+        add_product_phase(phases, contexts, &count, &job, -1, PHASE_LM_HEAD, model->lm_head, logit_rows);
         if (step->argmax != NULL) {
             add_phase(phases, contexts, &count, &job, -1, PHASE_ARGMAX, logit_row_items, logit_rows);
         }
