@@ -1,13 +1,15 @@
 """Sleep and wake: how fast a model wakes, and how fair preemption fares on a real trace.
 
 Part 1 (in process, per demo model): a wake from COLD (the worker process stayed, its weights
-were dropped: they are read back from the model's file into place and the engine rebuilt), a
-fresh process's load (weights read from disk, the engine built and warmed up; a real one
-also pays the process start and imports) and a wake from WARM (the engine rebuilt on weights kept in host RAM) against a
+were dropped: they are read back from the model's file into place and the engine, kept
+across the sleep, resumed), a fresh process's load (weights read from disk, the engine built
+and warmed up; a real one also pays the process start and imports) and a wake from WARM
+(weights kept in host RAM, the engine resumed) -- each wake also with the engine rebuilt
+instead, as a wake onto another allocation does -- against a
 plain copy of the same number of bytes (and, stricter, the same copy into memory marked for
 huge pages, as a packed load allocates its weights), best of `--repeats`. On a virtual GPU the weights of
 a WARM replica already live in host RAM, so its wake moves no weights: what it measures is
-the engine rebuild (KV pool and warm-up pass). On CUDA the same code path copies the weights
+the engine's resume (its KV pool back). On CUDA the same code path copies the weights
 host -> device (see docs/benchmarks.md). ``--device cuda`` runs part 1 on a GPU: WARM -> HOT
 copies the weights from page-locked host memory, COLD -> HOT reads them from the file first,
 both against a pinned host -> GPU copy of the same bytes.
@@ -52,7 +54,9 @@ from shoal.cli.demo_models import DEMO_MODEL_KEYS, make_demo_models  # noqa: E40
 from shoal.services.worker.engine.attention import register_attention  # noqa: E402
 from shoal.services.worker.engine.factory import build_paged_engine, get_min_engine_bytes_for  # noqa: E402
 from shoal.services.worker.engine.packed_load import allocate_weights  # noqa: E402
+from shoal.services.worker.engine.paged_engine import PagedEngine  # noqa: E402
 from shoal.services.worker.loader import (  # noqa: E402
+    LoadedModel,
     join_restored_weights,
     load_model,
     park_weights,
@@ -120,20 +124,44 @@ def _host_to_device_seconds(num_bytes: int) -> float:
 
 
 async def _wake_seconds(models_root: Path, key: str, repeats: int, device: torch.device) -> dict[str, float]:
+    """Best of `repeats` of each wake, each one as a worker runs it: the engine suspended at
+    the park and resumed at the wake (`ReplicaRuntime`); "..._rebuilt": the same wake building
+    a new engine instead (what a wake onto another allocation does)."""
     worker = WorkerConfig(torch_threads=1)
     spec = ModelSpec(key=key, path=key)
     replica = ReplicaRecord(replica_id="bench", model=key, node_id="n", gpu_bytes={0: 2 << 30})
     cuda = device.type == "cuda"
     minimum = get_min_engine_bytes_for(device, worker)
     register_attention()
-    best = {name: float("inf") for name in ("fresh", "cold", "warm", "warm_restore", "copy", "huge_copy",
-                                                 "fresh_page_copy")}
+    best = {name: float("inf") for name in ("fresh", "cold", "cold_rebuilt", "warm", "warm_rebuilt", "warm_restore",
+                                                 "copy", "huge_copy", "fresh_page_copy")}
     weight_bytes = 0
 
     def synchronized() -> float:
         if cuda:
             torch.cuda.synchronize()
         return time.perf_counter()
+
+    async def time_wake(name: str, loaded: LoadedModel, engine: PagedEngine, *, cold: bool, rebuild: bool
+                        ) -> PagedEngine:
+        """Parks (the engine suspended, or closed to be rebuilt) and times the wake."""
+        if rebuild:
+            await engine.close()
+        else:
+            await engine.suspend()
+        dropped = drop_weights(loaded) if cold else None  # cold sleep: the process stays, its weights go
+        park_weights(loaded, replica)
+        started = synchronized()
+        if dropped is not None:
+            reload_weights(loaded, dropped)
+        restore_weights(loaded, replica, min_kv_reserve_bytes=minimum)
+        if rebuild:
+            engine = build_paged_engine(loaded, worker, kv_cache_tokens=spec.kv_cache_tokens, warm_up=False)
+        else:
+            engine.resume()
+            join_restored_weights(loaded)
+        best[name] = min(best[name], synchronized() - started)
+        return engine
 
     for _ in range(repeats):
         started = synchronized()
@@ -142,23 +170,12 @@ async def _wake_seconds(models_root: Path, key: str, repeats: int, device: torch
         engine = build_paged_engine(loaded, worker, kv_cache_tokens=spec.kv_cache_tokens)
         best["fresh"] = min(best["fresh"], synchronized() - started)
         weight_bytes = loaded.weight_bytes
+        for name, cold in (("cold", True), ("warm", False)):
+            engine = await time_wake(name, loaded, engine, cold=cold, rebuild=False)
+            engine = await time_wake(name + "_rebuilt", loaded, engine, cold=cold, rebuild=True)
         await engine.close()
-        dropped = drop_weights(loaded)  # cold sleep: the process stays, its weights go
-        park_weights(loaded, replica)
-        started = synchronized()
-        reload_weights(loaded, dropped)
-        restore_weights(loaded, replica, min_kv_reserve_bytes=minimum)
-        engine = build_paged_engine(loaded, worker, kv_cache_tokens=spec.kv_cache_tokens, warm_up=False)
-        best["cold"] = min(best["cold"], synchronized() - started)
-        await engine.close()
-        park_weights(loaded, replica)
-        started = synchronized()
-        restore_weights(loaded, replica, min_kv_reserve_bytes=minimum)
-        engine = build_paged_engine(loaded, worker, kv_cache_tokens=spec.kv_cache_tokens, warm_up=False)
-        best["warm"] = min(best["warm"], synchronized() - started)
-        await engine.close()
-        # The weights' part alone, in a wake of its own: waiting for it inside the wake above
-        # would keep the engine build from overlapping the copy, as a worker's wake does.
+        # The weights' part alone, in a wake of its own: waiting for it inside the wakes above
+        # would keep the engine's allocations from overlapping the copy, as a worker's wake does.
         park_weights(loaded, replica)
         started = synchronized()
         restore_weights(loaded, replica, min_kv_reserve_bytes=minimum)
@@ -176,13 +193,15 @@ async def _wake_seconds(models_root: Path, key: str, repeats: int, device: torch
 
 def render_cuda_wake_table(rows: dict[str, dict[str, float]]) -> str:
     lines = ["| model | weights | pinned host -> GPU copy of the same bytes | WARM -> HOT | ratio | "
+             "WARM -> HOT, engine rebuilt | ratio | "
              "the weights' restore alone (a wake of its own) | ratio | COLD -> HOT (reload in place) | ratio | "
              "fresh load | ratio |",
-             "|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|"]
+             "|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|"]
     for key, r in rows.items():
         copy = r["copy"]
         lines.append(f"| {key} | {r['weight_bytes'] / MiB:.0f} MiB | {copy * 1e3:.2f} ms | {r['warm'] * 1e3:.1f} ms | "
-                     f"{r['warm'] / copy:.2f}x | {r['warm_restore'] * 1e3:.1f} ms | {r['warm_restore'] / copy:.2f}x | "
+                     f"{r['warm'] / copy:.2f}x | {r['warm_rebuilt'] * 1e3:.1f} ms | {r['warm_rebuilt'] / copy:.2f}x | "
+                     f"{r['warm_restore'] * 1e3:.1f} ms | {r['warm_restore'] / copy:.2f}x | "
                      f"{r['cold'] * 1e3:.1f} ms | {r['cold'] / copy:.2f}x | "
                      f"{r['fresh'] * 1e3:.0f} ms | {r['fresh'] / copy:.1f}x |")
     return "\n".join(lines)
@@ -190,16 +209,18 @@ def render_cuda_wake_table(rows: dict[str, dict[str, float]]) -> str:
 
 def render_wake_table(rows: dict[str, dict[str, float]]) -> str:
     lines = ["| model | weights | copy of the same bytes | COLD -> HOT (reload in place) | ratio | "
+             "COLD -> HOT, engine rebuilt | ratio | "
              "copy into huge pages | ratio | copy into fresh pages | ratio | fresh process load | ratio | "
              "WARM -> HOT (virtual GPU) | ratio |",
-             "|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|"]
+             "|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|"]
     for key, r in rows.items():
         copy, huge, fresh_pages = r["copy"], r["huge_copy"], r["fresh_page_copy"]
         lines.append(f"| {key} | {r['weight_bytes'] / MiB:.0f} MiB | {copy * 1e3:.1f} ms | {r['cold'] * 1e3:.1f} ms | "
-                     f"{r['cold'] / copy:.2f}x | {huge * 1e3:.1f} ms | {r['cold'] / huge:.2f}x | "
+                     f"{r['cold'] / copy:.2f}x | {r['cold_rebuilt'] * 1e3:.1f} ms | {r['cold_rebuilt'] / copy:.2f}x | "
+                     f"{huge * 1e3:.1f} ms | {r['cold'] / huge:.2f}x | "
                      f"{fresh_pages * 1e3:.1f} ms | {r['cold'] / fresh_pages:.2f}x | "
                      f"{r['fresh'] * 1e3:.0f} ms | {r['fresh'] / copy:.1f}x | "
-                     f"{r['warm'] * 1e3:.0f} ms | {r['warm'] / copy:.1f}x |")
+                     f"{r['warm'] * 1e3:.1f} ms | {r['warm'] / copy:.1f}x |")
     return "\n".join(lines)
 
 

@@ -2,10 +2,11 @@
 
 Served as the ``shoal-worker`` micro service on ``shoal.worker.<replica id>.<verb>``,
 called by the replica's node agent. Parking raises the barrier first (no new
-requests; in-flight ones drain up to the drain timeout), drops the engine and
-its KV pool, and moves the weights to CPU RAM (or, told to drop them, gives their memory back:
-`weight_drop`); restoring reloads dropped weights from the model's files, moves them onto the
-new allocation, builds a fresh engine sized for it, and serves again.
+requests; in-flight ones drain up to the drain timeout), suspends the engine (its KV pool
+freed, everything cached in it forgotten, the rest kept), and moves the weights to CPU RAM
+(or, told to drop them, gives their memory back: `weight_drop`); restoring reloads dropped
+weights from the model's files, moves them onto the new allocation, resumes the kept engine
+when the allocation is the one it was sized for (else builds a fresh one), and serves again.
 """
 
 from __future__ import annotations
@@ -19,11 +20,12 @@ from nats.micro import add_service
 from nats.micro.service import Service
 
 from shoal.kernels.cuda_ext import KernelBuildError
-from shoal.services.worker.generation import Engine
+from shoal.services.worker.generation import Engine, SuspendableEngine
 from shoal.services.worker.loader import (
     LoadedModel,
     MinEngineBytes,
     ModelLoadError,
+    join_restored_weights,
     park_weights,
     restore_weights,
 )
@@ -76,6 +78,9 @@ class ReplicaRuntime:
     """What the engine needs besides the weights: checked before a restore rebuilds it."""
     dropped: DroppedWeights | None = None
     """Set while parked cold: the weights are dropped, a restore reloads them first."""
+    suspended: SuspendableEngine | None = None
+    """While parked: the engine kept across the sleep (its device memory freed), resumed by a
+    restore onto the same allocation instead of building a new one."""
 
     async def to_cache(self, *, drop: bool = False) -> WorkerReply:
         if self.engine is None and (not drop or self.dropped is not None):
@@ -83,7 +88,11 @@ class ReplicaRuntime:
         if self.engine is not None:
             await self.service.pause(self.drain_timeout_s)
             engine, self.engine = self.engine, None
-            await engine.close()
+            if isinstance(engine, SuspendableEngine):
+                await engine.suspend()
+                self.suspended = engine
+            else:
+                await engine.close()
         message = "parked"
         if drop:
             try:
@@ -108,7 +117,7 @@ class ReplicaRuntime:
             await asyncio.to_thread(
                 restore_weights, self.loaded, replica, min_kv_reserve_bytes=self.min_engine_bytes
             )
-            engine, engine_bytes = await asyncio.to_thread(self.build_engine, self.loaded)
+            engine, engine_bytes = await self._resume_or_build(replica)
         except (ModelLoadError, KernelBuildError, MemoryError) as exc:
             raise RequestError(507, f"cannot restore on the new allocation: {exc}") from exc
         self.replica, self.engine = replica, engine
@@ -116,6 +125,19 @@ class ReplicaRuntime:
         measured = self.measure(self.loaded, engine_bytes)
         log.info("replica_restored", measured_bytes=measured)
         return WorkerReply(ok=True, message="serving", measured_bytes=measured)
+
+    async def _resume_or_build(self, replica: ReplicaRecord) -> tuple[Engine, int]:
+        """The engine kept across the sleep when the wake is onto the allocation it was sized
+        for (the same GPUs, the same bytes on each: the same pool on the same devices), else
+        a new one (the kept one closed)."""
+        kept, self.suspended = self.suspended, None
+        if kept is not None and replica.gpu_bytes == self.replica.gpu_bytes:
+            await asyncio.to_thread(kept.resume)
+            join_restored_weights(self.loaded)
+            return kept, kept.held_bytes
+        if kept is not None:
+            await kept.close()
+        return await asyncio.to_thread(self.build_engine, self.loaded)
 
     async def on_to_cache(self, command: CacheReplica) -> WorkerReply:
         return await self.to_cache(drop=command.drop_weights)

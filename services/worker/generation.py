@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
-from typing import Literal, Protocol
+from typing import Literal, Protocol, runtime_checkable
 
 from shoal.shared.errors import ShoalError
 from shoal.shared.messages import SamplingParams
@@ -92,6 +92,21 @@ class Engine(Protocol):
         ...
 
     async def close(self) -> None: ...
+
+
+@runtime_checkable
+class SuspendableEngine(Engine, Protocol):
+    """An engine that can stay across a sleep (Shoal's paged engine): `suspend` frees what
+    it holds on the device, `resume` takes it back, so a wake builds nothing."""
+
+    @property
+    def held_bytes(self) -> int:
+        """What it holds on the device besides the weights (KV pool, activation reserve)."""
+        ...
+
+    async def suspend(self) -> None: ...
+
+    def resume(self) -> None: ...
 
 
 TOKEN_HASH_MODULUS = (1 << 61) - 1

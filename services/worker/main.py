@@ -95,7 +95,7 @@ def build_engine(launch: WorkerLaunch, loaded: LoadedModel, *, restoring: bool =
 
     engine = build_paged_engine(loaded, worker, kv_cache_tokens=launch.model.kv_cache_tokens,
                                 sessions=get_session_settings(launch), warm_up=not restoring)
-    return engine, engine.kv_cache_bytes + engine.reserve_bytes
+    return engine, engine.held_bytes
 
 
 def get_min_engine_bytes(launch: WorkerLaunch) -> MinEngineBytes:

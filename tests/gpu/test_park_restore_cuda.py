@@ -20,6 +20,7 @@ from shoal.services.worker.generation import GenerationRequest
 from shoal.services.worker.loader import (
     ModelLoadError,
     detach_dispatch,
+    join_restored_weights,
     load_model,
     park_weights,
     restore_weights,
@@ -147,5 +148,34 @@ async def test_a_cold_sleep_drops_the_weights_and_a_wake_reloads_them_onto_the_g
     try:
         text_after = "".join([o.text async for o in engine.generate(GenerationRequest("b", prompt, params))])
         assert text_after == text_before
+    finally:
+        await engine.close()
+
+
+async def test_an_engine_kept_across_the_sleep_frees_its_pool_and_serves_exactly_after_resume(
+    demo_models_root: Path,
+) -> None:
+    """What a worker's park and wake onto the same allocation do (`ReplicaRuntime`): the engine
+    suspended (its KV pool dropped), the weights parked, then restored and the engine resumed."""
+    prompt = list(range(20, 60))
+    expected = _greedy_reference(demo_models_root, prompt)
+    replica = _replica({0: 4 << 30})
+    loaded = load_model(demo_models_root, ModelSpec(key=MODEL, path=MODEL), replica, device=torch.device("cuda"))
+    engine = build_paged_engine(loaded)
+    params = SamplingParams(max_tokens=NUM_NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    try:
+        before = "".join([o.text async for o in engine.generate(GenerationRequest("a", prompt, params))])
+        assert before == loaded.tokenizer.decode(expected, skip_special_tokens=True)
+        await engine.suspend()
+        park_weights(loaded, replica)
+        assert torch.cuda.memory_reserved(0) == 0, "the suspended engine holds nothing on the GPU"
+
+        restore_weights(loaded, replica)
+        engine.resume()
+        join_restored_weights(loaded)  # as the worker does: the passes wait for the weights' copy
+        assert engine.kv_cache_bytes > 0 and torch.cuda.memory_allocated(0) >= engine.kv_cache_bytes
+        for request_id in ("b", "c"):  # "c" again: a prefix-cache hit on the resumed pool
+            after = "".join([o.text async for o in engine.generate(GenerationRequest(request_id, prompt, params))])
+            assert after == before
     finally:
         await engine.close()

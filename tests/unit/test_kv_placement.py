@@ -9,6 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from shoal.services.worker.engine.kv_placement import KVPools, get_layer_devices
+from shoal.services.worker.engine.model_runner import allocate_pool
 
 CPU0, CPU1 = torch.device("cpu", 0), torch.device("cpu", 1)
 
@@ -46,3 +47,21 @@ def test_runs_of_layers_get_a_pool_each_and_blocks_move_in_every_run() -> None:
     pools.zero_blocks(torch.tensor([0, 7]))
     assert all(not key_cache[[0, 7]].any() and not value_cache[[0, 7]].any() for key_cache, value_cache in
                pools.layer_caches)
+
+
+def test_released_cpu_pools_keep_their_addresses_and_read_as_zeros() -> None:
+    """A park (`KVPools.release`): the native forward holds the pools' addresses, so on the CPU
+    they stay and only the pages go back; `restore` changes nothing there."""
+    pools = KVPools([CPU0, CPU0, CPU1], (64, 16, 2, 64), torch.float32, allocate_pool)
+    addresses = [(key.data_ptr(), value.data_ptr()) for key, value in pools.layer_caches]
+    caches = pools.layer_caches
+    for key_cache, value_cache in caches:
+        key_cache.fill_(1.5)
+        value_cache.fill_(-2.5)
+    pools.release()
+    assert pools.layer_caches is caches, "the runner and the native forward hold this list"
+    assert [(key.data_ptr(), value.data_ptr()) for key, value in pools.layer_caches] == addresses
+    assert all(not key.any() and not value.any() for key, value in pools.layer_caches)
+    pools.restore()
+    assert [(key.data_ptr(), value.data_ptr()) for key, value in pools.layer_caches] == addresses
+    assert pools.nbytes == 3 * 2 * 64 * 16 * 2 * 64 * 4

@@ -12,6 +12,7 @@ contiguous pool of the same layout.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -19,6 +20,7 @@ from typing import Any
 import torch
 
 from shoal.kernels import ops
+from shoal.services.worker.page_advice import release_pages
 
 Allocate = Callable[[tuple[int, ...], torch.dtype, torch.device], torch.Tensor]
 
@@ -44,13 +46,11 @@ class LayerRun:
     """Consecutive layers on one device and their pool."""
 
     first_layer: int
+    num_layers: int
     device: torch.device
     pool: torch.Tensor
-    """[num_layers_in_run, 2, num_blocks, block_size, num_kv_heads, head_dim]."""
-
-    @property
-    def num_layers(self) -> int:
-        return int(self.pool.shape[0])
+    """[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]; empty while released
+    (`KVPools.release`) on CUDA."""
 
 
 class KVPools:
@@ -71,24 +71,58 @@ class KVPools:
         dtype: torch.dtype,
         allocate: Allocate,
     ) -> None:
+        self._block_shape = block_shape
+        self._dtype = dtype
+        self._allocate = allocate
         runs: list[LayerRun] = []
         first = 0
         for layer in range(1, len(layer_devices) + 1):
             if layer == len(layer_devices) or layer_devices[layer] != layer_devices[first]:
-                device = layer_devices[first]
-                pool = allocate((layer - first, 2, *block_shape), dtype, device)
-                runs.append(LayerRun(first, device, pool))
+                runs.append(self._make_run(first, layer - first, layer_devices[first]))
                 first = layer
         self.runs = tuple(runs)
-        self.layer_caches = [(run.pool[i, 0], run.pool[i, 1]) for run in runs for i in range(run.num_layers)]
-        """(key_cache, value_cache) of each layer, views into its run's pool."""
+        self.layer_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        """(key_cache, value_cache) of each layer, views into its run's pool (one list for
+        the pools' life: `release` and `restore` refill it in place)."""
+        self._set_layer_caches()
         self.devices = tuple(dict.fromkeys(run.device for run in runs))
         self.layer_devices = tuple(layer_devices)
         """Each layer's device, as given (labels included)."""
+        self.nbytes = sum(run.pool.numel() * run.pool.element_size() for run in self.runs)
+        """Bytes of every run's pool (held again after `restore`)."""
 
-    @property
-    def nbytes(self) -> int:
-        return sum(run.pool.numel() * run.pool.element_size() for run in self.runs)
+    def _make_run(self, first_layer: int, num_layers: int, device: torch.device) -> LayerRun:
+        pool = self._allocate((num_layers, 2, *self._block_shape), self._dtype, device)
+        return LayerRun(first_layer, num_layers, device, pool)
+
+    def _set_layer_caches(self) -> None:
+        self.layer_caches[:] = [
+            (run.pool[i, 0], run.pool[i, 1]) if run.pool.numel() else (run.pool, run.pool)
+            for run in self.runs
+            for i in range(run.num_layers)
+        ]
+
+    def release(self) -> None:
+        """Gives the pools' memory back (a park; nothing may run on them until `restore`).
+        A CPU pool keeps its address (the native forward holds it) and gives its pages
+        back: they read as zeros again. A CUDA pool is dropped."""
+        runs = []
+        for run in self.runs:
+            if run.device.type == "cpu":
+                release_pages(run.pool)
+                runs.append(run)
+            else:
+                runs.append(dataclasses.replace(run, pool=torch.empty(0, dtype=self._dtype)))
+        self.runs = tuple(runs)
+        self._set_layer_caches()
+
+    def restore(self) -> None:
+        """Zeroed pools again after `release`, of the same shapes, on the same devices."""
+        self.runs = tuple(
+            run if run.device.type == "cpu" else self._make_run(run.first_layer, run.num_layers, run.device)
+            for run in self.runs
+        )
+        self._set_layer_caches()
 
     def copy_blocks(self, pairs: torch.Tensor) -> None:
         """`ops.copy_blocks` on every run (every layer, K and V)."""

@@ -32,6 +32,7 @@ from shoal.services.worker.engine.device_batch import StagingBuffers, build_devi
 from shoal.services.worker.engine.kv_placement import KVPools, get_layer_devices
 from shoal.services.worker.engine.layered_swap_in import LayeredSwapIn, Mode
 from shoal.services.worker.engine.native_forward import NativeForward, PackedModel, ThreadPolicy
+from shoal.services.worker.page_advice import release_pages
 from shoal.shared.kv_cache.manager import KVCacheManager
 from shoal.shared.kv_cache.session_settings import SwapInByLayer
 
@@ -44,7 +45,9 @@ def allocate_zeros_lazily(shape: tuple[int, ...], dtype: torch.dtype) -> torch.T
     num_bytes = math.prod(shape) * dtype.itemsize
     if num_bytes == 0:
         return torch.zeros(shape, dtype=dtype)
-    return torch.frombuffer(mmap.mmap(-1, num_bytes), dtype=dtype).view(shape)  # the tensor keeps the mmap
+    # Private: a park's `release_pages` gives private pages back (shared ones would stay).
+    memory = mmap.mmap(-1, num_bytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return torch.frombuffer(memory, dtype=dtype).view(shape)  # the tensor keeps the mmap
 
 
 def allocate_pool(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -152,6 +155,20 @@ class ModelRunner:
     @property
     def kv_cache_bytes(self) -> int:
         return self.pools.nbytes
+
+    def release_kv(self) -> None:
+        """A park: the KV pools' memory goes back (`KVPools.release`), and on the CPU the host
+        pool's pages too (pinned on CUDA: kept). What they held is forgotten; `restore_kv`
+        makes them zeroed again."""
+        self._swap_in_timing = None
+        self.last_argmax = None
+        self.pools.release()
+        if self.host_cache is not None and not self.host_cache.is_pinned():
+            release_pages(self.host_cache)
+
+    def restore_kv(self) -> None:
+        """The pools back after `release_kv`, zeroed, at the same size."""
+        self.pools.restore()
 
     @property
     def host_cache_bytes(self) -> int:

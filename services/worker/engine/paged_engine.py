@@ -172,8 +172,6 @@ class PagedEngine:
             kernels_path=config.kernels_path or None,
             swap_in_by_layer=config.sessions.swap_in_by_layer if config.sessions else "auto",
         )
-        self._pool = BlockPool(num_blocks, config.block_size, self._runner.kv_cache_bytes // num_blocks)
-        self._kv_cache = KVCacheManager(self._pool, enable_prefix_caching=config.enable_prefix_caching)
         self.max_model_len = get_max_model_len(model.config, max_model_len, num_blocks * config.block_size)
         self.num_warm_up_tokens = 0
         """Tokens of the warm-up pass run at construction (0: none)."""
@@ -204,7 +202,6 @@ class PagedEngine:
                 num_tokens=self.num_warm_up_tokens,
                 seconds=round(time.perf_counter() - started, 3),
             )
-        self._sessions: SessionKV | None = None
         self.cost_profile: CostProfile | None = None
         """The session cache's cost model and what it was measured for (None without one)."""
         if config.sessions is not None:
@@ -216,28 +213,10 @@ class PagedEngine:
                 max_pass_tokens=config.max_num_batched_tokens,
                 max_context_tokens=self.max_model_len,
             )
-            self._sessions = SessionKV(
-                SessionCache(
-                    SessionCacheConfig(
-                        block_size=config.block_size,
-                        blocks_per_chunk=config.sessions.blocks_per_chunk,
-                        gpu_budget_blocks=int(num_blocks * config.sessions.gpu_fraction),
-                        cpu_budget_blocks=num_host_blocks,
-                        idle_timeout_s=config.sessions.idle_timeout_s,
-                        min_idle_s=config.sessions.min_idle_s,
-                        copy_ahead_free_blocks=int(num_blocks * config.sessions.copy_ahead_free_fraction),
-                    ),
-                    self.cost_profile.cost_model,
-                    session_clock,
-                ),
-                self._kv_cache,
-                self._runner.kv_cache_bytes // num_blocks,
-            )
-        self._scheduler = BatchScheduler(
-            BatchSchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens),
-            self._kv_cache,
-            self._sessions,
-        )
+        self._num_host_blocks = num_host_blocks
+        self._session_clock = session_clock
+        self._reset_kv_state(num_blocks)
+        self._suspended = False
         self._requests: dict[str, RequestState] = {}
         self._arrivals = itertools.count()
         self._mean_request_blocks = 1.0
@@ -266,6 +245,37 @@ class PagedEngine:
             forward=self.forward,
             forward_reason=self.forward_reason,
             threads=self._runner.threads.fixed or f"auto (1-{self._runner.threads.max_threads})",
+        )
+
+    def _reset_kv_state(self, num_blocks: int) -> None:
+        """A fresh block pool, prefix cache, session cache and scheduler over the runner's
+        pool: nothing cached, nothing running."""
+        config = self.config
+        self._pool = BlockPool(num_blocks, config.block_size, self._runner.kv_cache_bytes // num_blocks)
+        self._kv_cache = KVCacheManager(self._pool, enable_prefix_caching=config.enable_prefix_caching)
+        self._sessions: SessionKV | None = None
+        if config.sessions is not None and self.cost_profile is not None:
+            self._sessions = SessionKV(
+                SessionCache(
+                    SessionCacheConfig(
+                        block_size=config.block_size,
+                        blocks_per_chunk=config.sessions.blocks_per_chunk,
+                        gpu_budget_blocks=int(num_blocks * config.sessions.gpu_fraction),
+                        cpu_budget_blocks=self._num_host_blocks,
+                        idle_timeout_s=config.sessions.idle_timeout_s,
+                        min_idle_s=config.sessions.min_idle_s,
+                        copy_ahead_free_blocks=int(num_blocks * config.sessions.copy_ahead_free_fraction),
+                    ),
+                    self.cost_profile.cost_model,
+                    self._session_clock,
+                ),
+                self._kv_cache,
+                self._runner.kv_cache_bytes // num_blocks,
+            )
+        self._scheduler = BatchScheduler(
+            BatchSchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens),
+            self._kv_cache,
+            self._sessions,
         )
 
     # ------------------------------------------------------------------ Engine protocol
@@ -337,6 +347,41 @@ class PagedEngine:
         """Stop the step thread; unfinished requests end with "cancelled"."""
         with self._lock:
             self._closed = True
+        await self._stop_steps()
+
+    async def suspend(self) -> None:
+        """Parks the engine for a sleep: the step thread stops, unfinished requests end with
+        "cancelled" (as in `close`), every cached block and session is forgotten and the KV
+        pool's memory goes back (`ModelRunner.release_kv`). The rest (the packed model, the
+        plans' buffers, the cost profile) stays for `resume`: a wake onto the same allocation
+        then builds nothing. Requests are refused (503) until then."""
+        with self._lock:
+            self._suspended = True
+        await self._stop_steps()
+        with self._lock:
+            self._reset_kv_state(self._pool.num_blocks)
+            self._runner.release_kv()
+
+    def resume(self) -> None:
+        """Serves again after `suspend`: the KV pool back (zeroed, the same size) and the step
+        thread started."""
+        with self._lock:
+            if not self._suspended or self._closed:
+                raise RuntimeError("only a suspended engine resumes")
+            self._runner.restore_kv()
+            self._suspended = False
+        self._thread = threading.Thread(target=self._run_steps, name="shoal-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def suspended(self) -> bool:
+        """Parked by `suspend` (until `resume`)."""
+        return self._suspended
+
+    async def _stop_steps(self) -> None:
+        """Joins the step thread (told to stop by `_closed` or `_suspended`); unfinished
+        requests end with "cancelled"."""
+        with self._lock:
             self._wakeup.notify()
         await asyncio.to_thread(self._thread.join)
         outbox = Outbox()
@@ -353,6 +398,12 @@ class PagedEngine:
     def kv_cache_bytes(self) -> int:
         """Bytes of the KV block pool's tensor."""
         return self._runner.kv_cache_bytes
+
+    @property
+    def held_bytes(self) -> int:
+        """What the engine holds on its device besides the weights: the KV pool and the
+        activation reserve (the session cache's host pool is host memory)."""
+        return self._runner.kv_cache_bytes + self.reserve_bytes
 
     @property
     def kv_cache_tokens(self) -> int:
@@ -418,6 +469,8 @@ class PagedEngine:
                 raise EngineFailed(f"the engine died: {self.fatal_error}") from self.fatal_error
             if self._closed:
                 raise RequestRejected("the engine is shutting down", 503)
+            if self._suspended:
+                raise RequestRejected("the replica is asleep", 503)
             if request.request_id in self._requests:
                 raise RequestRejected(
                     f"request id {request.request_id!r} is already running", 400, param="request_id"
@@ -469,7 +522,7 @@ class PagedEngine:
     def _step(self) -> bool:
         """Plan, run and apply one forward pass; False once the engine is closed."""
         with self._lock:
-            while not self._closed and not self._scheduler.get_num_unfinished():
+            while not self._stopping() and not self._scheduler.get_num_unfinished():
                 self._send_pending()
                 self._runner.rest()
                 if self._sessions is not None and self._sessions.get_stats().num_sessions:
@@ -478,7 +531,7 @@ class PagedEngine:
                     self._wakeup.wait(timeout=SESSION_EXPIRY_INTERVAL_S)
                 else:
                     self._wakeup.wait()
-            if self._closed:
+            if self._stopping():
                 self._send_pending()
                 return False
             if self._sessions is not None:
@@ -543,6 +596,10 @@ class PagedEngine:
             # token in four (docs/engine.md, "Threads").
             os.sched_yield()
         return True
+
+    def _stopping(self) -> bool:
+        """The step thread is to end (closed, or suspended for a park)."""
+        return self._closed or self._suspended
 
     def _emit(self, update: SequenceUpdate, outbox: Outbox) -> None:
         """Turn a new token into text; end the request on a stop string or a finish reason."""
