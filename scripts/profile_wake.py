@@ -1,15 +1,19 @@
-"""Where a WARM wake's time goes on a CUDA GPU: the weights' restore, the engine build, and
-whether the build runs while the weights are copied.
+"""Where a WARM wake's time goes on a CUDA GPU: the weights' restore, the engine's resume (or
+build), and whether it runs while the weights are copied.
 
-For each model: a fresh load and engine (with its warm-up), then `--repeats` wakes (park,
-`restore_weights`, `build_paged_engine` without warm-up, which joins the copy), each timed
-on the host at every piece's return and once more after synchronizing, in two modes:
+For each model: a fresh load and engine (with its warm-up), then `--repeats` wakes of each
+mode (park, `restore_weights`, then the engine), each timed on the host at every piece's
+return and once more after synchronizing:
 
-* ``side``: as shipped (`pinned_park.restore_to_device` copies on a side stream);
-* ``one stream``: the copy on the device's own stream (the side stream replaced by it), as
-  before the side stream: a synchronizing call in the build then waits for the copy.
+* ``resumed, side stream``: as a worker wakes onto the allocation it parked from: the engine
+  suspended at the park, resumed at the wake (`PagedEngine.resume`, then the copy joined);
+* ``built, side stream``: a new engine built instead (`build_paged_engine` without warm-up,
+  which joins the copy), as a wake onto another allocation does;
+* ``built, one stream``: the same with the copy on the device's own stream (the side stream
+  replaced by it), as before the side stream: a synchronizing call in the build then waits
+  for the copy.
 
-Then one wake under the torch profiler (the CUDA runtime calls with their host time: a
+Then one resumed wake under the torch profiler (the CUDA runtime calls with their host time: a
 call that blocks shows here) and one engine build under cProfile. The reference is the
 copy of the same bytes from pinned host memory into a fresh device allocation
 (`bench_swap._host_to_device_seconds`).
@@ -40,7 +44,14 @@ from shoal.cli.demo_models import DEMO_MODEL_KEYS
 from shoal.services.worker import pinned_park
 from shoal.services.worker.engine.attention import register_attention
 from shoal.services.worker.engine.factory import build_paged_engine, get_min_engine_bytes_for
-from shoal.services.worker.loader import LoadedModel, load_model, park_weights, restore_weights
+from shoal.services.worker.engine.paged_engine import PagedEngine
+from shoal.services.worker.loader import (
+    LoadedModel,
+    join_restored_weights,
+    load_model,
+    park_weights,
+    restore_weights,
+)
 from shoal.shared.config import WorkerConfig
 from shoal.shared.messages import ModelSpec, ReplicaRecord
 from shoal.shared.model_settings import DEFAULT_KV_CACHE_TOKENS
@@ -61,20 +72,29 @@ def copy_on_the_device_stream() -> Iterator[None]:
         pinned_park._side_stream = side_stream  # type: ignore[assignment]
 
 
-async def _wake(loaded: LoadedModel, replica: ReplicaRecord, minimum: object) -> dict[str, float]:
-    """One park and wake; host seconds at each piece's return."""
+async def _wake(loaded: LoadedModel, replica: ReplicaRecord, minimum: object, kept: PagedEngine | None
+                ) -> tuple[dict[str, float], PagedEngine]:
+    """One park and wake; host seconds at each piece's return. With `kept`, the worker's
+    path: the engine suspended at the park and resumed at the wake; without, a new one
+    built (what a wake onto another allocation does)."""
+    if kept is not None:
+        await kept.suspend()
     park_weights(loaded, replica)
     torch.cuda.synchronize()
     started = time.perf_counter()
     restore_weights(loaded, replica, min_kv_reserve_bytes=minimum)  # type: ignore[arg-type]
     restored = time.perf_counter()
-    engine = build_paged_engine(loaded, WORKER, kv_cache_tokens=KV_CACHE_TOKENS, warm_up=False)
+    if kept is not None:
+        kept.resume()
+        join_restored_weights(loaded)
+        engine = kept
+    else:
+        engine = build_paged_engine(loaded, WORKER, kv_cache_tokens=KV_CACHE_TOKENS, warm_up=False)
     built = time.perf_counter()
     torch.cuda.synchronize()
     ended = time.perf_counter()
-    await engine.close()
-    return {"restore": restored - started, "build": built - restored, "wait": ended - built,
-            "total": ended - started}
+    return {"restore": restored - started, "engine": built - restored, "wait": ended - built,
+            "total": ended - started}, engine
 
 
 async def profile(models_root: Path, key: str, repeats: int, out: Path | None) -> None:
@@ -84,34 +104,41 @@ async def profile(models_root: Path, key: str, repeats: int, out: Path | None) -
     loaded = load_model(models_root, ModelSpec(key=key, path=key), replica, device=torch.device("cuda"),
                         attn_implementation="shoal_paged", min_kv_reserve_bytes=minimum)
     engine = build_paged_engine(loaded, WORKER, kv_cache_tokens=KV_CACHE_TOKENS)
-    await engine.close()
     copy = min(_host_to_device_seconds(loaded.weight_bytes) for _ in range(repeats))
     print(f"\n## {key}: {loaded.weight_bytes / 2**20:.0f} MiB of weights; pinned -> GPU copy {copy * 1e3:.2f} ms")
-    print("| mode | restore (host) | build (host) | then waiting | wake | wake / copy |")
+    print("| mode | restore (host) | engine resumed or built (host) | then waiting | wake | wake / copy |")
     print("|---|--:|--:|--:|--:|--:|")
-    for mode in ("side stream", "one stream"):
+    for mode in ("resumed, side stream", "built, side stream", "built, one stream"):
         rows = []
         for _ in range(repeats):
-            if mode == "side stream":
-                rows.append(await _wake(loaded, replica, minimum))
-            else:
+            kept = engine if mode.startswith("resumed") else None
+            if kept is None:
+                await engine.close()
+            if mode.endswith("one stream"):
                 with copy_on_the_device_stream():
-                    rows.append(await _wake(loaded, replica, minimum))
+                    row, engine = await _wake(loaded, replica, minimum, kept)
+            else:
+                row, engine = await _wake(loaded, replica, minimum, kept)
+            rows.append(row)
         best = min(rows, key=lambda row: row["total"])
-        print(f"| {mode} | {best['restore'] * 1e3:.2f} ms | {best['build'] * 1e3:.2f} ms | "
+        print(f"| {mode} | {best['restore'] * 1e3:.2f} ms | {best['engine'] * 1e3:.2f} ms | "
               f"{best['wait'] * 1e3:.2f} ms | {best['total'] * 1e3:.2f} ms | {best['total'] / copy:.2f}x |")
+    await engine.close()
 
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
+    engine = build_paged_engine(loaded, WORKER, kv_cache_tokens=KV_CACHE_TOKENS, warm_up=False)
+    await engine.suspend()
     park_weights(loaded, replica)
     torch.cuda.synchronize()
     with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as profiler:
         restore_weights(loaded, replica, min_kv_reserve_bytes=minimum)
-        engine = build_paged_engine(loaded, WORKER, kv_cache_tokens=KV_CACHE_TOKENS, warm_up=False)
+        engine.resume()
+        join_restored_weights(loaded)
         torch.cuda.synchronize()
     await engine.close()
-    print(f"\n{key}: one wake under the torch profiler, by host time (self)")
+    print(f"\n{key}: one wake (engine resumed) under the torch profiler, by host time (self)")
     print(profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=22, max_name_column_width=48))
     if out is not None:
         profiler.export_chrome_trace(str(out / f"wake-{key.replace('/', '_')}.json"))
