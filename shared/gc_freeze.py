@@ -9,7 +9,7 @@ Moving the start-up objects to the collector's permanent generation (`gc.freeze`
 only the objects made since: a full collection then takes well under a millisecond.
 
 Freeze after loading, before building what is thrown away later (a worker's engine is rebuilt
-on every wake): a frozen object that becomes cyclic garbage is never collected.
+on a wake onto another allocation): a frozen object that becomes cyclic garbage is never collected.
 """
 
 from __future__ import annotations

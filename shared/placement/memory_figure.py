@@ -93,7 +93,7 @@ def next_measured_figure(current_bytes: int | None, reading_bytes: int | None, *
 
     A replica that was created (loaded from disk, engine built for its allocation) sets the
     figure, up or down: that is the reference measurement. A replica restored from WARM
-    only raises it: its engine is rebuilt for whatever allocation the restore got (which
+    only raises it: its engine serves whatever allocation the restore got (which
     may be smaller than the figure, e.g. the fraction clamp or an estimate), so a low
     reading there says little about what a new replica needs, and letting it lower the
     figure would shrink every later reservation (and each replica's KV pool) in turn.

@@ -111,8 +111,8 @@ class PagedEngine:
         """Which implementation runs the KV ops; on CUDA the kernels are built here, before
         any request (`ops.prepare` raises `KernelBuildError` when they cannot be)."""
         register_attention()
-        # Each walks every module (0.2-0.5 ms for llama-100m): a wake rebuilds the engine
-        # around a model already set up.
+        # Each walks every module (0.2-0.5 ms for llama-100m): a wake onto another allocation
+        # rebuilds the engine around a model already set up.
         if getattr(model.config, "_attn_implementation", None) != ATTN_IMPLEMENTATION:
             model.set_attn_implementation(ATTN_IMPLEMENTATION)
         if model.training:
