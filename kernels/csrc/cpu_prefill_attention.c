@@ -37,7 +37,7 @@
 #define SHOAL_X86 0
 #endif
 
-#define KEY_TILE 32 /* key positions per tile */
+#define KEY_TILE 64 /* key positions per tile */
 #define SPARE_KEYS 4 /* rows of scores past the tile, written by micro-kernels and not read */
 #define LANES 16    /* query vectors are padded to a multiple of this (one 16-float vector) */
 
