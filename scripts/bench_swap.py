@@ -61,6 +61,7 @@ from shoal.services.worker.loader import (  # noqa: E402
     load_model,
     park_weights,
     restore_weights,
+    resume_engine,
 )
 from shoal.services.worker.page_advice import release_pages  # noqa: E402
 from shoal.services.worker.weight_drop import drop_weights, reload_weights  # noqa: E402
@@ -158,8 +159,7 @@ async def _wake_seconds(models_root: Path, key: str, repeats: int, device: torch
         if rebuild:
             engine = build_paged_engine(loaded, worker, kv_cache_tokens=spec.kv_cache_tokens, warm_up=False)
         else:
-            engine.resume()
-            join_restored_weights(loaded)
+            resume_engine(engine, loaded)
         best[name] = min(best[name], synchronized() - started)
         return engine
 

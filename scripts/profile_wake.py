@@ -47,10 +47,10 @@ from shoal.services.worker.engine.factory import build_paged_engine, get_min_eng
 from shoal.services.worker.engine.paged_engine import PagedEngine
 from shoal.services.worker.loader import (
     LoadedModel,
-    join_restored_weights,
     load_model,
     park_weights,
     restore_weights,
+    resume_engine,
 )
 from shoal.shared.config import WorkerConfig
 from shoal.shared.messages import ModelSpec, ReplicaRecord
@@ -85,8 +85,7 @@ async def _wake(loaded: LoadedModel, replica: ReplicaRecord, minimum: object, ke
     restore_weights(loaded, replica, min_kv_reserve_bytes=minimum)  # type: ignore[arg-type]
     restored = time.perf_counter()
     if kept is not None:
-        kept.resume()
-        join_restored_weights(loaded)
+        resume_engine(kept, loaded)
         engine = kept
     else:
         engine = build_paged_engine(loaded, WORKER, kv_cache_tokens=KV_CACHE_TOKENS, warm_up=False)
@@ -134,8 +133,7 @@ async def profile(models_root: Path, key: str, repeats: int, out: Path | None) -
     torch.cuda.synchronize()
     with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as profiler:
         restore_weights(loaded, replica, min_kv_reserve_bytes=minimum)
-        engine.resume()
-        join_restored_weights(loaded)
+        resume_engine(engine, loaded)
         torch.cuda.synchronize()
     await engine.close()
     print(f"\n{key}: one wake (engine resumed) under the torch profiler, by host time (self)")

@@ -25,9 +25,9 @@ from shoal.services.worker.loader import (
     LoadedModel,
     MinEngineBytes,
     ModelLoadError,
-    join_restored_weights,
     park_weights,
     restore_weights,
+    resume_engine,
 )
 from shoal.services.worker.service import WorkerService
 from shoal.services.worker.weight_drop import DroppedWeights, drop_weights, reload_weights
@@ -132,8 +132,7 @@ class ReplicaRuntime:
         a new one (the kept one closed)."""
         kept, self.suspended = self.suspended, None
         if kept is not None and replica.gpu_bytes == self.replica.gpu_bytes:
-            await asyncio.to_thread(kept.resume)
-            join_restored_weights(self.loaded)
+            await asyncio.to_thread(resume_engine, kept, self.loaded)
             return kept, kept.held_bytes
         if kept is not None:
             await kept.close()

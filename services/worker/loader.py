@@ -32,6 +32,7 @@ from shoal.shared.model_settings import InvalidModelPath, resolve_model_dir
 
 if TYPE_CHECKING:
     from shoal.services.worker.engine.packed_load import PendingLoad
+    from shoal.services.worker.generation import SuspendableEngine
 
 log = structlog.get_logger(__name__)
 
@@ -278,6 +279,14 @@ def join_restored_weights(loaded: LoadedModel) -> None:
     if loaded.weights_arriving is not None:
         loaded.weights_arriving.join()
         loaded.weights_arriving = None
+
+
+def resume_engine(engine: SuspendableEngine, loaded: LoadedModel) -> None:
+    """A wake onto the allocation the engine was sized for: the engine kept across the sleep
+    resumed (`PagedEngine.resume`), then its passes ordered after the weights' copy (as
+    `engine.factory.build_paged_engine` orders a new engine's)."""
+    engine.resume()
+    join_restored_weights(loaded)
 
 
 def get_stray_context_gpus(loaded: LoadedModel, replica: ReplicaRecord) -> list[int]:

@@ -20,10 +20,10 @@ from shoal.services.worker.generation import GenerationRequest
 from shoal.services.worker.loader import (
     ModelLoadError,
     detach_dispatch,
-    join_restored_weights,
     load_model,
     park_weights,
     restore_weights,
+    resume_engine,
 )
 from shoal.shared.messages import ModelSpec, ReplicaRecord, SamplingParams
 
@@ -171,8 +171,7 @@ async def test_an_engine_kept_across_the_sleep_frees_its_pool_and_serves_exactly
         assert torch.cuda.memory_reserved(0) == 0, "the suspended engine holds nothing on the GPU"
 
         restore_weights(loaded, replica)
-        engine.resume()
-        join_restored_weights(loaded)  # as the worker does: the passes wait for the weights' copy
+        resume_engine(engine, loaded)  # as the worker does: the passes wait for the weights' copy
         assert engine.kv_cache_bytes > 0 and torch.cuda.memory_allocated(0) >= engine.kv_cache_bytes
         for request_id in ("b", "c"):  # "c" again: a prefix-cache hit on the resumed pool
             after = "".join([o.text async for o in engine.generate(GenerationRequest(request_id, prompt, params))])

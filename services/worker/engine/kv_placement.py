@@ -96,28 +96,27 @@ class KVPools:
         return LayerRun(first_layer, num_layers, device, pool)
 
     def _set_layer_caches(self) -> None:
-        self.layer_caches[:] = [
-            (run.pool[i, 0], run.pool[i, 1]) if run.pool.numel() else (run.pool, run.pool)
-            for run in self.runs
-            for i in range(run.num_layers)
-        ]
+        self.layer_caches[:] = [(run.pool[i, 0], run.pool[i, 1]) for run in self.runs for i in range(run.num_layers)]
 
     def release(self) -> None:
         """Gives the pools' memory back (a park; nothing may run on them until `restore`).
-        A CPU pool keeps its address (the native forward holds it) and gives its pages
-        back: they read as zeros again. A CUDA pool is dropped."""
-        runs = []
+        A CPU pool keeps its address and its views (the native forward holds them) and gives
+        its pages back: they read as zeros again. A CUDA pool is dropped, and with it every
+        layer's views until `restore`."""
         for run in self.runs:
             if run.device.type == "cpu":
                 release_pages(run.pool)
-                runs.append(run)
-            else:
-                runs.append(dataclasses.replace(run, pool=torch.empty(0, dtype=self._dtype)))
-        self.runs = tuple(runs)
-        self._set_layer_caches()
+        if any(run.device.type != "cpu" for run in self.runs):
+            self.layer_caches.clear()
+            self.runs = tuple(
+                run if run.device.type == "cpu" else dataclasses.replace(run, pool=torch.empty(0, dtype=self._dtype))
+                for run in self.runs
+            )
 
     def restore(self) -> None:
         """Zeroed pools again after `release`, of the same shapes, on the same devices."""
+        if self.layer_caches:
+            return  # CPU pools only: their pages come back as they are written
         self.runs = tuple(
             run if run.device.type == "cpu" else self._make_run(run.first_layer, run.num_layers, run.device)
             for run in self.runs

@@ -230,8 +230,7 @@ class PagedEngine:
         """The CUDA error that ended the engine (`_die`); None while it serves."""
         self._pending: Outbox | None = None
         """A step's outputs, sent when the next pass starts (`_send_pending`), under the lock."""
-        self._thread = threading.Thread(target=self._run_steps, name="shoal-engine", daemon=True)
-        self._thread.start()
+        self._start_steps()
         log.info(
             "engine.started",
             num_blocks=num_blocks,
@@ -370,6 +369,9 @@ class PagedEngine:
                 raise RuntimeError("only a suspended engine resumes")
             self._runner.restore_kv()
             self._suspended = False
+        self._start_steps()
+
+    def _start_steps(self) -> None:
         self._thread = threading.Thread(target=self._run_steps, name="shoal-engine", daemon=True)
         self._thread.start()
 
