@@ -7,7 +7,7 @@ never an overflow further in. Besides OpenAI's sampling fields (with
 ``presence_penalty`` and ``frequency_penalty``), vLLM's ``top_k``, ``min_p``,
 ``repetition_penalty`` and ``ignore_eos`` are honoured, and Shoal's ``session_id`` (a chat
 session whose KV replicas keep between turns; also the ``X-Session-Id`` header). Fields Shoal knows but
-cannot honour (``n > 1``, ``logprobs``, ``logit_bias``, tools, ``echo``...) are
+cannot honour (``logprobs``, ``logit_bias``, tools, ``echo``...) are
 accepted at their defaults and rejected with 400 naming the field otherwise,
 never silently dropped.
 """
@@ -20,6 +20,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta, Struct
 
+from shoal.services.gateway.choices import MAX_CHOICES
 from shoal.services.gateway.errors import BadRequest, PayloadTooLarge
 from shoal.shared.messages import ChatMessage, InferenceRequest, SamplingParams, encode_msgpack
 from shoal.shared.subjects import InvalidSessionId, validate_session_id
@@ -39,7 +40,7 @@ TopK = Annotated[int, Meta(ge=-1, le=MAX_INT32)]
 """vLLM's convention: -1 (or 0) keeps every token."""
 MinP = Annotated[float, Meta(ge=0.0, le=1.0)]
 RepetitionPenalty = Annotated[float, Meta(gt=0.0, le=10.0)]
-NumChoices = Annotated[int, Meta(ge=1, le=128)]
+NumChoices = Annotated[int, Meta(ge=1, le=MAX_CHOICES)]
 TopLogprobs = Annotated[int, Meta(ge=0, le=20)]
 CompletionLogprobs = Annotated[int, Meta(ge=0, le=5)]
 BestOf = Annotated[int, Meta(ge=0, le=20)]
@@ -84,8 +85,9 @@ class _Sampling(Struct, kw_only=True):
     session_id: str | None = None
     """Shoal's: the chat session this request is a turn of (see `session_id_of`)."""
     user: str | None = None
-    # Accepted at their defaults only (see `reject_unsupported`).
     n: NumChoices | None = None
+    """Choices per prompt (choices.py)."""
+    # Accepted at their defaults only (see `reject_unsupported`).
     logit_bias: dict[str, float] | None = None
 
 
@@ -105,8 +107,8 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
 
 class CompletionRequest(_Sampling, kw_only=True):
     prompt: Annotated[str, Meta(min_length=1)] | Annotated[list[Any], Meta(min_length=1)]
-    """A string, or one string / one token-id list in a list, or a token-id list (not empty: a
-    model needs at least one token to go on from)."""
+    """A string or a token-id list, or a batch of them in a list (none empty: a model needs at
+    least one token to go on from)."""
     logprobs: CompletionLogprobs | None = None
     echo: bool | None = None
     suffix: str | None = None
@@ -147,7 +149,6 @@ def param_of(message: str) -> str | None:
 _TOOL_CHOICES_WITHOUT_CALLS = (None, "none", "auto")
 _UNSUPPORTED: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     # (field, is its value one Shoal honours?, why not)
-    ("n", lambda v: v in (None, 1), "n > 1 is not supported; send separate requests"),
     ("logprobs", lambda v: v is None or v is False, "logprobs are not supported"),
     ("top_logprobs", lambda v: not v, "top_logprobs are not supported"),
     ("logit_bias", lambda v: not v, "logit_bias is not supported"),
@@ -245,25 +246,36 @@ def chat_messages(req: ChatCompletionRequest, max_chars: int) -> list[ChatMessag
     return messages
 
 
-def completion_prompt(req: CompletionRequest, max_chars: int) -> tuple[str | None, list[int] | None]:
-    """A completion request's single prompt, as text or token ids."""
+def completion_prompts(req: CompletionRequest, max_chars: int) -> list[dict[str, Any]]:
+    """A completion request's prompts (one, or a batch), each as the request fields it sets:
+    ``prompt`` (text) or ``prompt_token_ids``. The character bound is on them all together."""
     prompt: Any = req.prompt
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
-        prompt = prompt[0]
+    batch = prompt if isinstance(prompt, list) and all(isinstance(p, str | list) for p in prompt) else [prompt]
+    prompts = [_one_prompt(p) for p in batch]
+    total_chars = sum(len(p["prompt"] or p["prompt_token_ids"] or ()) for p in prompts)
+    if total_chars > max_chars:
+        raise_prompt_too_large(total_chars, max_chars)
+    return prompts
+
+
+def _one_prompt(prompt: Any) -> dict[str, Any]:
     if not prompt:
         raise BadRequest("prompt is empty: send at least one character or token id", param="prompt")
     if isinstance(prompt, str):
-        if len(prompt) > max_chars:
-            raise_prompt_too_large(len(prompt), max_chars)
-        return prompt, None
-    if prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        if len(prompt) > max_chars:
-            raise_prompt_too_large(len(prompt), max_chars)
+        return {"prompt": prompt, "prompt_token_ids": None}
+    if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         if not all(0 <= t <= MAX_INT32 for t in prompt):
             raise BadRequest("prompt token ids must be integers in 0..2147483647", param="prompt")
-        return None, list(prompt)
-    raise BadRequest("prompt must be one string or one list of token ids (batches are not supported)",
+        return {"prompt": None, "prompt_token_ids": list(prompt)}
+    raise BadRequest("prompt must be a string, a list of token ids, or a list of either (a batch)",
                      param="prompt")
+
+
+def check_num_choices(n: int, num_prompts: int) -> None:
+    """400 when a request asks for more generations (prompts x n) than `MAX_CHOICES`."""
+    if num_prompts * n > MAX_CHOICES:
+        raise BadRequest(f"{num_prompts} prompts x n = {n} is {num_prompts * n} generations; one request "
+                         f"makes at most {MAX_CHOICES}", param="n" if n > 1 else "prompt")
 
 
 HEADER_ALLOWANCE_BYTES = 1024
@@ -378,25 +390,26 @@ def usage(prompt_tokens: int, completion_tokens: int) -> Usage:
     return Usage(prompt_tokens, completion_tokens, prompt_tokens + completion_tokens)
 
 
-def full_response(kind: Kind, response_id: str, created: int, model: str, text: str, finish_reason: str,
+def full_response(kind: Kind, response_id: str, created: int, model: str, answers: list[tuple[str, str]],
                   token_usage: Usage) -> ChatCompletion | Completion:
+    """The non-streamed response; `answers` holds each choice's (text, finish_reason), in order."""
     if kind == "chat":
-        choice = ChatChoice(0, AssistantMessage("assistant", text), finish_reason)
-        return ChatCompletion(response_id, created, model, [choice], token_usage)
-    return Completion(response_id, created, model, [CompletionChoice(0, text, finish_reason)], usage=token_usage)
+        choices = [ChatChoice(i, AssistantMessage("assistant", text), finish) for i, (text, finish) in enumerate(answers)]
+        return ChatCompletion(response_id, created, model, choices, token_usage)
+    completions = [CompletionChoice(i, text, finish) for i, (text, finish) in enumerate(answers)]
+    return Completion(response_id, created, model, completions, usage=token_usage)
 
 
-def stream_chunk(kind: Kind, response_id: str, created: int, model: str, *, text: str | None = None,
-                 finish_reason: str | None = None, role: bool = False,
+def stream_chunk(kind: Kind, response_id: str, created: int, model: str, *, index: int = 0,
+                 text: str | None = None, finish_reason: str | None = None, role: bool = False,
                  token_usage: Usage | None = None, usage_only: bool = False) -> bytes:
-    """One SSE ``data:`` payload of a streamed response."""
+    """One SSE ``data:`` payload of a streamed response: choice `index`'s delta, or the usage."""
     if kind == "chat":
         choices = [] if usage_only else [
-            ChatChunkChoice(0, Delta(role="assistant" if role else None, content=text), finish_reason)
+            ChatChunkChoice(index, Delta(role="assistant" if role else None, content=text), finish_reason)
         ]
         chunk: Struct = ChatCompletionChunk(response_id, created, model, choices, usage=token_usage)
     else:
-        choices_c = [] if usage_only else [CompletionChoice(0, text or "", finish_reason)]
+        choices_c = [] if usage_only else [CompletionChoice(index, text or "", finish_reason)]
         chunk = Completion(response_id, created, model, choices_c, usage=token_usage)
     return encoder.encode(chunk)
-

@@ -108,7 +108,7 @@ def get_document() -> bytes:
                                                      **_errors(refs, 401, 404)}}},
         "/v1/chat/completions": inference("chat completion (the model's chat template)", "ChatCompletionRequest",
                                           "ChatCompletion", "ChatCompletionChunk"),
-        "/v1/completions": inference("text completion of one prompt (text or token ids)", "CompletionRequest",
+        "/v1/completions": inference("text completion of a prompt (text or token ids) or a batch of them", "CompletionRequest",
                                      "Completion", "Completion"),
         "/admin/models": {"post": {"summary": "register (or update) a model",
                                    "requestBody": {"required": True, "content": _content(refs["ModelConfig"])},

@@ -16,8 +16,9 @@ from typing import Any
 import structlog
 from aiohttp import web
 
+from shoal.services.gateway.choices import Choice, expand, gathered, merged
 from shoal.services.gateway.dispatch import Restart
-from shoal.services.gateway.errors import ApiError, NotFound, error_payload
+from shoal.services.gateway.errors import ApiError, BadRequest, NotFound, error_payload
 from shoal.services.gateway.openai_api import (
     SESSION_HEADER,
     UNLIMITED_MAX_TOKENS,
@@ -26,9 +27,11 @@ from shoal.services.gateway.openai_api import (
     Kind,
     ModelCard,
     ModelList,
+    Usage,
     chat_messages,
     check_fits_in_message,
-    completion_prompt,
+    check_num_choices,
+    completion_prompts,
     decode_body,
     encoder,
     full_response,
@@ -104,16 +107,19 @@ async def _serve(request: web.Request, kind: Kind) -> web.StreamResponse:
             model_label = _label_for(state, model_named_in(raw))
             raise
         model_label = _label_for(state, body.model)
-        inference, stream, include_usage = _inference_request(state, body, request[REQUEST_ID],
-                                                              request.headers.get(SESSION_HEADER))
-        check_fits_in_message(inference, state.bus.nc.max_payload)
-        with state.dispatcher.admitted(inference.model):
+        choices, stream, include_usage = _choices(state, body, request[REQUEST_ID],
+                                                  request.headers.get(SESSION_HEADER))
+        for choice in choices:
+            check_fits_in_message(choice.request, state.bus.nc.max_payload)
+        with contextlib.ExitStack() as admissions:
+            for _ in choices:  # each generation counts against the model's queue bound
+                admissions.enter_context(state.dispatcher.admitted(body.model))
             started = time.monotonic()
             if stream:
-                response, outcome = await _stream(request, state, inference, kind, include_usage)
+                response, outcome = await _stream(request, state, choices, kind, include_usage)
             else:
-                await state.dispatcher.ensure_placed(inference.model, inference.deadline)
-                response, outcome = await _collect(state, inference, kind), "ok"
+                await state.dispatcher.ensure_placed(body.model, choices[0].request.deadline)
+                response, outcome = await _collect(state, choices, kind, request[REQUEST_ID]), "ok"
         return response
     except ApiError as exc:
         outcome = str(exc.status)
@@ -136,21 +142,25 @@ def _label_for(state: GatewayState, model: str | None) -> str:
     return model if state.cluster.get_model(model) is not None else ""
 
 
-def _inference_request(state: GatewayState, body: ChatCompletionRequest | CompletionRequest, request_id: str,
-                       session_header: str | None) -> tuple[InferenceRequest, bool, bool]:
-    """The request to publish, whether to stream, whether to send usage (400 for what is invalid)."""
-    prompt: dict[str, Any]
+def _choices(state: GatewayState, body: ChatCompletionRequest | CompletionRequest, request_id: str,
+             session_header: str | None) -> tuple[list[Choice], bool, bool]:
+    """The generations to publish (choices.py), whether to stream, whether to send usage (400
+    for what is invalid)."""
+    prompts: list[dict[str, Any]]
     if isinstance(body, ChatCompletionRequest):
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         params = sampling_params(body, max_tokens, UNLIMITED_MAX_TOKENS)
-        prompt = {"messages": chat_messages(body, state.config.max_prompt_chars)}
+        prompts = [{"messages": chat_messages(body, state.config.max_prompt_chars)}]
     else:
         params = sampling_params(body, body.max_tokens, 16)
-        text, token_ids = completion_prompt(body, state.config.max_prompt_chars)
-        prompt = {"prompt": text, "prompt_token_ids": token_ids}
+        prompts = completion_prompts(body, state.config.max_prompt_chars)
+    n = body.n or 1
+    check_num_choices(n, len(prompts))
     stream, include_usage = stream_mode(body)
     session_id = session_id_of(body, session_header)
     if session_id is not None:
+        if len(prompts) > 1:
+            raise BadRequest("a session is one conversation: send one prompt with session_id", param="session_id")
         structlog.contextvars.bind_contextvars(session_id=session_id)
     created = time.time()
     inference = InferenceRequest(
@@ -163,12 +173,27 @@ def _inference_request(state: GatewayState, body: ChatCompletionRequest | Comple
         gateway_id=state.router.gateway_id,
         created=created,
         session_id=session_id,
-        **prompt,
     )
-    return inference, stream, include_usage
+    return expand(inference, prompts, n, state.router.reply_subject), stream, include_usage
 
 
-async def _collect(state: GatewayState, inference: InferenceRequest, kind: Kind) -> web.Response:
+def _choices_usage(choices: list[Choice], finals: list[FinalReply]) -> Usage:
+    """Each prompt's tokens once (as OpenAI counts ``n > 1``), every choice's completion tokens."""
+    prompt_tokens = sum(final.prompt_tokens for choice, final in zip(choices, finals, strict=True)
+                        if choice.counts_prompt)
+    return usage(prompt_tokens, sum(final.completion_tokens for final in finals))
+
+
+async def _collect(state: GatewayState, choices: list[Choice], kind: Kind, request_id: str) -> web.Response:
+    answers = await gathered([_collect_one(state, choice.request) for choice in choices])
+    first = choices[0].request
+    body = full_response(kind, _response_id(kind, request_id), int(first.created), first.model,
+                         [(text, final.finish_reason) for text, final in answers],
+                         _choices_usage(choices, [final for _, final in answers]))
+    return _json(body, headers={REPLICA_HEADER: answers[0][1].replica_id})  # X-Request-Id: request_id_middleware
+
+
+async def _collect_one(state: GatewayState, inference: InferenceRequest) -> tuple[str, FinalReply]:
     parts: list[str] = []
     final: FinalReply | None = None
     async with contextlib.aclosing(state.dispatcher.run(inference, restartable=True)) as events:
@@ -181,49 +206,64 @@ async def _collect(state: GatewayState, inference: InferenceRequest, kind: Kind)
                 case FinalReply():
                     final = event
     assert final is not None, "dispatcher ended without a final reply or an error"
-    response_id = ("chatcmpl-" if kind == "chat" else "cmpl-") + inference.request_id
-    body = full_response(kind, response_id, int(inference.created), inference.model, "".join(parts),
-                         final.finish_reason, usage(final.prompt_tokens, final.completion_tokens))
-    return _json(body, headers={REPLICA_HEADER: final.replica_id})  # X-Request-Id: request_id_middleware
+    return "".join(parts), final
 
 
-async def _stream(request: web.Request, state: GatewayState, inference: InferenceRequest, kind: Kind,
+def _response_id(kind: Kind, request_id: str) -> str:
+    return ("chatcmpl-" if kind == "chat" else "cmpl-") + request_id
+
+
+async def _stream(request: web.Request, state: GatewayState, choices: list[Choice], kind: Kind,
                   include_usage: bool) -> tuple[web.StreamResponse, str]:
     """The SSE response and its outcome: "ok", or the status of an error sent in the stream
-    after the 200 (504 at the deadline, 503 when the replica died).
+    after the 200 (504 at the deadline, 503 when the replica died). Several choices stream
+    interleaved, each chunk naming its choice's index.
 
     While it waits (placement, a cold start, a replica restarting) the stream gets a comment
     line every `gateway.stream_keepalive_s` saying what it waits for (sse.py)."""
-    response_id = ("chatcmpl-" if kind == "chat" else "cmpl-") + inference.request_id
-    created = int(inference.created)
-    model = inference.model
+    request_id = request[REQUEST_ID]
+    response_id = _response_id(kind, request_id)
+    first = choices[0].request
+    created, model = int(first.created), first.model
     progress = WaitProgress(state.cluster, model)
     sse = SseStream(request, keepalive_s=state.config.stream_keepalive_s, describe=progress.describe,
-                    headers={REQUEST_ID_HEADER: inference.request_id})
-    events = state.dispatcher.run(inference, restartable=False)
+                    headers={REQUEST_ID_HEADER: request_id})
+    runs = [state.dispatcher.run(choice.request, restartable=False) for choice in choices]
+    events = merged(runs)
+    finals: list[FinalReply | None] = [None] * len(choices)
     outcome = "ok"
-    async with contextlib.aclosing(events), sse.keeping_alive():
+    async with contextlib.AsyncExitStack() as closing, sse.keeping_alive():
+        for run in runs:
+            closing.push_async_callback(run.aclose)
+        closing.push_async_callback(events.aclose)  # first: it stops the tasks reading the runs
         try:
-            await state.dispatcher.ensure_placed(model, inference.deadline)
+            await state.dispatcher.ensure_placed(model, first.deadline)
             progress.stage = "queued"
-            event = await anext(events)
+            index, event = await anext(events)
             progress.stage = "generating"
             if kind == "chat":
-                await sse.send(stream_chunk(kind, response_id, created, model, text="", role=True))
+                for choice in choices:
+                    await sse.send(stream_chunk(kind, response_id, created, model, index=choice.index, text="",
+                                                role=True))
             while True:
                 match event:
                     case TokenChunk(text=text):
-                        await sse.send(stream_chunk(kind, response_id, created, model, text=text))
+                        await sse.send(stream_chunk(kind, response_id, created, model, index=index, text=text))
                     case FinalReply():
-                        token_usage = usage(event.prompt_tokens, event.completion_tokens)
-                        await sse.send(stream_chunk(kind, response_id, created, model,
+                        finals[index] = event
+                        await sse.send(stream_chunk(kind, response_id, created, model, index=index,
                                                     finish_reason=event.finish_reason,
                                                     text="" if kind == "completion" else None))
-                        if include_usage:
-                            await sse.send(stream_chunk(kind, response_id, created, model, token_usage=token_usage,
-                                                        usage_only=True))
-                        break
-                event = await anext(events)
+                try:
+                    index, event = await anext(events)
+                except StopAsyncIteration:
+                    break
+            if include_usage:
+                ended = [final for final in finals if final is not None]
+                assert len(ended) == len(choices), "every choice's stream ends with its final reply"
+                token_usage = _choices_usage(choices, ended)
+                await sse.send(stream_chunk(kind, response_id, created, model, token_usage=token_usage,
+                                            usage_only=True))
         except ApiError as exc:
             # Errors before anything was sent (unknown model in the worker, prompt too long...)
             # keep their proper status; after that they become the stream's last event.
@@ -234,5 +274,3 @@ async def _stream(request: web.Request, state: GatewayState, inference: Inferenc
             await sse.send(error_payload(exc))
         await sse.done()
     return sse.response, outcome
-
-

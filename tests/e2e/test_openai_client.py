@@ -111,6 +111,53 @@ def test_stop_strings_end_the_text(client: openai.OpenAI) -> None:
     assert stopped.text == free[: free.index(stop)]
 
 
+def test_n_choices_are_distinct_seeded_samples_with_the_prompt_counted_once(client: openai.OpenAI) -> None:
+    kwargs = dict(model=SMALL, messages=[{"role": "user", "content": "Tell me."}], max_tokens=6, temperature=1.0,
+                  extra_body={"ignore_eos": True})
+    response = client.chat.completions.create(**kwargs, n=3, seed=40)
+    assert [c.index for c in response.choices] == [0, 1, 2]
+    assert all(c.finish_reason == "length" and c.message.role == "assistant" for c in response.choices)
+    texts = [c.message.content for c in response.choices]
+    # choice j samples with seed + j: each equals the single request with that seed
+    singles = [client.chat.completions.create(**kwargs, seed=40 + j) for j in range(3)]
+    assert texts == [single.choices[0].message.content for single in singles]
+    assert len(set(texts)) == 3, "sampled choices differ"
+    assert response.usage.prompt_tokens == singles[0].usage.prompt_tokens
+    assert response.usage.completion_tokens == 18
+    assert response.usage.total_tokens == response.usage.prompt_tokens + 18
+
+
+def test_a_batch_of_prompts_answers_each_as_its_own_request_would(client: openai.OpenAI) -> None:
+    prompts: list = ["Once upon a time", [5, 6, 7, 8], "The sea"]
+    kwargs = dict(model=SMALL, max_tokens=5, temperature=0, extra_body={"ignore_eos": True})
+    batch = client.completions.create(prompt=prompts, n=2, **kwargs)
+    singles = [client.completions.create(prompt=p, **kwargs) for p in prompts]
+    assert [c.index for c in batch.choices] == list(range(6))
+    assert [c.text for c in batch.choices] == [s.choices[0].text for s in singles for _ in range(2)]
+    assert batch.usage.prompt_tokens == sum(s.usage.prompt_tokens for s in singles)
+    assert batch.usage.completion_tokens == 30
+
+
+def test_streamed_choices_interleave_each_with_its_own_finish(client: openai.OpenAI) -> None:
+    stream = client.chat.completions.create(
+        model=OTHER, messages=[{"role": "user", "content": "Hi"}], max_tokens=5, n=2, seed=3, temperature=0.9,
+        stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+    chunks = list(stream)
+    deltas = [c.choices[0] for c in chunks if c.choices]
+    assert all(len(c.choices) <= 1 for c in chunks)
+    assert [d.index for d in deltas[:2]] == [0, 1] and all(d.delta.role == "assistant" for d in deltas[:2])
+    for index in (0, 1):
+        own = [d for d in deltas if d.index == index]
+        assert [d.finish_reason for d in own if d.finish_reason] == ["length"]
+        assert own[-1].finish_reason == "length", "nothing of a choice follows its finish"
+        streamed = "".join(d.delta.content or "" for d in own)
+        alone = client.chat.completions.create(model=OTHER, messages=[{"role": "user", "content": "Hi"}],
+                                               max_tokens=5, seed=3 + index, temperature=0.9,
+                                               extra_body={"ignore_eos": True})
+        assert streamed == alone.choices[0].message.content
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 10
+
+
 async def test_twenty_concurrent_requests_over_two_models(shoal: ShoalUp) -> None:
     client = openai.AsyncOpenAI(base_url=shoal.v1, api_key="unused", max_retries=0, timeout=240)
 
@@ -149,7 +196,7 @@ def _post(url: str, body: bytes, content_type: str = "application/json") -> tupl
         ("/v1/chat/completions", b'{"model": "demo/llama-5m", "messages": [{"role": "user", "content": "x"}], '
                                  b'"temperature": 9}', 400, "temperature"),
         ("/v1/chat/completions", b'{"model": "demo/llama-5m", "messages": [{"role": "user", "content": "x"}], '
-                                 b'"n": 3}', 400, "n"),
+                                 b'"n": 129}', 400, "n"),
         ("/v1/completions", b'{"model": "demo/llama-5m", "prompt": 42}', 400, "prompt"),
         ("/v1/completions", b'{"model": "demo/llama-5m"}', 400, None),
         ("/v1/chat/completions", b'{"model": "demo/llama-5m", "messages": [{"role": "user", "content": "x"}], '

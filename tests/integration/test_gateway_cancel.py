@@ -54,10 +54,10 @@ class Served:
             self.generating_ids.add(reply.request_id)
             self.first_token.set()
 
-    async def wait_until_cancelled(self, request_id: str) -> None:
-        """Until the gateway has published the cancel and the worker has stopped generating."""
+    async def wait_until_cancelled(self, *request_ids: str) -> None:
+        """Until the gateway has published the cancels and the worker has stopped generating."""
         for _ in range(600):
-            if request_id in self.cancelled_ids and self.num_cancelled_at_worker() == 1 \
+            if set(request_ids) <= set(self.cancelled_ids) and self.num_cancelled_at_worker() >= 1 \
                     and self.worker.num_in_flight == 0:
                 return
             await asyncio.sleep(0.05)
@@ -101,6 +101,22 @@ async def test_a_client_leaving_a_stream_cancels_its_request_at_the_worker(serve
     await session.close()
     await served.wait_until_cancelled(request_id)
     assert served.cancelled_ids == [request_id]
+
+
+async def test_a_client_leaving_a_stream_of_several_choices_cancels_each_at_the_worker(served: Served) -> None:
+    session = aiohttp.ClientSession()
+    response = await session.post(served.url + "/v1/completions", json=LONG | {
+        "stream": True, "n": 2, "prompt": ["Once upon a time", "The sea"]})
+    assert response.status == 200
+    request_id = response.headers["X-Request-Id"]
+    first = await asyncio.wait_for(response.content.readline(), 60)
+    assert first.startswith(b"data: ")
+    response.close()
+    await session.close()
+    choice_ids = [f"{request_id}-{i}" for i in range(4)]
+    await served.wait_until_cancelled(*choice_ids)
+    assert sorted(served.cancelled_ids) == choice_ids
+    assert served.worker.num_requests_by_outcome.get("ok", 0) == 0, "no choice ran to its end"
 
 
 async def test_a_client_leaving_before_a_full_response_cancels_its_request_at_the_worker(served: Served) -> None:

@@ -47,7 +47,13 @@ async def gateway(bus: Bus, nats_server: EmbeddedNatsServer) -> AsyncIterator[st
         ("chat", {"seed": 2**63}, "seed"),
         ("completion", {"seed": -(2**63) - 1}, "seed"),
         ("chat", {"n": 0}, "n"),
-        ("chat", {"n": 2}, "n"),
+        ("chat", {"n": 129}, "n"),
+        ("completion", {"prompt": ["a", "b", "c"], "n": 43}, "n"),
+        ("completion", {"prompt": ["a"] * 129}, "prompt"),
+        ("completion", {"prompt": ["a", ""]}, "prompt"),
+        ("completion", {"prompt": [[1, 2], []]}, "prompt"),
+        ("completion", {"prompt": [["a"]]}, "prompt"),
+        ("completion", {"prompt": ["a", "b"], "session_id": "s1"}, "session_id"),
         ("completion", {"n": 10**20}, "n"),
         ("chat", {"temperature": -0.1}, "temperature"),
         ("chat", {"temperature": 2.5}, "temperature"),
@@ -116,6 +122,8 @@ async def test_a_number_beyond_float_range_is_400_naming_the_field(gateway: str)
         }),
         ("/v1/completions", COMPLETION | {"best_of": 1, "echo": False, "suffix": "", "seed": 2**63 - 1,
                                           "stream": True, "stream_options": {"include_usage": None}}),
+        ("/v1/completions", COMPLETION | {"prompt": ["a", "b"], "n": 64, "seed": 2**63 - 1}),  # 128 generations
+        ("/v1/chat/completions", CHAT | {"n": 128, "stream": True}),
     ],
 )
 async def test_nulls_and_defaults_are_accepted_as_openai_allows(gateway: str, path: str, body: dict) -> None:
@@ -126,7 +134,7 @@ async def test_nulls_and_defaults_are_accepted_as_openai_allows(gateway: str, pa
 
 async def test_every_response_has_a_request_id_and_every_error_log_line_carries_it(gateway: str) -> None:
     with capture_logs(processors=[structlog.contextvars.merge_contextvars]) as logs:
-        status, body, headers = await call("POST", gateway + "/v1/chat/completions", json=CHAT | {"n": 3})
+        status, body, headers = await call("POST", gateway + "/v1/chat/completions", json=CHAT | {"n": 300})
     assert status == 400 and body["error"]["param"] == "n"
     request_id = headers["X-Request-Id"]
     assert REQUEST_ID.fullmatch(request_id)
