@@ -83,6 +83,8 @@ class SamplingParams(Struct, omit_defaults=True):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    """Added to these tokens' logits before sampling (OpenAI's ``logit_bias``: -100..100)."""
 
     def __post_init__(self) -> None:
         if self.temperature < GREEDY_BELOW_TEMPERATURE or self.top_p < GREEDY_BELOW_TEMPERATURE:

@@ -7,7 +7,7 @@ never an overflow further in. Besides OpenAI's sampling fields (with
 ``presence_penalty`` and ``frequency_penalty``), vLLM's ``top_k``, ``min_p``,
 ``repetition_penalty`` and ``ignore_eos`` are honoured, and Shoal's ``session_id`` (a chat
 session whose KV replicas keep between turns; also the ``X-Session-Id`` header). Fields Shoal knows but
-cannot honour (``logprobs``, ``logit_bias``, tools, ``echo``...) are
+cannot honour (``logprobs``, tools, ``echo``...) are
 accepted at their defaults and rejected with 400 naming the field otherwise,
 never silently dropped.
 """
@@ -44,6 +44,8 @@ NumChoices = Annotated[int, Meta(ge=1, le=MAX_CHOICES)]
 TopLogprobs = Annotated[int, Meta(ge=0, le=20)]
 CompletionLogprobs = Annotated[int, Meta(ge=0, le=5)]
 BestOf = Annotated[int, Meta(ge=0, le=20)]
+Bias = Annotated[float, Meta(ge=-100.0, le=100.0)]
+MAX_LOGIT_BIAS_TOKENS = 1024
 
 
 class TextPart(Struct):
@@ -87,8 +89,9 @@ class _Sampling(Struct, kw_only=True):
     user: str | None = None
     n: NumChoices | None = None
     """Choices per prompt (choices.py)."""
+    logit_bias: Annotated[dict[str, Bias], Meta(max_length=MAX_LOGIT_BIAS_TOKENS)] | None = None
+    """Token id (as a string, OpenAI's form) -> bias added to its logit."""
     # Accepted at their defaults only (see `reject_unsupported`).
-    logit_bias: dict[str, float] | None = None
 
 
 class ChatCompletionRequest(_Sampling, kw_only=True):
@@ -151,7 +154,6 @@ _UNSUPPORTED: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     # (field, is its value one Shoal honours?, why not)
     ("logprobs", lambda v: v is None or v is False, "logprobs are not supported"),
     ("top_logprobs", lambda v: not v, "top_logprobs are not supported"),
-    ("logit_bias", lambda v: not v, "logit_bias is not supported"),
     ("tools", lambda v: not v, "tools are not supported"),
     ("tool_choice", lambda v: v in _TOOL_CHOICES_WITHOUT_CALLS, "tool_choice is not supported"),
     ("functions", lambda v: not v, "functions are not supported"),
@@ -222,7 +224,22 @@ def sampling_params(req: _Sampling, max_tokens: int | None, default_max_tokens: 
         presence_penalty=req.presence_penalty or 0.0,
         frequency_penalty=req.frequency_penalty or 0.0,
         repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+        logit_bias=logit_bias_of(req),
     )
+
+
+def logit_bias_of(req: _Sampling) -> dict[int, float]:
+    """``logit_bias`` with its keys as token ids (0..2147483647; the worker checks the model's
+    vocabulary); zero biases dropped."""
+    bias: dict[int, float] = {}
+    for key, value in (req.logit_bias or {}).items():
+        token_id = int(key) if key.isascii() and key.isdigit() and len(key) <= 10 else -1
+        if not 0 <= token_id <= MAX_INT32:
+            raise BadRequest(f"logit_bias keys are token ids (integers in 0..2147483647 as strings), got {key!r}",
+                             param="logit_bias")
+        if value:
+            bias[token_id] = value
+    return bias
 
 
 def chat_messages(req: ChatCompletionRequest, max_chars: int) -> list[ChatMessage]:

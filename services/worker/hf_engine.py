@@ -123,6 +123,8 @@ class HFGenerateEngine:
                 kwargs["min_p"] = params.min_p
         if params.repetition_penalty != 1.0:
             kwargs["repetition_penalty"] = params.repetition_penalty
+        if params.logit_bias:
+            kwargs["sequence_bias"] = [[[token_id], bias] for token_id, bias in params.logit_bias.items()]
         if params.ignore_eos:
             kwargs["min_new_tokens"] = max_new
         input_ids = torch.tensor([request.prompt_token_ids], device=self._model.device)

@@ -21,8 +21,9 @@ def prompt_token_ids(tokenizer: PreTrainedTokenizerBase, request: InferenceReque
                      vocab_size: int | None = None) -> list[int]:
     """Chat requests are rendered with the model's chat template (generation prompt added);
     completions are encoded as given. Raises RequestRejected (400) when that is impossible,
-    or when an id is not below `vocab_size` (the model's embedding rows; None: the
-    tokenizer's size): an id past the embedding must never reach the model."""
+    or when an id (of the prompt or of ``logit_bias``) is not below `vocab_size` (the model's
+    embedding rows; None: the tokenizer's size): an id past the embedding must never reach
+    the model."""
     limit = len(tokenizer) if vocab_size is None else min(vocab_size, len(tokenizer))
     if request.messages is not None:
         if not getattr(tokenizer, "chat_template", None):
@@ -42,6 +43,10 @@ def prompt_token_ids(tokenizer: PreTrainedTokenizerBase, request: InferenceReque
     bad = [t for t in token_ids if not 0 <= t < limit]
     if bad:
         raise RequestRejected(f"prompt token ids out of the vocabulary (size {limit}): {bad[:5]}")
+    bad = [t for t in request.params.logit_bias if not 0 <= t < limit]
+    if bad:
+        raise RequestRejected(f"logit_bias token ids out of the vocabulary (size {limit}): {bad[:5]}",
+                              param="logit_bias")
     return token_ids
 
 

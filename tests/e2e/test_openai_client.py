@@ -90,6 +90,14 @@ def test_penalties_and_vllm_sampling_fields_reach_the_engine(client: openai.Open
     assert top_1.choices[0].text == plain
 
 
+def test_a_logit_bias_steers_the_tokens(client: openai.OpenAI, demo_models_root: Path) -> None:
+    kwargs = dict(model=SMALL, prompt="The sea", max_tokens=5, temperature=0.7, seed=9, extra_body={"ignore_eos": True})
+    free = client.completions.create(**kwargs)
+    forced = client.completions.create(**kwargs, logit_bias={"300": 100})
+    tokenizer = AutoTokenizer.from_pretrained(demo_models_root / SMALL)
+    assert forced.choices[0].text == tokenizer.decode([300] * 5) != free.choices[0].text
+
+
 def test_completion_streamed_and_not(client: openai.OpenAI) -> None:
     full = client.completions.create(model=SMALL, prompt="Once upon a time", max_tokens=10, temperature=0,
                                      extra_body={"ignore_eos": True})
@@ -212,6 +220,8 @@ def _post(url: str, body: bytes, content_type: str = "application/json") -> tupl
                                  b'"stream_options": {"include_usage": true}}', 400, "stream_options"),
         # Out of the model's vocabulary: only the worker knows; the error still names the field.
         ("/v1/completions", b'{"model": "demo/llama-5m", "prompt": [1, 999999], "max_tokens": 1}', 400, "prompt"),
+        ("/v1/completions", b'{"model": "demo/llama-5m", "prompt": "x", "logit_bias": {"999999": 1}}', 400,
+         "logit_bias"),
     ],
 )
 def test_bad_requests_get_openai_style_errors(shoal: ShoalUp, path: str, body: bytes, status: int,

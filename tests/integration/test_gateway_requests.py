@@ -64,7 +64,12 @@ async def gateway(bus: Bus, nats_server: EmbeddedNatsServer) -> AsyncIterator[st
         ("chat", {"top_k": -2}, "top_k"),
         ("completion", {"min_p": 1.5}, "min_p"),
         ("chat", {"repetition_penalty": 0}, "repetition_penalty"),
-        ("chat", {"logit_bias": {"42": 10}}, "logit_bias"),
+        ("chat", {"logit_bias": {"abc": 10}}, "logit_bias"),
+        ("chat", {"logit_bias": {"-1": 10}}, "logit_bias"),
+        ("completion", {"logit_bias": {"99999999999": 10}}, "logit_bias"),
+        ("completion", {"logit_bias": {"42": 100.5}}, "logit_bias"),
+        ("chat", {"logit_bias": {"42": "up"}}, "logit_bias"),
+        ("chat", {"logit_bias": {str(i): 1 for i in range(1025)}}, "logit_bias"),
         ("chat", {"logprobs": True}, "logprobs"),
         ("chat", {"top_logprobs": 2}, "top_logprobs"),
         ("chat", {"top_logprobs": 21}, "top_logprobs"),
@@ -123,7 +128,7 @@ async def test_a_number_beyond_float_range_is_400_naming_the_field(gateway: str)
         ("/v1/completions", COMPLETION | {"best_of": 1, "echo": False, "suffix": "", "seed": 2**63 - 1,
                                           "stream": True, "stream_options": {"include_usage": None}}),
         ("/v1/completions", COMPLETION | {"prompt": ["a", "b"], "n": 64, "seed": 2**63 - 1}),  # 128 generations
-        ("/v1/chat/completions", CHAT | {"n": 128, "stream": True}),
+        ("/v1/chat/completions", CHAT | {"n": 128, "stream": True, "logit_bias": {"0": -100, "2147483647": 100}}),
     ],
 )
 async def test_nulls_and_defaults_are_accepted_as_openai_allows(gateway: str, path: str, body: dict) -> None:

@@ -429,6 +429,37 @@ async def test_penalties_equal_the_reference_in_a_mixed_batch(models: Models, pe
         await engine.close()
 
 
+@pytest.mark.parametrize("key", ["demo/llama-5m", "demo/llama-5m" + PACKED])
+async def test_logit_bias_equals_the_reference_in_a_mixed_batch(models: Models, key: str) -> None:
+    """Greedy with a logit bias equals `generate` with the same bias (Hugging Face's
+    `sequence_bias`), batched with requests without one; the packed model's forward hands
+    the sampler its argmax, which a biased row must not take."""
+    prompts = _prompts(1000, (5, 17))
+    num_new = 16
+    plain = [models.greedy(key, prompt, num_new) for prompt in prompts]
+    bias = {plain[0][0]: -100.0, plain[1][3]: -100.0, 42: 4.0, 7: 2.5}
+    reference = models.load(key.removesuffix(PACKED))
+    biased = []
+    for prompt in prompts:
+        input_ids = torch.tensor([prompt])
+        with torch.inference_mode():
+            output = reference.generate(input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False,
+                                        max_new_tokens=num_new, eos_token_id=None, pad_token_id=0,
+                                        sequence_bias=[[[t], b] for t, b in bias.items()])
+        biased.append(output[0, len(prompt):].tolist())
+    assert all(b != p for b, p in zip(biased, plain, strict=True)), "the bias must change every completion"
+    assert all(plain[0][0] not in b for b in biased), "a -100 bias bans its token"
+    engine = _engine(models.load(key), max_num_seqs=8)
+    try:
+        streams = [_collect(engine.generate(_request(f"b{i}", p, max_tokens=num_new, logit_bias=bias)))
+                   for i, p in enumerate(prompts)]
+        streams += [_collect(engine.generate(_request(f"g{i}", p, max_tokens=num_new))) for i, p in enumerate(prompts)]
+        texts = [text for text, _ in await asyncio.gather(*streams)]
+        assert texts == [echo(tokens) for tokens in biased + plain]
+    finally:
+        await engine.close()
+
+
 async def test_requests_that_cannot_run_are_rejected(models: Models) -> None:
     model = models.load("demo/llama-5m")
     engine = _engine(model, num_blocks=8)  # 32 tokens of KV

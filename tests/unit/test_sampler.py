@@ -85,3 +85,27 @@ def test_rows_without_penalties_need_no_history_and_are_unchanged() -> None:
     histories = [TokenHistory([1], 0), TokenHistory([0], 0)]
     assert sample(logits, [penalized, plain], histories) == [0, 0]
     assert logits.tolist() == [[0.0, 1.0], [1.0, 0.0]], "penalties must not write into the engine's logits"
+
+
+def test_logit_bias_adds_to_its_tokens_before_the_choice_greedy_or_sampled() -> None:
+    logits = torch.tensor([[2.0, 1.0, 0.5, -1.0]])
+    biased = SamplingState.from_params(SamplingParams(temperature=0.0, logit_bias={0: -100.0, 3: 2.5}))
+    # token 0 banned; token 3: -1.0 + 2.5 = 1.5 beats token 1's 1.0
+    assert sample(logits, [biased]) == [3]
+    assert logits.tolist() == [[2.0, 1.0, 0.5, -1.0]], "the bias must not write into the engine's logits"
+    # the forward's argmax (token 0) is not taken for a biased row, and is for the others
+    plain = SamplingState.from_params(SamplingParams(temperature=0.0))
+    assert sample(torch.cat([logits, logits]), [biased, plain], argmax=torch.tensor([0, 0])) == [3, 0]
+    assert sample(torch.cat([logits, logits]), [plain, plain], argmax=torch.tensor([0, 0])) == [0, 0]
+    # sampled: a +100 bias makes its token (the least likely) certain; -100 bans tokens 0-2
+    certain = SamplingParams(temperature=1.0, seed=4, logit_bias={4: 100.0})
+    assert _draws(certain, num_draws=100) == {4}
+    banned = SamplingParams(temperature=1.0, seed=5, logit_bias={0: -100.0, 1: -100.0, 2: -100.0})
+    assert _draws(banned) == {3, 4}
+
+
+def test_a_bias_and_penalties_combine() -> None:
+    state = SamplingState.from_params(SamplingParams(temperature=0.0, presence_penalty=1.0, logit_bias={2: 0.6}))
+    history = TokenHistory([5, 0], num_prompt_tokens=1)  # token 0 generated once: 2.0 - 1.0 = 1.0
+    # token 2: 0.5 + 0.6 = 1.1 beats both token 0's 1.0 and token 1's 1.0
+    assert sample(torch.tensor([[2.0, 1.0, 0.5, -1.0, -1.0, -1.0]]), [state], [history]) == [2]

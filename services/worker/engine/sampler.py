@@ -1,5 +1,5 @@
 """Next-token sampling for a batch: greedy, or temperature + top-k / top-p / min-p with a
-generator per request; presence, frequency and repetition penalties on either.
+generator per request; presence, frequency and repetition penalties and a logit bias on either.
 
 Each request that samples owns a `torch.Generator` (seeded from `params.seed`, or from
 the OS when it has none) and draws exactly one uniform number per generated token from it,
@@ -9,7 +9,8 @@ preemption (its K/V recomputed, its generator untouched).
 Penalties follow the OpenAI API (presence and frequency, over the tokens generated so
 far: ``logit - presence * [count > 0] - frequency * count``) and vLLM / Hugging Face
 (repetition, over prompt and generated tokens: a positive logit is divided by it, a
-negative one multiplied), applied before the temperature.
+negative one multiplied), applied before the temperature; then the request's ``logit_bias``
+is added (OpenAI's: -100 bans a token, 100 makes it all but certain).
 """
 
 from __future__ import annotations
@@ -37,6 +38,8 @@ class SamplingState:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    logit_bias: tuple[torch.Tensor, torch.Tensor] | None = None
+    """(token ids, biases) added to the row's logits; None: no bias."""
 
     @classmethod
     def from_params(cls, params: SamplingParams) -> SamplingState:
@@ -57,11 +60,24 @@ class SamplingState:
             presence_penalty=params.presence_penalty,
             frequency_penalty=params.frequency_penalty,
             repetition_penalty=params.repetition_penalty,
+            logit_bias=_bias_tensors(params.logit_bias),
         )
 
     @property
     def has_penalties(self) -> bool:
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Penalties or a bias: the row's logits change before its token is chosen."""
+        return self.has_penalties or self.logit_bias is not None
+
+
+def _bias_tensors(logit_bias: dict[int, float]) -> tuple[torch.Tensor, torch.Tensor] | None:
+    if not logit_bias:
+        return None
+    return (torch.tensor(list(logit_bias), dtype=torch.int64),
+            torch.tensor(list(logit_bias.values()), dtype=torch.float32))
 
 
 @dataclass(frozen=True)
@@ -83,16 +99,21 @@ def sample(
     Args:
         histories: each row's tokens so far; needed (and read) only for rows with penalties.
         argmax: each row's argmax, already computed (the native forward's); used when every
-            row is greedy without penalties.
+            row is greedy without penalties or bias.
     """
-    if argmax is not None and all(state.generator is None and not state.has_penalties for state in states):
+    if argmax is not None and all(state.generator is None and not state.adjusts_logits for state in states):
         return argmax.tolist()
-    penalized_rows = [row for row, state in enumerate(states) if state.has_penalties]
-    if penalized_rows:
-        assert histories is not None and len(histories) == len(states), "penalties need each row's tokens"
+    adjusted_rows = [row for row, state in enumerate(states) if state.adjusts_logits]
+    if adjusted_rows:
         logits = logits.clone()
-        for row in penalized_rows:
-            logits[row] = _penalize(logits[row], states[row], histories[row])
+        for row in adjusted_rows:
+            state = states[row]
+            if state.has_penalties:
+                assert histories is not None and len(histories) == len(states), "penalties need each row's tokens"
+                logits[row] = _penalize(logits[row], state, histories[row])
+            if state.logit_bias is not None:
+                token_ids, biases = state.logit_bias
+                logits[row].index_add_(0, token_ids.to(logits.device), biases.to(logits.device, logits.dtype))
     token_ids = logits.argmax(dim=-1)
     sampled_rows = [row for row, state in enumerate(states) if state.generator is not None]
     if sampled_rows:

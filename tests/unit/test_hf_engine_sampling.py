@@ -1,0 +1,31 @@
+"""The fallback `hf` engine honours the sampling fields it accepts: a logit bias reaches
+Hugging Face `generate` (as its `sequence_bias`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from shoal.services.worker.generation import GenerationRequest
+from shoal.services.worker.hf_engine import HFGenerateEngine
+from shoal.shared.messages import SamplingParams
+
+
+async def _text(engine: HFGenerateEngine, params: SamplingParams) -> str:
+    request = GenerationRequest("r", [5, 6, 7, 8], params)
+    return "".join([output.text async for output in engine.generate(request)])
+
+
+async def test_a_logit_bias_steers_the_hf_engine(demo_models_root: Path) -> None:
+    path = demo_models_root / "demo" / "llama-5m"
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    engine = HFGenerateEngine(AutoModelForCausalLM.from_pretrained(path).eval(), tokenizer, 2048)
+    try:
+        greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+        plain = await _text(engine, greedy)
+        forced = await _text(engine, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True,
+                                                    logit_bias={300: 100.0}))
+        assert forced == tokenizer.decode([300] * 6) != plain
+    finally:
+        await engine.close()
