@@ -85,6 +85,9 @@ class SamplingParams(Struct, omit_defaults=True):
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] = field(default_factory=dict)
     """Added to these tokens' logits before sampling (OpenAI's ``logit_bias``: -100..100)."""
+    logprobs: int | None = None
+    """Report each generated token's log probability and this many most likely alternatives
+    (0..20); None: no log probabilities."""
 
     def __post_init__(self) -> None:
         if self.temperature < GREEDY_BELOW_TEMPERATURE or self.top_p < GREEDY_BELOW_TEMPERATURE:
@@ -127,6 +130,16 @@ class InferenceRequest(Struct, tag="infer", tag_field="type", omit_defaults=True
     any the first replica made (the gateway's redelivery rule, `services/gateway/attempts.py`)."""
 
 
+class TokenLogprob(Struct, array_like=True):
+    """One generated token's log probability and the most likely alternatives at its place
+    (the model's distribution, before penalties, bias and temperature); tokens as their bytes
+    (`services/worker/token_bytes.py`)."""
+
+    token: bytes
+    logprob: float
+    top: list[tuple[bytes, float]] = field(default_factory=list)
+
+
 class TokenChunk(Struct, tag="chunk", tag_field="type", omit_defaults=True):
     """Text of one or more new tokens. (request_id, attempt, seq) orders chunks;
     seq counts chunks within one attempt from 0."""
@@ -141,6 +154,8 @@ class TokenChunk(Struct, tag="chunk", tag_field="type", omit_defaults=True):
     """Running hash of every token id this attempt generated up to this chunk
     (`services/worker/generation.py`, `next_token_hash`): a resumed attempt is checked against it before its text is
     spliced onto what the client already holds. 0: not computed (an older worker)."""
+    logprobs: list[TokenLogprob] | None = None
+    """The chunk's tokens' log probabilities, in order (requests that ask for them)."""
 
 
 class FinalReply(Struct, tag="final", tag_field="type", omit_defaults=True):

@@ -7,7 +7,7 @@ never an overflow further in. Besides OpenAI's sampling fields (with
 ``presence_penalty`` and ``frequency_penalty``), vLLM's ``top_k``, ``min_p``,
 ``repetition_penalty`` and ``ignore_eos`` are honoured, and Shoal's ``session_id`` (a chat
 session whose KV replicas keep between turns; also the ``X-Session-Id`` header). Fields Shoal knows but
-cannot honour (``logprobs``, tools, ``echo``...) are
+cannot honour (tools, ``echo``, ``best_of``...) are
 accepted at their defaults and rejected with 400 naming the field otherwise,
 never silently dropped.
 """
@@ -15,6 +15,7 @@ never silently dropped.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 import msgspec
@@ -22,7 +23,7 @@ from msgspec import Meta, Struct
 
 from shoal.services.gateway.choices import MAX_CHOICES
 from shoal.services.gateway.errors import BadRequest, PayloadTooLarge
-from shoal.shared.messages import ChatMessage, InferenceRequest, SamplingParams, encode_msgpack
+from shoal.shared.messages import ChatMessage, InferenceRequest, SamplingParams, TokenLogprob, encode_msgpack
 from shoal.shared.subjects import InvalidSessionId, validate_session_id
 
 MAX_STOP_SEQUENCES = 4
@@ -41,8 +42,9 @@ TopK = Annotated[int, Meta(ge=-1, le=MAX_INT32)]
 MinP = Annotated[float, Meta(ge=0.0, le=1.0)]
 RepetitionPenalty = Annotated[float, Meta(gt=0.0, le=10.0)]
 NumChoices = Annotated[int, Meta(ge=1, le=MAX_CHOICES)]
-TopLogprobs = Annotated[int, Meta(ge=0, le=20)]
-CompletionLogprobs = Annotated[int, Meta(ge=0, le=5)]
+MAX_TOP_LOGPROBS = 20
+TopLogprobs = Annotated[int, Meta(ge=0, le=MAX_TOP_LOGPROBS)]
+"""Alternatives per token (OpenAI: 20 for chat, 5 for completions; vLLM: 20 for both)."""
 BestOf = Annotated[int, Meta(ge=0, le=20)]
 Bias = Annotated[float, Meta(ge=-100.0, le=100.0)]
 MAX_LOGIT_BIAS_TOKENS = 1024
@@ -112,7 +114,8 @@ class CompletionRequest(_Sampling, kw_only=True):
     prompt: Annotated[str, Meta(min_length=1)] | Annotated[list[Any], Meta(min_length=1)]
     """A string or a token-id list, or a batch of them in a list (none empty: a model needs at
     least one token to go on from)."""
-    logprobs: CompletionLogprobs | None = None
+    logprobs: TopLogprobs | None = None
+    """Each token's log probability and this many alternatives."""
     echo: bool | None = None
     suffix: str | None = None
     best_of: BestOf | None = None
@@ -152,8 +155,6 @@ def param_of(message: str) -> str | None:
 _TOOL_CHOICES_WITHOUT_CALLS = (None, "none", "auto")
 _UNSUPPORTED: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     # (field, is its value one Shoal honours?, why not)
-    ("logprobs", lambda v: v is None or v is False, "logprobs are not supported"),
-    ("top_logprobs", lambda v: not v, "top_logprobs are not supported"),
     ("tools", lambda v: not v, "tools are not supported"),
     ("tool_choice", lambda v: v in _TOOL_CHOICES_WITHOUT_CALLS, "tool_choice is not supported"),
     ("functions", lambda v: not v, "functions are not supported"),
@@ -225,7 +226,19 @@ def sampling_params(req: _Sampling, max_tokens: int | None, default_max_tokens: 
         frequency_penalty=req.frequency_penalty or 0.0,
         repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
         logit_bias=logit_bias_of(req),
+        logprobs=requested_logprobs(req),
     )
+
+
+def requested_logprobs(req: _Sampling) -> int | None:
+    """How many alternatives per token to report with its log probability; None: no log
+    probabilities. Chat: ``logprobs: true`` and ``top_logprobs``; completions: ``logprobs``."""
+    if isinstance(req, CompletionRequest):
+        return req.logprobs
+    assert isinstance(req, ChatCompletionRequest), "chat or completion"
+    if req.top_logprobs and not req.logprobs:
+        raise BadRequest("top_logprobs needs logprobs: true", param="top_logprobs")
+    return (req.top_logprobs or 0) if req.logprobs else None
 
 
 def logit_bias_of(req: _Sampling) -> dict[int, float]:
@@ -329,11 +342,38 @@ class AssistantMessage(Struct):
     content: str
 
 
+class TopLogprob(Struct):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class ChatTokenLogprob(Struct):
+    token: str
+    logprob: float
+    bytes: list[int]
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(Struct):
+    content: list[ChatTokenLogprob]
+
+
+class TextLogprobs(Struct):
+    """A completion's ``logprobs``: per token its text, log probability, alternatives (with
+    the chosen token among them, as vLLM reports) and character offset in the text."""
+
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
 class ChatChoice(Struct):
     index: int
     message: AssistantMessage
     finish_reason: str | None
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
 
 
 class ChatCompletion(Struct):
@@ -355,7 +395,7 @@ class ChatChunkChoice(Struct):
     index: int
     delta: Delta
     finish_reason: str | None = None
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
 
 
 class ChatCompletionChunk(Struct):
@@ -372,7 +412,7 @@ class CompletionChoice(Struct):
     index: int
     text: str
     finish_reason: str | None
-    logprobs: None = None
+    logprobs: TextLogprobs | None = None
 
 
 class Completion(Struct):
@@ -407,26 +447,68 @@ def usage(prompt_tokens: int, completion_tokens: int) -> Usage:
     return Usage(prompt_tokens, completion_tokens, prompt_tokens + completion_tokens)
 
 
-def full_response(kind: Kind, response_id: str, created: int, model: str, answers: list[tuple[str, str]],
+def _token_text(token: bytes) -> str:
+    return token.decode("utf-8", "replace")
+
+
+def chat_logprobs(entries: list[TokenLogprob]) -> ChatLogprobs:
+    return ChatLogprobs([
+        ChatTokenLogprob(_token_text(entry.token), entry.logprob, list(entry.token),
+                         [TopLogprob(_token_text(token), logprob, list(token)) for token, logprob in entry.top])
+        for entry in entries
+    ])
+
+
+def text_logprobs(entries: list[TokenLogprob], text_offset: int = 0) -> TextLogprobs:
+    """`entries` as a completion reports them, offsets counted from `text_offset` (where the
+    tokens' text starts in the choice's text)."""
+    tokens = [_token_text(entry.token) for entry in entries]
+    offsets = []
+    for token in tokens:
+        offsets.append(text_offset)
+        text_offset += len(token)
+    top = [{_token_text(t): logprob for t, logprob in entry.top} | {token: entry.logprob}
+           for token, entry in zip(tokens, entries, strict=True)]
+    return TextLogprobs(tokens, [entry.logprob for entry in entries], top, offsets)
+
+
+@dataclass
+class Answer:
+    """One choice's answer, as the non-streamed response reports it."""
+
+    text: str
+    finish_reason: str
+    logprobs: list[TokenLogprob] | None = None
+    """None: not asked for."""
+
+
+def full_response(kind: Kind, response_id: str, created: int, model: str, answers: list[Answer],
                   token_usage: Usage) -> ChatCompletion | Completion:
-    """The non-streamed response; `answers` holds each choice's (text, finish_reason), in order."""
+    """The non-streamed response; `answers` holds each choice's, in order."""
     if kind == "chat":
-        choices = [ChatChoice(i, AssistantMessage("assistant", text), finish) for i, (text, finish) in enumerate(answers)]
+        choices = [ChatChoice(i, AssistantMessage("assistant", a.text), a.finish_reason,
+                              None if a.logprobs is None else chat_logprobs(a.logprobs))
+                   for i, a in enumerate(answers)]
         return ChatCompletion(response_id, created, model, choices, token_usage)
-    completions = [CompletionChoice(i, text, finish) for i, (text, finish) in enumerate(answers)]
+    completions = [CompletionChoice(i, a.text, a.finish_reason,
+                                    None if a.logprobs is None else text_logprobs(a.logprobs))
+                   for i, a in enumerate(answers)]
     return Completion(response_id, created, model, completions, usage=token_usage)
 
 
 def stream_chunk(kind: Kind, response_id: str, created: int, model: str, *, index: int = 0,
                  text: str | None = None, finish_reason: str | None = None, role: bool = False,
-                 token_usage: Usage | None = None, usage_only: bool = False) -> bytes:
+                 token_usage: Usage | None = None, usage_only: bool = False,
+                 logprobs: ChatLogprobs | TextLogprobs | None = None) -> bytes:
     """One SSE ``data:`` payload of a streamed response: choice `index`'s delta, or the usage."""
     if kind == "chat":
+        assert logprobs is None or isinstance(logprobs, ChatLogprobs), "a chat chunk's logprobs"
         choices = [] if usage_only else [
-            ChatChunkChoice(index, Delta(role="assistant" if role else None, content=text), finish_reason)
+            ChatChunkChoice(index, Delta(role="assistant" if role else None, content=text), finish_reason, logprobs)
         ]
         chunk: Struct = ChatCompletionChunk(response_id, created, model, choices, usage=token_usage)
     else:
-        choices_c = [] if usage_only else [CompletionChoice(index, text or "", finish_reason)]
+        assert logprobs is None or isinstance(logprobs, TextLogprobs), "a completion chunk's logprobs"
+        choices_c = [] if usage_only else [CompletionChoice(index, text or "", finish_reason, logprobs)]
         chunk = Completion(response_id, created, model, choices_c, usage=token_usage)
     return encoder.encode(chunk)

@@ -22,12 +22,16 @@ from shoal.services.gateway.errors import ApiError, BadRequest, NotFound, error_
 from shoal.services.gateway.openai_api import (
     SESSION_HEADER,
     UNLIMITED_MAX_TOKENS,
+    Answer,
     ChatCompletionRequest,
+    ChatLogprobs,
     CompletionRequest,
     Kind,
     ModelCard,
     ModelList,
+    TextLogprobs,
     Usage,
+    chat_logprobs,
     chat_messages,
     check_fits_in_message,
     check_num_choices,
@@ -40,13 +44,14 @@ from shoal.services.gateway.openai_api import (
     session_id_of,
     stream_chunk,
     stream_mode,
+    text_logprobs,
     usage,
 )
 from shoal.services.gateway.progress import WaitProgress
 from shoal.services.gateway.request_ids import REQUEST_ID, REQUEST_ID_HEADER
 from shoal.services.gateway.sse import SseStream
 from shoal.services.gateway.state import GATEWAY, GatewayState
-from shoal.shared.messages import FinalReply, InferenceRequest, TokenChunk
+from shoal.shared.messages import FinalReply, InferenceRequest, TokenChunk, TokenLogprob
 from shoal.shared.subjects import MAX_MODEL_KEY_CHARS
 
 log = structlog.get_logger(__name__)
@@ -185,28 +190,33 @@ def _choices_usage(choices: list[Choice], finals: list[FinalReply]) -> Usage:
 
 
 async def _collect(state: GatewayState, choices: list[Choice], kind: Kind, request_id: str) -> web.Response:
-    answers = await gathered([_collect_one(state, choice.request) for choice in choices])
+    collected = await gathered([_collect_one(state, choice.request) for choice in choices])
     first = choices[0].request
     body = full_response(kind, _response_id(kind, request_id), int(first.created), first.model,
-                         [(text, final.finish_reason) for text, final in answers],
-                         _choices_usage(choices, [final for _, final in answers]))
-    return _json(body, headers={REPLICA_HEADER: answers[0][1].replica_id})  # X-Request-Id: request_id_middleware
+                         [answer for answer, _ in collected],
+                         _choices_usage(choices, [final for _, final in collected]))
+    return _json(body, headers={REPLICA_HEADER: collected[0][1].replica_id})  # X-Request-Id: request_id_middleware
 
 
-async def _collect_one(state: GatewayState, inference: InferenceRequest) -> tuple[str, FinalReply]:
+async def _collect_one(state: GatewayState, inference: InferenceRequest) -> tuple[Answer, FinalReply]:
     parts: list[str] = []
+    logprobs: list[TokenLogprob] | None = None if inference.params.logprobs is None else []
     final: FinalReply | None = None
     async with contextlib.aclosing(state.dispatcher.run(inference, restartable=True)) as events:
         async for event in events:
             match event:
                 case Restart():
                     parts.clear()
+                    if logprobs is not None:
+                        logprobs.clear()
                 case TokenChunk(text=text):
                     parts.append(text)
+                    if logprobs is not None:
+                        logprobs += event.logprobs or ()
                 case FinalReply():
                     final = event
     assert final is not None, "dispatcher ended without a final reply or an error"
-    return "".join(parts), final
+    return Answer("".join(parts), final.finish_reason, logprobs), final
 
 
 def _response_id(kind: Kind, request_id: str) -> str:
@@ -231,6 +241,7 @@ async def _stream(request: web.Request, state: GatewayState, choices: list[Choic
     runs = [state.dispatcher.run(choice.request, restartable=False) for choice in choices]
     events = merged(runs)
     finals: list[FinalReply | None] = [None] * len(choices)
+    chunk_logprobs = _ChunkLogprobs(kind, len(choices)) if first.params.logprobs is not None else None
     outcome = "ok"
     async with contextlib.AsyncExitStack() as closing, sse.keeping_alive():
         for run in runs:
@@ -248,7 +259,9 @@ async def _stream(request: web.Request, state: GatewayState, choices: list[Choic
             while True:
                 match event:
                     case TokenChunk(text=text):
-                        await sse.send(stream_chunk(kind, response_id, created, model, index=index, text=text))
+                        logprobs = None if chunk_logprobs is None else chunk_logprobs.of(index, event)
+                        await sse.send(stream_chunk(kind, response_id, created, model, index=index, text=text,
+                                                    logprobs=logprobs))
                     case FinalReply():
                         finals[index] = event
                         await sse.send(stream_chunk(kind, response_id, created, model, index=index,
@@ -274,3 +287,20 @@ async def _stream(request: web.Request, state: GatewayState, choices: list[Choic
             await sse.send(error_payload(exc))
         await sse.done()
     return sse.response, outcome
+
+
+class _ChunkLogprobs:
+    """The ``logprobs`` of each streamed chunk; a completion's token offsets run on from the
+    choice's previous chunks."""
+
+    def __init__(self, kind: Kind, num_choices: int) -> None:
+        self._kind = kind
+        self._offsets = [0] * num_choices
+
+    def of(self, index: int, chunk: TokenChunk) -> ChatLogprobs | TextLogprobs:
+        entries = chunk.logprobs or []
+        if self._kind == "chat":
+            return chat_logprobs(entries)
+        logprobs = text_logprobs(entries, self._offsets[index])
+        self._offsets[index] += sum(len(token) for token in logprobs.tokens)
+        return logprobs

@@ -57,6 +57,16 @@ class GenerationRequest:
 
 
 @dataclass(frozen=True)
+class TokenLogprobs:
+    """A generated token's log probability and the `top` most likely (token id, log
+    probability) pairs at its place, most likely first."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True)
 class GenerationOutput:
     request_id: str
     text: str
@@ -69,6 +79,8 @@ class GenerationOutput:
     error: str | None = None
     token_hash: int = 0
     """`next_token_hash` over every token generated so far (`TextStream.token_hash`)."""
+    logprobs: tuple[TokenLogprobs, ...] = ()
+    """Of this output's new tokens, in order, when the request asked for them."""
 
 
 class Engine(Protocol):

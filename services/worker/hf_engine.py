@@ -92,6 +92,9 @@ class HFGenerateEngine:
                 400,
                 param="presence_penalty" if request.params.presence_penalty else "frequency_penalty",
             )
+        if request.params.logprobs is not None:
+            raise RequestRejected("logprobs need the paged engine; this model runs on the hf engine", 400,
+                                  param="logprobs")
         if self.fatal_error is not None:
             raise EngineFailed(f"the engine died: {self.fatal_error}") from self.fatal_error
         max_new = min(request.params.max_tokens, max_len - num_prompt)

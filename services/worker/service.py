@@ -40,6 +40,7 @@ from shoal.services.worker.generation import Engine, EngineFailed, GenerationReq
 from shoal.services.worker.prompts import prompt_chars, prompt_token_ids
 from shoal.services.worker.pulling import pull_arrivals
 from shoal.services.worker.replica_queue import ReplicaQueue
+from shoal.services.worker.token_bytes import TokenBytes
 from shoal.shared import subjects
 from shoal.shared.bus import Bus, ensure_model_consumer
 from shoal.shared.messages import (
@@ -49,6 +50,7 @@ from shoal.shared.messages import (
     FinalReply,
     InferenceRequest,
     TokenChunk,
+    TokenLogprob,
     cancel_decoder,
     encode_msgpack,
     now,
@@ -130,6 +132,7 @@ class WorkerService:
         self._eos_token_ids = eos_token_ids
         self._max_model_len = max_model_len
         self._vocab_size = vocab_size
+        self._token_bytes = TokenBytes(tokenizer)
         # One thread: a tokenizer is not made to be used from several threads at once.
         self._tokenizing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
         self._ack_wait_s = ack_wait_s
@@ -380,8 +383,9 @@ class WorkerService:
             )
             try:
                 async for output in self._engine.generate(gen_request):
-                    if output.text:
-                        await replier.chunk(output.text, output.num_new_tokens, output.token_hash)
+                    if output.text or output.logprobs:
+                        await replier.chunk(output.text, output.num_new_tokens, output.token_hash,
+                                            self._token_bytes.to_wire(output.logprobs))
                     if output.finished:
                         return await self._finish(request, replier, output, logger)
             finally:
@@ -511,8 +515,10 @@ class _Replier:
         message = AttemptNotice(self.request_id, self.attempt, state, self.replica_id, ack_subject, stream_seq)
         await self._publish(encode_msgpack(message))
 
-    async def chunk(self, text: str, num_tokens: int, token_hash: int = 0) -> None:
-        message = TokenChunk(self.request_id, self.attempt, self.seq, text, num_tokens, self.replica_id, token_hash)
+    async def chunk(self, text: str, num_tokens: int, token_hash: int = 0,
+                    logprobs: list[TokenLogprob] | None = None) -> None:
+        message = TokenChunk(self.request_id, self.attempt, self.seq, text, num_tokens, self.replica_id, token_hash,
+                             logprobs)
         self.seq += 1
         await self._publish(encode_msgpack(message))
 

@@ -98,6 +98,41 @@ def test_a_logit_bias_steers_the_tokens(client: openai.OpenAI, demo_models_root:
     assert forced.choices[0].text == tokenizer.decode([300] * 5) != free.choices[0].text
 
 
+def test_chat_logprobs_cover_every_token_with_its_alternatives(client: openai.OpenAI) -> None:
+    response = client.chat.completions.create(
+        model=SMALL, messages=[{"role": "user", "content": "Hi"}], max_tokens=6, temperature=0, logprobs=True,
+        top_logprobs=3, extra_body={"ignore_eos": True})
+    choice = response.choices[0]
+    content = choice.logprobs.content
+    assert len(content) == response.usage.completion_tokens == 6
+    assert bytes(b for entry in content for b in entry.bytes).decode() == choice.message.content
+    for entry in content:
+        assert entry.token == bytes(entry.bytes).decode("utf-8", "replace")
+        values = [top.logprob for top in entry.top_logprobs]
+        assert len(values) == 3 and values == sorted(values, reverse=True) and all(v <= 0 for v in values)
+        # greedy: the chosen token is the most likely one
+        assert (entry.token, entry.logprob) == (entry.top_logprobs[0].token, values[0])
+    plain = client.chat.completions.create(model=SMALL, messages=[{"role": "user", "content": "Hi"}], max_tokens=2)
+    assert plain.choices[0].logprobs is None
+
+
+def test_completion_logprobs_streamed_and_not_agree(client: openai.OpenAI) -> None:
+    kwargs = dict(model=SMALL, prompt="Once upon", max_tokens=8, temperature=0, logprobs=2,
+                  extra_body={"ignore_eos": True})
+    full = client.completions.create(**kwargs).choices[0]
+    logprobs = full.logprobs
+    assert len(logprobs.tokens) == len(logprobs.token_logprobs) == len(logprobs.top_logprobs) == 8
+    assert "".join(logprobs.tokens) == full.text
+    assert logprobs.text_offset == [sum(len(t) for t in logprobs.tokens[:i]) for i in range(8)]
+    for token, value, top in zip(logprobs.tokens, logprobs.token_logprobs, logprobs.top_logprobs, strict=True):
+        assert top[token] == value and max(top.values()) == value and 1 <= len(top) <= 2
+    chunks = [c.choices[0] for c in client.completions.create(**kwargs, stream=True) if c.choices]
+    streamed = [c.logprobs for c in chunks if c.logprobs is not None]
+    assert [t for lp in streamed for t in lp.tokens] == logprobs.tokens
+    assert [v for lp in streamed for v in lp.token_logprobs] == pytest.approx(logprobs.token_logprobs)
+    assert [o for lp in streamed for o in lp.text_offset] == logprobs.text_offset
+
+
 def test_completion_streamed_and_not(client: openai.OpenAI) -> None:
     full = client.completions.create(model=SMALL, prompt="Once upon a time", max_tokens=10, temperature=0,
                                      extra_body={"ignore_eos": True})

@@ -460,6 +460,48 @@ async def test_logit_bias_equals_the_reference_in_a_mixed_batch(models: Models, 
         await engine.close()
 
 
+@pytest.mark.parametrize("key", ["demo/llama-5m", "demo/llama-5m" + PACKED])
+@pytest.mark.parametrize("stop", [[], ["<999999>"]], ids=["detokenized-by-consumer", "detokenized-in-step"])
+async def test_logprobs_are_the_models_distribution_for_every_token(models: Models, key: str, stop: list[str]) -> None:
+    """Each generated token comes with its log probability and its `logprobs` most likely
+    alternatives under the model's raw distribution (checked against one Hugging Face forward
+    over prompt and completion), whatever the sampling settings; requests beside it that do
+    not ask get none."""
+    prompt = _prompts(1000, (9,), seed=4)[0]
+    engine = _engine(models.load(key), max_num_seqs=8)
+    try:
+        asking = _collect_logprobs(engine, _request("lp", prompt, max_tokens=10, temperature=0.9, seed=1,
+                                                    logprobs=3, repetition_penalty=1.3, stop=stop))
+        plain = _collect_logprobs(engine, _request("plain", prompt, max_tokens=10, stop=stop))
+        (text, entries), (_, none) = await asyncio.gather(asking, plain)
+    finally:
+        await engine.close()
+    assert none == []
+    completion = [entry.token_id for entry in entries]
+    assert text == echo(completion) and len(completion) == 10
+    reference = models.load(key.removesuffix(PACKED))
+    with torch.inference_mode():
+        logits = reference(torch.tensor([prompt + completion])).logits[0, len(prompt) - 1: -1]
+    expected = torch.log_softmax(logits.float(), dim=-1)
+    for step, entry in enumerate(entries):
+        assert entry.logprob == pytest.approx(expected[step, entry.token_id].item(), abs=1e-4)
+        top_values, top_ids = expected[step].topk(3)
+        assert [t for t, _ in entry.top] == top_ids.tolist()
+        assert [v for _, v in entry.top] == pytest.approx(top_values.tolist(), abs=1e-4)
+
+
+async def _collect_logprobs(engine: PagedEngine, request: GenerationRequest) -> tuple[str, list[Any]]:
+    """A request's text and its outputs' log probabilities, which must cover its tokens."""
+    text, entries = "", []
+    async for output in engine.generate(request):
+        text += output.text
+        entries += output.logprobs
+        if output.finished:
+            assert len(entries) == (output.num_completion_tokens if request.params.logprobs is not None else 0)
+            return text, entries
+    raise AssertionError("the stream ended without a finished output")
+
+
 async def test_requests_that_cannot_run_are_rejected(models: Models) -> None:
     model = models.load("demo/llama-5m")
     engine = _engine(model, num_blocks=8)  # 32 tokens of KV

@@ -1,13 +1,15 @@
-"""The fallback `hf` engine honours the sampling fields it accepts: a logit bias reaches
-Hugging Face `generate` (as its `sequence_bias`)."""
+"""The fallback `hf` engine honours the sampling fields it accepts (a logit bias reaches
+Hugging Face `generate` as its `sequence_bias`) and refuses, naming the field, what it cannot
+do (log probabilities)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from shoal.services.worker.generation import GenerationRequest
+from shoal.services.worker.generation import GenerationRequest, RequestRejected
 from shoal.services.worker.hf_engine import HFGenerateEngine
 from shoal.shared.messages import SamplingParams
 
@@ -17,7 +19,7 @@ async def _text(engine: HFGenerateEngine, params: SamplingParams) -> str:
     return "".join([output.text async for output in engine.generate(request)])
 
 
-async def test_a_logit_bias_steers_the_hf_engine(demo_models_root: Path) -> None:
+async def test_the_hf_engine_takes_a_logit_bias_and_refuses_logprobs(demo_models_root: Path) -> None:
     path = demo_models_root / "demo" / "llama-5m"
     tokenizer = AutoTokenizer.from_pretrained(path)
     engine = HFGenerateEngine(AutoModelForCausalLM.from_pretrained(path).eval(), tokenizer, 2048)
@@ -27,5 +29,8 @@ async def test_a_logit_bias_steers_the_hf_engine(demo_models_root: Path) -> None
         forced = await _text(engine, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True,
                                                     logit_bias={300: 100.0}))
         assert forced == tokenizer.decode([300] * 6) != plain
+        with pytest.raises(RequestRejected) as caught:
+            await _text(engine, SamplingParams(max_tokens=2, logprobs=1))
+        assert caught.value.param == "logprobs" and caught.value.status == 400
     finally:
         await engine.close()

@@ -5,7 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shoal.services.worker.engine.sampler import SamplingState, TokenHistory, sample
+from shoal.services.worker.engine.sampler import (
+    MIN_LOGPROB,
+    SamplingState,
+    TokenHistory,
+    sample,
+    token_logprobs,
+)
 from shoal.shared.messages import SamplingParams
 
 # Token 0 most likely, then 1, 2, ...: probabilities 0.4, 0.3, 0.2, 0.06, 0.04.
@@ -109,3 +115,27 @@ def test_a_bias_and_penalties_combine() -> None:
     history = TokenHistory([5, 0], num_prompt_tokens=1)  # token 0 generated once: 2.0 - 1.0 = 1.0
     # token 2: 0.5 + 0.6 = 1.1 beats both token 0's 1.0 and token 1's 1.0
     assert sample(torch.tensor([[2.0, 1.0, 0.5, -1.0, -1.0, -1.0]]), [state], [history]) == [2]
+
+
+def test_logprobs_report_the_raw_distribution_for_the_rows_that_ask() -> None:
+    logits = torch.stack([LOGITS, LOGITS.flip(0), LOGITS])
+    states = [SamplingState.from_params(SamplingParams(temperature=0.5, logit_bias={4: 50.0}, logprobs=2)),
+              SamplingState.from_params(SamplingParams(temperature=0.0)),
+              SamplingState.from_params(SamplingParams(temperature=0.0, logprobs=0))]
+    token_ids = sample(logits, states)
+    assert token_ids == [4, 4, 0]
+    first, second, third = token_logprobs(logits, states, token_ids)
+    assert second is None
+    # the bias and the temperature chose token 4; its reported log probability is the model's
+    assert first is not None and first.token_id == 4 and first.logprob == pytest.approx(PROBS[4].log().item())
+    assert [t for t, _ in first.top] == [0, 1]
+    assert [v for _, v in first.top] == pytest.approx([PROBS[0].log().item(), PROBS[1].log().item()])
+    assert third is not None and third.top == () and third.logprob == pytest.approx(PROBS[0].log().item())
+    assert token_logprobs(logits, [states[1]] * 3, token_ids) is None
+
+
+def test_an_impossible_token_reports_the_floor_not_minus_infinity() -> None:
+    logits = torch.tensor([[0.0, float("-inf")]])
+    state = SamplingState.from_params(SamplingParams(temperature=1.0, seed=0, logprobs=1))
+    (entry,) = token_logprobs(logits, [state], [1])  # as if drawn (it cannot be)
+    assert entry is not None and entry.logprob == MIN_LOGPROB

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 from shoal.services.worker.engine.sampler import SamplingState
 from shoal.services.worker.engine.sequence import Sequence
-from shoal.services.worker.generation import GenerationOutput, GenerationRequest, TextStream
+from shoal.services.worker.generation import GenerationOutput, GenerationRequest, TextStream, TokenLogprobs
 
 
 @dataclass(frozen=True, eq=False)
@@ -20,6 +20,8 @@ class Tokens:
 
     token_ids: tuple[int, ...]
     final: GenerationOutput | None = None
+    logprobs: tuple[TokenLogprobs, ...] = ()
+    """Of `token_ids`, when the request asked for them."""
 
 
 @dataclass(eq=False)
@@ -34,6 +36,8 @@ class RequestState:
     queue: asyncio.Queue[GenerationOutput | Tokens]
     num_unsent_tokens: int = 0
     """Tokens whose text is held back (half a character, a possible stop string)."""
+    unsent_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    """Those tokens' log probabilities (requests that ask for them)."""
     finished: bool = False
     detokenize_in_step: bool = False
     """With stop strings the step thread detokenizes (a stop string ends the sequence in the

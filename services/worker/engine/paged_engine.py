@@ -39,7 +39,7 @@ from shoal.services.worker.engine.model_runner import ModelRunner
 from shoal.services.worker.engine.native_forward import PackedModel, get_unsupported_reason, pack_model
 from shoal.services.worker.engine.outputs import Outbox, RequestState, Tokens
 from shoal.services.worker.engine.packed_load import restore_parameters
-from shoal.services.worker.engine.sampler import SamplingState, TokenHistory, sample
+from shoal.services.worker.engine.sampler import SamplingState, TokenHistory, sample, token_logprobs
 from shoal.services.worker.engine.sequence import Sequence
 from shoal.services.worker.engine.session_kv import SessionKV
 from shoal.services.worker.engine.sizing import (
@@ -56,6 +56,7 @@ from shoal.services.worker.generation import (
     GenerationRequest,
     RequestRejected,
     TextStream,
+    TokenLogprobs,
 )
 from shoal.shared.kv_cache.block_pool import BlockPool
 from shoal.shared.kv_cache.cost_model import CostProfile
@@ -300,6 +301,7 @@ class PagedEngine:
         """
         state = self._admit(request)
         stream, num_unsent = state.text, 0
+        logprobs: list[TokenLogprobs] = []  # of the unsent tokens
         try:
             while True:
                 item = await state.queue.get()
@@ -315,16 +317,19 @@ class PagedEngine:
                 for token_id in item.token_ids:
                     num_unsent += 1
                     text += stream.push(token_id)
+                logprobs += item.logprobs
                 final = item.final
                 if final is not None:
                     if final.finish_reason != "cancelled":
                         text += stream.finish()
                     yield dataclasses.replace(final, text=text, num_new_tokens=num_unsent,
-                                              token_hash=stream.token_hash)
+                                              token_hash=stream.token_hash, logprobs=tuple(logprobs))
                     return
                 if text:
-                    yield GenerationOutput(request.request_id, text, num_unsent, token_hash=stream.token_hash)
+                    yield GenerationOutput(request.request_id, text, num_unsent, token_hash=stream.token_hash,
+                                           logprobs=tuple(logprobs))
                     num_unsent = 0
+                    logprobs.clear()
         finally:
             if not state.finished:  # the consumer went away: stop generating for it
                 self.cancel(request.request_id)
@@ -562,6 +567,7 @@ class PagedEngine:
         try:
             logits = self._runner.execute(step)
             token_ids = sample(logits, sampling_states, histories, self._runner.last_argmax)
+            logprobs = token_logprobs(logits, sampling_states, token_ids)
         except Exception as exc:  # a failed pass fails its requests, not the engine...
             if is_fatal_device_error(exc):  # ...unless the GPU context is poisoned
                 self._die(exc)
@@ -581,8 +587,10 @@ class PagedEngine:
             self._num_step_seqs += len(plan.chunks)
             self._step_seconds += elapsed
             has_first_token = False
+            logprobs_by_seq = {} if logprobs is None else {
+                seq.seq_id: entry for seq, entry in zip(sampled, logprobs, strict=True) if entry is not None}
             for update in self._scheduler.update(plan, token_ids):
-                self._emit(update, outbox)
+                self._emit(update, outbox, logprobs_by_seq.get(update.seq.seq_id))
                 has_first_token = has_first_token or update.seq.num_output_tokens == 1
             if has_first_token:
                 # A request's first token goes at once, not after the next pass is planned: time
@@ -603,14 +611,16 @@ class PagedEngine:
         """The step thread is to end (closed, or suspended for a park)."""
         return self._closed or self._suspended
 
-    def _emit(self, update: SequenceUpdate, outbox: Outbox) -> None:
+    def _emit(self, update: SequenceUpdate, outbox: Outbox, logprobs: TokenLogprobs | None) -> None:
         """Turn a new token into text; end the request on a stop string or a finish reason."""
         state = self._requests[update.seq.seq_id]
+        if logprobs is not None:
+            state.unsent_logprobs.append(logprobs)
         if not state.detokenize_in_step:
             if update.finish_reason is not None:
                 self._finish(state, update.finish_reason, outbox, token_ids=(update.token_id,))
             else:
-                outbox.put(state, Tokens((update.token_id,)))
+                outbox.put(state, Tokens((update.token_id,), logprobs=self._take_logprobs(state)))
             return
         state.num_unsent_tokens += 1
         delta = state.text.push(update.token_id)
@@ -621,8 +631,18 @@ class PagedEngine:
             self._finish(state, update.finish_reason, outbox, delta=delta)
         elif delta:
             outbox.put(state, GenerationOutput(state.request.request_id, delta, state.num_unsent_tokens,
-                                               token_hash=state.text.token_hash))
+                                               token_hash=state.text.token_hash,
+                                               logprobs=self._take_logprobs(state)))
             state.num_unsent_tokens = 0
+
+    @staticmethod
+    def _take_logprobs(state: RequestState) -> tuple[TokenLogprobs, ...]:
+        """The log probabilities of the tokens an output now carries (forgotten here)."""
+        if not state.unsent_logprobs:
+            return ()
+        taken = tuple(state.unsent_logprobs)
+        state.unsent_logprobs.clear()
+        return taken
 
     def _finish(
         self,
@@ -650,10 +670,10 @@ class PagedEngine:
             token_hash=state.text.token_hash,
         )
         if not state.detokenize_in_step:
-            outbox.put(state, Tokens(token_ids, final))
+            outbox.put(state, Tokens(token_ids, final, self._take_logprobs(state)))
             return
         text = delta + (state.text.finish() if finish_reason != "cancelled" else "")
-        outbox.put(state, dataclasses.replace(final, text=text))
+        outbox.put(state, dataclasses.replace(final, text=text, logprobs=self._take_logprobs(state)))
 
     def _send_pending(self) -> None:
         """Sends the last step's outputs if not yet sent (call under the lock)."""

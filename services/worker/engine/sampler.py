@@ -20,7 +20,11 @@ from dataclasses import dataclass
 
 import torch
 
+from shoal.services.worker.generation import TokenLogprobs
 from shoal.shared.messages import SamplingParams
+
+MIN_LOGPROB = -9999.0
+"""A log probability of minus infinity as reported (JSON has no infinity; vLLM's value)."""
 
 
 @dataclass
@@ -40,6 +44,8 @@ class SamplingState:
     repetition_penalty: float = 1.0
     logit_bias: tuple[torch.Tensor, torch.Tensor] | None = None
     """(token ids, biases) added to the row's logits; None: no bias."""
+    num_logprobs: int | None = None
+    """Report the chosen token's log probability and this many alternatives; None: don't."""
 
     @classmethod
     def from_params(cls, params: SamplingParams) -> SamplingState:
@@ -61,6 +67,7 @@ class SamplingState:
             frequency_penalty=params.frequency_penalty,
             repetition_penalty=params.repetition_penalty,
             logit_bias=_bias_tensors(params.logit_bias),
+            num_logprobs=params.logprobs,
         )
 
     @property
@@ -166,3 +173,27 @@ def _sample_rows(logits: torch.Tensor, states: list[SamplingState]) -> torch.Ten
     num_kept = (~outside).sum(dim=-1, keepdim=True)
     picks = torch.minimum(picks, num_kept - 1)
     return sorted_ids.gather(-1, picks).squeeze(-1)
+
+
+def token_logprobs(logits: torch.Tensor, states: list[SamplingState], token_ids: list[int]
+                   ) -> list[TokenLogprobs | None] | None:
+    """Each row's chosen token's log probability and its `num_logprobs` most likely tokens',
+    for the rows that ask (None for the others; None for all when none asks). From the raw
+    `logits` [num_rows, vocab_size]: the model's distribution, before penalties, bias and
+    temperature (as vLLM reports by default)."""
+    rows = [row for row, state in enumerate(states) if state.num_logprobs is not None]
+    if not rows:
+        return None
+    logprobs = torch.log_softmax(logits[rows].float(), dim=-1).clamp_(min=MIN_LOGPROB)
+    chosen = logprobs.gather(1, torch.tensor([[token_ids[row]] for row in rows], device=logprobs.device))[:, 0].tolist()
+    num_top = max(states[row].num_logprobs or 0 for row in rows)
+    top_ids: list[list[int]] = [[] for _ in rows]
+    top_values: list[list[float]] = [[] for _ in rows]
+    if num_top:
+        values, ids = logprobs.topk(num_top, dim=-1)
+        top_ids, top_values = ids.tolist(), values.tolist()
+    result: list[TokenLogprobs | None] = [None] * len(states)
+    for i, row in enumerate(rows):
+        k = states[row].num_logprobs or 0
+        result[row] = TokenLogprobs(token_ids[row], chosen[i], tuple(zip(top_ids[i][:k], top_values[i][:k], strict=True)))
+    return result
