@@ -102,14 +102,3 @@ async def merged(streams: Sequence[AsyncIterator[T]]) -> AsyncGenerator[tuple[in
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-
-
-async def gathered(coroutines: Sequence[Any]) -> list[Any]:
-    """The coroutines' results in order; the first error is raised once the others are cancelled."""
-    tasks = [asyncio.ensure_future(coroutine) for coroutine in coroutines]
-    try:
-        return list(await asyncio.gather(*tasks))
-    finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)

@@ -11,13 +11,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections.abc import AsyncIterator
 from typing import Any
 
 import structlog
 from aiohttp import web
 
-from shoal.services.gateway.choices import Choice, expand, gathered, merged
-from shoal.services.gateway.dispatch import Restart
+from shoal.services.gateway.choices import Choice, expand, merged
+from shoal.services.gateway.dispatch import DispatchEvent, Restart
 from shoal.services.gateway.errors import ApiError, BadRequest, NotFound, error_payload
 from shoal.services.gateway.openai_api import (
     SESSION_HEADER,
@@ -189,34 +190,57 @@ def _choices_usage(choices: list[Choice], finals: list[FinalReply]) -> Usage:
     return usage(prompt_tokens, sum(final.completion_tokens for final in finals))
 
 
+@contextlib.asynccontextmanager
+async def _generating(state: GatewayState, choices: list[Choice], *, restartable: bool
+                      ) -> AsyncIterator[AsyncIterator[tuple[int, DispatchEvent]]]:
+    """Every choice's dispatcher events as they come, each with its choice's index; on
+    leaving, every choice still running is cancelled."""
+    runs = [state.dispatcher.run(choice.request, restartable=restartable) for choice in choices]
+    events = merged(runs)
+    async with contextlib.AsyncExitStack() as closing:
+        for run in runs:
+            closing.push_async_callback(run.aclose)
+        closing.push_async_callback(events.aclose)  # first: it stops the tasks reading the runs
+        yield events
+
+
+class _Collected:
+    """One choice's answer as its events come (a non-streamed response)."""
+
+    def __init__(self, wants_logprobs: bool) -> None:
+        self.parts: list[str] = []
+        self.logprobs: list[TokenLogprob] | None = [] if wants_logprobs else None
+        self.final: FinalReply | None = None
+
+    def add(self, event: DispatchEvent) -> None:
+        match event:
+            case Restart():
+                self.parts.clear()
+                if self.logprobs is not None:
+                    self.logprobs.clear()
+            case TokenChunk(text=text):
+                self.parts.append(text)
+                if self.logprobs is not None:
+                    self.logprobs += event.logprobs or ()
+            case FinalReply():
+                self.final = event
+
+    def answer(self) -> Answer:
+        assert self.final is not None, "dispatcher ended without a final reply or an error"
+        return Answer("".join(self.parts), self.final.finish_reason, self.logprobs)
+
+
 async def _collect(state: GatewayState, choices: list[Choice], kind: Kind, request_id: str) -> web.Response:
-    collected = await gathered([_collect_one(state, choice.request) for choice in choices])
     first = choices[0].request
-    body = full_response(kind, _response_id(kind, request_id), int(first.created), first.model,
-                         [answer for answer, _ in collected],
-                         _choices_usage(choices, [final for _, final in collected]))
-    return _json(body, headers={REPLICA_HEADER: collected[0][1].replica_id})  # X-Request-Id: request_id_middleware
-
-
-async def _collect_one(state: GatewayState, inference: InferenceRequest) -> tuple[Answer, FinalReply]:
-    parts: list[str] = []
-    logprobs: list[TokenLogprob] | None = None if inference.params.logprobs is None else []
-    final: FinalReply | None = None
-    async with contextlib.aclosing(state.dispatcher.run(inference, restartable=True)) as events:
-        async for event in events:
-            match event:
-                case Restart():
-                    parts.clear()
-                    if logprobs is not None:
-                        logprobs.clear()
-                case TokenChunk(text=text):
-                    parts.append(text)
-                    if logprobs is not None:
-                        logprobs += event.logprobs or ()
-                case FinalReply():
-                    final = event
-    assert final is not None, "dispatcher ended without a final reply or an error"
-    return Answer("".join(parts), final.finish_reason, logprobs), final
+    collected = [_Collected(first.params.logprobs is not None) for _ in choices]
+    async with _generating(state, choices, restartable=True) as events:
+        async for index, event in events:
+            collected[index].add(event)
+    answers = [c.answer() for c in collected]
+    finals = [c.final for c in collected if c.final is not None]
+    body = full_response(kind, _response_id(kind, request_id), int(first.created), first.model, answers,
+                         _choices_usage(choices, finals))
+    return _json(body, headers={REPLICA_HEADER: finals[0].replica_id})  # X-Request-Id: request_id_middleware
 
 
 def _response_id(kind: Kind, request_id: str) -> str:
@@ -238,15 +262,10 @@ async def _stream(request: web.Request, state: GatewayState, choices: list[Choic
     progress = WaitProgress(state.cluster, model)
     sse = SseStream(request, keepalive_s=state.config.stream_keepalive_s, describe=progress.describe,
                     headers={REQUEST_ID_HEADER: request_id})
-    runs = [state.dispatcher.run(choice.request, restartable=False) for choice in choices]
-    events = merged(runs)
     finals: list[FinalReply | None] = [None] * len(choices)
     chunk_logprobs = _ChunkLogprobs(kind, len(choices)) if first.params.logprobs is not None else None
     outcome = "ok"
-    async with contextlib.AsyncExitStack() as closing, sse.keeping_alive():
-        for run in runs:
-            closing.push_async_callback(run.aclose)
-        closing.push_async_callback(events.aclose)  # first: it stops the tasks reading the runs
+    async with _generating(state, choices, restartable=False) as events, sse.keeping_alive():
         try:
             await state.dispatcher.ensure_placed(model, first.deadline)
             progress.stage = "queued"

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from shoal.services.gateway.choices import choice_seed, expand, gathered, merged
+from shoal.services.gateway.choices import choice_seed, expand, merged
 from shoal.services.gateway.errors import BadRequest, PayloadTooLarge
 from shoal.services.gateway.openai_api import CompletionRequest, check_num_choices, completion_prompts
 from shoal.shared.messages import InferenceRequest, SamplingParams
@@ -139,27 +139,3 @@ async def test_leaving_a_merge_early_stops_its_streams() -> None:
         break
     await events.aclose()
     assert sorted(closed) == [0, 1, 2]
-
-
-async def test_gathered_returns_in_order_and_cancels_the_rest_on_an_error() -> None:
-    async def value(v: int, delay_s: float) -> int:
-        await asyncio.sleep(delay_s)
-        return v
-
-    assert await gathered([value(1, 0.02), value(2, 0.0)]) == [1, 2]
-    cancelled = asyncio.Event()
-
-    async def long() -> None:
-        try:
-            await asyncio.sleep(10)
-        except asyncio.CancelledError:
-            cancelled.set()
-            raise
-
-    async def failing() -> None:
-        await asyncio.sleep(0.01)
-        raise BadRequest("no")
-
-    with pytest.raises(BadRequest):
-        await gathered([long(), failing()])
-    assert cancelled.is_set()
