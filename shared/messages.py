@@ -88,6 +88,9 @@ class SamplingParams(Struct, omit_defaults=True):
     logprobs: int | None = None
     """Report each generated token's log probability and this many most likely alternatives
     (0..20); None: no log probabilities."""
+    json_schema: str | None = None
+    """Structured output: the text must be JSON matching this schema (JSON text;
+    ``response_format``); None: free text."""
 
     def __post_init__(self) -> None:
         if self.temperature < GREEDY_BELOW_TEMPERATURE or self.top_p < GREEDY_BELOW_TEMPERATURE:

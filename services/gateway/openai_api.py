@@ -159,8 +159,6 @@ _UNSUPPORTED: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("tool_choice", lambda v: v in _TOOL_CHOICES_WITHOUT_CALLS, "tool_choice is not supported"),
     ("functions", lambda v: not v, "functions are not supported"),
     ("function_call", lambda v: v in _TOOL_CHOICES_WITHOUT_CALLS, "function_call is not supported"),
-    ("response_format", lambda v: not v or v.get("type", "text") == "text",
-     "only response_format {\"type\": \"text\"} is supported"),
     ("audio", lambda v: v is None, "audio output is not supported"),
     ("modalities", lambda v: v in (None, ["text"]), "only the \"text\" modality is supported"),
     ("echo", lambda v: not v, "echo is not supported"),
@@ -227,7 +225,30 @@ def sampling_params(req: _Sampling, max_tokens: int | None, default_max_tokens: 
         repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
         logit_bias=logit_bias_of(req),
         logprobs=requested_logprobs(req),
+        json_schema=json_schema_of(req),
     )
+
+
+def json_schema_of(req: _Sampling) -> str | None:
+    """The JSON schema a chat's ``response_format`` asks the text to follow, as JSON text:
+    ``json_object`` is any object, ``json_schema`` its ``json_schema.schema``; None for text."""
+    response_format = getattr(req, "response_format", None)
+    if not response_format:
+        return None
+    kind = response_format.get("type", "text")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return '{"type": "object"}'
+    if kind == "json_schema":
+        spec = response_format.get("json_schema")
+        schema = spec.get("schema") if isinstance(spec, dict) else None
+        if not isinstance(schema, dict):
+            raise BadRequest('response_format: json_schema needs {"name": ..., "schema": {...}}',
+                             param="response_format")
+        return msgspec.json.encode(schema).decode()
+    raise BadRequest(f"response_format type {kind!r}: use \"text\", \"json_object\" or \"json_schema\"",
+                     param="response_format")
 
 
 def requested_logprobs(req: _Sampling) -> int | None:

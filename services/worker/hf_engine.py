@@ -95,6 +95,9 @@ class HFGenerateEngine:
         if request.params.logprobs is not None:
             raise RequestRejected("logprobs need the paged engine; this model runs on the hf engine", 400,
                                   param="logprobs")
+        if request.params.json_schema is not None:
+            raise RequestRejected("response_format needs the paged engine; this model runs on the hf engine", 400,
+                                  param="response_format")
         if self.fatal_error is not None:
             raise EngineFailed(f"the engine died: {self.fatal_error}") from self.fatal_error
         max_new = min(request.params.max_tokens, max_len - num_prompt)

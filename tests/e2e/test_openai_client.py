@@ -133,6 +133,28 @@ def test_completion_logprobs_streamed_and_not_agree(client: openai.OpenAI) -> No
     assert [o for lp in streamed for o in lp.text_offset] == logprobs.text_offset
 
 
+def test_a_json_schema_gets_json_that_follows_it(client: openai.OpenAI) -> None:
+    schema = {"type": "object", "additionalProperties": False, "required": ["name", "size", "ok"],
+              "properties": {"name": {"type": "string", "maxLength": 8}, "size": {"enum": ["S", "M", "L"]},
+                             "ok": {"type": "boolean"}}}
+    for stream in (False, True):
+        kwargs = dict(model=OTHER, messages=[{"role": "user", "content": "Describe a shirt."}], max_tokens=120,
+                      response_format={"type": "json_schema", "json_schema": {"name": "shirt", "schema": schema}})
+        if stream:
+            text = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(**kwargs, stream=True)
+                           if c.choices)
+        else:
+            response = client.chat.completions.create(**kwargs)
+            assert response.choices[0].finish_reason == "stop"
+            text = response.choices[0].message.content
+        shirt = json.loads(text)
+        assert set(shirt) == {"name", "size", "ok"} and shirt["size"] in ("S", "M", "L") and len(shirt["name"]) <= 8
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model=OTHER, messages=[{"role": "user", "content": "x"}], response_format={
+            "type": "json_schema", "json_schema": {"name": "bad", "schema": {"type": 5}}})
+    assert caught.value.body["param"] == "response_format"
+
+
 def test_completion_streamed_and_not(client: openai.OpenAI) -> None:
     full = client.completions.create(model=SMALL, prompt="Once upon a time", max_tokens=10, temperature=0,
                                      extra_body={"ignore_eos": True})

@@ -78,7 +78,10 @@ async def gateway(bus: Bus, nats_server: EmbeddedNatsServer) -> AsyncIterator[st
         ("completion", {"logprobs": -1}, "logprobs"),
         ("chat", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
         ("chat", {"tool_choice": "required"}, "tool_choice"),
-        ("chat", {"response_format": {"type": "json_object"}}, "response_format"),
+        ("chat", {"response_format": {"type": "yaml"}}, "response_format"),
+        ("chat", {"response_format": {"type": "json_schema"}}, "response_format"),
+        ("chat", {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format"),
+        ("chat", {"response_format": {"type": "json_schema", "json_schema": {"schema": [1]}}}, "response_format"),
         ("chat", {"modalities": ["text", "audio"]}, "modalities"),
         ("chat", {"stream_options": {"include_usage": True}}, "stream_options"),
         ("completion", {"stream": False, "stream_options": {"include_usage": True}}, "stream_options"),
@@ -130,6 +133,9 @@ async def test_a_number_beyond_float_range_is_400_naming_the_field(gateway: str)
                                           "stream": True, "stream_options": {"include_usage": None}}),
         ("/v1/completions", COMPLETION | {"prompt": ["a", "b"], "n": 64, "seed": 2**63 - 1, "logprobs": 20}),
         ("/v1/chat/completions", CHAT | {"logprobs": True, "top_logprobs": 20}),
+        ("/v1/chat/completions", CHAT | {"response_format": {"type": "json_object"}}),
+        ("/v1/chat/completions", CHAT | {"response_format": {"type": "json_schema", "json_schema": {
+            "name": "x", "schema": {"type": "object"}, "strict": True}}}),
         ("/v1/chat/completions", CHAT | {"n": 128, "stream": True, "logit_bias": {"0": -100, "2147483647": 100}}),
     ],
 )

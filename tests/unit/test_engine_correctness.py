@@ -9,6 +9,7 @@ engine's text output is its exact token sequence.
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -500,6 +501,34 @@ async def _collect_logprobs(engine: PagedEngine, request: GenerationRequest) -> 
             assert len(entries) == (output.num_completion_tokens if request.params.logprobs is not None else 0)
             return text, entries
     raise AssertionError("the stream ended without a finished output")
+
+
+async def test_a_json_schema_shapes_its_request_and_leaves_the_batch_alone(models: Models) -> None:
+    """A request with a JSON schema writes JSON that follows it, then ends (greedy and sampled,
+    on the packed model's forward); greedy requests beside it equal `generate`."""
+    key = "demo/llama-5m"
+    tokenizer = AutoTokenizer.from_pretrained(models.root / key)
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 50},
+                                               "tag": {"enum": ["a", "b"]}},
+              "required": ["n", "tag"], "additionalProperties": False}
+    prompts = _prompts(1000, (7, 12), seed=9)
+    plain = [models.greedy(key, prompt, 8) for prompt in prompts]
+    engine = _engine(models.load(key + PACKED), tokenizer, max_num_seqs=8)
+    try:
+        shaped = [_collect(engine.generate(GenerationRequest(
+            f"json{i}", prompt, SamplingParams(max_tokens=200, temperature=temperature, seed=i,
+                                               json_schema=json.dumps(schema)), eos_token_ids=frozenset({eos}))))
+            for i, (prompt, temperature, eos) in enumerate(zip(prompts, (0.0, 1.2), [tokenizer.eos_token_id] * 2,
+                                                               strict=True))]
+        free = [_collect(engine.generate(_request(f"g{i}", p, max_tokens=8))) for i, p in enumerate(prompts)]
+        results = await asyncio.gather(*shaped, *free)
+    finally:
+        await engine.close()
+    for text, final in results[:2]:
+        assert final.finish_reason == "stop"
+        value = json.loads(text)
+        assert set(value) == {"n", "tag"} and 0 <= value["n"] <= 50 and value["tag"] in ("a", "b")
+    assert [text for text, _ in results[2:]] == [tokenizer.decode(tokens) for tokens in plain]
 
 
 async def test_requests_that_cannot_run_are_rejected(models: Models) -> None:

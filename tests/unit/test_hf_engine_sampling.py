@@ -1,6 +1,6 @@
 """The fallback `hf` engine honours the sampling fields it accepts (a logit bias reaches
 Hugging Face `generate` as its `sequence_bias`) and refuses, naming the field, what it cannot
-do (log probabilities)."""
+do (log probabilities, JSON schemas)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ async def _text(engine: HFGenerateEngine, params: SamplingParams) -> str:
     return "".join([output.text async for output in engine.generate(request)])
 
 
-async def test_the_hf_engine_takes_a_logit_bias_and_refuses_logprobs(demo_models_root: Path) -> None:
+async def test_the_hf_engine_takes_a_logit_bias_and_refuses_logprobs_and_json_schemas(demo_models_root: Path) -> None:
     path = demo_models_root / "demo" / "llama-5m"
     tokenizer = AutoTokenizer.from_pretrained(path)
     engine = HFGenerateEngine(AutoModelForCausalLM.from_pretrained(path).eval(), tokenizer, 2048)
@@ -32,5 +32,8 @@ async def test_the_hf_engine_takes_a_logit_bias_and_refuses_logprobs(demo_models
         with pytest.raises(RequestRejected) as caught:
             await _text(engine, SamplingParams(max_tokens=2, logprobs=1))
         assert caught.value.param == "logprobs" and caught.value.status == 400
+        with pytest.raises(RequestRejected) as caught:
+            await _text(engine, SamplingParams(max_tokens=2, json_schema='{"type": "object"}'))
+        assert caught.value.param == "response_format"
     finally:
         await engine.close()

@@ -48,6 +48,7 @@ from shoal.services.worker.engine.sizing import (
     make_thread_policy,
     size_pool,
 )
+from shoal.services.worker.engine.structured import Grammars
 from shoal.services.worker.engine.warm_up import get_warm_up_lengths, warm_up
 from shoal.services.worker.generation import (
     EngineFailed,
@@ -108,6 +109,7 @@ class PagedEngine:
     ) -> None:
         self.config = config
         self._tokenizer = tokenizer
+        self._grammars = Grammars(tokenizer)
         self.kernels: KernelBackend = ops.prepare(next(model.parameters()).device)
         """Which implementation runs the KV ops; on CUDA the kernels are built here, before
         any request (`ops.prepare` raises `KernelBuildError` when they cannot be)."""
@@ -468,6 +470,9 @@ class PagedEngine:
                 413,
             )
         params = request.params
+        sampling = SamplingState.from_params(params)
+        if params.json_schema is not None:
+            sampling.matcher = self._grammars.matcher(params.json_schema)
         eos_token_ids = frozenset() if params.ignore_eos else request.eos_token_ids
         max_num_tokens = min(max_model_len, num_prompt_tokens + max(1, params.max_tokens))
         loop = asyncio.get_running_loop()
@@ -494,7 +499,7 @@ class PagedEngine:
             state = RequestState(
                 request,
                 seq,
-                SamplingState.from_params(params),
+                sampling,
                 TextStream(self._tokenizer, params.stop),
                 loop,
                 asyncio.Queue(),

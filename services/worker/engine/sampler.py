@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from shoal.services.worker.engine.structured import TokenMatcher
 from shoal.services.worker.generation import TokenLogprobs
 from shoal.shared.messages import SamplingParams
 
@@ -46,6 +47,8 @@ class SamplingState:
     """(token ids, biases) added to the row's logits; None: no bias."""
     num_logprobs: int | None = None
     """Report the chosen token's log probability and this many alternatives; None: don't."""
+    matcher: TokenMatcher | None = None
+    """Structured output: the grammar the tokens must follow (the engine sets it)."""
 
     @classmethod
     def from_params(cls, params: SamplingParams) -> SamplingState:
@@ -75,9 +78,14 @@ class SamplingState:
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
 
     @property
+    def constrained(self) -> bool:
+        """A grammar still decides which tokens may come next."""
+        return self.matcher is not None and not self.matcher.done
+
+    @property
     def adjusts_logits(self) -> bool:
-        """Penalties or a bias: the row's logits change before its token is chosen."""
-        return self.has_penalties or self.logit_bias is not None
+        """Penalties, a bias or a grammar: the row's logits change before its token is chosen."""
+        return self.has_penalties or self.logit_bias is not None or self.constrained
 
 
 def _bias_tensors(logit_bias: dict[int, float]) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -121,11 +129,19 @@ def sample(
             if state.logit_bias is not None:
                 token_ids, biases = state.logit_bias
                 logits[row].index_add_(0, token_ids.to(logits.device), biases.to(logits.device, logits.dtype))
+            if state.constrained:
+                assert state.matcher is not None
+                state.matcher.mask(logits[row])
     token_ids = logits.argmax(dim=-1)
     sampled_rows = [row for row, state in enumerate(states) if state.generator is not None]
     if sampled_rows:
         token_ids[sampled_rows] = _sample_rows(logits[sampled_rows], [states[row] for row in sampled_rows])
-    return token_ids.tolist()
+    chosen: list[int] = token_ids.tolist()
+    for row in adjusted_rows:
+        matcher = states[row].matcher
+        if matcher is not None and not matcher.done:
+            matcher.advance(chosen[row])
+    return chosen
 
 
 def _penalize(logits: torch.Tensor, state: SamplingState, history: TokenHistory) -> torch.Tensor:

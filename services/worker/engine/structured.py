@@ -1,0 +1,90 @@
+"""Structured output: a request's JSON schema (``response_format``) as a token mask per step.
+
+llguidance (the grammar engine vLLM and llama.cpp use) compiles the schema into a matcher
+over the model's tokenizer; before each of the request's tokens the matcher says which tokens
+may come next, the sampler masks the others out, and the chosen token moves the matcher on.
+When the JSON is complete only end-of-sequence remains allowed, so the request stops there.
+
+JSON is written compactly, with at most `MAX_WHITESPACE` whitespace characters between its
+items: a grammar that allowed any amount would let a model pad without end (a known failure of
+unbounded JSON grammars with small models).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+
+from shoal.services.worker.generation import RequestRejected
+
+MAX_WHITESPACE = 4
+_JSON_OPTIONS: Any = {"whitespace_pattern": rf"[\x20\x0A\x0D\x09]{{0,{MAX_WHITESPACE}}}"}
+"""llguidance's JsonCompileOptions (a TypedDict of its stubs)."""
+
+
+class Grammars:
+    """Compiles requests' JSON schemas into matchers over one tokenizer (built on first use)."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self._tokenizer = tokenizer
+
+    @functools.cached_property
+    def _ll_tokenizer(self) -> Any:
+        try:
+            import llguidance.hf
+        except ImportError as exc:  # an install without it: structured output is refused, not broken
+            raise RequestRejected("structured output (response_format) needs the llguidance package",
+                                  param="response_format") from exc
+        try:
+            return llguidance.hf.from_tokenizer(self._tokenizer)
+        except Exception as exc:  # a tokenizer llguidance cannot read
+            raise RequestRejected(f"this model's tokenizer does not support structured output: {exc}",
+                                  param="response_format") from exc
+
+    def matcher(self, json_schema: str) -> TokenMatcher:
+        """A fresh matcher for one request; a 400 naming ``response_format`` when the schema
+        cannot be compiled."""
+        import llguidance
+
+        try:
+            grammar = llguidance.LLMatcher.grammar_from_json_schema(json_schema, defaults=_JSON_OPTIONS)
+        except Exception as exc:  # the schema is the client's: any failure to compile it is its fault
+            raise RequestRejected(f"response_format: the JSON schema is not usable: {exc}",
+                                  param="response_format") from exc
+        matcher = llguidance.LLMatcher(self._ll_tokenizer, grammar)
+        if matcher.is_error():
+            raise RequestRejected(f"response_format: the JSON schema is not usable: {matcher.get_error()}",
+                                  param="response_format")
+        return TokenMatcher(matcher, self._ll_tokenizer.vocab_size)
+
+
+_BITS = torch.arange(32, dtype=torch.int32)
+
+
+class TokenMatcher:
+    """One request's grammar state: the tokens allowed next, and the move on a chosen token."""
+
+    def __init__(self, matcher: Any, vocab_size: int) -> None:
+        self._matcher = matcher
+        self._vocab_size = vocab_size
+        self._bitmask = torch.full(((vocab_size + 31) // 32,), -1, dtype=torch.int32)
+
+    @property
+    def done(self) -> bool:
+        """The grammar failed (a token it did not allow was forced on it): nothing is
+        constrained any more. A complete one allows only end-of-sequence from then on."""
+        return bool(self._matcher.is_error())
+
+    def mask(self, logits: torch.Tensor) -> None:
+        """Sets the logits [vocab] of the tokens the grammar does not allow next to -inf, in
+        place; columns past the tokenizer's vocabulary (padded embeddings) too."""
+        self._matcher.unsafe_compute_mask_ptr(self._bitmask.data_ptr(), self._bitmask.numel() * 4)
+        allowed = ((self._bitmask[:, None] >> _BITS) & 1).flatten()[: self._vocab_size].bool()
+        width = min(logits.shape[-1], self._vocab_size)
+        logits[:width].masked_fill_(~allowed[:width].to(logits.device), float("-inf"))
+        logits[width:] = float("-inf")
+
+    def advance(self, token_id: int) -> None:
+        self._matcher.consume_token(token_id)

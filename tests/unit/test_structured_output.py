@@ -1,0 +1,62 @@
+"""Structured output (services/worker/engine/structured.py): a JSON schema as a token mask,
+on the demo models' real tokenizer; and what a schema or tokenizer it cannot use gets."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from shoal.services.worker.engine.sampler import SamplingState, sample
+from shoal.services.worker.engine.structured import MAX_WHITESPACE, Grammars
+from shoal.services.worker.generation import RequestRejected
+from shoal.shared.messages import SamplingParams
+from tests.token_echo import TokenEcho
+
+SCHEMA = json.dumps({"type": "object", "properties": {"color": {"enum": ["red", "green"]}, "ok": {"type": "boolean"}},
+                     "required": ["color", "ok"], "additionalProperties": False})
+
+
+@pytest.fixture(scope="module")
+def tokenizer(demo_models_root: Path) -> object:
+    return AutoTokenizer.from_pretrained(demo_models_root / "demo" / "llama-5m")
+
+
+def test_the_mask_allows_only_what_the_schema_allows_next(tokenizer: object) -> None:
+    matcher = Grammars(tokenizer).matcher(SCHEMA)
+    logits = torch.zeros(len(tokenizer) + 7)  # the model's rows may outnumber the tokenizer's
+    matcher.mask(logits)
+    allowed = torch.isfinite(logits).nonzero().flatten().tolist()
+    texts = [tokenizer.decode([token_id]) for token_id in allowed]
+    assert allowed and all(text.lstrip(" \t\r\n").startswith("{") or not text.strip() for text in texts), texts
+    assert max(allowed) < len(tokenizer)
+
+
+def test_greedy_and_sampled_rows_write_json_that_matches_and_then_end(tokenizer: object) -> None:
+    eos = tokenizer.eos_token_id
+    grammars = Grammars(tokenizer)
+    for params in (SamplingParams(temperature=0.0), SamplingParams(temperature=1.5, seed=3)):
+        state = SamplingState.from_params(params)
+        state.matcher = grammars.matcher(SCHEMA)
+        generator = torch.Generator().manual_seed(7)
+        token_ids: list[int] = []
+        while not token_ids or token_ids[-1] != eos:
+            logits = torch.randn(1, len(tokenizer), generator=generator)  # a model that knows no JSON
+            token_ids += sample(logits, [state])
+            assert len(token_ids) < 200, "the grammar must end the text"
+        text = tokenizer.decode(token_ids[:-1])
+        assert json.loads(text)["color"] in ("red", "green") and set(json.loads(text)) == {"color", "ok"}
+        assert " " * (MAX_WHITESPACE + 1) not in text
+
+
+def test_an_unusable_schema_or_tokenizer_is_a_400_naming_response_format(tokenizer: object) -> None:
+    for schema in ('{"type": 5}', "not json", '{"$ref": "#/nowhere"}'):
+        with pytest.raises(RequestRejected) as caught:
+            Grammars(tokenizer).matcher(schema)
+        assert caught.value.param == "response_format" and caught.value.status == 400
+    with pytest.raises(RequestRejected) as caught:
+        Grammars(TokenEcho()).matcher(SCHEMA)
+    assert caught.value.param == "response_format"
