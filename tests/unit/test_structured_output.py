@@ -11,7 +11,7 @@ import torch
 from transformers import AutoTokenizer
 
 from shoal.services.worker.engine.sampler import SamplingState, sample
-from shoal.services.worker.engine.structured import MAX_WHITESPACE, Grammars
+from shoal.services.worker.engine.structured import MAX_WHITESPACE, Grammars, mask_rows
 from shoal.services.worker.generation import RequestRejected
 from shoal.shared.messages import SamplingParams
 from tests.token_echo import TokenEcho
@@ -26,13 +26,19 @@ def tokenizer(demo_models_root: Path) -> object:
 
 
 def test_the_mask_allows_only_what_the_schema_allows_next(tokenizer: object) -> None:
-    matcher = Grammars(tokenizer).matcher(SCHEMA)
-    logits = torch.zeros(len(tokenizer) + 7)  # the model's rows may outnumber the tokenizer's
-    matcher.mask(logits)
-    allowed = torch.isfinite(logits).nonzero().flatten().tolist()
-    texts = [tokenizer.decode([token_id]) for token_id in allowed]
-    assert allowed and all(text.lstrip(" \t\r\n").startswith("{") or not text.strip() for text in texts), texts
-    assert max(allowed) < len(tokenizer)
+    grammars = Grammars(tokenizer)
+    started = grammars.matcher(SCHEMA)
+    for token_id in tokenizer.encode('{"color":"re', add_special_tokens=False):
+        started.advance(token_id)
+    logits = torch.zeros(3, len(tokenizer) + 7)  # the model's rows may outnumber the tokenizer's
+    mask_rows(logits, [2, 0], [grammars.matcher(SCHEMA), started])
+    assert torch.isfinite(logits[1]).all(), "a row without a grammar is left alone"
+    opening = [tokenizer.decode([t]) for t in torch.isfinite(logits[2]).nonzero().flatten().tolist()]
+    assert opening and all(text.lstrip(" \t\r\n").startswith("{") or not text.strip() for text in opening)
+    allowed = torch.isfinite(logits[0]).nonzero().flatten().tolist()
+    assert allowed and max(allowed) < len(tokenizer)
+    assert all("red".startswith("re" + tokenizer.decode([t]).split('"')[0]) for t in allowed), \
+        [tokenizer.decode([t]) for t in allowed]
 
 
 def test_greedy_and_sampled_rows_write_json_that_matches_and_then_end(tokenizer: object) -> None:

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from shoal.services.worker.engine.structured import TokenMatcher
+from shoal.services.worker.engine.structured import TokenMatcher, mask_rows
 from shoal.services.worker.generation import TokenLogprobs
 from shoal.shared.messages import SamplingParams
 
@@ -129,9 +129,9 @@ def sample(
             if state.logit_bias is not None:
                 token_ids, biases = state.logit_bias
                 logits[row].index_add_(0, token_ids.to(logits.device), biases.to(logits.device, logits.dtype))
-            if state.constrained:
-                assert state.matcher is not None
-                state.matcher.mask(logits[row])
+        constrained = [row for row in adjusted_rows if states[row].constrained]
+        if constrained:
+            mask_rows(logits, constrained, [states[row].matcher for row in constrained])  # type: ignore[misc]
     token_ids = logits.argmax(dim=-1)
     sampled_rows = [row for row, state in enumerate(states) if state.generator is not None]
     if sampled_rows:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 from typing import Any
 
+import numpy as np
 import torch
 
 from shoal.services.worker.generation import RequestRejected
@@ -60,16 +61,13 @@ class Grammars:
         return TokenMatcher(matcher, self._ll_tokenizer.vocab_size)
 
 
-_BITS = torch.arange(32, dtype=torch.int32)
-
 
 class TokenMatcher:
     """One request's grammar state: the tokens allowed next, and the move on a chosen token."""
 
     def __init__(self, matcher: Any, vocab_size: int) -> None:
         self._matcher = matcher
-        self._vocab_size = vocab_size
-        self._bitmask = torch.full(((vocab_size + 31) // 32,), -1, dtype=torch.int32)
+        self.vocab_size = vocab_size
 
     @property
     def done(self) -> bool:
@@ -77,14 +75,29 @@ class TokenMatcher:
         constrained any more. A complete one allows only end-of-sequence from then on."""
         return bool(self._matcher.is_error())
 
-    def mask(self, logits: torch.Tensor) -> None:
-        """Sets the logits [vocab] of the tokens the grammar does not allow next to -inf, in
-        place; columns past the tokenizer's vocabulary (padded embeddings) too."""
-        self._matcher.unsafe_compute_mask_ptr(self._bitmask.data_ptr(), self._bitmask.numel() * 4)
-        allowed = ((self._bitmask[:, None] >> _BITS) & 1).flatten()[: self._vocab_size].bool()
-        width = min(logits.shape[-1], self._vocab_size)
-        logits[:width].masked_fill_(~allowed[:width].to(logits.device), float("-inf"))
-        logits[width:] = float("-inf")
+    def fill_bitmask(self, bitmask: np.ndarray) -> None:
+        """Writes the tokens allowed next into `bitmask` (int32 words, bit i of word w: token
+        32 w + i; C-contiguous)."""
+        self._matcher.unsafe_compute_mask_ptr(bitmask.ctypes.data, bitmask.nbytes)
 
     def advance(self, token_id: int) -> None:
         self._matcher.consume_token(token_id)
+
+
+def mask_rows(logits: torch.Tensor, rows: list[int], matchers: list[TokenMatcher]) -> None:
+    """Sets, in place, row ``rows[i]`` of `logits` [num_rows, vocab] to -inf wherever
+    ``matchers[i]`` does not allow the token next, columns past the tokenizer's vocabulary
+    (padded embeddings) included. One unpack and one fill for all the rows: per row, only
+    the matcher's own mask (~1 us)."""
+    vocab_size = matchers[0].vocab_size
+    bitmasks = np.empty((len(rows), (vocab_size + 31) // 32), dtype=np.int32)
+    for i, matcher in enumerate(matchers):
+        matcher.fill_bitmask(bitmasks[i])
+    allowed = np.unpackbits(bitmasks.view(np.uint8), axis=1, count=vocab_size, bitorder="little")
+    width = min(logits.shape[-1], vocab_size)
+    blocked = torch.from_numpy(allowed[:, :width]).to(logits.device) == 0
+    index = torch.tensor(rows, device=logits.device)
+    masked = logits.index_select(0, index)
+    masked[:, :width].masked_fill_(blocked, float("-inf"))
+    masked[:, width:] = float("-inf")
+    logits.index_copy_(0, index, masked)
