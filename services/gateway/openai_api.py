@@ -93,7 +93,6 @@ class _Sampling(Struct, kw_only=True):
     """Choices per prompt (choices.py)."""
     logit_bias: Annotated[dict[str, Bias], Meta(max_length=MAX_LOGIT_BIAS_TOKENS)] | None = None
     """Token id (as a string, OpenAI's form) -> bias added to its logit."""
-    # Accepted at their defaults only (see `reject_unsupported`).
 
 
 class ChatCompletionRequest(_Sampling, kw_only=True):
@@ -232,9 +231,9 @@ def sampling_params(req: _Sampling, max_tokens: int | None, default_max_tokens: 
 def json_schema_of(req: _Sampling) -> str | None:
     """The JSON schema a chat's ``response_format`` asks the text to follow, as JSON text:
     ``json_object`` is any object, ``json_schema`` its ``json_schema.schema``; None for text."""
-    response_format = getattr(req, "response_format", None)
-    if not response_format:
+    if not isinstance(req, ChatCompletionRequest) or not req.response_format:
         return None
+    response_format = req.response_format
     kind = response_format.get("type", "text")
     if kind == "text":
         return None

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import structlog
@@ -183,11 +183,13 @@ def _choices(state: GatewayState, body: ChatCompletionRequest | CompletionReques
     return expand(inference, prompts, n, state.router.reply_subject), stream, include_usage
 
 
-def _choices_usage(choices: list[Choice], finals: list[FinalReply]) -> Usage:
+def _choices_usage(choices: list[Choice], finals: Sequence[FinalReply | None]) -> Usage:
     """Each prompt's tokens once (as OpenAI counts ``n > 1``), every choice's completion tokens."""
-    prompt_tokens = sum(final.prompt_tokens for choice, final in zip(choices, finals, strict=True)
+    ended = [final for final in finals if final is not None]
+    assert len(ended) == len(choices), "every choice ends with its final reply"
+    prompt_tokens = sum(final.prompt_tokens for choice, final in zip(choices, ended, strict=True)
                         if choice.counts_prompt)
-    return usage(prompt_tokens, sum(final.completion_tokens for final in finals))
+    return usage(prompt_tokens, sum(final.completion_tokens for final in ended))
 
 
 @contextlib.asynccontextmanager
@@ -225,9 +227,12 @@ class _Collected:
             case FinalReply():
                 self.final = event
 
-    def answer(self) -> Answer:
+    def ended(self) -> FinalReply:
         assert self.final is not None, "dispatcher ended without a final reply or an error"
-        return Answer("".join(self.parts), self.final.finish_reason, self.logprobs)
+        return self.final
+
+    def answer(self) -> Answer:
+        return Answer("".join(self.parts), self.ended().finish_reason, self.logprobs)
 
 
 async def _collect(state: GatewayState, choices: list[Choice], kind: Kind, request_id: str) -> web.Response:
@@ -236,11 +241,9 @@ async def _collect(state: GatewayState, choices: list[Choice], kind: Kind, reque
     async with _generating(state, choices, restartable=True) as events:
         async for index, event in events:
             collected[index].add(event)
-    answers = [c.answer() for c in collected]
-    finals = [c.final for c in collected if c.final is not None]
-    body = full_response(kind, _response_id(kind, request_id), int(first.created), first.model, answers,
-                         _choices_usage(choices, finals))
-    return _json(body, headers={REPLICA_HEADER: finals[0].replica_id})  # X-Request-Id: request_id_middleware
+    body = full_response(kind, _response_id(kind, request_id), int(first.created), first.model,
+                         [c.answer() for c in collected], _choices_usage(choices, [c.ended() for c in collected]))
+    return _json(body, headers={REPLICA_HEADER: collected[0].ended().replica_id})  # X-Request-Id: request_id_middleware
 
 
 def _response_id(kind: Kind, request_id: str) -> str:
@@ -291,9 +294,7 @@ async def _stream(request: web.Request, state: GatewayState, choices: list[Choic
                 except StopAsyncIteration:
                     break
             if include_usage:
-                ended = [final for final in finals if final is not None]
-                assert len(ended) == len(choices), "every choice's stream ends with its final reply"
-                token_usage = _choices_usage(choices, ended)
+                token_usage = _choices_usage(choices, finals)
                 await sse.send(stream_chunk(kind, response_id, created, model, token_usage=token_usage,
                                             usage_only=True))
         except ApiError as exc:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from transformers import PreTrainedTokenizerBase
 
 from shoal.services.worker.generation import RequestRejected
@@ -40,14 +42,15 @@ def prompt_token_ids(tokenizer: PreTrainedTokenizerBase, request: InferenceReque
         token_ids = list(request.prompt_token_ids)
     else:
         token_ids = list(tokenizer.encode(request.prompt or "", add_special_tokens=True))
+    _check_in_vocabulary(token_ids, limit, "prompt", param=None)
+    _check_in_vocabulary(request.params.logit_bias, limit, "logit_bias", param="logit_bias")
+    return token_ids
+
+
+def _check_in_vocabulary(token_ids: Iterable[int], limit: int, what: str, param: str | None) -> None:
     bad = [t for t in token_ids if not 0 <= t < limit]
     if bad:
-        raise RequestRejected(f"prompt token ids out of the vocabulary (size {limit}): {bad[:5]}")
-    bad = [t for t in request.params.logit_bias if not 0 <= t < limit]
-    if bad:
-        raise RequestRejected(f"logit_bias token ids out of the vocabulary (size {limit}): {bad[:5]}",
-                              param="logit_bias")
-    return token_ids
+        raise RequestRejected(f"{what} token ids out of the vocabulary (size {limit}): {bad[:5]}", param=param)
 
 
 def eos_token_ids(tokenizer: PreTrainedTokenizerBase, model: object) -> frozenset[int]:

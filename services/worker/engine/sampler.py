@@ -78,14 +78,14 @@ class SamplingState:
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
 
     @property
-    def constrained(self) -> bool:
-        """A grammar still decides which tokens may come next."""
-        return self.matcher is not None and not self.matcher.done
+    def active_matcher(self) -> TokenMatcher | None:
+        """The grammar that still decides which tokens may come next, if any."""
+        return self.matcher if self.matcher is not None and not self.matcher.failed else None
 
     @property
     def adjusts_logits(self) -> bool:
         """Penalties, a bias or a grammar: the row's logits change before its token is chosen."""
-        return self.has_penalties or self.logit_bias is not None or self.constrained
+        return self.has_penalties or self.logit_bias is not None or self.active_matcher is not None
 
 
 def _bias_tensors(logit_bias: dict[int, float]) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -116,9 +116,10 @@ def sample(
         argmax: each row's argmax, already computed (the native forward's); used when every
             row is greedy without penalties or bias.
     """
-    if argmax is not None and all(state.generator is None and not state.adjusts_logits for state in states):
-        return argmax.tolist()
     adjusted_rows = [row for row, state in enumerate(states) if state.adjusts_logits]
+    if argmax is not None and not adjusted_rows and all(state.generator is None for state in states):
+        return argmax.tolist()
+    constrained: list[tuple[int, TokenMatcher]] = []
     if adjusted_rows:
         logits = logits.clone()
         for row in adjusted_rows:
@@ -129,18 +130,16 @@ def sample(
             if state.logit_bias is not None:
                 token_ids, biases = state.logit_bias
                 logits[row].index_add_(0, token_ids.to(logits.device), biases.to(logits.device, logits.dtype))
-        constrained = [row for row in adjusted_rows if states[row].constrained]
+        constrained = [(row, matcher) for row in adjusted_rows if (matcher := states[row].active_matcher) is not None]
         if constrained:
-            mask_rows(logits, constrained, [states[row].matcher for row in constrained])  # type: ignore[misc]
+            mask_rows(logits, [row for row, _ in constrained], [matcher for _, matcher in constrained])
     token_ids = logits.argmax(dim=-1)
     sampled_rows = [row for row, state in enumerate(states) if state.generator is not None]
     if sampled_rows:
         token_ids[sampled_rows] = _sample_rows(logits[sampled_rows], [states[row] for row in sampled_rows])
     chosen: list[int] = token_ids.tolist()
-    for row in adjusted_rows:
-        matcher = states[row].matcher
-        if matcher is not None and not matcher.done:
-            matcher.advance(chosen[row])
+    for row, matcher in constrained:
+        matcher.advance(chosen[row])
     return chosen
 
 

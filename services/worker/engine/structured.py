@@ -61,7 +61,6 @@ class Grammars:
         return TokenMatcher(matcher, self._ll_tokenizer.vocab_size)
 
 
-
 class TokenMatcher:
     """One request's grammar state: the tokens allowed next, and the move on a chosen token."""
 
@@ -70,9 +69,9 @@ class TokenMatcher:
         self.vocab_size = vocab_size
 
     @property
-    def done(self) -> bool:
-        """The grammar failed (a token it did not allow was forced on it): nothing is
-        constrained any more. A complete one allows only end-of-sequence from then on."""
+    def failed(self) -> bool:
+        """A token the grammar did not allow was forced on it: nothing is constrained any more.
+        (A complete grammar allows only end-of-sequence from then on.)"""
         return bool(self._matcher.is_error())
 
     def fill_bitmask(self, bitmask: np.ndarray) -> None:
