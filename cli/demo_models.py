@@ -48,20 +48,47 @@ EOS_TOKEN = "<|im_end|>"
 SPECIAL_TOKENS = (UNK_TOKEN, BOS_TOKEN, PAD_TOKEN, IM_START_TOKEN, EOS_TOKEN)
 SPECIAL_TOKEN_IDS = {token: token_id for token_id, token in enumerate(SPECIAL_TOKENS)}
 
-# ChatML. Content may be a string or a list of OpenAI-style parts ({"type": "text", "text": ...}).
+# ChatML, with tools as Qwen2.5 renders them (Hermes style): the functions listed in the system
+# turn, calls as <tool_call> JSON, results as <tool_response> in a user turn. Content may be a
+# string or a list of OpenAI-style parts ({"type": "text", "text": ...}).
 CHAT_TEMPLATE = (
-    "{%- for message in messages %}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' }}"
+    "{%- macro content(message) %}"
     "{%- if message['content'] is string %}{{- message['content'] }}"
-    "{%- else %}{%- for part in message['content'] if part['type'] == 'text' %}{{- part['text'] }}"
-    "{%- endfor %}{%- endif %}"
+    "{%- elif message['content'] %}{%- for part in message['content'] if part['type'] == 'text' %}"
+    "{{- part['text'] }}{%- endfor %}{%- endif %}"
+    "{%- endmacro %}"
+    "{%- if tools %}"
+    "{{- '<|im_start|>system\\n' }}"
+    "{%- if messages[0]['role'] == 'system' %}{{- content(messages[0]) + '\\n\\n' }}{%- endif %}"
+    "{{- '# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\n'"
+    " + 'You are provided with function signatures within <tools></tools> XML tags:\\n<tools>' }}"
+    "{%- for tool in tools %}{{- '\\n' + (tool | tojson) }}{%- endfor %}"
+    "{{- '\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments'"
+    " + ' within <tool_call></tool_call> XML tags:\\n<tool_call>\\n'"
+    " + '{\"name\": <function-name>, \"arguments\": <args-json-object>}\\n</tool_call><|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if message['role'] == 'tool' %}"
+    "{%- if loop.first or loop.previtem['role'] != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}"
+    "{{- '\\n<tool_response>\\n' + content(message) + '\\n</tool_response>' }}"
+    "{%- if loop.last or loop.nextitem['role'] != 'tool' %}{{- '<|im_end|>\\n' }}{%- endif %}"
+    "{%- elif not (tools and loop.first and message['role'] == 'system') %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + content(message) }}"
+    "{%- for call in message['tool_calls'] or [] %}"
+    "{%- if loop.first and content(message) or not loop.first %}{{- '\\n' }}{%- endif %}"
+    "{%- set arguments = call['function']['arguments'] %}"
+    "{{- '<tool_call>\\n{\"name\": \"' + call['function']['name'] + '\", \"arguments\": ' }}"
+    "{{- (arguments if arguments is string else arguments | tojson) + '}\\n</tool_call>' }}"
+    "{%- endfor %}"
     "{{- '<|im_end|>\\n' }}"
+    "{%- endif %}"
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
 
 _CORPUS_FILE = "demo_corpus.txt"  # package data, next to this module
 _WEIGHTS_FILE = "model.safetensors"
+_CHAT_TEMPLATE_FILE = "chat_template.jinja"  # transformers writes the tokenizer's template there
 _REQUIRED_FILES = (
     "config.json",
     "generation_config.json",
@@ -151,6 +178,9 @@ def make_demo_models(
     recipes = _select_recipes(names)
     models_root.mkdir(parents=True, exist_ok=True)
     missing = [recipe for recipe in recipes if force or not _is_complete(models_root / recipe.key)]
+    for recipe in recipes:
+        if recipe not in missing:
+            _refresh_chat_template(models_root / recipe.key)
     if missing:
         tokenizer = _train_tokenizer()
         for recipe in missing:
@@ -182,6 +212,15 @@ def _select_recipes(names: Iterable[str] | None) -> list[_Recipe]:
 
 def _is_complete(model_dir: Path) -> bool:
     return all((model_dir / name).is_file() for name in _REQUIRED_FILES)
+
+
+def _refresh_chat_template(model_dir: Path) -> None:
+    """Give a model made by an older Shoal today's chat template (the weights stay)."""
+    template = model_dir / _CHAT_TEMPLATE_FILE
+    if not template.is_file() or template.read_text(encoding="utf-8") != CHAT_TEMPLATE:
+        template.write_text(CHAT_TEMPLATE, encoding="utf-8")
+        template.chmod(0o644)
+        log.info("demo_model.chat_template_updated", path=str(template))
 
 
 def _train_tokenizer() -> PreTrainedTokenizerFast:

@@ -59,10 +59,33 @@ NumReplicas = Annotated[int, Meta(ge=0, le=MAX_REPLICAS)]
 # --------------------------------------------------------------------------- hot path
 
 
+class ToolCall(Struct, omit_defaults=True):
+    """A function call an assistant message made (OpenAI's ``tool_calls[]``)."""
+
+    id: str
+    name: str
+    arguments: str
+    """The arguments as JSON text, as the model wrote them."""
+
+
 class ChatMessage(Struct, omit_defaults=True):
     role: str
     content: str
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    """An assistant turn's function calls."""
+    tool_call_id: str | None = None
+    """A ``tool`` turn: the call whose result it holds."""
+
+
+class ToolSpec(Struct, omit_defaults=True):
+    """A function the model may call (OpenAI's ``tools[].function``), rendered into the prompt
+    by the model's chat template."""
+
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    """Its arguments' JSON schema."""
 
 
 GREEDY_BELOW_TEMPERATURE = 1e-5
@@ -90,7 +113,9 @@ class SamplingParams(Struct, omit_defaults=True):
     (0..20); None: no log probabilities."""
     json_schema: str | None = None
     """Structured output: the text must be JSON matching this schema (JSON text;
-    ``response_format``); None: free text."""
+    ``response_format``, or a forced ``tool_choice``); None: free text."""
+    json_schema_param: str = "response_format"
+    """The request field `json_schema` came from, named by an error about it."""
 
     def __post_init__(self) -> None:
         if self.temperature < GREEDY_BELOW_TEMPERATURE or self.top_p < GREEDY_BELOW_TEMPERATURE:
@@ -120,6 +145,8 @@ class InferenceRequest(Struct, tag="infer", tag_field="type", omit_defaults=True
     """Completions: a prompt given as token ids."""
     messages: list[ChatMessage] | None = None
     """Chat completions: rendered with the model's chat template by the worker."""
+    tools: list[ToolSpec] | None = None
+    """Chat completions: the functions the chat template tells the model about."""
     stream: bool = False
     gateway_id: str = ""
     created: float = 0.0

@@ -7,7 +7,7 @@ never an overflow further in. Besides OpenAI's sampling fields (with
 ``presence_penalty`` and ``frequency_penalty``), vLLM's ``top_k``, ``min_p``,
 ``repetition_penalty`` and ``ignore_eos`` are honoured, and Shoal's ``session_id`` (a chat
 session whose KV replicas keep between turns; also the ``X-Session-Id`` header). Fields Shoal knows but
-cannot honour (tools, ``echo``, ``best_of``...) are
+cannot honour (``functions``, ``echo``, ``best_of``...) are
 accepted at their defaults and rejected with 400 naming the field otherwise,
 never silently dropped.
 """
@@ -23,7 +23,14 @@ from msgspec import Meta, Struct
 
 from shoal.services.gateway.choices import MAX_CHOICES
 from shoal.services.gateway.errors import BadRequest, PayloadTooLarge
-from shoal.shared.messages import ChatMessage, InferenceRequest, SamplingParams, TokenLogprob, encode_msgpack
+from shoal.shared.messages import (
+    ChatMessage,
+    InferenceRequest,
+    SamplingParams,
+    TokenLogprob,
+    ToolCall,
+    encode_msgpack,
+)
 from shoal.shared.subjects import InvalidSessionId, validate_session_id
 
 MAX_STOP_SEQUENCES = 4
@@ -59,10 +66,55 @@ ChatRole = Literal["system", "developer", "user", "assistant", "tool"]
 StopString = Annotated[str, Meta(min_length=1)]
 
 
+class FunctionCall(Struct):
+    name: str
+    arguments: str
+    """JSON text, as the model wrote it."""
+
+
+class InToolCall(Struct):
+    id: str
+    function: FunctionCall
+    type: Literal["function"] = "function"
+
+
 class InMessage(Struct):
     role: ChatRole
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[InToolCall] | None = None
+    """An assistant turn's calls."""
+    tool_call_id: str | None = None
+    """A tool turn: the call it answers."""
+
+
+FunctionName = Annotated[str, Meta(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]
+"""OpenAI's rule for function names (letters, digits, ``_``, ``-``; vLLM adds ``.``), at most 64."""
+MAX_TOOLS = 128
+"""Functions per request, as OpenAI bounds ``tools``."""
+
+
+class FunctionDefinition(Struct):
+    name: FunctionName
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    """The arguments' JSON schema (absent: no arguments)."""
+    strict: bool | None = None
+    """Accepted; a forced ``tool_choice`` always follows the schema."""
+
+
+class ToolDefinition(Struct):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(Struct):
+    name: str
+
+
+class NamedToolChoice(Struct):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class StreamOptions(Struct):
@@ -100,8 +152,9 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
     max_completion_tokens: MaxTokens | None = None
     logprobs: bool | None = None
     top_logprobs: TopLogprobs | None = None
-    tools: list[Any] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    tools: Annotated[list[ToolDefinition], Meta(max_length=MAX_TOOLS)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
     functions: list[Any] | None = None
     function_call: str | dict[str, Any] | None = None
     response_format: dict[str, Any] | None = None
@@ -154,10 +207,9 @@ def param_of(message: str) -> str | None:
 _TOOL_CHOICES_WITHOUT_CALLS = (None, "none", "auto")
 _UNSUPPORTED: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     # (field, is its value one Shoal honours?, why not)
-    ("tools", lambda v: not v, "tools are not supported"),
-    ("tool_choice", lambda v: v in _TOOL_CHOICES_WITHOUT_CALLS, "tool_choice is not supported"),
-    ("functions", lambda v: not v, "functions are not supported"),
-    ("function_call", lambda v: v in _TOOL_CHOICES_WITHOUT_CALLS, "function_call is not supported"),
+    ("functions", lambda v: not v, "functions (deprecated by OpenAI) are not supported; send tools"),
+    ("function_call", lambda v: v in _TOOL_CHOICES_WITHOUT_CALLS,
+     "function_call (deprecated by OpenAI) is not supported; send tools and tool_choice"),
     ("audio", lambda v: v is None, "audio output is not supported"),
     ("modalities", lambda v: v in (None, ["text"]), "only the \"text\" modality is supported"),
     ("echo", lambda v: not v, "echo is not supported"),
@@ -288,9 +340,13 @@ def chat_messages(req: ChatCompletionRequest, max_chars: int) -> list[ChatMessag
             content = "".join(part.text or "" for part in message.content)
         else:
             content = message.content or ""
-        total_chars += len(content)
+        if message.tool_calls and message.role != "assistant":
+            raise BadRequest(f"messages[{i}]: only assistant messages hold tool_calls", param="messages")
+        calls = [ToolCall(call.id, call.function.name, call.function.arguments) for call in message.tool_calls or ()]
+        total_chars += len(content) + sum(len(call.arguments) for call in calls)
         role = "system" if message.role == "developer" else message.role
-        messages.append(ChatMessage(role=role, content=content, name=message.name))
+        messages.append(ChatMessage(role=role, content=content, name=message.name, tool_calls=calls or None,
+                                    tool_call_id=message.tool_call_id))
     if total_chars > max_chars:
         raise_prompt_too_large(total_chars, max_chars, param="messages")
     return messages
@@ -357,9 +413,31 @@ class Usage(Struct):
     total_tokens: int
 
 
-class AssistantMessage(Struct):
+class FunctionCallOut(Struct):
+    name: str
+    arguments: str
+
+
+class ToolCallOut(Struct):
+    id: str
+    function: FunctionCallOut
+    type: str = "function"
+
+
+class AssistantMessage(Struct, omit_defaults=True):
     role: str
-    content: str
+    content: str | None
+    """None when the answer is only calls."""
+    tool_calls: list[ToolCallOut] | None = None
+
+
+class ToolCallDelta(Struct):
+    """A streamed call, whole in one delta (the `openai` client joins deltas by `index`)."""
+
+    index: int
+    id: str
+    function: FunctionCallOut
+    type: str = "function"
 
 
 class TopLogprob(Struct):
@@ -409,6 +487,7 @@ class ChatCompletion(Struct):
 class Delta(Struct, omit_defaults=True):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(Struct):
@@ -500,13 +579,16 @@ class Answer:
     finish_reason: str
     logprobs: list[TokenLogprob] | None = None
     """None: not asked for."""
+    tool_calls: list[ToolCallOut] | None = None
+    """The calls read out of the text (then `text` is what remains, "" for none)."""
 
 
 def full_response(kind: Kind, response_id: str, created: int, model: str, answers: list[Answer],
                   token_usage: Usage) -> ChatCompletion | Completion:
     """The non-streamed response; `answers` holds each choice's, in order."""
     if kind == "chat":
-        choices = [ChatChoice(i, AssistantMessage("assistant", a.text), a.finish_reason,
+        choices = [ChatChoice(i, AssistantMessage("assistant", (a.text or None) if a.tool_calls else a.text,
+                                                  a.tool_calls), a.finish_reason,
                               None if a.logprobs is None else chat_logprobs(a.logprobs))
                    for i, a in enumerate(answers)]
         return ChatCompletion(response_id, created, model, choices, token_usage)
@@ -519,13 +601,13 @@ def full_response(kind: Kind, response_id: str, created: int, model: str, answer
 def stream_chunk(kind: Kind, response_id: str, created: int, model: str, *, index: int = 0,
                  text: str | None = None, finish_reason: str | None = None, role: bool = False,
                  token_usage: Usage | None = None, usage_only: bool = False,
-                 logprobs: ChatLogprobs | TextLogprobs | None = None) -> bytes:
+                 logprobs: ChatLogprobs | TextLogprobs | None = None,
+                 tool_calls: list[ToolCallDelta] | None = None) -> bytes:
     """One SSE ``data:`` payload of a streamed response: choice `index`'s delta, or the usage."""
     if kind == "chat":
         assert logprobs is None or isinstance(logprobs, ChatLogprobs), "a chat chunk's logprobs"
-        choices = [] if usage_only else [
-            ChatChunkChoice(index, Delta(role="assistant" if role else None, content=text), finish_reason, logprobs)
-        ]
+        delta = Delta(role="assistant" if role else None, content=text, tool_calls=tool_calls)
+        choices = [] if usage_only else [ChatChunkChoice(index, delta, finish_reason, logprobs)]
         chunk: Struct = ChatCompletionChunk(response_id, created, model, choices, usage=token_usage)
     else:
         assert logprobs is None or isinstance(logprobs, TextLogprobs), "a completion chunk's logprobs"

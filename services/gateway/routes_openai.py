@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import structlog
@@ -31,6 +32,8 @@ from shoal.services.gateway.openai_api import (
     ModelCard,
     ModelList,
     TextLogprobs,
+    ToolCallDelta,
+    ToolCallOut,
     Usage,
     chat_logprobs,
     chat_messages,
@@ -52,6 +55,8 @@ from shoal.services.gateway.progress import WaitProgress
 from shoal.services.gateway.request_ids import REQUEST_ID, REQUEST_ID_HEADER
 from shoal.services.gateway.sse import SseStream
 from shoal.services.gateway.state import GATEWAY, GatewayState
+from shoal.services.gateway.tool_call_parser import ToolCallReader
+from shoal.services.gateway.tools import ToolPlan, forced, tool_plan, tool_specs
 from shoal.shared.messages import FinalReply, InferenceRequest, TokenChunk, TokenLogprob
 from shoal.shared.subjects import MAX_MODEL_KEY_CHARS
 
@@ -113,19 +118,19 @@ async def _serve(request: web.Request, kind: Kind) -> web.StreamResponse:
             model_label = _label_for(state, model_named_in(raw))
             raise
         model_label = _label_for(state, body.model)
-        choices, stream, include_usage = _choices(state, body, request[REQUEST_ID],
-                                                  request.headers.get(SESSION_HEADER))
+        plan = _plan(state, body, request[REQUEST_ID], request.headers.get(SESSION_HEADER))
+        choices = plan.choices
         for choice in choices:
             check_fits_in_message(choice.request, state.bus.nc.max_payload)
         with contextlib.ExitStack() as admissions:
             for _ in choices:  # each generation counts against the model's queue bound
                 admissions.enter_context(state.dispatcher.admitted(body.model))
             started = time.monotonic()
-            if stream:
-                response, outcome = await _stream(request, state, choices, kind, include_usage)
+            if plan.stream:
+                response, outcome = await _stream(request, state, plan, kind)
             else:
                 await state.dispatcher.ensure_placed(body.model, choices[0].request.deadline)
-                response, outcome = await _collect(state, choices, kind, request[REQUEST_ID]), "ok"
+                response, outcome = await _collect(state, plan, kind, request[REQUEST_ID]), "ok"
         return response
     except ApiError as exc:
         outcome = str(exc.status)
@@ -148,15 +153,30 @@ def _label_for(state: GatewayState, model: str | None) -> str:
     return model if state.cluster.get_model(model) is not None else ""
 
 
-def _choices(state: GatewayState, body: ChatCompletionRequest | CompletionRequest, request_id: str,
-             session_header: str | None) -> tuple[list[Choice], bool, bool]:
-    """The generations to publish (choices.py), whether to stream, whether to send usage (400
-    for what is invalid)."""
+@dataclass(frozen=True)
+class _Plan:
+    """What one HTTP request makes: its generations (choices.py), how it answers."""
+
+    choices: list[Choice]
+    stream: bool
+    include_usage: bool
+    tools: ToolPlan | None = None
+    """How answers are read for function calls; None: they are not."""
+
+    def tool_reader(self) -> ToolCallReader | None:
+        return ToolCallReader(self.tools) if self.tools is not None and self.tools.reads_calls else None
+
+
+def _plan(state: GatewayState, body: ChatCompletionRequest | CompletionRequest, request_id: str,
+          session_header: str | None) -> _Plan:
+    """Validate `body` (a 400 for what is invalid) into what it makes."""
     prompts: list[dict[str, Any]]
+    tools: ToolPlan | None = None
     if isinstance(body, ChatCompletionRequest):
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        params = sampling_params(body, max_tokens, UNLIMITED_MAX_TOKENS)
-        prompts = [{"messages": chat_messages(body, state.config.max_prompt_chars)}]
+        tools = tool_plan(body)
+        params = forced(sampling_params(body, max_tokens, UNLIMITED_MAX_TOKENS), tools, body)
+        prompts = [{"messages": chat_messages(body, state.config.max_prompt_chars), "tools": tool_specs(body)}]
     else:
         params = sampling_params(body, body.max_tokens, 16)
         prompts = completion_prompts(body, state.config.max_prompt_chars)
@@ -180,7 +200,7 @@ def _choices(state: GatewayState, body: ChatCompletionRequest | CompletionReques
         created=created,
         session_id=session_id,
     )
-    return expand(inference, prompts, n, state.router.reply_subject), stream, include_usage
+    return _Plan(expand(inference, prompts, n, state.router.reply_subject), stream, include_usage, tools)
 
 
 def _choices_usage(choices: list[Choice], finals: Sequence[FinalReply | None]) -> Usage:
@@ -209,10 +229,11 @@ async def _generating(state: GatewayState, choices: list[Choice], *, restartable
 class _Collected:
     """One choice's answer as its events come (a non-streamed response)."""
 
-    def __init__(self, wants_logprobs: bool) -> None:
+    def __init__(self, wants_logprobs: bool, tool_reader: ToolCallReader | None) -> None:
         self.parts: list[str] = []
         self.logprobs: list[TokenLogprob] | None = [] if wants_logprobs else None
         self.final: FinalReply | None = None
+        self._tool_reader = tool_reader
 
     def add(self, event: DispatchEvent) -> None:
         match event:
@@ -232,12 +253,18 @@ class _Collected:
         return self.final
 
     def answer(self) -> Answer:
-        return Answer("".join(self.parts), self.ended().finish_reason, self.logprobs)
+        text, finish_reason = "".join(self.parts), self.ended().finish_reason
+        if self._tool_reader is None:
+            return Answer(text, finish_reason, self.logprobs)
+        content, calls = self._tool_reader.feed(text)
+        rest, more_calls, finish_reason = self._tool_reader.finish(finish_reason)
+        return Answer(content + rest, finish_reason, self.logprobs, (calls + more_calls) or None)
 
 
-async def _collect(state: GatewayState, choices: list[Choice], kind: Kind, request_id: str) -> web.Response:
+async def _collect(state: GatewayState, plan: _Plan, kind: Kind, request_id: str) -> web.Response:
+    choices = plan.choices
     first = choices[0].request
-    collected = [_Collected(first.params.logprobs is not None) for _ in choices]
+    collected = [_Collected(first.params.logprobs is not None, plan.tool_reader()) for _ in choices]
     async with _generating(state, choices, restartable=True) as events:
         async for index, event in events:
             collected[index].add(event)
@@ -250,8 +277,8 @@ def _response_id(kind: Kind, request_id: str) -> str:
     return ("chatcmpl-" if kind == "chat" else "cmpl-") + request_id
 
 
-async def _stream(request: web.Request, state: GatewayState, choices: list[Choice], kind: Kind,
-                  include_usage: bool) -> tuple[web.StreamResponse, str]:
+async def _stream(request: web.Request, state: GatewayState, plan: _Plan, kind: Kind
+                  ) -> tuple[web.StreamResponse, str]:
     """The SSE response and its outcome: "ok", or the status of an error sent in the stream
     after the 200 (504 at the deadline, 503 when the replica died). Several choices stream
     interleaved, each chunk naming its choice's index.
@@ -259,44 +286,34 @@ async def _stream(request: web.Request, state: GatewayState, choices: list[Choic
     While it waits (placement, a cold start, a replica restarting) the stream gets a comment
     line every `gateway.stream_keepalive_s` saying what it waits for (sse.py)."""
     request_id = request[REQUEST_ID]
-    response_id = _response_id(kind, request_id)
+    choices = plan.choices
     first = choices[0].request
-    created, model = int(first.created), first.model
-    progress = WaitProgress(state.cluster, model)
+    progress = WaitProgress(state.cluster, first.model)
     sse = SseStream(request, keepalive_s=state.config.stream_keepalive_s, describe=progress.describe,
                     headers={REQUEST_ID_HEADER: request_id})
-    finals: list[FinalReply | None] = [None] * len(choices)
-    chunk_logprobs = _ChunkLogprobs(kind, len(choices)) if first.params.logprobs is not None else None
+    out = _StreamedChoices(sse, kind, _response_id(kind, request_id), int(first.created), first.model, plan)
     outcome = "ok"
     async with _generating(state, choices, restartable=False) as events, sse.keeping_alive():
         try:
-            await state.dispatcher.ensure_placed(model, first.deadline)
+            await state.dispatcher.ensure_placed(first.model, first.deadline)
             progress.stage = "queued"
             index, event = await anext(events)
             progress.stage = "generating"
             if kind == "chat":
                 for choice in choices:
-                    await sse.send(stream_chunk(kind, response_id, created, model, index=choice.index, text="",
-                                                role=True))
+                    await out.send(choice.index, text="", role=True)
             while True:
                 match event:
-                    case TokenChunk(text=text):
-                        logprobs = None if chunk_logprobs is None else chunk_logprobs.of(index, event)
-                        await sse.send(stream_chunk(kind, response_id, created, model, index=index, text=text,
-                                                    logprobs=logprobs))
+                    case TokenChunk():
+                        await out.tokens(index, event)
                     case FinalReply():
-                        finals[index] = event
-                        await sse.send(stream_chunk(kind, response_id, created, model, index=index,
-                                                    finish_reason=event.finish_reason,
-                                                    text="" if kind == "completion" else None))
+                        await out.ended(index, event)
                 try:
                     index, event = await anext(events)
                 except StopAsyncIteration:
                     break
-            if include_usage:
-                token_usage = _choices_usage(choices, finals)
-                await sse.send(stream_chunk(kind, response_id, created, model, token_usage=token_usage,
-                                            usage_only=True))
+            if plan.include_usage:
+                await out.send(0, token_usage=_choices_usage(choices, out.finals), usage_only=True)
         except ApiError as exc:
             # Errors before anything was sent (unknown model in the worker, prompt too long...)
             # keep their proper status; after that they become the stream's last event.
@@ -307,6 +324,52 @@ async def _stream(request: web.Request, state: GatewayState, choices: list[Choic
             await sse.send(error_payload(exc))
         await sse.done()
     return sse.response, outcome
+
+
+class _StreamedChoices:
+    """The chunks of a streamed response, choice by choice: text (read for calls where the
+    request has tools), log probabilities, calls, each choice's end."""
+
+    def __init__(self, sse: SseStream, kind: Kind, response_id: str, created: int, model: str, plan: _Plan) -> None:
+        self._sse = sse
+        self._head = (kind, response_id, created, model)
+        self._kind = kind
+        self.finals: list[FinalReply | None] = [None] * len(plan.choices)
+        wants_logprobs = plan.choices[0].request.params.logprobs is not None
+        self._logprobs = _ChunkLogprobs(kind, len(plan.choices)) if wants_logprobs else None
+        self._tool_readers = [plan.tool_reader() for _ in plan.choices]
+        self._calls_sent = [0] * len(plan.choices)
+
+    async def send(self, index: int, **fields: Any) -> None:
+        await self._sse.send(stream_chunk(*self._head, index=index, **fields))
+
+    async def tokens(self, index: int, chunk: TokenChunk) -> None:
+        logprobs = None if self._logprobs is None else self._logprobs.of(index, chunk)
+        reader = self._tool_readers[index]
+        if reader is None:
+            await self.send(index, text=chunk.text, logprobs=logprobs)
+            return
+        text, calls = reader.feed(chunk.text)
+        if text or logprobs is not None:
+            await self.send(index, text=text, logprobs=logprobs)
+        await self._send_calls(index, calls)
+
+    async def ended(self, index: int, final: FinalReply) -> None:
+        self.finals[index] = final
+        finish_reason = final.finish_reason
+        reader = self._tool_readers[index]
+        if reader is not None:
+            text, calls, finish_reason = reader.finish(finish_reason)
+            if text:
+                await self.send(index, text=text)
+            await self._send_calls(index, calls)
+        await self.send(index, finish_reason=finish_reason, text="" if self._kind == "completion" else None)
+
+    async def _send_calls(self, index: int, calls: list[ToolCallOut]) -> None:
+        """Each call in a delta of its own, numbered within its choice."""
+        for call in calls:
+            await self.send(index, tool_calls=[ToolCallDelta(self._calls_sent[index], call.id, call.function)])
+            self._calls_sent[index] += 1
 
 
 class _ChunkLogprobs:

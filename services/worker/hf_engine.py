@@ -96,8 +96,10 @@ class HFGenerateEngine:
             raise RequestRejected("logprobs need the paged engine; this model runs on the hf engine", 400,
                                   param="logprobs")
         if request.params.json_schema is not None:
-            raise RequestRejected("response_format needs the paged engine; this model runs on the hf engine", 400,
-                                  param="response_format")
+            param = request.params.json_schema_param
+            raise RequestRejected(f"structured output ({param}) needs the paged engine; this model runs on the hf "
+                                  "engine", 400,
+                                  param=param)
         if self.fatal_error is not None:
             raise EngineFailed(f"the engine died: {self.fatal_error}") from self.fatal_error
         max_new = min(request.params.max_tokens, max_len - num_prompt)

@@ -2,18 +2,21 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable
+from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
 from shoal.services.worker.generation import RequestRejected
-from shoal.shared.messages import InferenceRequest
+from shoal.shared.messages import ChatMessage, InferenceRequest, ToolCall, ToolSpec
 
 
 def prompt_chars(request: InferenceRequest) -> int:
     """How many characters (or token ids) a request's prompt holds."""
     if request.messages is not None:
-        return sum(len(m.content) for m in request.messages)
+        return sum(len(m.content) + sum(len(call.arguments) for call in m.tool_calls or ())
+                   for m in request.messages)
     if request.prompt_token_ids is not None:
         return len(request.prompt_token_ids)
     return len(request.prompt or "")
@@ -28,15 +31,7 @@ def prompt_token_ids(tokenizer: PreTrainedTokenizerBase, request: InferenceReque
     the model."""
     limit = len(tokenizer) if vocab_size is None else min(vocab_size, len(tokenizer))
     if request.messages is not None:
-        if not getattr(tokenizer, "chat_template", None):
-            raise RequestRejected(
-                f"model {request.model!r} has no chat template; use /v1/completions with a plain prompt"
-            )
-        conversation = [{"role": m.role, "content": m.content} for m in request.messages]
-        try:
-            text = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
-        except Exception as exc:  # jinja errors come in many types; all mean "bad conversation"
-            raise RequestRejected(f"chat template of {request.model!r} rejected the messages: {exc}") from exc
+        text = chat_prompt(tokenizer, request)
         token_ids = list(tokenizer.encode(text, add_special_tokens=False))
     elif request.prompt_token_ids is not None:
         token_ids = list(request.prompt_token_ids)
@@ -45,6 +40,57 @@ def prompt_token_ids(tokenizer: PreTrainedTokenizerBase, request: InferenceReque
     _check_in_vocabulary(token_ids, limit, "prompt", param=None)
     _check_in_vocabulary(request.params.logit_bias, limit, "logit_bias", param="logit_bias")
     return token_ids
+
+
+def chat_prompt(tokenizer: PreTrainedTokenizerBase, request: InferenceRequest) -> str:
+    """The conversation (and its tools) rendered by the model's chat template, the assistant's
+    turn opened; a 400 when the model has no template, or tools and a template that ignores them."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise RequestRejected(f"model {request.model!r} has no chat template; use /v1/completions with a plain prompt")
+    assert request.messages is not None, "a chat request"
+    tools = [_template_tool(tool) for tool in request.tools] if request.tools else None
+    if tools is not None and "tools" not in tokenizer.get_chat_template(None, tools):
+        raise RequestRejected(f"the chat template of {request.model!r} does not render tools; this model "
+                              "cannot be told about functions", param="tools")
+    conversation = [_template_message(message) for message in request.messages]
+    try:
+        text = tokenizer.apply_chat_template(conversation, tools=None if tools is None else [*tools],
+                                             tokenize=False, add_generation_prompt=True)
+    except Exception as exc:  # jinja errors come in many types; all mean "bad conversation"
+        raise RequestRejected(f"chat template of {request.model!r} rejected the messages: {exc}") from exc
+    assert isinstance(text, str), "tokenize=False renders text"
+    return text
+
+
+def _template_message(message: ChatMessage) -> dict[str, Any]:
+    rendered: dict[str, Any] = {"role": message.role, "content": message.content}
+    if message.name is not None:
+        rendered["name"] = message.name
+    if message.tool_calls:
+        rendered["tool_calls"] = [_template_call(call) for call in message.tool_calls]
+    if message.tool_call_id is not None:
+        rendered["tool_call_id"] = message.tool_call_id
+    return rendered
+
+
+def _template_call(call: ToolCall) -> dict[str, Any]:
+    """A past call as chat templates take it: arguments as a mapping where they are a JSON
+    object (templates write ``arguments | tojson``; a string would be quoted twice), else as sent."""
+    try:
+        arguments: Any = json.loads(call.arguments)
+    except ValueError:
+        arguments = call.arguments
+    if not isinstance(arguments, dict):
+        arguments = call.arguments
+    return {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": arguments}}
+
+
+def _template_tool(tool: ToolSpec) -> dict[Any, Any]:
+    function: dict[str, Any] = {"name": tool.name}
+    if tool.description is not None:
+        function["description"] = tool.description
+    function["parameters"] = tool.parameters if tool.parameters is not None else {"type": "object", "properties": {}}
+    return {"type": "function", "function": function}
 
 
 def _check_in_vocabulary(token_ids: Iterable[int], limit: int, what: str, param: str | None) -> None:

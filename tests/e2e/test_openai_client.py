@@ -155,6 +155,81 @@ def test_a_json_schema_gets_json_that_follows_it(client: openai.OpenAI) -> None:
     assert caught.value.body["param"] == "response_format"
 
 
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "additionalProperties": False, "required": ["city", "unit"],
+                   "properties": {"city": {"type": "string", "maxLength": 8}, "unit": {"enum": ["C", "F"]}}}}}
+TIME_TOOL = {"type": "function", "function": {
+    "name": "get_time", "parameters": {"type": "object", "additionalProperties": False, "required": ["zone"],
+                                       "properties": {"zone": {"enum": ["UTC", "CET"]}}}}}
+
+
+def _streamed_calls(chunks: list) -> tuple[str, list[dict], str | None]:  # type: ignore[type-arg]
+    """(content, calls joined by index as the `openai` client's users join them, finish reason)."""
+    content, calls, finish_reason = "", {}, None
+    for chunk in chunks:
+        for choice in chunk.choices:
+            content += choice.delta.content or ""
+            for delta in choice.delta.tool_calls or ():
+                call = calls.setdefault(delta.index, {"id": "", "name": "", "arguments": ""})
+                call["id"] += delta.id or ""
+                call["name"] += delta.function.name or ""
+                call["arguments"] += delta.function.arguments or ""
+            finish_reason = choice.finish_reason or finish_reason
+    return content, [calls[i] for i in sorted(calls)], finish_reason
+
+
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_time"}}])
+def test_a_forced_tool_choice_calls_a_tool_with_arguments_that_follow_its_schema(client: openai.OpenAI,
+                                                                                 tool_choice: object) -> None:
+    kwargs = dict(model=OTHER, messages=[{"role": "user", "content": "Weather in Oslo?"}], max_tokens=80,
+                  tools=[WEATHER_TOOL, TIME_TOOL], tool_choice=tool_choice, parallel_tool_calls=False, seed=3)
+    response = client.chat.completions.create(**kwargs)
+    choice = response.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    (call,) = choice.message.tool_calls
+    assert call.type == "function" and call.id.startswith("call_")
+    arguments = json.loads(call.function.arguments)
+    if call.function.name == "get_weather":
+        assert set(arguments) == {"city", "unit"} and len(arguments["city"]) <= 8 and arguments["unit"] in "CF"
+    else:
+        assert call.function.name == "get_time" and arguments["zone"] in ("UTC", "CET")
+    if isinstance(tool_choice, dict):
+        assert call.function.name == "get_time"
+
+    content, calls, finish_reason = _streamed_calls(list(client.chat.completions.create(**kwargs, stream=True)))
+    assert content == "" and finish_reason == "tool_calls"
+    assert [(c["name"], c["arguments"]) for c in calls] == [(call.function.name, call.function.arguments)]
+    assert calls[0]["id"].startswith("call_")
+
+
+def test_a_tool_result_turn_reaches_the_models_template(client: openai.OpenAI, demo_models_root: Path) -> None:
+    messages = [
+        {"role": "user", "content": "Weather in Oslo?"},
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
+            "name": "get_weather", "arguments": '{"city": "Oslo", "unit": "C"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "3 degrees, snow"},
+    ]
+    response = client.chat.completions.create(model=OTHER, messages=messages, tools=[WEATHER_TOOL], max_tokens=6,
+                                              temperature=0, extra_body={"ignore_eos": True})
+    tokenizer = AutoTokenizer.from_pretrained(demo_models_root / OTHER)
+    rendered = [messages[0], messages[1] | {"tool_calls": [{"type": "function", "function": {
+        "name": "get_weather", "arguments": {"city": "Oslo", "unit": "C"}}}]}, messages[2]]
+    text = tokenizer.apply_chat_template(rendered, tools=[WEATHER_TOOL], tokenize=False, add_generation_prompt=True)
+    assert "<tool_response>\n3 degrees, snow\n</tool_response>" in text and '"arguments": {"city": "Oslo"' in text
+    assert response.usage.prompt_tokens == len(tokenizer.encode(text, add_special_tokens=False))
+    choice = response.choices[0]  # tool_choice auto: this model writes text, not calls
+    assert choice.finish_reason == "length" and choice.message.content and choice.message.tool_calls is None
+
+
+def test_a_tool_whose_schema_cannot_be_followed_is_400_naming_tools(client: openai.OpenAI) -> None:
+    bad = {"type": "function", "function": {"name": "f", "parameters": {"type": 5}}}
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model=OTHER, messages=[{"role": "user", "content": "x"}], tools=[bad],
+                                       tool_choice="required")
+    assert caught.value.body["param"] == "tools"
+
+
 def test_completion_streamed_and_not(client: openai.OpenAI) -> None:
     full = client.completions.create(model=SMALL, prompt="Once upon a time", max_tokens=10, temperature=0,
                                      extra_body={"ignore_eos": True})

@@ -26,6 +26,8 @@ MODEL = "org/m"
 CHAT: dict[str, Any] = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
 COMPLETION: dict[str, Any] = {"model": MODEL, "prompt": "hi"}
 REQUEST_ID = re.compile(r"[0-9a-f]{32}")
+TOOL: dict[str, Any] = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+CALL: dict[str, Any] = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
 
 
 @pytest.fixture
@@ -76,8 +78,21 @@ async def gateway(bus: Bus, nats_server: EmbeddedNatsServer) -> AsyncIterator[st
         ("chat", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
         ("completion", {"logprobs": 21}, "logprobs"),
         ("completion", {"logprobs": -1}, "logprobs"),
-        ("chat", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        ("chat", {"tools": [{"type": "code_interpreter"}]}, "tools"),
+        ("chat", {"tools": [{"type": "function", "function": {"name": "no spaces"}}]}, "tools"),
+        ("chat", {"tools": [{"type": "function", "function": {"name": "f" * 65}}]}, "tools"),
+        ("chat", {"tools": [{"type": "function", "function": {"name": "f", "parameters": [1]}}]}, "tools"),
+        ("chat", {"tools": [TOOL] * 2}, "tools"),
+        ("chat", {"tools": [{"type": "function", "function": {"name": f"f{i}"}} for i in range(129)]}, "tools"),
         ("chat", {"tool_choice": "required"}, "tool_choice"),
+        ("chat", {"tools": [TOOL], "tool_choice": "sometimes"}, "tool_choice"),
+        ("chat", {"tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "g"}}}, "tool_choice"),
+        ("chat", {"tools": [TOOL], "tool_choice": "required", "response_format": {"type": "json_object"}},
+         "response_format"),
+        ("chat", {"functions": [{"name": "f"}]}, "functions"),
+        ("chat", {"messages": [{"role": "user", "content": "hi", "tool_calls": [CALL]}]}, "messages"),
+        ("chat", {"messages": [{"role": "assistant", "tool_calls": [{"id": "c1", "function": {"name": "f"}}]}]},
+         "messages"),
         ("chat", {"response_format": {"type": "yaml"}}, "response_format"),
         ("chat", {"response_format": {"type": "json_schema"}}, "response_format"),
         ("chat", {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format"),
@@ -137,6 +152,14 @@ async def test_a_number_beyond_float_range_is_400_naming_the_field(gateway: str)
         ("/v1/chat/completions", CHAT | {"response_format": {"type": "json_schema", "json_schema": {
             "name": "x", "schema": {"type": "object"}, "strict": True}}}),
         ("/v1/chat/completions", CHAT | {"n": 128, "stream": True, "logit_bias": {"0": -100, "2147483647": 100}}),
+        ("/v1/chat/completions", CHAT | {"tools": [TOOL, {"type": "function", "function": {
+            "name": "g.h-1", "description": None, "parameters": None, "strict": True}}], "parallel_tool_calls": False}),
+        ("/v1/chat/completions", CHAT | {"tools": [TOOL], "tool_choice": "required"}),
+        ("/v1/chat/completions", CHAT | {"tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "f"}},
+                                         "parallel_tool_calls": None}),
+        ("/v1/chat/completions", CHAT | {"tools": [TOOL], "messages": [
+            {"role": "user", "content": "hi"}, {"role": "assistant", "content": None, "tool_calls": [CALL]},
+            {"role": "tool", "content": "42", "tool_call_id": "c1"}]}),
     ],
 )
 async def test_nulls_and_defaults_are_accepted_as_openai_allows(gateway: str, path: str, body: dict) -> None:

@@ -13,6 +13,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from shoal.cli.demo_models import (
+    CHAT_TEMPLATE,
     DEMO_MODEL_KEYS,
     SPECIAL_TOKEN_IDS,
     DemoModel,
@@ -112,6 +113,17 @@ def test_incomplete_model_is_made_again(tmp_path: Path) -> None:
     assert demo_model_configs(tmp_path) == []
     make_demo_models(tmp_path, names=[SMALLEST])
     assert [(m.key, m.path) for m in demo_model_configs(tmp_path)] == [(SMALLEST, SMALLEST)]
+
+
+def test_a_model_made_by_an_older_shoal_gets_todays_chat_template_and_keeps_its_weights(tmp_path: Path) -> None:
+    make_demo_models(tmp_path, names=[SMALLEST])
+    template, weights = tmp_path / SMALLEST / "chat_template.jinja", tmp_path / SMALLEST / "model.safetensors"
+    template.write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}", encoding="utf-8")
+    weights_before = (weights.stat().st_ino, weights.stat().st_mtime_ns)
+    make_demo_models(tmp_path, names=[SMALLEST])
+    assert template.read_text(encoding="utf-8") == CHAT_TEMPLATE
+    assert (weights.stat().st_ino, weights.stat().st_mtime_ns) == weights_before
+    assert "tools" in AutoTokenizer.from_pretrained(tmp_path / SMALLEST).chat_template
 
 
 def test_making_models_leaves_the_callers_rng_alone(tmp_path: Path) -> None:

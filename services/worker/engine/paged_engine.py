@@ -472,7 +472,7 @@ class PagedEngine:
         params = request.params
         sampling = SamplingState.from_params(params)
         if params.json_schema is not None:
-            sampling.matcher = self._grammars.matcher(params.json_schema)
+            sampling.matcher = self._grammars.matcher(params.json_schema, params.json_schema_param)
         eos_token_ids = frozenset() if params.ignore_eos else request.eos_token_ids
         max_num_tokens = min(max_model_len, num_prompt_tokens + max(1, params.max_tokens))
         loop = asyncio.get_running_loop()

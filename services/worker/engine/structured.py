@@ -12,7 +12,6 @@ unbounded JSON grammars with small models).
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import numpy as np
@@ -30,35 +29,36 @@ class Grammars:
 
     def __init__(self, tokenizer: Any) -> None:
         self._tokenizer = tokenizer
+        self._llg_tokenizer: Any = None
 
-    @functools.cached_property
-    def _ll_tokenizer(self) -> Any:
-        try:
-            import llguidance.hf
-        except ImportError as exc:  # an install without it: structured output is refused, not broken
-            raise RequestRejected("structured output (response_format) needs the llguidance package",
-                                  param="response_format") from exc
-        try:
-            return llguidance.hf.from_tokenizer(self._tokenizer)
-        except Exception as exc:  # a tokenizer llguidance cannot read
-            raise RequestRejected(f"this model's tokenizer does not support structured output: {exc}",
-                                  param="response_format") from exc
+    def _ll_tokenizer(self, param: str) -> Any:
+        if self._llg_tokenizer is None:
+            try:
+                import llguidance.hf
+            except ImportError as exc:  # an install without it: structured output is refused, not broken
+                raise RequestRejected(f"structured output ({param}) needs the llguidance package",
+                                      param=param) from exc
+            try:
+                self._llg_tokenizer = llguidance.hf.from_tokenizer(self._tokenizer)
+            except Exception as exc:  # a tokenizer llguidance cannot read
+                raise RequestRejected(f"this model's tokenizer does not support structured output ({param}): "
+                                      f"{exc}", param=param) from exc
+        return self._llg_tokenizer
 
-    def matcher(self, json_schema: str) -> TokenMatcher:
-        """A fresh matcher for one request; a 400 naming ``response_format`` when the schema
-        cannot be compiled."""
+    def matcher(self, json_schema: str, param: str = "response_format") -> TokenMatcher:
+        """A fresh matcher for one request; a 400 naming `param` (the request field the schema
+        came from) when the schema cannot be compiled."""
         import llguidance
 
+        ll_tokenizer = self._ll_tokenizer(param)
         try:
             grammar = llguidance.LLMatcher.grammar_from_json_schema(json_schema, defaults=_JSON_OPTIONS)
         except Exception as exc:  # the schema is the client's: any failure to compile it is its fault
-            raise RequestRejected(f"response_format: the JSON schema is not usable: {exc}",
-                                  param="response_format") from exc
-        matcher = llguidance.LLMatcher(self._ll_tokenizer, grammar)
+            raise RequestRejected(f"{param}: the JSON schema is not usable: {exc}", param=param) from exc
+        matcher = llguidance.LLMatcher(ll_tokenizer, grammar)
         if matcher.is_error():
-            raise RequestRejected(f"response_format: the JSON schema is not usable: {matcher.get_error()}",
-                                  param="response_format")
-        return TokenMatcher(matcher, self._ll_tokenizer.vocab_size)
+            raise RequestRejected(f"{param}: the JSON schema is not usable: {matcher.get_error()}", param=param)
+        return TokenMatcher(matcher, ll_tokenizer.vocab_size)
 
 
 class TokenMatcher:

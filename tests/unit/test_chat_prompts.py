@@ -1,0 +1,69 @@
+"""Chat requests rendered by the model's chat template (services/worker/prompts.py), tools and
+tool turns included, on the demo models' real tokenizer and template."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from transformers import AutoTokenizer
+
+from shoal.services.worker.generation import RequestRejected
+from shoal.services.worker.prompts import chat_prompt, prompt_chars
+from shoal.shared.messages import ChatMessage, InferenceRequest, SamplingParams, ToolCall, ToolSpec
+
+WEATHER = ToolSpec("get_weather", "Weather in a city",
+                   {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]})
+
+
+@pytest.fixture(scope="module")
+def tokenizer(demo_models_root: Path) -> object:
+    return AutoTokenizer.from_pretrained(demo_models_root / "demo" / "qwen2-25m")
+
+
+def _request(messages: list[ChatMessage], tools: list[ToolSpec] | None = None) -> InferenceRequest:
+    return InferenceRequest("r1", "demo/qwen2-25m", SamplingParams(), 0.0, "reply", messages=messages, tools=tools)
+
+
+def test_a_conversation_without_tools_is_plain_chatml(tokenizer: object) -> None:
+    text = chat_prompt(tokenizer, _request([ChatMessage("system", "Be brief."), ChatMessage("user", "hi")]))
+    assert text == "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_tools_are_listed_in_the_system_turn(tokenizer: object) -> None:
+    text = chat_prompt(tokenizer, _request([ChatMessage("system", "Be brief."), ChatMessage("user", "Paris?")],
+                                           [WEATHER, ToolSpec("get_time")]))
+    system, user, assistant = text.split("<|im_start|>")[1:]
+    assert system.startswith("system\nBe brief.\n\n# Tools")
+    assert ('{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city", '
+            '"parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}'
+            ) in system
+    assert '{"name": "get_time", "parameters": {"type": "object", "properties": {}}}' in system
+    assert "<tool_call>" in system and user == "user\nParis?<|im_end|>\n" and assistant == "assistant\n"
+
+
+def test_past_calls_and_their_results_are_rendered_as_the_model_writes_and_reads_them(tokenizer: object) -> None:
+    messages = [
+        ChatMessage("user", "Weather in Paris and Oslo?"),
+        ChatMessage("assistant", "", tool_calls=[ToolCall("c1", "get_weather", '{"city": "Paris"}'),
+                                                 ToolCall("c2", "get_weather", "not json")]),
+        ChatMessage("tool", "12C", tool_call_id="c1"),
+        ChatMessage("tool", "3C", tool_call_id="c2"),
+    ]
+    text = chat_prompt(tokenizer, _request(messages, [WEATHER]))
+    assert ('<|im_start|>assistant\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
+            '</tool_call>\n<tool_call>\n{"name": "get_weather", "arguments": not json}\n</tool_call><|im_end|>\n'
+            ) in text
+    assert text.endswith("<|im_start|>user\n<tool_response>\n12C\n</tool_response>\n<tool_response>\n3C\n"
+                         "</tool_response><|im_end|>\n<|im_start|>assistant\n")
+    assert prompt_chars(_request(messages)) == len("Weather in Paris and Oslo?") + len('{"city": "Paris"}') + \
+        len("not json") + len("12C") + len("3C")
+
+
+def test_tools_for_a_template_that_ignores_them_are_400_naming_tools(tokenizer: object) -> None:
+    plain = AutoTokenizer.from_pretrained(tokenizer.name_or_path)
+    plain.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    with pytest.raises(RequestRejected) as raised:
+        chat_prompt(plain, _request([ChatMessage("user", "hi")], [WEATHER]))
+    assert raised.value.param == "tools"
+    assert chat_prompt(plain, _request([ChatMessage("user", "hi")])) == "hi"
