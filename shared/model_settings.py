@@ -24,6 +24,8 @@ from shoal.shared.subjects import InvalidModelKey, validate_model_key
 
 Dtype = Literal["auto", "float32", "float16", "bfloat16"]
 SleepLevel = Literal["warm", "cold"]
+ToolCallParser = Literal["hermes", "llama3_json"]
+"""How a model writes function calls (vLLM's parser names; services/gateway/tool_call_parser.py)."""
 DEFAULT_KV_CACHE_TOKENS = 32 * 2048
 """A replica's default KV budget: 32 concurrent requests of 2,048 tokens (prompt and output;
 the demo models' whole context) without preemption. The memory estimate placement reserves
@@ -103,6 +105,9 @@ class ModelSettings(Struct, kw_only=True, omit_defaults=True):
     ``max_queue_per_model``."""
     fairness: FairnessSettings = field(default_factory=FairnessSettings)
     sleep: SleepSettings = field(default_factory=SleepSettings)
+    tool_call_parser: ToolCallParser = "hermes"
+    """How the model writes function calls, read from its answers to ``tool_choice: auto``:
+    ``hermes`` (``<tool_call>`` JSON: Qwen2.5, Qwen3, Hermes) or ``llama3_json`` (Llama 3.1-3.3)."""
 
     def __post_init__(self) -> None:
         try:

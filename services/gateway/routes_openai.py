@@ -174,7 +174,8 @@ def _plan(state: GatewayState, body: ChatCompletionRequest | CompletionRequest, 
     tools: ToolPlan | None = None
     if isinstance(body, ChatCompletionRequest):
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        tools = tool_plan(body)
+        spec = state.cluster.get_model(body.model)
+        tools = tool_plan(body, spec.tool_call_parser if spec is not None else "hermes")
         params = forced(sampling_params(body, max_tokens, UNLIMITED_MAX_TOKENS), tools, body)
         prompts = [{"messages": chat_messages(body, state.config.max_prompt_chars), "tools": tool_specs(body)}]
     else:

@@ -1,30 +1,41 @@
 """Function calling, answer side: one choice's generated text, as it streams, read into content
 and calls (`ToolPlan` says how).
 
-* ``auto``: the Hermes format (Qwen2.5 and Qwen3, Hermes 2 and 3, and the many models tuned on
-  them, what vLLM's ``hermes`` parser reads): each call is a JSON object ``{"name": ...,
-  "arguments": {...}}`` between ``<tool_call>`` and ``</tool_call>``; text outside the tags
-  is content. A block that is not such JSON stays in the content, as written.
-* forced (``required``, a named function): the whole text is the grammar's JSON, read when
-  the choice ends; should it not parse (cut off by ``max_tokens``), it is the content.
+``tool_choice: auto`` reads the text in the model's format (its ``tool_call_parser`` setting,
+named as vLLM names its parsers):
 
-Arguments are sent as compact JSON text (``json.dumps``), whatever spacing the model wrote.
+* ``hermes`` (the default: Qwen2.5 and Qwen3, Hermes 2 and 3, and the many models tuned on
+  them): each call is ``{"name": ..., "arguments": {...}}`` between ``<tool_call>`` and
+  ``</tool_call>``; text outside the tags is content, and a block that is not such JSON stays
+  in it as written. Content streams as it comes, less a tail that may start a tag; a call
+  is given out whole once its closing tag has come.
+* ``llama3_json`` (Llama 3.1 to 3.3): an answer that starts with ``{`` is calls, JSON objects
+  ``{"name": ..., "parameters": {...}}`` separated by ``;`` (the ``<|python_tag|>`` before
+  them is a special token, not in the text); read when the choice ends, and content as
+  written should they not parse. Any other answer is content, streamed as it comes.
 
-A call is sent whole, once its closing tag has come; content streams as it comes, less any
-tail that may be the start of ``<tool_call>``.
+A forced choice (``required``, a named function) makes the whole text the grammar's JSON,
+read when the choice ends; should it not parse (cut off by ``max_tokens``), it is the content.
+
+Arguments are given out as compact JSON text (``json.dumps``), whatever spacing the model wrote.
 """
 
 from __future__ import annotations
 
 import json
 import uuid
-from typing import Any
+from typing import Any, Protocol
 
 from shoal.services.gateway.openai_api import FunctionCallOut, ToolCallOut
 from shoal.services.gateway.tools import ToolPlan
 
-OPEN_TAG = "<tool_call>"
-CLOSE_TAG = "</tool_call>"
+Piece = str | FunctionCallOut
+"""Content text, or a call."""
+
+
+class _Format(Protocol):
+    def feed(self, text: str) -> list[Piece]: ...
+    def finish(self) -> list[Piece]: ...
 
 
 class ToolCallReader:
@@ -32,9 +43,7 @@ class ToolCallReader:
 
     def __init__(self, plan: ToolPlan) -> None:
         self._plan = plan
-        self._pending = ""
-        """Text not yet given out: a forced answer whole; else a possible tag start, or a call's body."""
-        self._in_call = False
+        self._format = _FORMATS[plan.format]() if plan.choice == "auto" else _Forced(plan)
         self._num_calls = 0
         self._after_call = False
         """Since the last call, only whitespace: the format's, not content (dropped)."""
@@ -45,81 +54,27 @@ class ToolCallReader:
 
     def feed(self, text: str) -> tuple[str, list[ToolCallOut]]:
         """The content and the whole calls that `text` completes."""
-        self._pending += text
-        if self._plan.choice != "auto":
-            return "", []
-        content: list[str] = []
-        calls: list[ToolCallOut] = []
-        while True:
-            if self._in_call:
-                end = self._pending.find(CLOSE_TAG)
-                if end < 0:
-                    break
-                body, self._pending = self._pending[:end], self._pending[end + len(CLOSE_TAG):]
-                self._in_call = False
-                calls += self._take_block(body, closed=True, content=content)
-            else:
-                start = self._pending.find(OPEN_TAG)
-                if start < 0:
-                    keep = _tag_start_length(self._pending)
-                    content.append(self._visible(self._pending[:len(self._pending) - keep]))
-                    self._pending = self._pending[len(self._pending) - keep:]
-                    break
-                content.append(self._visible(self._pending[:start]))
-                self._pending = self._pending[start + len(OPEN_TAG):]
-                self._in_call = True
-        return "".join(content), calls
+        return self._given_out(self._format.feed(text))
 
     def finish(self, finish_reason: str) -> tuple[str, list[ToolCallOut], str]:
         """What remains when the choice ended, and its finish reason: ``tool_calls`` when it
         made calls and stopped by itself (not at ``max_tokens``)."""
-        pending, self._pending = self._pending, ""
-        content: list[str] = []
-        calls: list[ToolCallOut] = []
-        if self._plan.choice == "auto":
-            if self._in_call:  # no closing tag: a call if its JSON is whole
-                calls += self._take_block(pending, closed=False, content=content)
-            else:
-                content.append(self._visible(pending))
-        else:
-            forced_calls = self._forced_calls(pending)
-            if forced_calls is None:
-                content.append(pending)
-            else:
-                calls += self._numbered(forced_calls)
+        content, calls = self._given_out(self._format.finish())
         if self.made_calls and finish_reason == "stop":
             finish_reason = "tool_calls"
-        return "".join(content), calls, finish_reason
+        return content, calls, finish_reason
 
-    def _take_block(self, body: str, *, closed: bool, content: list[str]) -> list[ToolCallOut]:
-        call = _hermes_call(body)
-        if call is None:
-            content.append(self._visible(OPEN_TAG + body + (CLOSE_TAG if closed else "")))
-            return []
-        return self._numbered([call])
-
-    def _forced_calls(self, text: str) -> list[FunctionCallOut] | None:
-        try:
-            answer = json.loads(text)
-        except ValueError:
-            return None
-        if self._plan.choice == "named":
-            assert self._plan.function is not None, "a named choice names its function"
-            if not isinstance(answer, dict):
-                return None
-            return [FunctionCallOut(self._plan.function, json.dumps(answer, ensure_ascii=False))]
-        if not isinstance(answer, list):
-            return None
-        calls = [_call_of(item) for item in answer]
-        return None if not calls or None in calls else [call for call in calls if call is not None]
-
-    def _numbered(self, calls: list[FunctionCallOut]) -> list[ToolCallOut]:
-        """`calls` with ids; past the first, none when ``parallel_tool_calls`` is false."""
-        if not self._plan.parallel:
-            calls = calls[:max(0, 1 - self._num_calls)]
-        self._num_calls += len(calls)
-        self._after_call = True
-        return [ToolCallOut(f"call_{uuid.uuid4().hex[:24]}", call) for call in calls]
+    def _given_out(self, pieces: list[Piece]) -> tuple[str, list[ToolCallOut]]:
+        content: list[str] = []
+        calls: list[ToolCallOut] = []
+        for piece in pieces:
+            if isinstance(piece, str):
+                content.append(self._visible(piece))
+            elif self._plan.parallel or self._num_calls == 0:  # else only the first call is kept
+                calls.append(ToolCallOut(f"call_{uuid.uuid4().hex[:24]}", piece))
+                self._num_calls += 1
+                self._after_call = True
+        return "".join(content), calls
 
     def _visible(self, text: str) -> str:
         """The content given out of `text`; whitespace right after a call is the format's, not content."""
@@ -127,6 +82,45 @@ class ToolCallReader:
             text = text.lstrip()
             self._after_call = not text
         return text
+
+
+OPEN_TAG = "<tool_call>"
+CLOSE_TAG = "</tool_call>"
+
+
+class _Hermes:
+    def __init__(self) -> None:
+        self._pending = ""
+        """Text not yet given out: a possible tag start, or a call's body."""
+        self._in_call = False
+
+    def feed(self, text: str) -> list[Piece]:
+        self._pending += text
+        pieces: list[Piece] = []
+        while True:
+            if self._in_call:
+                end = self._pending.find(CLOSE_TAG)
+                if end < 0:
+                    return pieces
+                body, self._pending = self._pending[:end], self._pending[end + len(CLOSE_TAG):]
+                self._in_call = False
+                pieces.append(_hermes_call(body) or OPEN_TAG + body + CLOSE_TAG)
+            else:
+                start = self._pending.find(OPEN_TAG)
+                if start < 0:
+                    cut = len(self._pending) - _tag_start_length(self._pending)
+                    pieces.append(self._pending[:cut])
+                    self._pending = self._pending[cut:]
+                    return pieces
+                pieces.append(self._pending[:start])
+                self._pending = self._pending[start + len(OPEN_TAG):]
+                self._in_call = True
+
+    def finish(self) -> list[Piece]:
+        pending, self._pending = self._pending, ""
+        if self._in_call:  # no closing tag: a call if its JSON is whole
+            return [_hermes_call(pending) or OPEN_TAG + pending]
+        return [pending]
 
 
 def _tag_start_length(text: str) -> int:
@@ -144,8 +138,80 @@ def _hermes_call(body: str) -> FunctionCallOut | None:
         return None
 
 
+class _Llama3Json:
+    def __init__(self) -> None:
+        self._pending = ""
+        self._calls: bool | None = None
+        """Whether the answer is calls; None until its first non-blank character."""
+
+    def feed(self, text: str) -> list[Piece]:
+        self._pending += text
+        if self._calls is None and self._pending.strip():
+            self._calls = self._pending.lstrip().startswith("{")
+        if self._calls is False:
+            pending, self._pending = self._pending, ""
+            return [pending]
+        return []
+
+    def finish(self) -> list[Piece]:
+        pending, self._pending = self._pending, ""
+        calls = _json_calls(pending) if self._calls else None
+        return list(calls) if calls else [pending]
+
+
+def _json_calls(text: str) -> list[FunctionCallOut] | None:
+    """JSON call objects one after another, separated by ``;`` or blanks; None unless all are."""
+    decoder = json.JSONDecoder()
+    calls: list[FunctionCallOut] = []
+    position = 0
+    while True:
+        while position < len(text) and (text[position].isspace() or text[position] == ";"):
+            position += 1
+        if position == len(text):
+            return calls or None
+        try:
+            item, position = decoder.raw_decode(text, position)
+        except ValueError:
+            return None
+        call = _call_of(item)
+        if call is None:
+            return None
+        calls.append(call)
+
+
+class _Forced:
+    """The grammar's JSON, whole when the choice ends: an array of calls (``required``), or
+    the named function's arguments."""
+
+    def __init__(self, plan: ToolPlan) -> None:
+        self._function = plan.function if plan.choice == "named" else None
+        self._pending = ""
+
+    def feed(self, text: str) -> list[Piece]:
+        self._pending += text
+        return []
+
+    def finish(self) -> list[Piece]:
+        text, self._pending = self._pending, ""
+        calls = self._calls(text)
+        return list(calls) if calls else [text]
+
+    def _calls(self, text: str) -> list[FunctionCallOut] | None:
+        try:
+            answer = json.loads(text)
+        except ValueError:
+            return None
+        if self._function is not None:
+            return [FunctionCallOut(self._function, json.dumps(answer, ensure_ascii=False))] \
+                if isinstance(answer, dict) else None
+        if not isinstance(answer, list):
+            return None
+        calls = [_call_of(item) for item in answer]
+        return None if None in calls else [call for call in calls if call is not None]
+
+
 def _call_of(item: Any) -> FunctionCallOut | None:
-    """``{"name": ..., "arguments": {...}}`` (or ``"parameters"``, as some models write) as a call."""
+    """``{"name": ..., "arguments": {...}}`` (or ``"parameters"``, as Llama writes) as a call."""
     if not isinstance(item, dict) or not isinstance(item.get("name"), str):
         return None
     arguments = item.get("arguments", item.get("parameters", {}))
@@ -154,3 +220,6 @@ def _call_of(item: Any) -> FunctionCallOut | None:
     if not isinstance(arguments, dict):
         return None
     return FunctionCallOut(item["name"], json.dumps(arguments, ensure_ascii=False))
+
+
+_FORMATS: dict[str, type[_Format]] = {"hermes": _Hermes, "llama3_json": _Llama3Json}

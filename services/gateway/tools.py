@@ -5,7 +5,7 @@ worker renders (`ToolSpec`s for the chat template) and how the answer is read (`
 
 * ``none``: the tools are in the prompt, the answer is text;
 * ``auto`` (the default with tools): the model chooses; its text is read for calls in the
-  Hermes format (`tool_call_parser.py`);
+  format the model writes them in (its ``tool_call_parser`` setting, `tool_call_parser.py`);
 * ``required`` or a named function: the answer is forced, as vLLM forces it, with the JSON
   output grammar: an array of ``{"name", "arguments"}`` (at least one; one when
   ``parallel_tool_calls`` is false), or the named function's arguments alone. This works with
@@ -22,6 +22,7 @@ import msgspec
 from shoal.services.gateway.errors import BadRequest
 from shoal.services.gateway.openai_api import ChatCompletionRequest, NamedToolChoice
 from shoal.shared.messages import SamplingParams, ToolSpec
+from shoal.shared.model_settings import ToolCallParser
 
 ToolChoice = Literal["none", "auto", "required", "named"]
 
@@ -35,6 +36,8 @@ class ToolPlan:
     """Several calls in one answer (``parallel_tool_calls``); False keeps the first."""
     function: str | None = None
     """The function a named ``tool_choice`` forces."""
+    format: ToolCallParser = "hermes"
+    """How the model writes calls (its ``tool_call_parser``), for ``auto``."""
 
     @property
     def reads_calls(self) -> bool:
@@ -52,9 +55,9 @@ def tool_specs(req: ChatCompletionRequest) -> list[ToolSpec] | None:
     return [ToolSpec(tool.function.name, tool.function.description, tool.function.parameters) for tool in req.tools]
 
 
-def tool_plan(req: ChatCompletionRequest) -> ToolPlan | None:
-    """How to read the answer for calls; None when the request has no tools (``tool_choice``
-    then may only be ``none`` or ``auto``, else a 400 as OpenAI answers)."""
+def tool_plan(req: ChatCompletionRequest, call_format: ToolCallParser = "hermes") -> ToolPlan | None:
+    """How to read the answer for calls, made in `call_format`; None when the request has no
+    tools (``tool_choice`` then may only be ``none`` or ``auto``, else a 400 as OpenAI answers)."""
     choice = req.tool_choice
     if not req.tools:
         if choice not in (None, "none", "auto"):
@@ -65,8 +68,8 @@ def tool_plan(req: ChatCompletionRequest) -> ToolPlan | None:
         if choice.function.name not in {tool.function.name for tool in req.tools}:
             raise BadRequest(f"tool_choice names function {choice.function.name!r}, which is not in tools",
                              param="tool_choice")
-        return ToolPlan("named", parallel, choice.function.name)
-    return ToolPlan(choice or "auto", parallel)
+        return ToolPlan("named", parallel, choice.function.name, call_format)
+    return ToolPlan(choice or "auto", parallel, format=call_format)
 
 
 def forced(params: SamplingParams, plan: ToolPlan | None, req: ChatCompletionRequest) -> SamplingParams:

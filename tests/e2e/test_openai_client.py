@@ -222,6 +222,28 @@ def test_a_tool_result_turn_reaches_the_models_template(client: openai.OpenAI, d
     assert choice.finish_reason == "length" and choice.message.content and choice.message.tool_calls is None
 
 
+def test_a_models_tool_call_parser_decides_how_its_answers_are_read(client: openai.OpenAI, shoal: ShoalUp) -> None:
+    """A model registered with ``tool_call_parser = "llama3_json"`` has an answer that is a
+    Llama-style call object read as a call; the same answer from a Hermes model is text. (The
+    answer is made a call object with ``response_format``: random weights never write one.)"""
+    code, payload = _post(shoal.base_url + "/admin/models", json.dumps(
+        {"key": "org/llama-calls", "path": SMALL, "tool_call_parser": "llama3_json"}).encode())
+    assert code == 200 and payload["model"]["tool_call_parser"] == "llama3_json", payload
+    call_object = {"type": "object", "additionalProperties": False, "required": ["name", "parameters"],
+                   "properties": {"name": {"const": "get_time"}, "parameters": TIME_TOOL["function"]["parameters"]}}
+    kwargs = dict(messages=[{"role": "user", "content": "Time?"}], tools=[TIME_TOOL], max_tokens=60, temperature=0,
+                  response_format={"type": "json_schema", "json_schema": {"name": "call", "schema": call_object}})
+
+    llama = client.chat.completions.create(model="org/llama-calls", **kwargs).choices[0]
+    assert llama.finish_reason == "tool_calls" and llama.message.content is None
+    (call,) = llama.message.tool_calls
+    assert call.function.name == "get_time" and json.loads(call.function.arguments)["zone"] in ("UTC", "CET")
+
+    hermes = client.chat.completions.create(model=SMALL, **kwargs).choices[0]
+    assert hermes.finish_reason == "stop" and hermes.message.tool_calls is None
+    assert json.loads(hermes.message.content)["name"] == "get_time"
+
+
 def test_a_tool_whose_schema_cannot_be_followed_is_400_naming_tools(client: openai.OpenAI) -> None:
     bad = {"type": "function", "function": {"name": "f", "parameters": {"type": 5}}}
     with pytest.raises(openai.BadRequestError) as caught:

@@ -62,6 +62,7 @@ def test_no_tools_means_no_plan_and_a_forcing_choice_without_tools_is_400() -> N
 def test_tools_default_to_auto_and_keep_their_definitions() -> None:
     request = _request(tools=[WEATHER, TIME])
     assert tool_plan(request) == ToolPlan("auto", parallel=True)
+    assert tool_plan(request, "llama3_json") == ToolPlan("auto", parallel=True, format="llama3_json")
     specs = tool_specs(request)
     assert specs is not None and [spec.name for spec in specs] == ["get_weather", "get_time"]
     assert specs[0].description == "Weather in a city" and specs[0].parameters == WEATHER["function"]["parameters"]
@@ -196,3 +197,36 @@ def test_a_named_answer_is_the_functions_arguments() -> None:
 ])
 def test_a_forced_answer_that_does_not_parse_is_the_content(plan: ToolPlan, text: str) -> None:
     assert _read(plan, [text], "length") == (text, [], "length")
+
+
+LLAMA = ToolPlan("auto", format="llama3_json")
+
+
+@pytest.mark.parametrize("split", [lambda t: [t], _characters])
+def test_llama3_calls_are_read_when_the_answer_starts_with_an_object(split: Any) -> None:
+    text = ' {"name": "get_weather", "parameters": {"city": "Paris"}}; {"name": "get_time", "parameters": {}}'
+    reader = ToolCallReader(LLAMA)
+    assert all(reader.feed(piece) == ("", []) for piece in split(text)), "calls come when the answer ends"
+    content, calls, reason = reader.finish("stop")
+    assert content == "" and reason == "tool_calls"
+    assert [(c.function.name, c.function.arguments) for c in calls] == [
+        ("get_weather", '{"city": "Paris"}'), ("get_time", "{}")]
+
+
+def test_a_llama3_answer_in_words_streams_as_content() -> None:
+    reader = ToolCallReader(LLAMA)
+    assert reader.feed("  ") == ("", [])  # the first non-blank character decides
+    assert reader.feed("It is {sunny}") == ("  It is {sunny}", [])
+    assert reader.feed(' {"name": "f", "parameters": {}}') == (' {"name": "f", "parameters": {}}', [])
+    assert reader.finish("stop") == ("", [], "stop")
+
+
+@pytest.mark.parametrize("text", ['{"name": "f", "parameters": {"x"', '{"answer": 42}', '{"name": "f"} trailing words'])
+def test_a_llama3_object_that_is_not_calls_is_the_content(text: str) -> None:
+    assert _read(LLAMA, _characters(text), "length") == (text, [], "length")
+
+
+def test_llama3_without_parallel_calls_keeps_the_first() -> None:
+    plan = ToolPlan("auto", parallel=False, format="llama3_json")
+    text = '{"name": "a", "parameters": {}};{"name": "b", "parameters": {}}'
+    assert _read(plan, [text]) == ("", [("a", {})], "tool_calls")
