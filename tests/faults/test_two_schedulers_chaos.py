@@ -29,10 +29,11 @@ def held_by_workers(cluster: FaultCluster) -> dict[str, dict[int, int]]:
             if r.process is not None and r.process.process.returncode is None and r.record.level == "HOT"}
 
 
-async def watch_memory(cluster: FaultCluster, violations: list[str]) -> None:
-    """Poll: a worker holding memory before and after a read of the GPU records must be an
-    occupant of that GPU with at least its bytes in that read."""
-    while True:
+async def watch_memory(cluster: FaultCluster, violations: list[str], stop: asyncio.Event) -> None:
+    """Poll until `stop`: a worker holding memory before and after a read of the GPU records
+    must be an occupant of that GPU with at least its bytes in that read. (Stopped by an event,
+    not a cancel: on Python 3.11 `asyncio.wait_for`, inside nats-py, can swallow a cancel.)"""
+    while not stop.is_set():
         before = held_by_workers(cluster)
         gpus = {key: e.value for key, e in (await cluster.bus.gpus.get_all()).items()}
         after = held_by_workers(cluster)
@@ -70,9 +71,9 @@ async def random_commands(schedulers: list[SchedulerService], rng: random.Random
     return done
 
 
-async def load(cluster: FaultCluster, rng: random.Random) -> None:
-    """Requests to random models, so stops and parks drain work in flight."""
-    while True:
+async def load(cluster: FaultCluster, rng: random.Random, stop: asyncio.Event) -> None:
+    """Requests to random models until `stop`, so stops and parks drain work in flight."""
+    while not stop.is_set():
         tasks = [asyncio.create_task(cluster.complete(rng.choice(MODELS), max_tokens=200)) for _ in range(3)]
         await asyncio.gather(*tasks, return_exceptions=True)
 
@@ -93,8 +94,9 @@ async def test_two_schedulers_under_random_commands_never_count_held_memory_free
 
         await cluster.bus.nc.subscribe(f"$KV.{subjects.GPUS_BUCKET}.>", cb=on_gpu_write)
         violations: list[str] = []
-        background = [asyncio.create_task(watch_memory(cluster, violations)),
-                      asyncio.create_task(load(cluster, random.Random(1)))]
+        stop_watching, stop_loading = asyncio.Event(), asyncio.Event()
+        background = [asyncio.create_task(watch_memory(cluster, violations, stop_watching)),
+                      asyncio.create_task(load(cluster, random.Random(1), stop_loading))]
         try:
             until = time.monotonic() + CHAOS_S
             async with asyncio.TaskGroup() as group:  # one failing cancels the other
@@ -102,7 +104,7 @@ async def test_two_schedulers_under_random_commands_never_count_held_memory_free
                         for seed in (11, 12)]
             commands = [run.result() for run in runs]
         finally:
-            background[1].cancel()
+            stop_loading.set()
         # Settle: every model ends with one replica, nothing waits for a node step.
         for key in MODELS:
             await cluster.schedulers[0].register(model(key, drain_timeout_s=3.0))
@@ -115,8 +117,8 @@ async def test_two_schedulers_under_random_commands_never_count_held_memory_free
                 cluster.agent._replicas.keys() == {r.replica_id for r in records}
 
         await cluster.wait_for(settled, "the cluster to settle", timeout_s=120)
-        background[0].cancel()
-        await asyncio.gather(*background, return_exceptions=True)
+        stop_watching.set()
+        await asyncio.gather(*background)
         await cluster.assert_no_orphans()
         await cluster.assert_memory_matches_records()
         num_commands = sum(len(c) for c in commands)
