@@ -116,6 +116,11 @@ class SamplingParams(Struct, omit_defaults=True):
     ``response_format``, or a forced ``tool_choice``); None: free text."""
     json_schema_param: str = "response_format"
     """The request field `json_schema` came from, named by an error about it."""
+    echo: bool = False
+    """Send the prompt back (`PromptEcho`) with the first chunk (completions' ``echo``)."""
+    prompt_logprobs: int | None = None
+    """With `echo`: each prompt token's log probability and this many alternatives; the
+    prompt is then computed whole (no prefix-cache or session reuse)."""
 
     def __post_init__(self) -> None:
         if self.temperature < GREEDY_BELOW_TEMPERATURE or self.top_p < GREEDY_BELOW_TEMPERATURE:
@@ -170,6 +175,17 @@ class TokenLogprob(Struct, array_like=True):
     top: list[tuple[bytes, float]] = field(default_factory=list)
 
 
+class PromptEcho(Struct, omit_defaults=True):
+    """A request's prompt, sent back with its first chunk (``echo``)."""
+
+    text: str
+    """The prompt's tokens decoded (the gateway echoes a text prompt as the client sent it)."""
+    first_token: bytes = b""
+    """With log probabilities: the prompt's first token, which has none (nothing precedes it)."""
+    logprobs: list[TokenLogprob] | None = None
+    """Every later prompt token's, in order (asked by ``params.prompt_logprobs``)."""
+
+
 class TokenChunk(Struct, tag="chunk", tag_field="type", omit_defaults=True):
     """Text of one or more new tokens. (request_id, attempt, seq) orders chunks;
     seq counts chunks within one attempt from 0."""
@@ -186,6 +202,8 @@ class TokenChunk(Struct, tag="chunk", tag_field="type", omit_defaults=True):
     spliced onto what the client already holds. 0: not computed (an older worker)."""
     logprobs: list[TokenLogprob] | None = None
     """The chunk's tokens' log probabilities, in order (requests that ask for them)."""
+    prompt: PromptEcho | None = None
+    """On an attempt's first chunk, for a request with ``params.echo``."""
 
 
 class FinalReply(Struct, tag="final", tag_field="type", omit_defaults=True):

@@ -7,7 +7,7 @@ never an overflow further in. Besides OpenAI's sampling fields (with
 ``presence_penalty`` and ``frequency_penalty``), vLLM's ``top_k``, ``min_p``,
 ``repetition_penalty`` and ``ignore_eos`` are honoured, and Shoal's ``session_id`` (a chat
 session whose KV replicas keep between turns; also the ``X-Session-Id`` header). Fields Shoal knows but
-cannot honour (``functions``, ``echo``, ``best_of``...) are
+cannot honour (``functions``, ``suffix``, ``best_of``...) are
 accepted at their defaults and rejected with 400 naming the field otherwise,
 never silently dropped.
 """
@@ -26,6 +26,7 @@ from shoal.services.gateway.errors import BadRequest, PayloadTooLarge
 from shoal.shared.messages import (
     ChatMessage,
     InferenceRequest,
+    PromptEcho,
     SamplingParams,
     TokenLogprob,
     ToolCall,
@@ -212,7 +213,6 @@ _UNSUPPORTED: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
      "function_call (deprecated by OpenAI) is not supported; send tools and tool_choice"),
     ("audio", lambda v: v is None, "audio output is not supported"),
     ("modalities", lambda v: v in (None, ["text"]), "only the \"text\" modality is supported"),
-    ("echo", lambda v: not v, "echo is not supported"),
     ("suffix", lambda v: not v, "suffix is not supported"),
     ("best_of", lambda v: v in (None, 1), "best_of > 1 is not supported"),
 )
@@ -262,6 +262,7 @@ def sampling_params(req: _Sampling, max_tokens: int | None, default_max_tokens: 
         raise BadRequest("model is required", param="model")
     reject_unsupported(req)
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])  # bounds: `StopString`
+    echo = isinstance(req, CompletionRequest) and bool(req.echo)
     return SamplingParams(
         max_tokens=max_tokens if max_tokens is not None else default_max_tokens,
         temperature=1.0 if req.temperature is None else req.temperature,
@@ -277,6 +278,8 @@ def sampling_params(req: _Sampling, max_tokens: int | None, default_max_tokens: 
         logit_bias=logit_bias_of(req),
         logprobs=requested_logprobs(req),
         json_schema=json_schema_of(req),
+        echo=echo,
+        prompt_logprobs=req.logprobs if echo and isinstance(req, CompletionRequest) else None,
     )
 
 
@@ -462,9 +465,14 @@ class TextLogprobs(Struct):
     the chosen token among them, as vLLM reports) and character offset in the text."""
 
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]]
+    token_logprobs: list[float | None]
+    """None for an echoed prompt's first token (nothing precedes it), as OpenAI reports."""
+    top_logprobs: list[dict[str, float] | None]
     text_offset: list[int]
+
+    def __add__(self, later: TextLogprobs) -> TextLogprobs:
+        return TextLogprobs(self.tokens + later.tokens, self.token_logprobs + later.token_logprobs,
+                            self.top_logprobs + later.top_logprobs, self.text_offset + later.text_offset)
 
 
 class ChatChoice(Struct):
@@ -566,9 +574,25 @@ def text_logprobs(entries: list[TokenLogprob], text_offset: int = 0) -> TextLogp
     for token in tokens:
         offsets.append(text_offset)
         text_offset += len(token)
-    top = [{_token_text(t): logprob for t, logprob in entry.top} | {token: entry.logprob}
-           for token, entry in zip(tokens, entries, strict=True)]
+    top: list[dict[str, float] | None] = [{_token_text(t): logprob for t, logprob in entry.top} | {token: entry.logprob}
+                                          for token, entry in zip(tokens, entries, strict=True)]
     return TextLogprobs(tokens, [entry.logprob for entry in entries], top, offsets)
+
+
+def echoed_text(prompt: PromptEcho, own_prompt: str | None) -> str:
+    """An echoed prompt's text: the client's own, or the worker's decoding of its token ids."""
+    return own_prompt if own_prompt is not None else prompt.text
+
+
+def prompt_logprobs(prompt: PromptEcho) -> TextLogprobs:
+    """An echoed prompt's log probabilities, its first token's null, offsets from 0."""
+    first = _token_text(prompt.first_token)
+    return TextLogprobs([first], [None], [None], [0]) + text_logprobs(prompt.logprobs or [], len(first))
+
+
+def logprobs_end(logprobs: TextLogprobs) -> int:
+    """The text offset just after `logprobs`' tokens (where the next tokens' offsets start)."""
+    return logprobs.text_offset[-1] + len(logprobs.tokens[-1]) if logprobs.tokens else 0
 
 
 @dataclass
@@ -581,6 +605,8 @@ class Answer:
     """None: not asked for."""
     tool_calls: list[ToolCallOut] | None = None
     """The calls read out of the text (then `text` is what remains, "" for none)."""
+    prompt: PromptEcho | None = None
+    """An echoed prompt (completions' ``echo``; `text` starts with it), for its log probabilities."""
 
 
 def full_response(kind: Kind, response_id: str, created: int, model: str, answers: list[Answer],
@@ -592,10 +618,17 @@ def full_response(kind: Kind, response_id: str, created: int, model: str, answer
                               None if a.logprobs is None else chat_logprobs(a.logprobs))
                    for i, a in enumerate(answers)]
         return ChatCompletion(response_id, created, model, choices, token_usage)
-    completions = [CompletionChoice(i, a.text, a.finish_reason,
-                                    None if a.logprobs is None else text_logprobs(a.logprobs))
-                   for i, a in enumerate(answers)]
+    completions = [CompletionChoice(i, a.text, a.finish_reason, _answer_logprobs(a)) for i, a in enumerate(answers)]
     return Completion(response_id, created, model, completions, usage=token_usage)
+
+
+def _answer_logprobs(answer: Answer) -> TextLogprobs | None:
+    if answer.logprobs is None:
+        return None
+    if answer.prompt is None:
+        return text_logprobs(answer.logprobs)
+    echoed = prompt_logprobs(answer.prompt)
+    return echoed + text_logprobs(answer.logprobs, logprobs_end(echoed))
 
 
 def stream_chunk(kind: Kind, response_id: str, created: int, model: str, *, index: int = 0,

@@ -41,9 +41,12 @@ from shoal.services.gateway.openai_api import (
     check_num_choices,
     completion_prompts,
     decode_body,
+    echoed_text,
     encoder,
     full_response,
+    logprobs_end,
     model_named_in,
+    prompt_logprobs,
     sampling_params,
     session_id_of,
     stream_chunk,
@@ -57,7 +60,7 @@ from shoal.services.gateway.sse import SseStream
 from shoal.services.gateway.state import GATEWAY, GatewayState
 from shoal.services.gateway.tool_call_parser import ToolCallReader
 from shoal.services.gateway.tools import ToolPlan, forced, tool_plan, tool_specs
-from shoal.shared.messages import FinalReply, InferenceRequest, TokenChunk, TokenLogprob
+from shoal.shared.messages import FinalReply, InferenceRequest, PromptEcho, TokenChunk, TokenLogprob
 from shoal.shared.subjects import MAX_MODEL_KEY_CHARS
 
 log = structlog.get_logger(__name__)
@@ -230,19 +233,25 @@ async def _generating(state: GatewayState, choices: list[Choice], *, restartable
 class _Collected:
     """One choice's answer as its events come (a non-streamed response)."""
 
-    def __init__(self, wants_logprobs: bool, tool_reader: ToolCallReader | None) -> None:
+    def __init__(self, choice: Choice, tool_reader: ToolCallReader | None) -> None:
         self.parts: list[str] = []
-        self.logprobs: list[TokenLogprob] | None = [] if wants_logprobs else None
+        self.logprobs: list[TokenLogprob] | None = [] if choice.request.params.logprobs is not None else None
         self.final: FinalReply | None = None
+        self.prompt: PromptEcho | None = None
+        self._own_prompt = choice.request.prompt
         self._tool_reader = tool_reader
 
     def add(self, event: DispatchEvent) -> None:
         match event:
             case Restart():
                 self.parts.clear()
+                self.prompt = None
                 if self.logprobs is not None:
                     self.logprobs.clear()
             case TokenChunk(text=text):
+                if event.prompt is not None:
+                    self.prompt = event.prompt
+                    self.parts.append(echoed_text(event.prompt, self._own_prompt))
                 self.parts.append(text)
                 if self.logprobs is not None:
                     self.logprobs += event.logprobs or ()
@@ -256,7 +265,7 @@ class _Collected:
     def answer(self) -> Answer:
         text, finish_reason = "".join(self.parts), self.ended().finish_reason
         if self._tool_reader is None:
-            return Answer(text, finish_reason, self.logprobs)
+            return Answer(text, finish_reason, self.logprobs, prompt=self.prompt)
         content, calls = self._tool_reader.feed(text)
         rest, more_calls, finish_reason = self._tool_reader.finish(finish_reason)
         return Answer(content + rest, finish_reason, self.logprobs, (calls + more_calls) or None)
@@ -265,7 +274,7 @@ class _Collected:
 async def _collect(state: GatewayState, plan: _Plan, kind: Kind, request_id: str) -> web.Response:
     choices = plan.choices
     first = choices[0].request
-    collected = [_Collected(first.params.logprobs is not None, plan.tool_reader()) for _ in choices]
+    collected = [_Collected(choice, plan.tool_reader()) for choice in choices]
     async with _generating(state, choices, restartable=True) as events:
         async for index, event in events:
             collected[index].add(event)
@@ -340,11 +349,15 @@ class _StreamedChoices:
         self._logprobs = _ChunkLogprobs(kind, len(plan.choices)) if wants_logprobs else None
         self._tool_readers = [plan.tool_reader() for _ in plan.choices]
         self._calls_sent = [0] * len(plan.choices)
+        self._own_prompts = [choice.request.prompt for choice in plan.choices]
 
     async def send(self, index: int, **fields: Any) -> None:
         await self._sse.send(stream_chunk(*self._head, index=index, **fields))
 
     async def tokens(self, index: int, chunk: TokenChunk) -> None:
+        if chunk.prompt is not None:  # an echo: the prompt first
+            await self.send(index, text=echoed_text(chunk.prompt, self._own_prompts[index]),
+                            logprobs=None if self._logprobs is None else self._logprobs.of_prompt(index, chunk.prompt))
         logprobs = None if self._logprobs is None else self._logprobs.of(index, chunk)
         reader = self._tool_readers[index]
         if reader is None:
@@ -380,6 +393,11 @@ class _ChunkLogprobs:
     def __init__(self, kind: Kind, num_choices: int) -> None:
         self._kind = kind
         self._offsets = [0] * num_choices
+
+    def of_prompt(self, index: int, prompt: PromptEcho) -> TextLogprobs:
+        logprobs = prompt_logprobs(prompt)
+        self._offsets[index] = logprobs_end(logprobs)
+        return logprobs
 
     def of(self, index: int, chunk: TokenChunk) -> ChatLogprobs | TextLogprobs:
         entries = chunk.logprobs or []

@@ -81,6 +81,9 @@ class GenerationOutput:
     """`next_token_hash` over every token generated so far (`TextStream.token_hash`)."""
     logprobs: tuple[TokenLogprobs, ...] = ()
     """Of this output's new tokens, in order, when the request asked for them."""
+    prompt_logprobs: tuple[TokenLogprobs, ...] | None = None
+    """On a request's first output, when it asked (``params.prompt_logprobs``): each prompt
+    token's but the first (nothing comes before it), in order."""
 
 
 class Engine(Protocol):

@@ -92,6 +92,9 @@ class HFGenerateEngine:
                 400,
                 param="presence_penalty" if request.params.presence_penalty else "frequency_penalty",
             )
+        if request.params.prompt_logprobs is not None:
+            raise RequestRejected("prompt log probabilities (echo with logprobs) need the paged engine; this model "
+                                  "runs on the hf engine", 400, param="echo")
         if request.params.logprobs is not None:
             raise RequestRejected("logprobs need the paged engine; this model runs on the hf engine", 400,
                                   param="logprobs")

@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, cast
 
 import msgspec
 import nats.errors
@@ -36,7 +36,13 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
 from shoal.services.worker.activity import ActivityReporter
-from shoal.services.worker.generation import Engine, EngineFailed, GenerationRequest, RequestRejected
+from shoal.services.worker.generation import (
+    Detokenizer,
+    Engine,
+    EngineFailed,
+    GenerationRequest,
+    RequestRejected,
+)
 from shoal.services.worker.prompts import prompt_chars, prompt_token_ids
 from shoal.services.worker.pulling import pull_arrivals
 from shoal.services.worker.replica_queue import ReplicaQueue
@@ -49,6 +55,7 @@ from shoal.shared.messages import (
     ErrorType,
     FinalReply,
     InferenceRequest,
+    PromptEcho,
     TokenChunk,
     TokenLogprob,
     cancel_decoder,
@@ -381,11 +388,15 @@ class WorkerService:
                 self._engine.cancel,
                 request.request_id,
             )
+            echo = self._echo(token_ids) if request.params.echo else None
             try:
                 async for output in self._engine.generate(gen_request):
-                    if output.text or output.logprobs:
+                    if output.text or output.logprobs or echo is not None:
+                        if echo is not None and output.prompt_logprobs is not None:
+                            echo.logprobs = self._token_bytes.to_wire(output.prompt_logprobs) or []
                         await replier.chunk(output.text, output.num_new_tokens, output.token_hash,
-                                            self._token_bytes.to_wire(output.logprobs))
+                                            self._token_bytes.to_wire(output.logprobs), echo)
+                        echo = None
                     if output.finished:
                         return await self._finish(request, replier, output, logger)
             finally:
@@ -408,6 +419,12 @@ class WorkerService:
         logger.error("engine_ended_without_final_output")
         await replier.error(500, "the replica's engine ended without a result", "server_error")
         return "error"
+
+    def _echo(self, token_ids: list[int]) -> PromptEcho:
+        """The prompt as a request's first chunk sends it back (its scores come from the engine)."""
+        detokenizer = cast(Detokenizer, self._tokenizer)
+        return PromptEcho(detokenizer.decode(token_ids, skip_special_tokens=True),
+                          self._token_bytes.get(token_ids[0]))
 
     def _on_engine_failed(self, exc: EngineFailed) -> None:
         """The engine died: take nothing more (fetched messages go back), tell the worker."""
@@ -516,9 +533,9 @@ class _Replier:
         await self._publish(encode_msgpack(message))
 
     async def chunk(self, text: str, num_tokens: int, token_hash: int = 0,
-                    logprobs: list[TokenLogprob] | None = None) -> None:
+                    logprobs: list[TokenLogprob] | None = None, prompt: PromptEcho | None = None) -> None:
         message = TokenChunk(self.request_id, self.attempt, self.seq, text, num_tokens, self.replica_id, token_hash,
-                             logprobs)
+                             logprobs, prompt)
         self.seq += 1
         await self._publish(encode_msgpack(message))
 

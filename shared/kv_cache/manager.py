@@ -120,7 +120,8 @@ class KVCacheManager:
         return len(block_ids) * self.block_size
 
     def try_start_sequence(
-        self, seq_id: str, token_ids: Sequence[int], max_num_new_tokens: int, block_hashes: list[BlockHash]
+        self, seq_id: str, token_ids: Sequence[int], max_num_new_tokens: int, block_hashes: list[BlockHash],
+        *, reuse_prefix: bool = True,
     ) -> int | None:
         """`start_sequence` plus room for its first chunk, all or nothing.
 
@@ -137,6 +138,8 @@ class KVCacheManager:
                 as blocks fill, so a prompt is hashed once however often it is tried and
                 however often it is preempted. Its entries must be hashes of these
                 `token_ids`: a sequence's tokens only ever grow at the end.
+            reuse_prefix: False computes every token (a request that scores its prompt
+                needs every prompt row); its blocks still join the cache as they fill.
 
         Returns:
             The number of reused leading tokens (room is made for the next
@@ -145,7 +148,7 @@ class KVCacheManager:
         """
         assert seq_id not in self._block_tables, f"sequence {seq_id!r} already has a block table"
         prompt_hashes, num_cached_blocks, num_new_blocks, num_needed = self._plan_start(
-            token_ids, max_num_new_tokens, block_hashes
+            token_ids, max_num_new_tokens, block_hashes, reuse_prefix
         )
         num_computed_tokens = num_cached_blocks * self.block_size
         if num_needed > self.pool.get_num_free_blocks():
@@ -160,11 +163,12 @@ class KVCacheManager:
         return num_computed_tokens
 
     def get_num_blocks_to_start(
-        self, token_ids: Sequence[int], max_num_new_tokens: int, block_hashes: list[BlockHash]
+        self, token_ids: Sequence[int], max_num_new_tokens: int, block_hashes: list[BlockHash],
+        *, reuse_prefix: bool = True,
     ) -> int:
         """Free blocks `try_start_sequence` with these arguments needs (cached-free blocks
         it would revive included); extends `block_hashes` as that would."""
-        return self._plan_start(token_ids, max_num_new_tokens, block_hashes)[3]
+        return self._plan_start(token_ids, max_num_new_tokens, block_hashes, reuse_prefix)[3]
 
     def adopt_sequence(
         self, seq_id: str, block_ids: list[int], block_hashes: list[BlockHash], num_registered_blocks: int
@@ -295,13 +299,13 @@ class KVCacheManager:
         )
 
     def _plan_start(
-        self, token_ids: Sequence[int], max_num_new_tokens: int, block_hashes: list[BlockHash]
+        self, token_ids: Sequence[int], max_num_new_tokens: int, block_hashes: list[BlockHash], reuse_prefix: bool
     ) -> tuple[Sequence[BlockHash], int, int, int]:
         """(prompt hashes, cached leading blocks, new blocks, free blocks needed) of a start."""
         assert max_num_new_tokens > 0, f"max_num_new_tokens must be positive, got {max_num_new_tokens}"
         prompt_hashes: Sequence[BlockHash] = ()
         num_cached_blocks = num_cached_free = 0
-        if self.enable_prefix_caching:
+        if self.enable_prefix_caching and reuse_prefix:
             prompt_hashes = self._get_prompt_hashes(token_ids, block_hashes)
             num_cached_blocks, num_cached_free = self.pool.get_cached_prefix(prompt_hashes)
         num_computed_tokens = num_cached_blocks * self.block_size

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import openai
 import pytest
-from transformers import AutoTokenizer
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tests.e2e.conftest import ShoalUp
 
@@ -250,6 +251,44 @@ def test_a_tool_whose_schema_cannot_be_followed_is_400_naming_tools(client: open
         client.chat.completions.create(model=OTHER, messages=[{"role": "user", "content": "x"}], tools=[bad],
                                        tool_choice="required")
     assert caught.value.body["param"] == "tools"
+
+
+def test_echo_with_logprobs_scores_the_prompt_as_the_model_does(client: openai.OpenAI, demo_models_root: Path) -> None:
+    """What lm-evaluation-harness sends for a log-likelihood: the prompt comes back with every
+    token's log probability (the first's null), equal to a Hugging Face forward over it, then
+    the completion's; streamed, the same."""
+    prompt = "The cat sat on the mat because"
+    kwargs = dict(model=SMALL, prompt=prompt, max_tokens=3, temperature=0, echo=True, logprobs=2,
+                  extra_body={"ignore_eos": True})
+    response = client.completions.create(**kwargs)
+    choice, usage = response.choices[0], response.usage
+    assert choice.text.startswith(prompt) and len(choice.text) > len(prompt)
+    logprobs = choice.logprobs
+    assert len(logprobs.tokens) == usage.prompt_tokens + usage.completion_tokens
+    assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
+    assert all(isinstance(v, float) for v in logprobs.token_logprobs[1:])
+
+    tokenizer = AutoTokenizer.from_pretrained(demo_models_root / SMALL)
+    prompt_ids = tokenizer.encode(prompt, add_special_tokens=True)
+    assert len(prompt_ids) == usage.prompt_tokens
+    model = AutoModelForCausalLM.from_pretrained(demo_models_root / SMALL)
+    with torch.inference_mode():
+        expected = torch.log_softmax(model(torch.tensor([prompt_ids])).logits[0, :-1].float(), dim=-1)
+    scores = [expected[i, prompt_ids[i + 1]].item() for i in range(len(prompt_ids) - 1)]
+    assert logprobs.token_logprobs[1:len(prompt_ids)] == pytest.approx(scores, abs=1e-3)
+    assert "".join(logprobs.tokens[:len(prompt_ids)]).endswith(prompt)
+    assert logprobs.text_offset == sorted(logprobs.text_offset)
+
+    chunks = list(client.completions.create(**kwargs, stream=True))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == choice.text
+    streamed = [c.choices[0].logprobs for c in chunks if c.choices and c.choices[0].logprobs]
+    assert [t for lp in streamed for t in lp.tokens] == logprobs.tokens
+    assert [o for lp in streamed for o in lp.text_offset] == logprobs.text_offset
+    streamed_values = [v for lp in streamed for v in lp.token_logprobs]
+    assert streamed_values[0] is None and streamed_values[1:] == pytest.approx(logprobs.token_logprobs[1:])
+
+    by_ids = client.completions.create(model=SMALL, prompt=prompt_ids, max_tokens=2, echo=True)
+    assert by_ids.choices[0].text.startswith(tokenizer.decode(prompt_ids, skip_special_tokens=True))
 
 
 def test_completion_streamed_and_not(client: openai.OpenAI) -> None:

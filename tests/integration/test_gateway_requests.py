@@ -103,7 +103,6 @@ async def gateway(bus: Bus, nats_server: EmbeddedNatsServer) -> AsyncIterator[st
         ("completion", {"prompt": [5, 100000000000000000000]}, "prompt"),
         ("completion", {"prompt": [-1]}, "prompt"),
         ("completion", {"best_of": 2}, "best_of"),
-        ("completion", {"echo": True}, "echo"),
         ("completion", {"suffix": "end"}, "suffix"),
         ("completion", {"stop": ["a", "b", "c", "d", "e"]}, "stop"),
         ("chat", {"user": 7}, "user"),
@@ -147,6 +146,7 @@ async def test_a_number_beyond_float_range_is_400_naming_the_field(gateway: str)
         ("/v1/completions", COMPLETION | {"best_of": 1, "echo": False, "suffix": "", "seed": 2**63 - 1,
                                           "stream": True, "stream_options": {"include_usage": None}}),
         ("/v1/completions", COMPLETION | {"prompt": ["a", "b"], "n": 64, "seed": 2**63 - 1, "logprobs": 20}),
+        ("/v1/completions", COMPLETION | {"echo": True, "logprobs": 1, "max_tokens": 1}),
         ("/v1/chat/completions", CHAT | {"logprobs": True, "top_logprobs": 20}),
         ("/v1/chat/completions", CHAT | {"response_format": {"type": "json_object"}}),
         ("/v1/chat/completions", CHAT | {"response_format": {"type": "json_schema", "json_schema": {

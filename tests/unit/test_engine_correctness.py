@@ -491,6 +491,72 @@ async def test_logprobs_are_the_models_distribution_for_every_token(models: Mode
         assert [v for _, v in entry.top] == pytest.approx(top_values.tolist(), abs=1e-4)
 
 
+@pytest.mark.parametrize("key", ["demo/llama-5m", "demo/llama-5m" + PACKED, "demo/qwen2-25m"])
+async def test_prompt_logprobs_score_every_prompt_token_however_the_prompt_is_cut(models: Models, key: str) -> None:
+    """``echo`` with ``logprobs``: the first output carries every prompt token's log probability
+    (but the first's) and alternatives, equal to one Hugging Face forward over the prompt:
+    prefilled in chunks (budget 64) beside other requests, and computed anew although the
+    prefix cache holds the prompt (a cache hit has no rows to score)."""
+    prompt, other = _prompts(1000, (150, 40), seed=5)
+    engine = _engine(models.load(key), max_num_seqs=8)
+    try:
+        await _collect(engine.generate(_request("warm", prompt, max_tokens=2)))  # caches the prompt
+        hits = engine.get_stats().pool.num_cache_hits
+        scoring = _first_and_rest(engine.generate(_request("score", prompt, max_tokens=3, prompt_logprobs=2)))
+        beside = _collect(engine.generate(_request("beside", other, max_tokens=20)))
+        (first, text, final), _ = await asyncio.gather(scoring, beside)
+        assert engine.get_stats().pool.num_cache_hits == hits, "the scored prompt took no cached block"
+        plain_text, _ = await _collect(engine.generate(_request("plain", prompt, max_tokens=3)))
+        assert engine.get_stats().pool.num_cache_hits > hits, "...though the cache held it"
+    finally:
+        await engine.close()
+    assert text == plain_text, "scoring the prompt leaves the completion as it was"
+    assert final is first or final.prompt_logprobs is None, "only the first output carries them"
+    _assert_prompt_scores(models, key, prompt, first.prompt_logprobs, num_top=2)
+
+
+async def test_a_scored_prompt_preempted_in_its_prefill_is_scored_once_and_exactly(models: Models) -> None:
+    """A pool too small for the batch preempts the newest sequence, here the one scoring its
+    prompt, between its prefill chunks: the rows scored before are not scored again, the
+    rest are, and every score is still the model's."""
+    key = "demo/llama-5m"
+    prompts = _prompts(1000, (30, 30, 30, 61), seed=6)
+    engine = _engine(models.load(key), num_blocks=20, max_num_seqs=8, max_num_batched_tokens=16)
+    try:
+        runs = [_collect(engine.generate(_request(f"r{i}", p, max_tokens=12))) for i, p in enumerate(prompts[:3])]
+        scoring = _first_and_rest(engine.generate(_request("score", prompts[3], max_tokens=4, prompt_logprobs=0)))
+        *_, (first, _, final) = await asyncio.gather(*runs, scoring)
+        assert engine.get_stats().num_preemptions > 0
+    finally:
+        await engine.close()
+    assert final.finish_reason == "length"
+    _assert_prompt_scores(models, key, prompts[3], first.prompt_logprobs, num_top=0)
+
+
+def _assert_prompt_scores(models: Models, key: str, prompt: list[int], scores: Any, num_top: int) -> None:
+    """`scores` are every prompt token's (but the first's) under one Hugging Face forward."""
+    assert scores is not None and len(scores) == len(prompt) - 1
+    reference = models.load(key.removesuffix(PACKED))
+    with torch.inference_mode():
+        expected = torch.log_softmax(reference(torch.tensor([prompt])).logits[0, :-1].float(), dim=-1)
+    for position, entry in enumerate(scores):
+        assert entry.token_id == prompt[position + 1]
+        assert entry.logprob == pytest.approx(expected[position, entry.token_id].item(), abs=1e-4), position
+        if num_top:
+            top_values, top_ids = expected[position].topk(num_top)
+            assert [t for t, _ in entry.top] == top_ids.tolist(), position
+            assert [v for _, v in entry.top] == pytest.approx(top_values.tolist(), abs=1e-4)
+        else:
+            assert entry.top == ()
+
+
+async def _first_and_rest(outputs: AsyncIterator[GenerationOutput]) -> tuple[GenerationOutput, str, GenerationOutput]:
+    """A stream's first output, all its text, and its final output."""
+    first = await anext(outputs)
+    text, final = await _collect(outputs, first)
+    return first, text, final
+
+
 async def _collect_logprobs(engine: PagedEngine, request: GenerationRequest) -> tuple[str, list[Any]]:
     """A request's text and its outputs' log probabilities, which must cover its tokens."""
     text, entries = "", []

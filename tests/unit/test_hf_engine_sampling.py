@@ -19,7 +19,7 @@ async def _text(engine: HFGenerateEngine, params: SamplingParams) -> str:
     return "".join([output.text async for output in engine.generate(request)])
 
 
-async def test_the_hf_engine_takes_a_logit_bias_and_refuses_logprobs_and_json_schemas(demo_models_root: Path) -> None:
+async def test_the_hf_engine_takes_a_logit_bias_and_refuses_logprobs_json_and_prompt_scores(demo_models_root: Path) -> None:
     path = demo_models_root / "demo" / "llama-5m"
     tokenizer = AutoTokenizer.from_pretrained(path)
     engine = HFGenerateEngine(AutoModelForCausalLM.from_pretrained(path).eval(), tokenizer, 2048)
@@ -35,5 +35,11 @@ async def test_the_hf_engine_takes_a_logit_bias_and_refuses_logprobs_and_json_sc
         with pytest.raises(RequestRejected) as caught:
             await _text(engine, SamplingParams(max_tokens=2, json_schema='{"type": "object"}'))
         assert caught.value.param == "response_format"
+        with pytest.raises(RequestRejected) as caught:
+            await _text(engine, SamplingParams(max_tokens=2, json_schema='{"type": "array"}', json_schema_param="tools"))
+        assert caught.value.param == "tools" and "tools" in str(caught.value)
+        with pytest.raises(RequestRejected) as caught:
+            await _text(engine, SamplingParams(max_tokens=2, echo=True, prompt_logprobs=1, logprobs=1))
+        assert caught.value.param == "echo"
     finally:
         await engine.close()

@@ -269,7 +269,7 @@ class BatchScheduler:
                 break
             seq = waiting[0]
             started = None
-            if sessions is not None and seq.session_id is not None:
+            if sessions is not None and seq.session_id is not None and not seq.wants_prompt_rows:
                 started = sessions.try_start(seq, budget)
                 if started is False:
                     break
@@ -289,12 +289,14 @@ class BatchScheduler:
         # Looks the prompt up first and takes its cached prefix only if the chunk fits:
         # a sequence left waiting counts no cache hits and frees nothing, step after step.
         kv_cache = self.kv_cache
-        num_computed_tokens = kv_cache.try_start_sequence(seq.seq_id, seq.token_ids, budget, seq.block_hashes)
+        reuse = not seq.wants_prompt_rows
+        num_computed_tokens = kv_cache.try_start_sequence(seq.seq_id, seq.token_ids, budget, seq.block_hashes,
+                                                          reuse_prefix=reuse)
         if num_computed_tokens is None and self.sessions is not None:
-            num_needed = kv_cache.get_num_blocks_to_start(seq.token_ids, budget, seq.block_hashes)
+            num_needed = kv_cache.get_num_blocks_to_start(seq.token_ids, budget, seq.block_hashes, reuse_prefix=reuse)
             if self.sessions.reclaim(num_needed - kv_cache.get_num_free_blocks()):
                 num_computed_tokens = kv_cache.try_start_sequence(
-                    seq.seq_id, seq.token_ids, budget, seq.block_hashes
+                    seq.seq_id, seq.token_ids, budget, seq.block_hashes, reuse_prefix=reuse
                 )
         if num_computed_tokens is None:
             return False

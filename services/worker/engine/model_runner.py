@@ -32,6 +32,7 @@ from shoal.services.worker.engine.device_batch import StagingBuffers, build_devi
 from shoal.services.worker.engine.kv_placement import KVPools, get_layer_devices
 from shoal.services.worker.engine.layered_swap_in import LayeredSwapIn, Mode
 from shoal.services.worker.engine.native_forward import NativeForward, PackedModel, ThreadPolicy
+from shoal.services.worker.engine.sequence import Sequence
 from shoal.services.worker.page_advice import release_pages
 from shoal.shared.kv_cache.manager import KVCacheManager
 from shoal.shared.kv_cache.session_settings import SwapInByLayer
@@ -58,6 +59,19 @@ def allocate_pool(shape: tuple[int, ...], dtype: torch.dtype, device: torch.devi
 
 
 @dataclass(frozen=True)
+class PromptRows:
+    """Prompt rows of one chunk whose logits are kept to score the prompt (`Sequence.prompt_logprobs`)."""
+
+    chunk: int
+    """The chunk's index in the plan."""
+    first_position: int
+    """The prompt position of the first row (row p gives token p + 1's distribution)."""
+    row: int
+    """Where the rows start in the pass's logits."""
+    count: int
+
+
+@dataclass(frozen=True)
 class PreparedStep:
     """A step's model inputs, built under the engine lock from the live block tables."""
 
@@ -73,6 +87,7 @@ class PreparedStep:
     """int64 [n, 2] (KV pool block, host block): copied first."""
     swap_in_pairs: torch.Tensor | None = None
     """int64 [n, 2] (host block, KV pool block): copied next, before the pass."""
+    prompt_rows: tuple[PromptRows, ...] = ()
 
 
 class ModelRunner:
@@ -147,6 +162,8 @@ class ModelRunner:
         self.last_argmax: torch.Tensor | None = None
         """The last `execute`'s most likely token per row of its logits (same order), when the
         native forward computed it; None otherwise."""
+        self.last_prompt_logits: list[tuple[PromptRows, torch.Tensor]] = []
+        """The last `execute`'s logits of prompt rows to score (views: read before the next pass)."""
         self.native: NativeForward | None = None
         if packed_model is not None:
             assert not self.kernels_path, "the native forward runs the CPU plan"
@@ -205,6 +222,8 @@ class ModelRunner:
         query_start_loc = [0]
         logit_indices: list[int] = []
         sampled_chunks: list[int] = []
+        sampled_rows: list[int] = []
+        prompt_rows: list[PromptRows] = []
         block_tables: list[list[int]] = []
         chunks = plan.chunks
         order: list[int] | range = range(len(chunks))
@@ -241,16 +260,19 @@ class ModelRunner:
             seq_lens.append(end)
             query_start_loc.append(len(input_ids))
             block_tables.append(block_ids)
+            if chunk.seq.prompt_logprobs is not None:
+                self._keep_prompt_rows(index, chunk.seq, start, end, len(input_ids), logit_indices, prompt_rows)
             if chunk.samples:
+                sampled_rows.append(len(logit_indices))
                 logit_indices.append(len(input_ids) - 1)
                 sampled_chunks.append(index)
         staging = self._staging
         staging.begin_pass()
         # logits come in batch order; `sample` and the scheduler take them in plan order
         logits_order = None
-        if sampled_chunks != sorted(sampled_chunks):
-            batch_rows = sorted(range(len(sampled_chunks)), key=sampled_chunks.__getitem__)
-            logits_order = staging.upload(staging.stage("logits_order", batch_rows, torch.int64), device)
+        if sampled_chunks != sorted(sampled_chunks) or prompt_rows:
+            plan_rows = [sampled_rows[i] for i in sorted(range(len(sampled_chunks)), key=sampled_chunks.__getitem__)]
+            logits_order = staging.upload(staging.stage("logits_order", plan_rows, torch.int64), device)
         if self.kernels_path:
             batch = PagedBatch(
                 layer_caches=self.layer_caches,
@@ -288,7 +310,18 @@ class ModelRunner:
             copy_pairs=copy_pairs,
             swap_out_pairs=swap_out_pairs,
             swap_in_pairs=swap_in_pairs,
+            prompt_rows=tuple(prompt_rows),
         )
+
+    @staticmethod
+    def _keep_prompt_rows(index: int, seq: Sequence, start: int, end: int, num_rows: int,
+                          logit_indices: list[int], prompt_rows: list[PromptRows]) -> None:
+        """Keep the logits of the chunk's prompt rows not yet scored (the chunk ends at batch row
+        `num_rows`); the last prompt token's row is the sampling row, not a prompt score."""
+        first, last = max(start, seq.num_scored_prompt_rows), min(end, seq.num_prompt_tokens - 1)
+        if first < last:
+            prompt_rows.append(PromptRows(index, first, len(logit_indices), last - first))
+            logit_indices += range(num_rows - end + first, num_rows - end + last)
 
     @torch.inference_mode()
     def execute(self, step: PreparedStep) -> torch.Tensor:
@@ -324,6 +357,7 @@ class ModelRunner:
             raise
         if layered is not None:
             layered.finish()
+        self.last_prompt_logits = [(rows, logits[rows.row:rows.row + rows.count]) for rows in step.prompt_rows]
         if step.logits_order is None:
             return logits
         # The logits come back where the model's hooks put them (the LM head's device, or

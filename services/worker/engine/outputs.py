@@ -38,6 +38,9 @@ class RequestState:
     """Tokens whose text is held back (half a character, a possible stop string)."""
     unsent_logprobs: list[TokenLogprobs] = field(default_factory=list)
     """Those tokens' log probabilities (requests that ask for them)."""
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    """The prompt's scores so far (requests that ask: `Sequence.prompt_logprobs`); the
+    consumer reads them with the request's first output, after the last was added."""
     finished: bool = False
     detokenize_in_step: bool = False
     """With stop strings the step thread detokenizes (a stop string ends the sequence in the

@@ -32,14 +32,25 @@ from shoal.kernels.ops import KernelBackend
 from shoal.services.worker.device_errors import is_fatal_device_error
 from shoal.services.worker.engine import packed_linear
 from shoal.services.worker.engine.attention import ATTN_IMPLEMENTATION, register_attention
-from shoal.services.worker.engine.batch_scheduler import BatchScheduler, BatchSchedulerConfig, SequenceUpdate
+from shoal.services.worker.engine.batch_scheduler import (
+    BatchScheduler,
+    BatchSchedulerConfig,
+    SequenceUpdate,
+    StepPlan,
+)
 from shoal.services.worker.engine.cost_profile import get_cost_profile, get_profile_key
 from shoal.services.worker.engine.engine_config import EngineConfig, EngineStats
 from shoal.services.worker.engine.model_runner import ModelRunner
 from shoal.services.worker.engine.native_forward import PackedModel, get_unsupported_reason, pack_model
 from shoal.services.worker.engine.outputs import Outbox, RequestState, Tokens
 from shoal.services.worker.engine.packed_load import restore_parameters
-from shoal.services.worker.engine.sampler import SamplingState, TokenHistory, sample, token_logprobs
+from shoal.services.worker.engine.sampler import (
+    SamplingState,
+    TokenHistory,
+    prompt_token_logprobs,
+    sample,
+    token_logprobs,
+)
 from shoal.services.worker.engine.sequence import Sequence
 from shoal.services.worker.engine.session_kv import SessionKV
 from shoal.services.worker.engine.sizing import (
@@ -304,13 +315,22 @@ class PagedEngine:
         state = self._admit(request)
         stream, num_unsent = state.text, 0
         logprobs: list[TokenLogprobs] = []  # of the unsent tokens
+        scores_prompt = request.params.prompt_logprobs is not None
+
+        def first_carries_prompt(output: GenerationOutput) -> GenerationOutput:
+            nonlocal scores_prompt
+            if not scores_prompt:
+                return output
+            scores_prompt = False
+            return dataclasses.replace(output, prompt_logprobs=tuple(state.prompt_logprobs))
+
         try:
             while True:
                 item = await state.queue.get()
                 if self.fatal_error is not None and _is_error_end(item):
                     raise EngineFailed(f"the engine died: {self.fatal_error}") from self.fatal_error
                 if isinstance(item, GenerationOutput):
-                    yield item
+                    yield first_carries_prompt(item)
                     if item.finished:
                         return
                     continue
@@ -324,12 +344,13 @@ class PagedEngine:
                 if final is not None:
                     if final.finish_reason != "cancelled":
                         text += stream.finish()
-                    yield dataclasses.replace(final, text=text, num_new_tokens=num_unsent,
-                                              token_hash=stream.token_hash, logprobs=tuple(logprobs))
+                    yield first_carries_prompt(dataclasses.replace(
+                        final, text=text, num_new_tokens=num_unsent, token_hash=stream.token_hash,
+                        logprobs=tuple(logprobs)))
                     return
-                if text:
-                    yield GenerationOutput(request.request_id, text, num_unsent, token_hash=stream.token_hash,
-                                           logprobs=tuple(logprobs))
+                if text or scores_prompt:
+                    yield first_carries_prompt(GenerationOutput(
+                        request.request_id, text, num_unsent, token_hash=stream.token_hash, logprobs=tuple(logprobs)))
                     num_unsent = 0
                     logprobs.clear()
         finally:
@@ -495,6 +516,7 @@ class PagedEngine:
                 next(self._arrivals),
                 eos_token_ids,
                 session_id=request.session_id,
+                prompt_logprobs=params.prompt_logprobs,
             )
             state = RequestState(
                 request,
@@ -571,6 +593,7 @@ class PagedEngine:
         started = time.perf_counter()
         try:
             logits = self._runner.execute(step)
+            prompt_scores = self._score_prompts(plan)
             token_ids = sample(logits, sampling_states, histories, self._runner.last_argmax)
             logprobs = token_logprobs(logits, sampling_states, token_ids)
         except Exception as exc:  # a failed pass fails its requests, not the engine...
@@ -592,6 +615,9 @@ class PagedEngine:
             self._num_step_seqs += len(plan.chunks)
             self._step_seconds += elapsed
             has_first_token = False
+            for seq, scores in prompt_scores:
+                if (scored := self._requests.get(seq.seq_id)) is not None:
+                    scored.prompt_logprobs += scores
             logprobs_by_seq = {} if logprobs is None else {
                 seq.seq_id: entry for seq, entry in zip(sampled, logprobs, strict=True) if entry is not None}
             for update in self._scheduler.update(plan, token_ids):
@@ -611,6 +637,19 @@ class PagedEngine:
             # token in four (docs/engine.md, "Threads").
             os.sched_yield()
         return True
+
+    def _score_prompts(self, plan: StepPlan) -> list[tuple[Sequence, list[TokenLogprobs]]]:
+        """The scores of the prompt rows the last pass kept (`ModelRunner.last_prompt_logits`),
+        each sequence's count of scored rows moved on (this thread alone changes it)."""
+        scores = []
+        for rows, rows_logits in self._runner.last_prompt_logits:
+            seq = plan.chunks[rows.chunk].seq
+            assert seq.prompt_logprobs is not None, "rows are kept for sequences that score their prompt"
+            start = rows.first_position + 1
+            scores.append((seq, prompt_token_logprobs(rows_logits, seq.token_ids[start:start + rows.count],
+                                                      seq.prompt_logprobs)))
+            seq.num_scored_prompt_rows = rows.first_position + rows.count
+        return scores
 
     def _stopping(self) -> bool:
         """The step thread is to end (closed, or suspended for a park)."""

@@ -212,3 +212,16 @@ def token_logprobs(logits: torch.Tensor, states: list[SamplingState], token_ids:
         k = states[row].num_logprobs or 0
         result[row] = TokenLogprobs(token_ids[row], chosen[i], tuple(zip(top_ids[i][:k], top_values[i][:k], strict=True)))
     return result
+
+
+def prompt_token_logprobs(logits: torch.Tensor, next_token_ids: list[int], num_top: int) -> list[TokenLogprobs]:
+    """Each prompt token's log probability given the tokens before it, and the `num_top` most
+    likely tokens at its place: row i of `logits` is the distribution of `next_token_ids[i]`."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1).clamp_(min=MIN_LOGPROB)
+    ids = torch.tensor(next_token_ids, dtype=torch.int64, device=logprobs.device)
+    chosen = logprobs.gather(1, ids[:, None])[:, 0].tolist()
+    top: list[tuple[tuple[int, float], ...]] = [()] * len(next_token_ids)
+    if num_top:
+        values, top_ids = logprobs.topk(num_top, dim=-1)
+        top = [tuple(zip(i, v, strict=True)) for i, v in zip(top_ids.tolist(), values.tolist(), strict=True)]
+    return [TokenLogprobs(t, c, k) for t, c, k in zip(next_token_ids, chosen, top, strict=True)]

@@ -50,6 +50,16 @@ class Sequence:
     manager and kept across admission attempts and preemptions, so a prompt is hashed once."""
     extra: dict[str, object] = field(default_factory=dict)
     """Per-sequence state of the layers above the scheduler (sampler, text stream)."""
+    prompt_logprobs: int | None = None
+    """Score the prompt: each prompt token's log probability and this many alternatives
+    (``echo`` with ``logprobs``); None: not asked."""
+    num_scored_prompt_rows: int = 0
+    """Prompt positions whose row was scored: row p gives token p + 1's log probability."""
+
+    @property
+    def wants_prompt_rows(self) -> bool:
+        """Prompt rows are still to be scored: its KV must be computed, not reused from a cache."""
+        return self.prompt_logprobs is not None and self.num_scored_prompt_rows < self.num_prompt_tokens - 1
 
     @property
     def num_tokens(self) -> int:
