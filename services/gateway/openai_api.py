@@ -584,7 +584,7 @@ def echoed_text(prompt: PromptEcho, own_prompt: str | None) -> str:
     return own_prompt if own_prompt is not None else prompt.text
 
 
-def prompt_logprobs(prompt: PromptEcho) -> TextLogprobs:
+def echoed_logprobs(prompt: PromptEcho) -> TextLogprobs:
     """An echoed prompt's log probabilities, its first token's null, offsets from 0."""
     first = _token_text(prompt.first_token)
     return TextLogprobs([first], [None], [None], [0]) + text_logprobs(prompt.logprobs or [], len(first))
@@ -627,7 +627,7 @@ def _answer_logprobs(answer: Answer) -> TextLogprobs | None:
         return None
     if answer.prompt is None:
         return text_logprobs(answer.logprobs)
-    echoed = prompt_logprobs(answer.prompt)
+    echoed = echoed_logprobs(answer.prompt)
     return echoed + text_logprobs(answer.logprobs, logprobs_end(echoed))
 
 

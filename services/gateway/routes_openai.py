@@ -41,12 +41,12 @@ from shoal.services.gateway.openai_api import (
     check_num_choices,
     completion_prompts,
     decode_body,
+    echoed_logprobs,
     echoed_text,
     encoder,
     full_response,
     logprobs_end,
     model_named_in,
-    prompt_logprobs,
     sampling_params,
     session_id_of,
     stream_chunk,
@@ -395,7 +395,7 @@ class _ChunkLogprobs:
         self._offsets = [0] * num_choices
 
     def of_prompt(self, index: int, prompt: PromptEcho) -> TextLogprobs:
-        logprobs = prompt_logprobs(prompt)
+        logprobs = echoed_logprobs(prompt)
         self._offsets[index] = logprobs_end(logprobs)
         return logprobs
 
