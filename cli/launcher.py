@@ -36,12 +36,13 @@ log = structlog.get_logger(__name__)
 NATS_URL_FILE = "nats.url"
 
 
-async def wait_for_signal() -> None:
+def stop_signals() -> asyncio.Event:
+    """An event SIGINT or SIGTERM sets from now on (instead of ending the process)."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
+    return stop
 
 
 def model_specs(config: ShoalConfig) -> list[ModelSpec]:
@@ -152,8 +153,9 @@ async def run_up(config: ShoalConfig, nats_url: str) -> None:
         await stack.enter_async_context(scheduler_running(config, nats_url, registry))
         await stack.enter_async_context(gateway_running(config, nats_url, registry))
         freeze_startup_objects()
+        stop = stop_signals()  # before the ready line: a signal right after it must stop Shoal gracefully
         url = f"http://{config.gateway.host}:{config.gateway.port}/v1"
         print(f"Shoal is up: OpenAI API at {url}  (NATS {redacted_url(nats_url)}; Ctrl-C stops everything)",
               flush=True)
-        await wait_for_signal()
+        await stop.wait()
         print("Shoal is stopping...", file=sys.stderr, flush=True)

@@ -169,8 +169,9 @@ async def _run_service(config: ShoalConfig, args: argparse.Namespace) -> None:
                                  getattr(args, "metrics_port", None)),
     ):
         freeze_startup_objects()
+        stop = launcher.stop_signals()  # before the ready line, as `shoal up`
         print(f"shoal {args.command} is up (NATS {redacted_url(url)})", flush=True)
-        await launcher.wait_for_signal()
+        await stop.wait()
 
 
 async def _scheduler_command(bus: Any, args: argparse.Namespace) -> None:

@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -68,33 +69,56 @@ class ShoalUp:
         return processes_mentioning(str(self.state_dir), self.nats_url)
 
 
+PORT_TAKEN = "address already in use"
+LAUNCH_ATTEMPTS = 3
+
+
 def start_shoal_up(models_root: Path, state_dir: Path, *extra: str, timeout_s: float = 120.0,
                    env: dict[str, str] | None = None) -> ShoalUp:
     """`shoal up` on a free port with virtual GPUs; `env` adds environment variables (settings
-    such as ``SHOAL_WORKER_STATS_INTERVAL_S``)."""
-    port = free_port()
-    argv = [sys.executable, "-m", "shoal.cli.main", "up", "--port", str(port), "--models-root", str(models_root),
-            "--state-dir", str(state_dir), "--gpus", "virtual:2x16GiB", "--log-format", "json", *extra]
-    process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
-                               env={**os.environ, **(env or {})})
-    lines: list[str] = []
+    such as ``SHOAL_WORKER_STATS_INTERVAL_S``). The port is free when picked, not reserved:
+    the embedded NATS server, which binds first, may take it; then it starts again on another."""
+    for attempt in range(1, LAUNCH_ATTEMPTS + 1):
+        port = free_port()
+        argv = [sys.executable, "-m", "shoal.cli.main", "up", "--port", str(port), "--models-root", str(models_root),
+                "--state-dir", str(state_dir), "--gpus", "virtual:2x16GiB", "--log-format", "json", *extra]
+        process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
+                                   env={**os.environ, **(env or {})})
+        lines: list[str] = []
+        line = _ready_line(process, lines, timeout_s)
+        if line is not None:
+            nats_url = line.split("NATS ", 1)[1].split(";", 1)[0]
+            return ShoalUp(process, f"http://127.0.0.1:{port}", nats_url, state_dir, lines)
+        if attempt == LAUNCH_ATTEMPTS or not any(PORT_TAKEN in output for output in lines):
+            raise AssertionError("shoal up did not come up:\n" + "".join(lines[-40:]))
+    raise AssertionError("unreachable: the last attempt returns or raises")
+
+
+def _ready_line(process: subprocess.Popen[str], lines: list[str], timeout_s: float) -> str | None:
+    """The line saying `process` is up; None if it exits first or `timeout_s` passes (it is
+    then killed). `lines` collects its output, drained for the life of the process."""
     ready_lines: queue.Queue[str] = queue.Queue()
 
-    def read_output() -> None:  # keeps the pipe drained for the life of the process
+    def read_output() -> None:
         assert process.stdout is not None
         for line in process.stdout:
             lines.append(line)
             if READY_LINE in line:
                 ready_lines.put(line)
 
-    threading.Thread(target=read_output, daemon=True).start()
-    try:
-        line = ready_lines.get(timeout=timeout_s)
-    except queue.Empty:
-        process.kill()
-        raise AssertionError("shoal up did not come up:\n" + "".join(lines[-40:])) from None
-    nats_url = line.split("NATS ", 1)[1].split(";", 1)[0]
-    return ShoalUp(process, f"http://127.0.0.1:{port}", nats_url, state_dir, lines)
+    reader = threading.Thread(target=read_output, daemon=True)
+    reader.start()
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            return ready_lines.get(timeout=0.2)
+        except queue.Empty:
+            if process.poll() is not None:
+                reader.join(timeout=5)  # the rest of its output
+                return None
+    process.kill()
+    process.wait()
+    return None
 
 
 def module_shoal_up(models_root: Path, tmp_path_factory: pytest.TempPathFactory,

@@ -39,6 +39,14 @@ def test_sigterm_stops_workers_and_nats(demo_models_root: Path, tmp_path: Path) 
     assert shoal.leftovers() == []
 
 
+def test_sigterm_right_after_the_ready_line_is_a_graceful_stop(demo_models_root: Path, tmp_path: Path) -> None:
+    """A supervisor may stop Shoal the moment it says it is up: the signal handlers are in
+    place before that line (they came after it, and such a SIGTERM killed the process)."""
+    shoal = start_shoal_up(demo_models_root, tmp_path / "state")
+    assert shoal.stop() == 0
+    assert shoal.leftovers() == []
+
+
 def test_sigkill_of_shoal_up_still_takes_workers_and_nats_down(demo_models_root: Path, tmp_path: Path) -> None:
     shoal = start_shoal_up(demo_models_root, tmp_path / "state")
     try:
