@@ -17,7 +17,7 @@ named as vLLM names its parsers):
 A forced choice (``required``, a named function) makes the whole text the grammar's JSON,
 read when the choice ends; should it not parse (cut off by ``max_tokens``), it is the content.
 
-Arguments are given out as compact JSON text (``json.dumps``), whatever spacing the model wrote.
+Arguments are given out as JSON text written again (``json.dumps``), whatever spacing the model wrote.
 """
 
 from __future__ import annotations
