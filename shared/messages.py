@@ -179,7 +179,8 @@ class PromptEcho(Struct, omit_defaults=True):
     """A request's prompt, sent back with its first chunk (``echo``)."""
 
     text: str
-    """The prompt's tokens decoded (the gateway echoes a text prompt as the client sent it)."""
+    """A prompt sent as token ids, decoded; "" for a text prompt (the gateway echoes it as the
+    client sent it)."""
     first_token: bytes = b""
     """With log probabilities: the prompt's first token, which has none (nothing precedes it)."""
     logprobs: list[TokenLogprob] | None = None

@@ -68,9 +68,11 @@ StopString = Annotated[str, Meta(min_length=1)]
 
 
 class FunctionCall(Struct):
+    """A call's function, in a request's past turns and in responses alike."""
+
     name: str
     arguments: str
-    """JSON text, as the model wrote it."""
+    """JSON text."""
 
 
 class InToolCall(Struct):
@@ -263,6 +265,7 @@ def sampling_params(req: _Sampling, max_tokens: int | None, default_max_tokens: 
     reject_unsupported(req)
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])  # bounds: `StopString`
     echo = isinstance(req, CompletionRequest) and bool(req.echo)
+    logprobs = requested_logprobs(req)
     return SamplingParams(
         max_tokens=max_tokens if max_tokens is not None else default_max_tokens,
         temperature=1.0 if req.temperature is None else req.temperature,
@@ -276,10 +279,10 @@ def sampling_params(req: _Sampling, max_tokens: int | None, default_max_tokens: 
         frequency_penalty=req.frequency_penalty or 0.0,
         repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
         logit_bias=logit_bias_of(req),
-        logprobs=requested_logprobs(req),
+        logprobs=logprobs,
         json_schema=json_schema_of(req),
         echo=echo,
-        prompt_logprobs=req.logprobs if echo and isinstance(req, CompletionRequest) else None,
+        prompt_logprobs=logprobs if echo else None,
     )
 
 
@@ -416,14 +419,9 @@ class Usage(Struct):
     total_tokens: int
 
 
-class FunctionCallOut(Struct):
-    name: str
-    arguments: str
-
-
 class ToolCallOut(Struct):
     id: str
-    function: FunctionCallOut
+    function: FunctionCall
     type: str = "function"
 
 
@@ -439,7 +437,7 @@ class ToolCallDelta(Struct):
 
     index: int
     id: str
-    function: FunctionCallOut
+    function: FunctionCall
     type: str = "function"
 
 

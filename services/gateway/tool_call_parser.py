@@ -26,10 +26,10 @@ import json
 import uuid
 from typing import Any, Protocol
 
-from shoal.services.gateway.openai_api import FunctionCallOut, ToolCallOut
+from shoal.services.gateway.openai_api import FunctionCall, ToolCallOut
 from shoal.services.gateway.tools import ToolPlan
 
-Piece = str | FunctionCallOut
+Piece = str | FunctionCall
 """Content text, or a call."""
 
 
@@ -131,7 +131,7 @@ def _tag_start_length(text: str) -> int:
     return 0
 
 
-def _hermes_call(body: str) -> FunctionCallOut | None:
+def _hermes_call(body: str) -> FunctionCall | None:
     try:
         return _call_of(json.loads(body))
     except ValueError:
@@ -159,10 +159,10 @@ class _Llama3Json:
         return list(calls) if calls else [pending]
 
 
-def _json_calls(text: str) -> list[FunctionCallOut] | None:
+def _json_calls(text: str) -> list[FunctionCall] | None:
     """JSON call objects one after another, separated by ``;`` or blanks; None unless all are."""
     decoder = json.JSONDecoder()
-    calls: list[FunctionCallOut] = []
+    calls: list[FunctionCall] = []
     position = 0
     while True:
         while position < len(text) and (text[position].isspace() or text[position] == ";"):
@@ -196,13 +196,13 @@ class _Forced:
         calls = self._calls(text)
         return list(calls) if calls else [text]
 
-    def _calls(self, text: str) -> list[FunctionCallOut] | None:
+    def _calls(self, text: str) -> list[FunctionCall] | None:
         try:
             answer = json.loads(text)
         except ValueError:
             return None
         if self._function is not None:
-            return [FunctionCallOut(self._function, json.dumps(answer, ensure_ascii=False))] \
+            return [FunctionCall(self._function, json.dumps(answer, ensure_ascii=False))] \
                 if isinstance(answer, dict) else None
         if not isinstance(answer, list):
             return None
@@ -210,16 +210,16 @@ class _Forced:
         return None if None in calls else [call for call in calls if call is not None]
 
 
-def _call_of(item: Any) -> FunctionCallOut | None:
+def _call_of(item: Any) -> FunctionCall | None:
     """``{"name": ..., "arguments": {...}}`` (or ``"parameters"``, as Llama writes) as a call."""
     if not isinstance(item, dict) or not isinstance(item.get("name"), str):
         return None
     arguments = item.get("arguments", item.get("parameters", {}))
     if isinstance(arguments, str):
-        return FunctionCallOut(item["name"], arguments)
+        return FunctionCall(item["name"], arguments)
     if not isinstance(arguments, dict):
         return None
-    return FunctionCallOut(item["name"], json.dumps(arguments, ensure_ascii=False))
+    return FunctionCall(item["name"], json.dumps(arguments, ensure_ascii=False))
 
 
 _FORMATS: dict[str, type[_Format]] = {"hermes": _Hermes, "llama3_json": _Llama3Json}

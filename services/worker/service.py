@@ -388,7 +388,7 @@ class WorkerService:
                 self._engine.cancel,
                 request.request_id,
             )
-            echo = self._echo(token_ids) if request.params.echo else None
+            echo = self._echo(request, token_ids) if request.params.echo else None
             try:
                 async for output in self._engine.generate(gen_request):
                     if output.text or output.logprobs or echo is not None:
@@ -420,11 +420,13 @@ class WorkerService:
         await replier.error(500, "the replica's engine ended without a result", "server_error")
         return "error"
 
-    def _echo(self, token_ids: list[int]) -> PromptEcho:
-        """The prompt as a request's first chunk sends it back (its scores come from the engine)."""
-        detokenizer = cast(Detokenizer, self._tokenizer)
-        return PromptEcho(detokenizer.decode(token_ids, skip_special_tokens=True),
-                          self._token_bytes.get(token_ids[0]))
+    def _echo(self, request: InferenceRequest, token_ids: list[int]) -> PromptEcho:
+        """The prompt as a request's first chunk sends it back (its scores come from the engine):
+        its text only when it came as token ids (the gateway echoes a text prompt itself)."""
+        text = ""
+        if request.prompt is None:
+            text = cast(Detokenizer, self._tokenizer).decode(token_ids, skip_special_tokens=True)
+        return PromptEcho(text, self._token_bytes.get(token_ids[0]))
 
     def _on_engine_failed(self, exc: EngineFailed) -> None:
         """The engine died: take nothing more (fetched messages go back), tell the worker."""

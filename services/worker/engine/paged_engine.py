@@ -47,9 +47,9 @@ from shoal.services.worker.engine.packed_load import restore_parameters
 from shoal.services.worker.engine.sampler import (
     SamplingState,
     TokenHistory,
-    prompt_token_logprobs,
     sample,
     token_logprobs,
+    token_scores,
 )
 from shoal.services.worker.engine.sequence import Sequence
 from shoal.services.worker.engine.session_kv import SessionKV
@@ -646,8 +646,8 @@ class PagedEngine:
             seq = plan.chunks[rows.chunk].seq
             assert seq.prompt_logprobs is not None, "rows are kept for sequences that score their prompt"
             start = rows.first_position + 1
-            scores.append((seq, prompt_token_logprobs(rows_logits, seq.token_ids[start:start + rows.count],
-                                                      seq.prompt_logprobs)))
+            scores.append((seq, token_scores(rows_logits, seq.token_ids[start:start + rows.count],
+                                             seq.prompt_logprobs)))
             seq.num_scored_prompt_rows = rows.first_position + rows.count
         return scores
 

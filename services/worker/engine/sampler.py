@@ -15,6 +15,7 @@ is added (OpenAI's: -100 bans a token, 100 makes it all but certain).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -199,29 +200,24 @@ def token_logprobs(logits: torch.Tensor, states: list[SamplingState], token_ids:
     rows = [row for row, state in enumerate(states) if state.num_logprobs is not None]
     if not rows:
         return None
-    logprobs = torch.log_softmax(logits[rows].float(), dim=-1).clamp_(min=MIN_LOGPROB)
-    chosen = logprobs.gather(1, torch.tensor([[token_ids[row]] for row in rows], device=logprobs.device))[:, 0].tolist()
     num_top = max(states[row].num_logprobs or 0 for row in rows)
-    top_ids: list[list[int]] = [[] for _ in rows]
-    top_values: list[list[float]] = [[] for _ in rows]
-    if num_top:
-        values, ids = logprobs.topk(num_top, dim=-1)
-        top_ids, top_values = ids.tolist(), values.tolist()
+    scores = token_scores(logits[rows], [token_ids[row] for row in rows], num_top)
     result: list[TokenLogprobs | None] = [None] * len(states)
-    for i, row in enumerate(rows):
+    for row, score in zip(rows, scores, strict=True):
         k = states[row].num_logprobs or 0
-        result[row] = TokenLogprobs(token_ids[row], chosen[i], tuple(zip(top_ids[i][:k], top_values[i][:k], strict=True)))
+        result[row] = score if k == num_top else dataclasses.replace(score, top=score.top[:k])
     return result
 
 
-def prompt_token_logprobs(logits: torch.Tensor, next_token_ids: list[int], num_top: int) -> list[TokenLogprobs]:
-    """Each prompt token's log probability given the tokens before it, and the `num_top` most
-    likely tokens at its place: row i of `logits` is the distribution of `next_token_ids[i]`."""
+def token_scores(logits: torch.Tensor, token_ids: list[int], num_top: int) -> list[TokenLogprobs]:
+    """Row i's log probability of ``token_ids[i]`` and its `num_top` most likely tokens, from
+    the raw `logits` [rows, vocab_size] (a generated token's row, or a prompt row: row p of a
+    prompt is token p + 1's distribution)."""
     logprobs = torch.log_softmax(logits.float(), dim=-1).clamp_(min=MIN_LOGPROB)
-    ids = torch.tensor(next_token_ids, dtype=torch.int64, device=logprobs.device)
+    ids = torch.tensor(token_ids, dtype=torch.int64, device=logprobs.device)
     chosen = logprobs.gather(1, ids[:, None])[:, 0].tolist()
-    top: list[tuple[tuple[int, float], ...]] = [()] * len(next_token_ids)
+    top: list[tuple[tuple[int, float], ...]] = [()] * len(token_ids)
     if num_top:
         values, top_ids = logprobs.topk(num_top, dim=-1)
         top = [tuple(zip(i, v, strict=True)) for i, v in zip(top_ids.tolist(), values.tolist(), strict=True)]
-    return [TokenLogprobs(t, c, k) for t, c, k in zip(next_token_ids, chosen, top, strict=True)]
+    return [TokenLogprobs(t, c, k) for t, c, k in zip(token_ids, chosen, top, strict=True)]
