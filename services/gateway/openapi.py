@@ -24,6 +24,7 @@ from shoal.services.gateway.openai_api import (
     ModelCard,
     ModelList,
 )
+from shoal.services.gateway.responses_api import ResponseObject, ResponsesRequest
 from shoal.services.gateway.routes_admin import EvictBody, ScaleBody
 from shoal.shared.config import ModelConfig
 from shoal.shared.messages import SchedulerReply
@@ -59,6 +60,14 @@ def _sse_event(chunk: dict[str, Any], error: dict[str, Any]) -> dict[str, Any]:
     }}}
 
 
+_RESPONSES_EVENT = {"type": "object", "required": ["data"], "properties": {
+    "event": {"type": "string"},
+    "data": {"type": "string", "contentMediaType": _JSON,
+             "contentSchema": {"type": "object", "required": ["type", "sequence_number"]}},
+}}
+"""One event of a streamed Responses answer (responses_stream.py lists them)."""
+
+
 def _path_model() -> dict[str, Any]:
     return {"name": "model", "in": "path", "required": True, "schema": {"type": "string", "minLength": 1},
             "description": "a model key, e.g. demo/llama-5m (slashes included)"}
@@ -68,7 +77,8 @@ def _path_model() -> dict[str, Any]:
 def get_document() -> bytes:
     """The OpenAPI document (JSON bytes)."""
     types = [ChatCompletionRequest, CompletionRequest, ChatCompletion, ChatCompletionChunk, Completion, ModelList,
-             ModelCard, ErrorEnvelope, ModelConfig, ScaleBody, EvictBody, SchedulerReply]
+             ModelCard, ErrorEnvelope, ModelConfig, ScaleBody, EvictBody, SchedulerReply, ResponsesRequest,
+             ResponseObject]
     schemas, components = msgspec.json.schema_components(types, ref_template=_REF)
     refs = {t.__name__: schema for t, schema in zip(types, schemas, strict=True)}
     inference_errors = _errors(refs, 400, 401, 404, 413, 429, 503, 504)
@@ -110,6 +120,18 @@ def get_document() -> bytes:
                                           "ChatCompletion", "ChatCompletionChunk"),
         "/v1/completions": inference("text completion of a prompt (text or token ids) or a batch of them", "CompletionRequest",
                                      "Completion", "Completion"),
+        "/v1/responses": {"post": {
+            "summary": "a response (OpenAI's Responses API, stateless: a chat request underneath)",
+            "requestBody": {"required": True, "content": _content(refs["ResponsesRequest"])},
+            "responses": {
+                "200": {"description": "a response, or with `\"stream\": true` server-sent events, each "
+                                       "named by its type: response.created ... response.completed (or "
+                                       "response.incomplete, response.failed)",
+                        "content": {**_content(refs["ResponseObject"]),
+                                    "text/event-stream": {"schema": _RESPONSES_EVENT}}},
+                **inference_errors,
+            },
+        }},
         "/admin/models": {"post": {"summary": "register (or update) a model",
                                    "requestBody": {"required": True, "content": _content(refs["ModelConfig"])},
                                    "responses": {"200": {"description": "the scheduler's reply",

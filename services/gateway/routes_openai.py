@@ -1,9 +1,11 @@
-"""``/v1/models``, ``/v1/chat/completions`` and ``/v1/completions``.
+"""``/v1/models``, ``/v1/chat/completions``, ``/v1/completions`` and ``/v1/responses`` (a chat
+request underneath: responses_api.py).
 
 Streaming is decided by the body's ``stream`` field (the `openai` client sends
 ``Accept: application/json`` for streams too). Streams are Server-Sent Events
 ending with ``data: [DONE]``; an error after the stream started is sent as an
-``{"error": ...}`` event, which the `openai` client raises as an APIError.
+``{"error": ...}`` event, which the `openai` client raises as an APIError. A Responses
+stream is typed events instead (responses_stream.py).
 """
 
 from __future__ import annotations
@@ -13,8 +15,9 @@ import contextlib
 import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal, Protocol
 
+import msgspec
 import structlog
 from aiohttp import web
 
@@ -56,6 +59,13 @@ from shoal.services.gateway.openai_api import (
 )
 from shoal.services.gateway.progress import WaitProgress
 from shoal.services.gateway.request_ids import REQUEST_ID, REQUEST_ID_HEADER
+from shoal.services.gateway.responses_api import (
+    ResponseShell,
+    ResponsesRequest,
+    chat_request,
+    response_object,
+)
+from shoal.services.gateway.responses_stream import StreamedResponse
 from shoal.services.gateway.sse import SseStream
 from shoal.services.gateway.state import GATEWAY, GatewayState
 from shoal.services.gateway.tool_call_parser import ToolCallReader
@@ -106,7 +116,17 @@ async def completions(request: web.Request) -> web.StreamResponse:
     return await _serve(request, "completion")
 
 
-async def _serve(request: web.Request, kind: Kind) -> web.StreamResponse:
+@routes.post("/v1/responses")
+async def responses(request: web.Request) -> web.StreamResponse:
+    return await _serve(request, "responses")
+
+
+Endpoint = Literal["chat", "completion", "responses"]
+_BODIES: dict[Endpoint, type[Any]] = {
+    "chat": ChatCompletionRequest, "completion": CompletionRequest, "responses": ResponsesRequest}
+
+
+async def _serve(request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
     """Validate, admit, place, dispatch; every request counts in ``shoal_gateway_requests_total``
     (``model`` is empty unless the request named a registered model)."""
     state = request.app[GATEWAY]
@@ -116,12 +136,18 @@ async def _serve(request: web.Request, kind: Kind) -> web.StreamResponse:
     try:
         raw = await request.read()
         try:
-            body = decode_body(raw, ChatCompletionRequest if kind == "chat" else CompletionRequest)
+            body = decode_body(raw, _BODIES[endpoint])
         except ApiError:
             model_label = _label_for(state, model_named_in(raw))
             raise
         model_label = _label_for(state, body.model)
-        plan = _plan(state, body, request[REQUEST_ID], request.headers.get(SESSION_HEADER))
+        shell: ResponseShell | None = None
+        if isinstance(body, ResponsesRequest):
+            shell = ResponseShell(_response_id(endpoint, request[REQUEST_ID]), int(time.time()), body)
+            body = chat_request(body)
+        kind: Kind = "completion" if endpoint == "completion" else "chat"
+        plan = _plan(state, body, request[REQUEST_ID], request.headers.get(SESSION_HEADER),
+                     format_param="text" if shell is not None else "response_format")
         choices = plan.choices
         for choice in choices:
             check_fits_in_message(choice.request, state.bus.nc.max_payload)
@@ -130,10 +156,10 @@ async def _serve(request: web.Request, kind: Kind) -> web.StreamResponse:
                 admissions.enter_context(state.dispatcher.admitted(body.model))
             started = time.monotonic()
             if plan.stream:
-                response, outcome = await _stream(request, state, plan, kind)
+                response, outcome = await _stream(request, state, plan, kind, shell)
             else:
                 await state.dispatcher.ensure_placed(body.model, choices[0].request.deadline)
-                response, outcome = await _collect(state, plan, kind, request[REQUEST_ID]), "ok"
+                response, outcome = await _collect(state, plan, kind, request[REQUEST_ID], shell), "ok"
         return response
     except ApiError as exc:
         outcome = str(exc.status)
@@ -142,7 +168,7 @@ async def _serve(request: web.Request, kind: Kind) -> web.StreamResponse:
         outcome = "cancelled"  # the client went away
         raise
     finally:
-        state.requests_total.inc(model=model_label, kind=kind, outcome=outcome)
+        state.requests_total.inc(model=model_label, kind=endpoint, outcome=outcome)
         if started is not None:
             state.latency.observe(time.monotonic() - started, model=model_label)
 
@@ -171,8 +197,9 @@ class _Plan:
 
 
 def _plan(state: GatewayState, body: ChatCompletionRequest | CompletionRequest, request_id: str,
-          session_header: str | None) -> _Plan:
-    """Validate `body` (a 400 for what is invalid) into what it makes."""
+          session_header: str | None, format_param: str = "response_format") -> _Plan:
+    """Validate `body` (a 400 for what is invalid) into what it makes; a schema the model cannot
+    follow is blamed on `format_param` (the Responses API's answer format is ``text``)."""
     prompts: list[dict[str, Any]]
     tools: ToolPlan | None = None
     if isinstance(body, ChatCompletionRequest):
@@ -180,6 +207,8 @@ def _plan(state: GatewayState, body: ChatCompletionRequest | CompletionRequest, 
         spec = state.cluster.get_model(body.model)
         tools = tool_plan(body, spec.tool_call_parser if spec is not None else "hermes")
         params = forced(sampling_params(body, max_tokens, UNLIMITED_MAX_TOKENS), tools, body)
+        if params.json_schema is not None and params.json_schema_param == "response_format":
+            params = msgspec.structs.replace(params, json_schema_param=format_param)
         prompts = [{"messages": chat_messages(body, state.config.max_prompt_chars), "tools": tool_specs(body)}]
     else:
         params = sampling_params(body, body.max_tokens, 16)
@@ -271,24 +300,44 @@ class _Collected:
         return Answer(content + rest, finish_reason, self.logprobs, (calls + more_calls) or None)
 
 
-async def _collect(state: GatewayState, plan: _Plan, kind: Kind, request_id: str) -> web.Response:
+async def _collect(state: GatewayState, plan: _Plan, kind: Kind, request_id: str,
+                   shell: ResponseShell | None) -> web.Response:
     choices = plan.choices
     first = choices[0].request
     collected = [_Collected(choice, plan.tool_reader()) for choice in choices]
     async with _generating(state, choices, restartable=True) as events:
         async for index, event in events:
             collected[index].add(event)
-    body = full_response(kind, _response_id(kind, request_id), int(first.created), first.model,
-                         [c.answer() for c in collected], _choices_usage(choices, [c.ended() for c in collected]))
+    answers = [c.answer() for c in collected]
+    token_usage = _choices_usage(choices, [c.ended() for c in collected])
+    body: Any = (response_object(shell, answers[0], token_usage) if shell is not None else
+                 full_response(kind, _response_id(kind, request_id), int(first.created), first.model, answers,
+                               token_usage))
     return _json(body, headers={REPLICA_HEADER: collected[0].ended().replica_id})  # X-Request-Id: request_id_middleware
 
 
-def _response_id(kind: Kind, request_id: str) -> str:
-    return ("chatcmpl-" if kind == "chat" else "cmpl-") + request_id
+_RESPONSE_ID_PREFIXES: dict[Endpoint, str] = {"chat": "chatcmpl-", "completion": "cmpl-", "responses": "resp_"}
 
 
-async def _stream(request: web.Request, state: GatewayState, plan: _Plan, kind: Kind
-                  ) -> tuple[web.StreamResponse, str]:
+def _response_id(endpoint: Endpoint, request_id: str) -> str:
+    return _RESPONSE_ID_PREFIXES[endpoint] + request_id
+
+
+class _StreamWriter(Protocol):
+    """How a stream's events are written (chat and completion chunks, or Responses events)."""
+
+    finals: list[FinalReply | None]
+
+    async def start(self) -> None: ...
+    async def tokens(self, index: int, chunk: TokenChunk) -> None: ...
+    async def ended(self, index: int, final: FinalReply) -> None: ...
+    async def finish(self, token_usage: Usage) -> None: ...
+    async def fail(self, error: ApiError) -> None: ...
+    async def close(self) -> None: ...
+
+
+async def _stream(request: web.Request, state: GatewayState, plan: _Plan, kind: Kind,
+                  shell: ResponseShell | None) -> tuple[web.StreamResponse, str]:
     """The SSE response and its outcome: "ok", or the status of an error sent in the stream
     after the 200 (504 at the deadline, 503 when the replica died). Several choices stream
     interleaved, each chunk naming its choice's index.
@@ -301,7 +350,11 @@ async def _stream(request: web.Request, state: GatewayState, plan: _Plan, kind: 
     progress = WaitProgress(state.cluster, first.model)
     sse = SseStream(request, keepalive_s=state.config.stream_keepalive_s, describe=progress.describe,
                     headers={REQUEST_ID_HEADER: request_id})
-    out = _StreamedChoices(sse, kind, _response_id(kind, request_id), int(first.created), first.model, plan)
+    out: _StreamWriter
+    if shell is not None:
+        out = StreamedResponse(sse, shell, plan.tool_reader(), first.params.logprobs is not None)
+    else:
+        out = _StreamedChoices(sse, kind, _response_id(kind, request_id), int(first.created), first.model, plan)
     outcome = "ok"
     async with _generating(state, choices, restartable=False) as events, sse.keeping_alive():
         try:
@@ -309,9 +362,7 @@ async def _stream(request: web.Request, state: GatewayState, plan: _Plan, kind: 
             progress.stage = "queued"
             index, event = await anext(events)
             progress.stage = "generating"
-            if kind == "chat":
-                for choice in choices:
-                    await out.send(choice.index, text="", role=True)
+            await out.start()
             while True:
                 match event:
                     case TokenChunk():
@@ -322,8 +373,7 @@ async def _stream(request: web.Request, state: GatewayState, plan: _Plan, kind: 
                     index, event = await anext(events)
                 except StopAsyncIteration:
                     break
-            if plan.include_usage:
-                await out.send(0, token_usage=_choices_usage(choices, out.finals), usage_only=True)
+            await out.finish(_choices_usage(choices, out.finals))
         except ApiError as exc:
             # Errors before anything was sent (unknown model in the worker, prompt too long...)
             # keep their proper status; after that they become the stream's last event.
@@ -331,8 +381,8 @@ async def _stream(request: web.Request, state: GatewayState, plan: _Plan, kind: 
                 raise
             log.info("stream_error", status=exc.status, error=exc.message)
             outcome = str(exc.status)
-            await sse.send(error_payload(exc))
-        await sse.done()
+            await out.fail(exc)
+        await out.close()
     return sse.response, outcome
 
 
@@ -344,6 +394,7 @@ class _StreamedChoices:
         self._sse = sse
         self._head = (kind, response_id, created, model)
         self._kind = kind
+        self._include_usage = plan.include_usage
         self.finals: list[FinalReply | None] = [None] * len(plan.choices)
         wants_logprobs = plan.choices[0].request.params.logprobs is not None
         self._logprobs = _ChunkLogprobs(kind, len(plan.choices)) if wants_logprobs else None
@@ -353,6 +404,22 @@ class _StreamedChoices:
 
     async def send(self, index: int, **fields: Any) -> None:
         await self._sse.send(stream_chunk(*self._head, index=index, **fields))
+
+    async def start(self) -> None:
+        """A chat stream's first chunk per choice: the assistant role."""
+        if self._kind == "chat":
+            for index in range(len(self.finals)):
+                await self.send(index, text="", role=True)
+
+    async def finish(self, token_usage: Usage) -> None:
+        if self._include_usage:
+            await self.send(0, token_usage=token_usage, usage_only=True)
+
+    async def fail(self, error: ApiError) -> None:
+        await self._sse.send(error_payload(error))
+
+    async def close(self) -> None:
+        await self._sse.done()
 
     async def tokens(self, index: int, chunk: TokenChunk) -> None:
         if chunk.prompt is not None:  # an echo: the prompt first

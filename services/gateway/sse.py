@@ -58,9 +58,12 @@ class SseStream:
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
 
-    async def send(self, payload: bytes, *, event_id: int | None = None) -> None:
-        """One ``data:`` event (and its ``id:``, which a client sends back as ``Last-Event-ID``)."""
+    async def send(self, payload: bytes, *, event_id: int | None = None, event: str | None = None) -> None:
+        """One ``data:`` event (and its ``id:``, which a client sends back as ``Last-Event-ID``, and
+        its ``event:`` name, which the Responses API's events carry)."""
         head = b"id: %d\n" % event_id if event_id is not None else b""
+        if event is not None:
+            head += b"event: " + event.encode() + b"\n"
         await self._write(head + b"data: " + payload + b"\n\n")
 
     async def comment(self, text: str) -> None:

@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import openai
 import pytest
 
 READY_LINE = "Shoal is up"
@@ -138,3 +139,9 @@ def module_shoal_up(models_root: Path, tmp_path_factory: pytest.TempPathFactory,
 def shoal(demo_models_root: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ShoalUp]:
     """One `shoal up` for a test module."""
     yield from module_shoal_up(demo_models_root, tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def client(shoal: ShoalUp) -> openai.OpenAI:
+    """The `openai` client on the module's `shoal up`."""
+    return openai.OpenAI(base_url=shoal.v1, api_key="unused", max_retries=0, timeout=240)

@@ -30,12 +30,14 @@ from schemathesis.checks import (
 
 from shoal.services.gateway.openai_api import UNSUPPORTED_FIELDS
 from shoal.services.gateway.openapi import get_document
+from shoal.services.gateway.responses_api import UNSERVED_FIELDS
 from tests.e2e.conftest import ShoalUp
 
 MODEL = "demo/llama-5m"
 MAX_TOKENS = 4
 MAX_EXAMPLES = 30
 INFERENCE_PATHS = ("/v1/chat/completions", "/v1/completions")
+RESPONSES_PATH = "/v1/responses"
 
 schema = schemathesis.openapi.from_dict(json.loads(get_document()))
 
@@ -57,13 +59,16 @@ CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance,
 
 def _aim_at_a_served_model(case: schemathesis.Case) -> None:
     """A deterministic third of the inference bodies name a served model and ask for few tokens."""
-    if case.path not in INFERENCE_PATHS or not isinstance(case.body, dict):
+    if case.path not in (*INFERENCE_PATHS, RESPONSES_PATH) or not isinstance(case.body, dict):
         return
     digest = hashlib.sha256(json.dumps(case.body, sort_keys=True, default=str).encode()).digest()
     if digest[0] % 3 == 0:
         case.body["model"] = MODEL
-        for field in UNSUPPORTED_FIELDS:  # accepted at their defaults only: a 400 says so
+        for field in (*UNSUPPORTED_FIELDS, *UNSERVED_FIELDS):  # accepted at their defaults only: a 400 says so
             case.body.pop(field, None)
+        if case.path == RESPONSES_PATH:
+            case.body["max_output_tokens"] = MAX_TOKENS
+            return
         for field in ("max_tokens", "max_completion_tokens"):
             if field in case.body or field == "max_tokens":
                 case.body[field] = MAX_TOKENS

@@ -21,11 +21,6 @@ SMALL = "demo/llama-5m"
 OTHER = "demo/qwen2-25m"
 
 
-@pytest.fixture(scope="module")
-def client(shoal: ShoalUp) -> openai.OpenAI:
-    return openai.OpenAI(base_url=shoal.v1, api_key="unused", max_retries=0, timeout=240)
-
-
 def _chat_prompt_tokens(models_root: Path, model: str, messages: list[dict[str, str]]) -> int:
     tokenizer = AutoTokenizer.from_pretrained(models_root / model)
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)

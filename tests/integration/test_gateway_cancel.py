@@ -161,3 +161,28 @@ async def test_a_deadline_passing_mid_stream_ends_it_with_a_504_event_counted_as
             break
         await asyncio.sleep(0.05)
     assert outcomes["expired"] == 1 and served.worker.num_in_flight == 0
+
+
+async def test_a_deadline_passing_mid_stream_ends_a_responses_stream_with_response_failed(
+        served: Served, nats_server: EmbeddedNatsServer) -> None:
+    body = {"model": MODEL, "input": "Once upon a time", "max_output_tokens": 2000, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+    async with aiohttp.ClientSession() as session:
+        async with session.post(served.url + "/v1/completions", json=LONG | {"max_tokens": 2}) as response:
+            assert response.status == 200  # warm
+        async with gateway_running(nats_server.url, request_timeout_s=1.5) as hasty:
+            async with session.post(hasty + "/v1/responses", json=body) as response:
+                assert response.status == 200
+                request_id = response.headers["X-Request-Id"]
+                events = [json.loads(line[len(b"data: "):]) async for line in response.content
+                          if line.startswith(b"data: ")]
+            sample = f'shoal_gateway_requests_total{{model="{MODEL}",kind="responses",outcome="504"}}'
+            assert await metric_value(hasty, sample) == 1
+    assert [event["sequence_number"] for event in events] == list(range(len(events)))
+    failed = events[-1]
+    assert failed["type"] == "response.failed" and failed["response"]["status"] == "failed"
+    assert "deadline" in failed["response"]["error"]["message"]
+    text = "".join(event["delta"] for event in events if event["type"] == "response.output_text.delta")
+    (message,) = failed["response"]["output"]
+    assert text and message["status"] == "incomplete" and message["content"][0]["text"] == text
+    assert request_id in served.cancelled_ids

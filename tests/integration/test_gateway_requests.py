@@ -25,6 +25,9 @@ from tests.integration.gateway_harness import call, gateway_running, metric_valu
 MODEL = "org/m"
 CHAT: dict[str, Any] = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
 COMPLETION: dict[str, Any] = {"model": MODEL, "prompt": "hi"}
+RESPONSES: dict[str, Any] = {"model": MODEL, "input": "hi"}
+ROUTES = {"chat": (CHAT, "/v1/chat/completions"), "completion": (COMPLETION, "/v1/completions"),
+          "responses": (RESPONSES, "/v1/responses")}
 REQUEST_ID = re.compile(r"[0-9a-f]{32}")
 TOOL: dict[str, Any] = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
 CALL: dict[str, Any] = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
@@ -106,12 +109,24 @@ async def gateway(bus: Bus, nats_server: EmbeddedNatsServer) -> AsyncIterator[st
         ("completion", {"suffix": "end"}, "suffix"),
         ("completion", {"stop": ["a", "b", "c", "d", "e"]}, "stop"),
         ("chat", {"user": 7}, "user"),
+        ("responses", {"input": ""}, "input"),
+        ("responses", {"input": []}, "input"),
+        ("responses", {"max_output_tokens": 0}, "max_output_tokens"),
+        ("responses", {"temperature": 3}, "temperature"),
+        ("responses", {"top_logprobs": 21}, "top_logprobs"),
+        ("responses", {"truncation": "auto"}, "truncation"),
+        ("responses", {"metadata": {str(i): "v" for i in range(17)}}, "metadata"),
+        ("responses", {"previous_response_id": "resp_1"}, "previous_response_id"),
+        ("responses", {"input": [{"type": "item_reference", "id": "msg_1"}]}, "input"),
+        ("responses", {"tools": [{"type": "file_search"}]}, "tools"),
+        ("responses", {"tool_choice": "required"}, "tool_choice"),
+        ("responses", {"text": {"format": {"type": "yaml"}}}, "text"),
     ],
 )
 async def test_out_of_range_and_unsupported_fields_are_400_naming_the_field(
     gateway: str, route: str, fields: dict[str, Any], param: str
 ) -> None:
-    base, path = (CHAT, "/v1/chat/completions") if route == "chat" else (COMPLETION, "/v1/completions")
+    base, path = ROUTES[route]
     status, body, headers = await call("POST", gateway + path, json=base | fields)
     assert status == 400, body
     assert body["error"]["param"] == param, body
@@ -160,6 +175,19 @@ async def test_a_number_beyond_float_range_is_400_naming_the_field(gateway: str)
         ("/v1/chat/completions", CHAT | {"tools": [TOOL], "messages": [
             {"role": "user", "content": "hi"}, {"role": "assistant", "content": None, "tool_calls": [CALL]},
             {"role": "tool", "content": "42", "tool_call_id": "c1"}]}),
+        ("/v1/responses", RESPONSES | {
+            "instructions": None, "max_output_tokens": None, "temperature": None, "top_p": None, "stream": None,
+            "tools": None, "tool_choice": None, "parallel_tool_calls": None, "text": None, "include": None,
+            "top_logprobs": None, "store": None, "metadata": None, "user": None, "truncation": None,
+            "previous_response_id": None, "conversation": None, "background": None, "reasoning": None}),
+        ("/v1/responses", RESPONSES | {
+            "input": [{"role": "user", "content": "hi"}, {"type": "function_call", "call_id": "c1", "name": "f",
+                                                          "arguments": "{}"},
+                      {"type": "function_call_output", "call_id": "c1", "output": "42"}],
+            "tools": [{"type": "function", "name": "f", "parameters": {"type": "object"}, "strict": True}],
+            "tool_choice": {"type": "function", "name": "f"}, "store": True, "truncation": "disabled",
+            "include": ["message.output_text.logprobs"], "top_logprobs": 20, "metadata": {"k": "v"},
+            "background": False, "stream": True}),
     ],
 )
 async def test_nulls_and_defaults_are_accepted_as_openai_allows(gateway: str, path: str, body: dict) -> None:

@@ -1,0 +1,433 @@
+"""OpenAI's Responses API (``POST /v1/responses``), as a chat request underneath.
+
+A Responses body is validated here and rewritten as the `ChatCompletionRequest` it means, so
+it is placed, queued, templated, sampled and read for calls exactly as a chat request is:
+
+* ``input``: a string (one user turn) or a list of items: messages (``input_text`` /
+  ``output_text`` parts, or a string), ``function_call`` items (joined to the assistant turn
+  before them, as chat templates expect one turn with its calls) and ``function_call_output``
+  items (a tool turn). ``reasoning`` items are skipped: no Shoal model writes them.
+* ``instructions``: a system turn before the input.
+* ``max_output_tokens``, ``temperature``, ``top_p``; ``tools`` (``function`` tools),
+  ``tool_choice``, ``parallel_tool_calls``; ``text.format`` (``text``, ``json_object``,
+  ``json_schema``); ``include: ["message.output_text.logprobs"]`` with ``top_logprobs``.
+  Shoal's ``session_id`` and vLLM's ``ignore_eos``, ``seed``, ``top_k``, ``min_p``,
+  ``repetition_penalty`` ride along as in chat.
+
+Shoal keeps no responses: ``store`` is accepted and answered ``false``, and what needs a
+stored response (``previous_response_id``, ``conversation``, ``item_reference`` items,
+``background``) is a 400 naming the field, as are images, files and hosted tools.
+
+The answer (`response_object`) is a ``response`` with a ``message`` item for the text and a
+``function_call`` item per call, in that order; ``status`` is ``incomplete`` with
+``incomplete_details.reason: "max_output_tokens"`` when the answer was cut at the limit.
+The streamed form is responses_stream.py.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal
+
+import msgspec
+from msgspec import Meta, Struct
+
+from shoal.services.gateway.errors import BadRequest
+from shoal.services.gateway.openai_api import (
+    MAX_TOOLS,
+    Answer,
+    ChatCompletionRequest,
+    ChatTokenLogprob,
+    FunctionCall,
+    FunctionDefinition,
+    FunctionName,
+    InMessage,
+    InToolCall,
+    MaxTokens,
+    MinP,
+    NamedFunction,
+    NamedToolChoice,
+    RepetitionPenalty,
+    Seed,
+    Temperature,
+    ToolDefinition,
+    TopK,
+    TopLogprobs,
+    TopP,
+    Usage,
+    chat_logprobs,
+)
+
+LOGPROBS_INCLUDE = "message.output_text.logprobs"
+"""The one ``include`` value Shoal serves: the output text's log probabilities."""
+MAX_METADATA_KEYS = 16
+
+
+class ResponsesTool(Struct, kw_only=True):
+    """A tool as the Responses API declares it (flat: no ``function`` wrapper)."""
+
+    type: str
+    name: FunctionName | None = None
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ResponsesToolChoice(Struct, kw_only=True):
+    type: str
+    name: str | None = None
+
+
+class TextConfig(Struct, kw_only=True, omit_defaults=True):
+    format: dict[str, Any] | None = None
+    """``{"type": "text"}``, ``{"type": "json_object"}`` or ``{"type": "json_schema", "name", "schema"}``."""
+    verbosity: str | None = None
+
+
+class ResponsesRequest(Struct, kw_only=True):
+    model: str
+    input: Annotated[str, Meta(min_length=1)] | Annotated[list[dict[str, Any]], Meta(min_length=1)]
+    instructions: str | None = None
+    max_output_tokens: MaxTokens | None = None
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    stream: bool | None = None
+    tools: Annotated[list[ResponsesTool], Meta(max_length=MAX_TOOLS)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | ResponsesToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    text: TextConfig | None = None
+    include: list[str] | None = None
+    top_logprobs: TopLogprobs | None = None
+    store: bool | None = None
+    """Accepted; Shoal keeps no responses (answered ``false``)."""
+    metadata: Annotated[dict[str, str], Meta(max_length=MAX_METADATA_KEYS)] | None = None
+    """Returned as sent."""
+    user: str | None = None
+    truncation: Literal["disabled"] | None = None
+    previous_response_id: str | None = None
+    conversation: str | dict[str, Any] | None = None
+    background: bool | None = None
+    reasoning: dict[str, Any] | None = None
+    # Shoal's and vLLM's, as in chat (the openai client sends them through `extra_body`).
+    session_id: str | None = None
+    ignore_eos: bool | None = None
+    seed: Seed | None = None
+    top_k: TopK | None = None
+    min_p: MinP | None = None
+    repetition_penalty: RepetitionPenalty | None = None
+
+
+_STORED_ONLY = (
+    ("previous_response_id", "Shoal keeps no responses: send the whole conversation in input "
+                             "(a session_id keeps its KV cache between turns)"),
+    ("conversation", "Shoal keeps no conversations: send the whole conversation in input"),
+    ("background", "background responses are not supported"),
+)
+
+
+UNSERVED_FIELDS = (*(name for name, _ in _STORED_ONLY), "reasoning")
+"""Fields accepted only when absent (``null``, ``false``)."""
+
+
+def chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
+    """The chat request `req` means; a 400 naming the field for what Shoal does not serve."""
+    for name, why in _STORED_ONLY:
+        if getattr(req, name):
+            raise BadRequest(why, code="unsupported_parameter", param=name)
+    if req.reasoning is not None:
+        raise BadRequest("reasoning options are not supported by Shoal's models", code="unsupported_parameter",
+                         param="reasoning")
+    wants_logprobs = _wants_logprobs(req.include)
+    messages = ([InMessage(role="system", content=req.instructions)] if req.instructions else []) + input_messages(req)
+    return ChatCompletionRequest(
+        model=req.model,
+        messages=messages,
+        max_completion_tokens=req.max_output_tokens,
+        temperature=req.temperature,
+        top_p=req.top_p,
+        stream=req.stream,
+        tools=_chat_tools(req.tools),
+        tool_choice=_chat_tool_choice(req.tool_choice),
+        parallel_tool_calls=req.parallel_tool_calls,
+        response_format=_response_format(req.text),
+        logprobs=wants_logprobs or None,
+        top_logprobs=req.top_logprobs if wants_logprobs else None,
+        user=req.user,
+        session_id=req.session_id,
+        ignore_eos=req.ignore_eos,
+        seed=req.seed,
+        top_k=req.top_k,
+        min_p=req.min_p,
+        repetition_penalty=req.repetition_penalty,
+    )
+
+
+def _wants_logprobs(include: list[str] | None) -> bool:
+    others = sorted(set(include or ()) - {LOGPROBS_INCLUDE})
+    if others:
+        raise BadRequest(f"include: Shoal serves only {LOGPROBS_INCLUDE!r}, not {others}", param="include")
+    return bool(include)
+
+
+# --------------------------------------------------------------------------- input items
+
+
+class _Part(Struct):
+    type: str
+    text: str | None = None
+
+
+class _MessageItem(Struct, kw_only=True):
+    role: Literal["user", "assistant", "system", "developer"]
+    content: str | list[_Part]
+    type: Literal["message"] = "message"
+
+
+class _FunctionCallItem(Struct, kw_only=True):
+    type: Literal["function_call"]
+    call_id: Annotated[str, Meta(min_length=1)]
+    name: FunctionName
+    arguments: str
+
+
+class _FunctionCallOutputItem(Struct, kw_only=True):
+    type: Literal["function_call_output"]
+    call_id: Annotated[str, Meta(min_length=1)]
+    output: str | list[_Part]
+
+
+_TEXT_PARTS = frozenset({"input_text", "output_text", "text"})
+_ITEM_TYPES: dict[str, type[Struct]] = {
+    "message": _MessageItem, "function_call": _FunctionCallItem, "function_call_output": _FunctionCallOutputItem,
+}
+_SKIPPED_ITEM_TYPES = frozenset({"reasoning"})
+
+
+def input_messages(req: ResponsesRequest) -> list[InMessage]:
+    """``input`` as chat messages; each bad item is a 400 naming its place (``input[2]``)."""
+    if isinstance(req.input, str):
+        return [InMessage(role="user", content=req.input)]
+    messages: list[InMessage] = []
+    for i, raw in enumerate(req.input):
+        item = _item(raw, i)
+        if isinstance(item, _MessageItem):
+            messages.append(InMessage(role=item.role, content=_text(item.content, i)))
+        elif isinstance(item, _FunctionCallItem):
+            call = InToolCall(item.call_id, FunctionCall(item.name, item.arguments))
+            last = messages[-1] if messages else None
+            if last is not None and last.role == "assistant" and last.tool_call_id is None:
+                last.tool_calls = [*(last.tool_calls or ()), call]
+            else:
+                messages.append(InMessage(role="assistant", content=None, tool_calls=[call]))
+        elif isinstance(item, _FunctionCallOutputItem):
+            messages.append(InMessage(role="tool", content=_text(item.output, i), tool_call_id=item.call_id))
+    if not messages:
+        raise BadRequest("input holds no message", param="input")
+    return messages
+
+
+def _item(raw: dict[str, Any], i: int) -> Struct | None:
+    kind = raw.get("type", "message")
+    if kind in _SKIPPED_ITEM_TYPES:
+        return None
+    schema = _ITEM_TYPES.get(kind) if isinstance(kind, str) else None
+    if schema is None:
+        known = ", ".join(sorted(_ITEM_TYPES))
+        raise BadRequest(f"input[{i}]: item type {kind!r} is not supported (Shoal takes {known})", param="input")
+    try:
+        return msgspec.convert(raw, schema)
+    except msgspec.ValidationError as exc:
+        raise BadRequest(f"input[{i}]: {exc}", param="input") from exc
+
+
+def _text(content: str | list[_Part], i: int) -> str:
+    if isinstance(content, str):
+        return content
+    kinds = {part.type for part in content} - _TEXT_PARTS
+    if kinds:
+        raise BadRequest(f"input[{i}].content: only text parts are supported, got {sorted(kinds)}", param="input")
+    return "".join(part.text or "" for part in content)
+
+
+def _chat_tools(tools: list[ResponsesTool] | None) -> list[ToolDefinition] | None:
+    if not tools:
+        return None
+    chat_tools = []
+    for i, tool in enumerate(tools):
+        if tool.type != "function":
+            raise BadRequest(f"tools[{i}]: only function tools are supported, got {tool.type!r}", param="tools")
+        if tool.name is None:
+            raise BadRequest(f"tools[{i}]: a function tool needs a name", param="tools")
+        chat_tools.append(ToolDefinition("function", FunctionDefinition(
+            tool.name, tool.description, tool.parameters, tool.strict)))
+    return chat_tools
+
+
+def _chat_tool_choice(choice: str | ResponsesToolChoice | None) -> Any:
+    if not isinstance(choice, ResponsesToolChoice):
+        return choice
+    if choice.type != "function" or choice.name is None:
+        raise BadRequest('tool_choice: name a function as {"type": "function", "name": ...}, or send '
+                         '"none", "auto" or "required"', param="tool_choice")
+    return NamedToolChoice("function", NamedFunction(choice.name))
+
+
+def _response_format(text: TextConfig | None) -> dict[str, Any] | None:
+    """``text.format`` as chat's ``response_format`` (the schema nests under ``json_schema``)."""
+    fmt = (text.format if text is not None else None) or {}
+    kind = fmt.get("type", "text")
+    if kind not in ("text", "json_object", "json_schema"):
+        raise BadRequest(f"text.format type {kind!r}: use \"text\", \"json_object\" or \"json_schema\"",
+                         param="text")
+    if kind != "json_schema":
+        return fmt or None
+    if not isinstance(fmt.get("schema"), dict):
+        raise BadRequest('text.format: json_schema needs {"type": "json_schema", "name": ..., "schema": {...}}',
+                         param="text")
+    return {"type": "json_schema", "json_schema": {"name": fmt.get("name"), "schema": fmt["schema"]}}
+
+
+# --------------------------------------------------------------------------- the response
+
+
+class OutputText(Struct, kw_only=True):
+    type: str = "output_text"
+    text: str
+    annotations: list[Any] = msgspec.field(default_factory=list)
+    logprobs: list[ChatTokenLogprob] = msgspec.field(default_factory=list)
+    """Filled when ``include`` asks for them."""
+
+
+class MessageItem(Struct, kw_only=True, tag_field="type", tag="message"):
+    id: str
+    status: str
+    role: str = "assistant"
+    content: list[OutputText]
+
+
+class FunctionCallItem(Struct, kw_only=True, tag_field="type", tag="function_call"):
+    id: str
+    call_id: str
+    name: str
+    arguments: str
+    status: str = "completed"
+
+
+OutputItem = MessageItem | FunctionCallItem
+
+
+class InputTokensDetails(Struct):
+    cached_tokens: int = 0
+
+
+class OutputTokensDetails(Struct):
+    reasoning_tokens: int = 0
+
+
+class ResponseUsage(Struct, kw_only=True):
+    input_tokens: int
+    input_tokens_details: InputTokensDetails = msgspec.field(default_factory=InputTokensDetails)
+    output_tokens: int
+    output_tokens_details: OutputTokensDetails = msgspec.field(default_factory=OutputTokensDetails)
+    total_tokens: int
+
+
+class ResponseError(Struct):
+    code: str
+    message: str
+
+
+class IncompleteDetails(Struct):
+    reason: str
+
+
+Status = Literal["in_progress", "completed", "incomplete", "failed"]
+
+
+class ResponseObject(Struct, kw_only=True):
+    id: str
+    object: str = "response"
+    created_at: int
+    status: Status
+    error: ResponseError | None = None
+    incomplete_details: IncompleteDetails | None = None
+    instructions: str | None
+    max_output_tokens: int | None
+    model: str
+    output: list[OutputItem]
+    parallel_tool_calls: bool
+    temperature: float | None
+    top_p: float | None
+    tool_choice: str | ResponsesToolChoice
+    tools: list[ResponsesTool]
+    text: TextConfig
+    top_logprobs: int | None
+    truncation: str = "disabled"
+    usage: ResponseUsage | None = None
+    metadata: dict[str, str]
+    store: bool = False
+    previous_response_id: str | None = None
+    reasoning: None = None
+    background: bool = False
+    user: str | None
+    completed_at: int | None = None
+
+
+@dataclass(frozen=True)
+class ResponseShell:
+    """What every form of one response repeats: the request's settings, echoed."""
+
+    response_id: str
+    created_at: int
+    request: ResponsesRequest
+
+    def make(self, status: Status, output: list[OutputItem], token_usage: Usage | None = None,
+             error: ResponseError | None = None) -> ResponseObject:
+        req = self.request
+        incomplete = status == "incomplete"
+        return ResponseObject(
+            id=self.response_id, created_at=self.created_at, status=status, error=error,
+            incomplete_details=IncompleteDetails("max_output_tokens") if incomplete else None,
+            instructions=req.instructions, max_output_tokens=req.max_output_tokens, model=req.model,
+            output=output, parallel_tool_calls=req.parallel_tool_calls is not False,
+            temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p,
+            tool_choice=req.tool_choice or ("auto" if req.tools else "none"), tools=req.tools or [],
+            text=req.text or TextConfig(format={"type": "text"}), top_logprobs=req.top_logprobs,
+            usage=None if token_usage is None else response_usage(token_usage),
+            metadata=req.metadata or {}, user=req.user,
+            completed_at=int(time.time()) if status in ("completed", "incomplete") else None,
+        )
+
+
+def final_status(finish_reason: str) -> Status:
+    """A finished response's status: ``incomplete`` when it stopped at ``max_output_tokens``."""
+    return "incomplete" if finish_reason == "length" else "completed"
+
+
+def response_usage(token_usage: Usage) -> ResponseUsage:
+    return ResponseUsage(input_tokens=token_usage.prompt_tokens, output_tokens=token_usage.completion_tokens,
+                         total_tokens=token_usage.total_tokens)
+
+
+def message_id() -> str:
+    return f"msg_{uuid.uuid4().hex}"
+
+
+def function_call_id() -> str:
+    return f"fc_{uuid.uuid4().hex}"
+
+
+def response_object(shell: ResponseShell, answer: Answer, token_usage: Usage) -> ResponseObject:
+    """The non-streamed response: the text as a message (unless the answer is only calls), then each call."""
+    output: list[OutputItem] = []
+    status = final_status(answer.finish_reason)
+    if answer.text or not answer.tool_calls:
+        logprobs = chat_logprobs(answer.logprobs).content if answer.logprobs is not None else []
+        output.append(MessageItem(id=message_id(), status=status,
+                                  content=[OutputText(text=answer.text, logprobs=logprobs)]))
+    output += [FunctionCallItem(id=function_call_id(), call_id=call.id, name=call.function.name,
+                                arguments=call.function.arguments) for call in answer.tool_calls or ()]
+    return shell.make(status, output, token_usage)
