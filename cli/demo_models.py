@@ -50,7 +50,8 @@ SPECIAL_TOKEN_IDS = {token: token_id for token_id, token in enumerate(SPECIAL_TO
 
 # ChatML, with tools as Qwen2.5 renders them (Hermes style): the functions listed in the system
 # turn, calls as <tool_call> JSON, results as <tool_response> in a user turn. Content may be a
-# string or a list of OpenAI-style parts ({"type": "text", "text": ...}).
+# string or a list of OpenAI-style parts ({"type": "text", "text": ...}). As Qwen3's, it takes
+# `enable_thinking` (chat_template_kwargs): false closes an empty think block in the prompt.
 CHAT_TEMPLATE = (
     "{%- macro content(message) %}"
     "{%- if message['content'] is string %}{{- message['content'] }}"
@@ -83,7 +84,9 @@ CHAT_TEMPLATE = (
     "{{- '<|im_end|>\\n' }}"
     "{%- endif %}"
     "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}"
+    "{%- endif %}"
 )
 
 _CORPUS_FILE = "demo_corpus.txt"  # package data, next to this module

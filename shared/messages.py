@@ -152,6 +152,8 @@ class InferenceRequest(Struct, tag="infer", tag_field="type", omit_defaults=True
     """Chat completions: rendered with the model's chat template by the worker."""
     tools: list[ToolSpec] | None = None
     """Chat completions: the functions the chat template tells the model about."""
+    chat_template_kwargs: dict[str, Any] | None = None
+    """Chat completions: more variables for the chat template (``enable_thinking``...)."""
     stream: bool = False
     gateway_id: str = ""
     created: float = 0.0

@@ -26,6 +26,8 @@ Dtype = Literal["auto", "float32", "float16", "bfloat16"]
 SleepLevel = Literal["warm", "cold"]
 ToolCallParser = Literal["hermes", "llama3_json"]
 """How a model writes function calls (vLLM's parser names; services/gateway/tool_call_parser.py)."""
+ReasoningParser = Literal["deepseek_r1", "qwen3"]
+"""How a reasoning model marks its thinking (vLLM's parser names; services/gateway/reasoning.py)."""
 DEFAULT_KV_CACHE_TOKENS = 32 * 2048
 """A replica's default KV budget: 32 concurrent requests of 2,048 tokens (prompt and output;
 the demo models' whole context) without preemption. The memory estimate placement reserves
@@ -108,6 +110,10 @@ class ModelSettings(Struct, kw_only=True, omit_defaults=True):
     tool_call_parser: ToolCallParser = "hermes"
     """How the model writes function calls, read from its answers to ``tool_choice: auto``:
     ``hermes`` (``<tool_call>`` JSON: Qwen2.5, Qwen3, Hermes) or ``llama3_json`` (Llama 3.1-3.3)."""
+    reasoning_parser: ReasoningParser | None = None
+    """A reasoning model's thinking, split out of its chat answers into ``reasoning``:
+    ``deepseek_r1`` (DeepSeek-R1, QwQ: the prompt opens the think block) or ``qwen3`` (blocks
+    the answer opens with ``<think>``); None: answers are all content."""
 
     def __post_init__(self) -> None:
         try:

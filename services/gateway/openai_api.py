@@ -150,8 +150,21 @@ class _Sampling(Struct, kw_only=True):
     """Token id (as a string, OpenAI's form) -> bias added to its logit."""
 
 
+MAX_TEMPLATE_KWARGS = 32
+TemplateKwargs = Annotated[dict[Annotated[str, Meta(pattern=r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")], Any],
+                           Meta(max_length=MAX_TEMPLATE_KWARGS)]
+"""vLLM's ``chat_template_kwargs``: variables for the model's chat template (``enable_thinking``)."""
+RESERVED_TEMPLATE_KWARGS = frozenset({
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors",
+    "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs",
+})
+"""Names `apply_chat_template` takes itself: Shoal sets them."""
+
+
 class ChatCompletionRequest(_Sampling, kw_only=True):
     messages: Annotated[list[InMessage], Meta(min_length=1)]
+    chat_template_kwargs: TemplateKwargs | None = None
     max_completion_tokens: MaxTokens | None = None
     logprobs: bool | None = None
     top_logprobs: TopLogprobs | None = None
@@ -201,9 +214,11 @@ def model_named_in(body: bytes) -> str | None:
 
 
 def param_of(message: str) -> str | None:
-    marker = "at `$."
+    """The top-level field a msgspec error names (``... at `$.tools[0].type` `` or, for a
+    mapping's key, ``... at `key` in `$.logit_bias` ``)."""
+    marker = "`$."
     if marker in message:
-        return message.split(marker, 1)[1].rstrip("`").split("[")[0].split(".")[0]
+        return message.split(marker, 1)[1].split("`")[0].split("[")[0].split(".")[0]
     return None
 
 
@@ -358,6 +373,16 @@ def chat_messages(req: ChatCompletionRequest, max_chars: int) -> list[ChatMessag
     return messages
 
 
+def template_kwargs(req: ChatCompletionRequest) -> dict[str, Any] | None:
+    """``chat_template_kwargs``, none of them a name Shoal passes itself (a 400 naming it)."""
+    kwargs = req.chat_template_kwargs
+    taken = sorted(set(kwargs or ()) & RESERVED_TEMPLATE_KWARGS)
+    if taken:
+        raise BadRequest(f"chat_template_kwargs: {taken} are set by Shoal, not by requests",
+                         param="chat_template_kwargs")
+    return kwargs or None
+
+
 def completion_prompts(req: CompletionRequest, max_chars: int) -> list[dict[str, Any]]:
     """A completion request's prompts (one, or a batch), each as the request fields it sets:
     ``prompt`` (text) or ``prompt_token_ids``. The character bound is on them all together."""
@@ -430,6 +455,10 @@ class AssistantMessage(Struct, omit_defaults=True):
     content: str | None
     """None when the answer is only calls."""
     tool_calls: list[ToolCallOut] | None = None
+    reasoning: str | None = None
+    """A reasoning model's thinking (its ``reasoning_parser``), as vLLM names it."""
+    reasoning_content: str | None = None
+    """The same, by the name vLLM and DeepSeek's API used first."""
 
 
 class ToolCallDelta(Struct):
@@ -494,6 +523,8 @@ class Delta(Struct, omit_defaults=True):
     role: str | None = None
     content: str | None = None
     tool_calls: list[ToolCallDelta] | None = None
+    reasoning: str | None = None
+    reasoning_content: str | None = None
 
 
 class ChatChunkChoice(Struct):
@@ -605,6 +636,8 @@ class Answer:
     """The calls read out of the text (then `text` is what remains, "" for none)."""
     prompt: PromptEcho | None = None
     """An echoed prompt (completions' ``echo``; `text` starts with it), for its log probabilities."""
+    reasoning: str | None = None
+    """A reasoning model's thinking, read out of the text (None: none, or not read for)."""
 
 
 def full_response(kind: Kind, response_id: str, created: int, model: str, answers: list[Answer],
@@ -612,7 +645,7 @@ def full_response(kind: Kind, response_id: str, created: int, model: str, answer
     """The non-streamed response; `answers` holds each choice's, in order."""
     if kind == "chat":
         choices = [ChatChoice(i, AssistantMessage("assistant", (a.text or None) if a.tool_calls else a.text,
-                                                  a.tool_calls), a.finish_reason,
+                                                  a.tool_calls, a.reasoning, a.reasoning), a.finish_reason,
                               None if a.logprobs is None else chat_logprobs(a.logprobs))
                    for i, a in enumerate(answers)]
         return ChatCompletion(response_id, created, model, choices, token_usage)
@@ -633,11 +666,12 @@ def stream_chunk(kind: Kind, response_id: str, created: int, model: str, *, inde
                  text: str | None = None, finish_reason: str | None = None, role: bool = False,
                  token_usage: Usage | None = None, usage_only: bool = False,
                  logprobs: ChatLogprobs | TextLogprobs | None = None,
-                 tool_calls: list[ToolCallDelta] | None = None) -> bytes:
+                 tool_calls: list[ToolCallDelta] | None = None, reasoning: str | None = None) -> bytes:
     """One SSE ``data:`` payload of a streamed response: choice `index`'s delta, or the usage."""
     if kind == "chat":
         assert logprobs is None or isinstance(logprobs, ChatLogprobs), "a chat chunk's logprobs"
-        delta = Delta(role="assistant" if role else None, content=text, tool_calls=tool_calls)
+        delta = Delta(role="assistant" if role else None, content=text, tool_calls=tool_calls, reasoning=reasoning,
+                      reasoning_content=reasoning)
         choices = [] if usage_only else [ChatChunkChoice(index, delta, finish_reason, logprobs)]
         chunk: Struct = ChatCompletionChunk(response_id, created, model, choices, usage=token_usage)
     else:

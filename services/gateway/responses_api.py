@@ -11,15 +11,16 @@ it is placed, queued, templated, sampled and read for calls exactly as a chat re
 * ``max_output_tokens``, ``temperature``, ``top_p``; ``tools`` (``function`` tools),
   ``tool_choice``, ``parallel_tool_calls``; ``text.format`` (``text``, ``json_object``,
   ``json_schema``); ``include: ["message.output_text.logprobs"]`` with ``top_logprobs``.
-  Shoal's ``session_id`` and vLLM's ``ignore_eos``, ``seed``, ``top_k``, ``min_p``,
-  ``repetition_penalty`` ride along as in chat.
+  Shoal's ``session_id`` and vLLM's ``chat_template_kwargs``, ``ignore_eos``, ``seed``,
+  ``top_k``, ``min_p``, ``repetition_penalty`` ride along as in chat.
 
 Shoal keeps no responses: ``store`` is accepted and answered ``false``, and what needs a
 stored response (``previous_response_id``, ``conversation``, ``item_reference`` items,
 ``background``) is a 400 naming the field, as are images, files and hosted tools.
 
-The answer (`response_object`) is a ``response`` with a ``message`` item for the text and a
-``function_call`` item per call, in that order; ``status`` is ``incomplete`` with
+The answer (`response_object`) is a ``response`` with a ``reasoning`` item for a reasoning
+model's thinking, a ``message`` item for the text and a ``function_call`` item per call, in
+that order; ``status`` is ``incomplete`` with
 ``incomplete_details.reason: "max_output_tokens"`` when the answer was cut at the limit.
 The streamed form is responses_stream.py.
 """
@@ -52,6 +53,7 @@ from shoal.services.gateway.openai_api import (
     RepetitionPenalty,
     Seed,
     Temperature,
+    TemplateKwargs,
     ToolDefinition,
     TopK,
     TopLogprobs,
@@ -112,6 +114,7 @@ class ResponsesRequest(Struct, kw_only=True):
     reasoning: dict[str, Any] | None = None
     # Shoal's and vLLM's, as in chat (the openai client sends them through `extra_body`).
     session_id: str | None = None
+    chat_template_kwargs: TemplateKwargs | None = None
     ignore_eos: bool | None = None
     seed: Seed | None = None
     top_k: TopK | None = None
@@ -156,6 +159,7 @@ def chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
         top_logprobs=req.top_logprobs if wants_logprobs else None,
         user=req.user,
         session_id=req.session_id,
+        chat_template_kwargs=req.chat_template_kwargs,
         ignore_eos=req.ignore_eos,
         seed=req.seed,
         top_k=req.top_k,
@@ -307,6 +311,20 @@ class MessageItem(Struct, kw_only=True, tag_field="type", tag="message"):
     content: list[OutputText]
 
 
+class ReasoningText(Struct, kw_only=True):
+    type: str = "reasoning_text"
+    text: str
+
+
+class ReasoningItem(Struct, kw_only=True, tag_field="type", tag="reasoning"):
+    """A reasoning model's thinking (its ``reasoning_parser``), before the answer's message."""
+
+    id: str
+    summary: list[Any] = msgspec.field(default_factory=list)
+    content: list[ReasoningText]
+    status: str
+
+
 class FunctionCallItem(Struct, kw_only=True, tag_field="type", tag="function_call"):
     id: str
     call_id: str
@@ -315,7 +333,7 @@ class FunctionCallItem(Struct, kw_only=True, tag_field="type", tag="function_cal
     status: str = "completed"
 
 
-OutputItem = MessageItem | FunctionCallItem
+OutputItem = ReasoningItem | MessageItem | FunctionCallItem
 
 
 class InputTokensDetails(Struct):
@@ -420,10 +438,17 @@ def function_call_id() -> str:
     return f"fc_{uuid.uuid4().hex}"
 
 
+def reasoning_id() -> str:
+    return f"rs_{uuid.uuid4().hex}"
+
+
 def response_object(shell: ResponseShell, answer: Answer, token_usage: Usage) -> ResponseObject:
-    """The non-streamed response: the text as a message (unless the answer is only calls), then each call."""
+    """The non-streamed response: any reasoning, the text as a message (unless the answer is
+    only calls), then each call."""
     output: list[OutputItem] = []
     status = final_status(answer.finish_reason)
+    if answer.reasoning:
+        output.append(ReasoningItem(id=reasoning_id(), content=[ReasoningText(text=answer.reasoning)], status=status))
     if answer.text or not answer.tool_calls:
         logprobs = chat_logprobs(answer.logprobs).content if answer.logprobs is not None else []
         output.append(MessageItem(id=message_id(), status=status,

@@ -21,6 +21,7 @@ import msgspec
 import structlog
 from aiohttp import web
 
+from shoal.services.gateway.answer_reader import AnswerReader, Read
 from shoal.services.gateway.choices import Choice, expand, merged
 from shoal.services.gateway.dispatch import DispatchEvent, Restart
 from shoal.services.gateway.errors import ApiError, BadRequest, NotFound, error_payload
@@ -54,10 +55,12 @@ from shoal.services.gateway.openai_api import (
     session_id_of,
     stream_chunk,
     stream_mode,
+    template_kwargs,
     text_logprobs,
     usage,
 )
 from shoal.services.gateway.progress import WaitProgress
+from shoal.services.gateway.reasoning import ReasoningReader
 from shoal.services.gateway.request_ids import REQUEST_ID, REQUEST_ID_HEADER
 from shoal.services.gateway.responses_api import (
     ResponseShell,
@@ -71,6 +74,7 @@ from shoal.services.gateway.state import GATEWAY, GatewayState
 from shoal.services.gateway.tool_call_parser import ToolCallReader
 from shoal.services.gateway.tools import ToolPlan, forced, tool_plan, tool_specs
 from shoal.shared.messages import FinalReply, InferenceRequest, PromptEcho, TokenChunk, TokenLogprob
+from shoal.shared.model_settings import ReasoningParser
 from shoal.shared.subjects import MAX_MODEL_KEY_CHARS
 
 log = structlog.get_logger(__name__)
@@ -191,9 +195,13 @@ class _Plan:
     include_usage: bool
     tools: ToolPlan | None = None
     """How answers are read for function calls; None: they are not."""
+    reasoning: ReasoningParser | None = None
+    """How a reasoning model's thinking is split out of its chat answers; None: it is not."""
 
-    def tool_reader(self) -> ToolCallReader | None:
-        return ToolCallReader(self.tools) if self.tools is not None and self.tools.reads_calls else None
+    def answer_reader(self) -> AnswerReader:
+        """A reader for one choice's text."""
+        return AnswerReader(ReasoningReader(self.reasoning) if self.reasoning is not None else None,
+                            ToolCallReader(self.tools) if self.tools is not None and self.tools.reads_calls else None)
 
 
 def _plan(state: GatewayState, body: ChatCompletionRequest | CompletionRequest, request_id: str,
@@ -202,14 +210,17 @@ def _plan(state: GatewayState, body: ChatCompletionRequest | CompletionRequest, 
     follow is blamed on `format_param` (the Responses API's answer format is ``text``)."""
     prompts: list[dict[str, Any]]
     tools: ToolPlan | None = None
+    reasoning: ReasoningParser | None = None
     if isinstance(body, ChatCompletionRequest):
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         spec = state.cluster.get_model(body.model)
         tools = tool_plan(body, spec.tool_call_parser if spec is not None else "hermes")
+        reasoning = spec.reasoning_parser if spec is not None else None
         params = forced(sampling_params(body, max_tokens, UNLIMITED_MAX_TOKENS), tools, body)
         if params.json_schema is not None and params.json_schema_param == "response_format":
             params = msgspec.structs.replace(params, json_schema_param=format_param)
-        prompts = [{"messages": chat_messages(body, state.config.max_prompt_chars), "tools": tool_specs(body)}]
+        prompts = [{"messages": chat_messages(body, state.config.max_prompt_chars), "tools": tool_specs(body),
+                    "chat_template_kwargs": template_kwargs(body)}]
     else:
         params = sampling_params(body, body.max_tokens, 16)
         prompts = completion_prompts(body, state.config.max_prompt_chars)
@@ -233,7 +244,7 @@ def _plan(state: GatewayState, body: ChatCompletionRequest | CompletionRequest, 
         created=created,
         session_id=session_id,
     )
-    return _Plan(expand(inference, prompts, n, state.router.reply_subject), stream, include_usage, tools)
+    return _Plan(expand(inference, prompts, n, state.router.reply_subject), stream, include_usage, tools, reasoning)
 
 
 def _choices_usage(choices: list[Choice], finals: Sequence[FinalReply | None]) -> Usage:
@@ -262,13 +273,13 @@ async def _generating(state: GatewayState, choices: list[Choice], *, restartable
 class _Collected:
     """One choice's answer as its events come (a non-streamed response)."""
 
-    def __init__(self, choice: Choice, tool_reader: ToolCallReader | None) -> None:
+    def __init__(self, choice: Choice, reader: AnswerReader) -> None:
         self.parts: list[str] = []
         self.logprobs: list[TokenLogprob] | None = [] if choice.request.params.logprobs is not None else None
         self.final: FinalReply | None = None
         self.prompt: PromptEcho | None = None
         self._own_prompt = choice.request.prompt
-        self._tool_reader = tool_reader
+        self._reader = reader
 
     def add(self, event: DispatchEvent) -> None:
         match event:
@@ -293,18 +304,19 @@ class _Collected:
 
     def answer(self) -> Answer:
         text, finish_reason = "".join(self.parts), self.ended().finish_reason
-        if self._tool_reader is None:
+        if self._reader.passes_through:
             return Answer(text, finish_reason, self.logprobs, prompt=self.prompt)
-        content, calls = self._tool_reader.feed(text)
-        rest, more_calls, finish_reason = self._tool_reader.finish(finish_reason)
-        return Answer(content + rest, finish_reason, self.logprobs, (calls + more_calls) or None)
+        read = self._reader.feed(text)
+        rest, finish_reason = self._reader.finish(finish_reason)
+        read += rest
+        return Answer(read.content, finish_reason, self.logprobs, read.calls or None, reasoning=read.reasoning or None)
 
 
 async def _collect(state: GatewayState, plan: _Plan, kind: Kind, request_id: str,
                    shell: ResponseShell | None) -> web.Response:
     choices = plan.choices
     first = choices[0].request
-    collected = [_Collected(choice, plan.tool_reader()) for choice in choices]
+    collected = [_Collected(choice, plan.answer_reader()) for choice in choices]
     async with _generating(state, choices, restartable=True) as events:
         async for index, event in events:
             collected[index].add(event)
@@ -352,7 +364,7 @@ async def _stream(request: web.Request, state: GatewayState, plan: _Plan, kind: 
                     headers={REQUEST_ID_HEADER: request_id})
     out: _StreamWriter
     if shell is not None:
-        out = StreamedResponse(sse, shell, plan.tool_reader(), first.params.logprobs is not None)
+        out = StreamedResponse(sse, shell, plan.answer_reader(), first.params.logprobs is not None)
     else:
         out = _StreamedChoices(sse, kind, _response_id(kind, request_id), int(first.created), first.model, plan)
     outcome = "ok"
@@ -398,7 +410,7 @@ class _StreamedChoices:
         self.finals: list[FinalReply | None] = [None] * len(plan.choices)
         wants_logprobs = plan.choices[0].request.params.logprobs is not None
         self._logprobs = _ChunkLogprobs(kind, len(plan.choices)) if wants_logprobs else None
-        self._tool_readers = [plan.tool_reader() for _ in plan.choices]
+        self._readers = [plan.answer_reader() for _ in plan.choices]
         self._calls_sent = [0] * len(plan.choices)
         self._own_prompts = [choice.request.prompt for choice in plan.choices]
 
@@ -426,25 +438,24 @@ class _StreamedChoices:
             await self.send(index, text=echoed_text(chunk.prompt, self._own_prompts[index]),
                             logprobs=None if self._logprobs is None else self._logprobs.of_prompt(index, chunk.prompt))
         logprobs = None if self._logprobs is None else self._logprobs.of(index, chunk)
-        reader = self._tool_readers[index]
-        if reader is None:
+        reader = self._readers[index]
+        if reader.passes_through:
             await self.send(index, text=chunk.text, logprobs=logprobs)
             return
-        text, calls = reader.feed(chunk.text)
-        if text or logprobs is not None:
-            await self.send(index, text=text, logprobs=logprobs)
-        await self._send_calls(index, calls)
+        await self._send_read(index, reader.feed(chunk.text), logprobs)
 
     async def ended(self, index: int, final: FinalReply) -> None:
         self.finals[index] = final
-        finish_reason = final.finish_reason
-        reader = self._tool_readers[index]
-        if reader is not None:
-            text, calls, finish_reason = reader.finish(finish_reason)
-            if text:
-                await self.send(index, text=text)
-            await self._send_calls(index, calls)
+        read, finish_reason = self._readers[index].finish(final.finish_reason)
+        await self._send_read(index, read)
         await self.send(index, finish_reason=finish_reason, text="" if self._kind == "completion" else None)
+
+    async def _send_read(self, index: int, read: Read, logprobs: ChatLogprobs | TextLogprobs | None = None) -> None:
+        """A delta with the reasoning and content read (content absent beside reasoning alone), then the calls."""
+        if read.reasoning or read.content or logprobs is not None:
+            await self.send(index, text=read.content or (None if read.reasoning else ""), logprobs=logprobs,
+                            reasoning=read.reasoning or None)
+        await self._send_calls(index, read.calls)
 
     async def _send_calls(self, index: int, calls: list[ToolCallOut]) -> None:
         """Each call in a delta of its own, numbered within its choice."""

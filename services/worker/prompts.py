@@ -55,7 +55,8 @@ def chat_prompt(tokenizer: PreTrainedTokenizerBase, request: InferenceRequest) -
     conversation = [_template_message(message) for message in request.messages]
     try:
         text = tokenizer.apply_chat_template(conversation, tools=None if tools is None else [*tools],
-                                             tokenize=False, add_generation_prompt=True)
+                                             tokenize=False, add_generation_prompt=True,
+                                             **(request.chat_template_kwargs or {}))
     except Exception as exc:  # jinja errors come in many types; all mean "bad conversation"
         raise RequestRejected(f"chat template of {request.model!r} rejected the messages: {exc}") from exc
     assert isinstance(text, str), "tokenize=False renders text"

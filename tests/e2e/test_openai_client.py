@@ -7,6 +7,7 @@ import json
 import urllib.error
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 import openai
 import pytest
@@ -458,3 +459,53 @@ def test_health_and_metrics(shoal: ShoalUp) -> None:
         text = response.read().decode()
     assert "shoal_gateway_requests_total" in text
     assert all(line.startswith(("#", "shoal_")) for line in text.splitlines() if line)
+
+
+def test_a_reasoning_models_thinking_comes_apart_from_its_answer(client: openai.OpenAI, shoal: ShoalUp) -> None:
+    """A model registered with ``reasoning_parser = "deepseek_r1"``: what comes before
+    ``</think>`` is ``reasoning``, the rest ``content``, streamed or not, in chat and in the
+    Responses API. (The answer is made one with a thinking part by ``response_format``:
+    random weights never close a think block.)"""
+    code, payload = _post(shoal.base_url + "/admin/models", json.dumps(
+        {"key": "org/thinker", "path": SMALL, "reasoning_parser": "deepseek_r1"}).encode())
+    assert code == 200 and payload["model"]["reasoning_parser"] == "deepseek_r1", payload
+    answer = {"type": "json_schema", "json_schema": {"name": "a", "schema": {"const": "plan</think>answer"}}}
+    kwargs = dict(messages=[{"role": "user", "content": "2+2?"}], max_tokens=40, response_format=answer)
+
+    message = client.chat.completions.create(model="org/thinker", **kwargs).choices[0].message
+    assert (message.reasoning, message.content) == ('"plan', 'answer"')
+    assert message.reasoning_content == message.reasoning
+    chunks = list(client.chat.completions.create(model="org/thinker", stream=True, **kwargs))
+    deltas = [chunk.choices[0].delta for chunk in chunks if chunk.choices]
+    assert "".join(getattr(d, "reasoning", None) or "" for d in deltas) == '"plan'
+    assert "".join(d.content or "" for d in deltas) == 'answer"'
+
+    responses_kwargs: dict[str, Any] = dict(model="org/thinker", input="2+2?", max_output_tokens=40, text={
+        "format": {"type": "json_schema", "name": "a", "schema": {"const": "plan</think>answer"}}})
+    response = client.responses.create(**responses_kwargs)
+    thinking, said = response.output
+    assert thinking.type == "reasoning" and thinking.content[0].text == '"plan'
+    assert said.type == "message" and response.output_text == 'answer"'
+    with client.responses.stream(**responses_kwargs) as stream:
+        kinds = [event.type for event in stream]
+        streamed = stream.get_final_response()
+    assert [item.type for item in streamed.output] == ["reasoning", "message"]
+    assert streamed.output[0].content[0].text == '"plan' and streamed.output_text == 'answer"'
+    assert "response.reasoning_text.delta" in kinds and kinds[-1] == "response.completed"
+
+    plain = client.chat.completions.create(model=SMALL, **kwargs).choices[0].message
+    assert plain.content == '"plan</think>answer"' and getattr(plain, "reasoning", None) is None
+
+
+def test_chat_template_kwargs_reach_the_template(client: openai.OpenAI, demo_models_root: Path) -> None:
+    messages = [{"role": "user", "content": "2+2?"}]
+    thinking_off = client.chat.completions.create(model=SMALL, messages=messages, max_tokens=1, extra_body={
+        "chat_template_kwargs": {"enable_thinking": False}})
+    tokenizer = AutoTokenizer.from_pretrained(demo_models_root / SMALL)
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, enable_thinking=False)
+    assert text.endswith("<think>\n\n</think>\n\n")
+    assert thinking_off.usage.prompt_tokens == len(tokenizer.encode(text, add_special_tokens=False))
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model=SMALL, messages=messages, extra_body={
+            "chat_template_kwargs": {"add_generation_prompt": False}})
+    assert caught.value.body["param"] == "chat_template_kwargs"

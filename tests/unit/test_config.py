@@ -59,6 +59,8 @@ def test_file_then_env_then_overrides(tmp_path: Path) -> None:
         ("[[models]]\nkey = \"m\"\npath = \"m\"\n[models.sleep]\nidle_timeout_s = -1\n", "idle_timeout_s"),
         ("[[models]]\nkey = \"m\"\npath = \"m\"\ntool_call_parser = \"pythonic\"\n",
          "models[0].tool_call_parser"),
+        ("[[models]]\nkey = \"m\"\npath = \"m\"\nreasoning_parser = \"think\"\n",
+         "models[0].reasoning_parser"),
         ("not toml = = 1", "not valid TOML"),
     ],
 )
@@ -136,7 +138,7 @@ def test_a_model_spec_is_derived_from_the_models_settings() -> None:
     config = load_config(None, environ={}, overrides={"models": [{
         "key": "org/m", "path": "m", "dtype": "bfloat16", "max_model_len": 512, "kv_cache_tokens": 100,
         "memory_override_bytes": "1GiB", "num_gpus": 2, "min_replicas": 3, "max_queue": 9,
-        "tool_call_parser": "llama3_json", "fairness": {"popular": True, "min_runtime_s": 30}, "sleep": {"idle_timeout_s": 120, "level": "cold"},
+        "tool_call_parser": "llama3_json", "reasoning_parser": "qwen3", "fairness": {"popular": True, "min_runtime_s": 30}, "sleep": {"idle_timeout_s": 120, "level": "cold"},
     }]})
     settings = config.models[0]
     spec = ModelSpec.from_settings(settings, source="config", registered_at=12.0)

@@ -1,0 +1,104 @@
+"""A reasoning model's answer split into its reasoning and its content, as it streams.
+
+A model registered with a ``reasoning_parser`` writes its thinking between ``<think>`` and
+``</think>``; chat answers carry it apart, as vLLM does: ``reasoning`` (and the older name
+``reasoning_content``) beside ``content``, and function calls are read from the content only.
+
+* ``deepseek_r1`` (DeepSeek-R1 and its distills, QwQ; any model whose chat template opens the
+  think block in the prompt): everything up to ``</think>`` is reasoning (a ``<think>`` the
+  model writes itself is dropped); an answer that never closes the block is all reasoning.
+* ``qwen3``: reasoning only in a block the answer opens with ``<think>``; an answer without
+  one is all content (Qwen3 with ``chat_template_kwargs: {"enable_thinking": false}``).
+
+Whitespace right after either tag is dropped. Text that may be the start of a tag waits
+for the next piece, so a tag split across chunks never leaks into either part.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from shoal.shared.model_settings import ReasoningParser
+
+THINK_START = "<think>"
+THINK_END = "</think>"
+_Phase = Literal["opening", "reasoning", "content"]
+
+
+class ReasoningReader:
+    """One choice's text in, (reasoning, content) out; `finish` when the choice ends."""
+
+    def __init__(self, parser: ReasoningParser) -> None:
+        self._parser = parser
+        self._phase: _Phase = "opening"
+        self._held = ""
+        """Text not given out yet: a possible tag's start, or whitespace after a tag."""
+        self._skip_space = True
+
+    def feed(self, text: str) -> tuple[str, str]:
+        reasoning: list[str] = []
+        content: list[str] = []
+        self._held += text
+        while self._held:
+            if self._phase == "opening":
+                if not self._open():
+                    break
+            elif self._phase == "reasoning":
+                piece, closed = self._until_end()
+                reasoning.append(piece)
+                if not closed:
+                    break
+            else:
+                content.append(self._visible(self._held))
+                self._held = ""
+        return "".join(reasoning), "".join(content)
+
+    def finish(self) -> tuple[str, str]:
+        """What is held when the choice ends: a tag's start that never completed is text."""
+        held, self._held = self._held, ""
+        if self._phase == "opening":
+            self._phase = "reasoning" if self._parser == "deepseek_r1" else "content"
+        visible = self._visible(held)
+        return (visible, "") if self._phase == "reasoning" else ("", visible)
+
+    def _open(self) -> bool:
+        """Decide how the answer starts; False while the text so far cannot tell."""
+        stripped = self._held.lstrip()
+        if stripped.startswith(THINK_START):
+            self._held = stripped[len(THINK_START):]
+            self._phase = "reasoning"
+            self._skip_space = True
+            return True
+        if THINK_START.startswith(stripped):
+            return False  # "", or a prefix of "<think>": wait
+        self._phase = "reasoning" if self._parser == "deepseek_r1" else "content"
+        return True
+
+    def _until_end(self) -> tuple[str, bool]:
+        """The reasoning in what is held, and whether ``</think>`` closed it."""
+        end = self._held.find(THINK_END)
+        if end >= 0:
+            piece = self._held[:end]
+            self._held = self._held[end + len(THINK_END):]
+            self._phase = "content"
+            visible = self._visible(piece)
+            self._skip_space = True
+            return visible, True
+        keep = _partial_tag_length(self._held, THINK_END)
+        piece, self._held = self._held[:len(self._held) - keep], self._held[len(self._held) - keep:]
+        return self._visible(piece), False
+
+    def _visible(self, text: str) -> str:
+        if self._skip_space:
+            text = text.lstrip()
+            self._skip_space = not text
+        return text
+
+
+def _partial_tag_length(text: str, tag: str) -> int:
+    """The length of the longest end of `text` that is a start of `tag` (held back: the rest
+    of the tag may follow)."""
+    for length in range(min(len(text), len(tag) - 1), 0, -1):
+        if tag.startswith(text[-length:]):
+            return length
+    return 0
