@@ -189,6 +189,9 @@ class GatewayConfig(Struct, forbid_unknown_fields=True, kw_only=True):
     stream_keepalive_s: float = 5.0
     """A stream with nothing to send for this long (a cold start, a replica restarting) gets
     an SSE comment line saying what it waits for, and again every this long."""
+    responses_ttl_s: float = 86400.0
+    """How long a stored Responses API answer is kept (``previous_response_id``, ``GET
+    /v1/responses/{id}``); set when the first gateway creates the ``shoal_responses`` bucket."""
     insecure_open_admin: bool = False
     """Serve /admin with no key on a non-loopback address (anyone who reaches the gateway may
     register, remove and scale models). Without it such a gateway refuses to start."""
@@ -202,6 +205,8 @@ class GatewayConfig(Struct, forbid_unknown_fields=True, kw_only=True):
             raise ValueError("gateway.max_queue_per_model must be >= 1")
         if self.stream_keepalive_s <= 0:
             raise ValueError("gateway.stream_keepalive_s must be > 0")
+        if self.responses_ttl_s <= 0:
+            raise ValueError("gateway.responses_ttl_s must be > 0")
         if self.max_body_bytes < 1024 or self.max_prompt_chars < 1:
             raise ValueError("gateway.max_body_bytes must be >= 1024 and max_prompt_chars >= 1")
 

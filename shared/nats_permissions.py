@@ -26,7 +26,7 @@ ADMIN_USER = "shoal-admin"
 
 STREAMS = (subjects.REQUESTS_STREAM, subjects.EVENTS_STREAM)
 BUCKETS = (subjects.MODELS_BUCKET, subjects.GPUS_BUCKET, subjects.REPLICAS_BUCKET, subjects.NODES_BUCKET,
-           subjects.SESSIONS_BUCKET)
+           subjects.SESSIONS_BUCKET, subjects.RESPONSES_BUCKET)
 JS_API = "$JS.API"
 
 
@@ -131,9 +131,11 @@ PERMISSIONS: dict[Role, tuple[Grant, ...]] = {
                        f"{JS_API}.STREAM.MSG.GET.{subjects.REQUESTS_STREAM}",
                        f"{JS_API}.DIRECT.GET.{subjects.REQUESTS_STREAM}")),
         read_kv(BUCKETS, "read (and watch) every bucket"),
-        Grant("create the session routes' bucket when missing",
-              publish=(f"{JS_API}.STREAM.CREATE.{kv_stream(subjects.SESSIONS_BUCKET)}",)),
+        Grant("create the session routes' and stored responses' buckets when missing",
+              publish=tuple(f"{JS_API}.STREAM.CREATE.{kv_stream(b)}"
+                            for b in (subjects.SESSIONS_BUCKET, subjects.RESPONSES_BUCKET))),
         write_kv((subjects.SESSIONS_BUCKET,), "route a session's turns to the replica holding its KV"),
+        write_kv((subjects.RESPONSES_BUCKET,), "store Responses API answers (previous_response_id, GET, DELETE)"),
         Grant("list and drop the sessions workers hold (the admin API)",
               publish=(subjects.worker_subject("*", "sessions"), subjects.worker_subject("*", "drop_session"))),
         Grant("ping the worker of a lost replica (fail over its requests if it is gone too)",

@@ -22,6 +22,9 @@ GPUS_BUCKET = "shoal_gpus"
 REPLICAS_BUCKET = "shoal_replicas"
 NODES_BUCKET = "shoal_nodes"
 SESSIONS_BUCKET = "shoal_sessions"
+RESPONSES_BUCKET = "shoal_responses"
+"""Stored Responses API answers (``<response id>``); gateways create it
+(services/gateway/response_store.py)."""
 """Which replica holds each chat session's KV (``<model token>.<session id>``); gateways
 create it (services/gateway/session_routes.py)."""
 

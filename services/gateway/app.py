@@ -21,6 +21,7 @@ from shoal.services.gateway.dispatch import Dispatcher
 from shoal.services.gateway.errors import error_middleware
 from shoal.services.gateway.live import LiveFeeds
 from shoal.services.gateway.request_ids import request_id_middleware
+from shoal.services.gateway.response_store import ResponseStore
 from shoal.services.gateway.router import ReplyRouter
 from shoal.services.gateway.session_routes import SessionRoutes
 from shoal.services.gateway.state import GATEWAY, GatewayState
@@ -72,6 +73,8 @@ def create_app(config: GatewayConfig, nats_url: str, registry: Registry | None =
         await live.start()
         session_routes = SessionRoutes(bus.js, session_ttl_s)
         await session_routes.start()
+        responses = ResponseStore(bus.js, config.responses_ttl_s)
+        await responses.start()
         dispatcher = Dispatcher(bus, router, cluster, config, registry, on_first_token=live.ttft.observe,
                                 session_routes=session_routes, worker_stats=live.stats)
         await dispatcher.start()
@@ -82,6 +85,7 @@ def create_app(config: GatewayConfig, nats_url: str, registry: Registry | None =
             cluster=cluster,
             dispatcher=dispatcher,
             session_routes=session_routes,
+            responses=responses,
             metrics=registry,
             requests_total=registry.counter("shoal_gateway_requests_total", "HTTP inference requests",
                                             ["model", "kind", "outcome"]),

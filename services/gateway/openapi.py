@@ -24,7 +24,7 @@ from shoal.services.gateway.openai_api import (
     ModelCard,
     ModelList,
 )
-from shoal.services.gateway.responses_api import ResponseObject, ResponsesRequest
+from shoal.services.gateway.responses_api import DeletedResponse, ResponseObject, ResponsesRequest
 from shoal.services.gateway.routes_admin import EvictBody, ScaleBody
 from shoal.shared.config import ModelConfig
 from shoal.shared.messages import SchedulerReply
@@ -78,7 +78,7 @@ def get_document() -> bytes:
     """The OpenAPI document (JSON bytes)."""
     types = [ChatCompletionRequest, CompletionRequest, ChatCompletion, ChatCompletionChunk, Completion, ModelList,
              ModelCard, ErrorEnvelope, ModelConfig, ScaleBody, EvictBody, SchedulerReply, ResponsesRequest,
-             ResponseObject]
+             ResponseObject, DeletedResponse]
     schemas, components = msgspec.json.schema_components(types, ref_template=_REF)
     refs = {t.__name__: schema for t, schema in zip(types, schemas, strict=True)}
     inference_errors = _errors(refs, 400, 401, 404, 413, 429, 503, 504)
@@ -132,6 +132,17 @@ def get_document() -> bytes:
                 **inference_errors,
             },
         }},
+        "/v1/responses/{response_id}": {
+            "parameters": [{"name": "response_id", "in": "path", "required": True,
+                            "schema": {"type": "string", "minLength": 1}, "description": "a stored response's id"}],
+            "get": {"summary": "a stored response (made with store, not yet expired)",
+                    "responses": {"200": {"description": "the response", "content": _content(refs["ResponseObject"])},
+                                  **_errors(refs, 401, 404)}},
+            "delete": {"summary": "forget a stored response",
+                       "responses": {"200": {"description": "deleted",
+                                             "content": _content(refs["DeletedResponse"])},
+                                     **_errors(refs, 401, 404)}},
+        },
         "/admin/models": {"post": {"summary": "register (or update) a model",
                                    "requestBody": {"required": True, "content": _content(refs["ModelConfig"])},
                                    "responses": {"200": {"description": "the scheduler's reply",

@@ -14,9 +14,11 @@ it is placed, queued, templated, sampled and read for calls exactly as a chat re
   Shoal's ``session_id`` and vLLM's ``chat_template_kwargs``, ``ignore_eos``, ``seed``,
   ``top_k``, ``min_p``, ``repetition_penalty`` ride along as in chat.
 
-Shoal keeps no responses: ``store`` is accepted and answered ``false``, and what needs a
-stored response (``previous_response_id``, ``conversation``, ``item_reference`` items,
-``background``) is a 400 naming the field, as are images, files and hosted tools.
+A response is stored unless ``store: false`` (response_store.py): ``previous_response_id``
+goes on from it (`responses_turn`; the chain runs as one chat session, so replicas keep its
+KV between turns), and ``GET`` / ``DELETE /v1/responses/{id}`` read and forget it.
+``conversation`` objects, ``item_reference`` items and ``background`` are a 400 naming the
+field, as are images, files and hosted tools.
 
 The answer (`response_object`) is a ``response`` with a ``reasoning`` item for a reasoning
 model's thinking, a ``message`` item for the text and a ``function_call`` item per call, in
@@ -122,28 +124,48 @@ class ResponsesRequest(Struct, kw_only=True):
     repetition_penalty: RepetitionPenalty | None = None
 
 
-_STORED_ONLY = (
-    ("previous_response_id", "Shoal keeps no responses: send the whole conversation in input "
-                             "(a session_id keeps its KV cache between turns)"),
-    ("conversation", "Shoal keeps no conversations: send the whole conversation in input"),
+_UNSERVED = (
+    ("conversation", "Shoal keeps no conversations objects: go on from a response with previous_response_id"),
     ("background", "background responses are not supported"),
+    ("reasoning", "reasoning options are not supported by Shoal's models"),
 )
-
-
-UNSERVED_FIELDS = (*(name for name, _ in _STORED_ONLY), "reasoning")
+UNSERVED_FIELDS = tuple(name for name, _ in _UNSERVED)
 """Fields accepted only when absent (``null``, ``false``)."""
 
 
-def chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
-    """The chat request `req` means; a 400 naming the field for what Shoal does not serve."""
-    for name, why in _STORED_ONLY:
+@dataclass(frozen=True)
+class Turn:
+    """What one Responses request makes: the chat request, and the conversation it stores."""
+
+    chat: ChatCompletionRequest
+    conversation: list[InMessage]
+    """The turns so far (the previous response's, then this input), without ``instructions``
+    and without the answer."""
+    stores: bool
+    """Keep the answer (``store``, true unless false)."""
+
+
+def responses_turn(req: ResponsesRequest, response_id: str, history: list[InMessage] | None = None,
+                   chain_session_id: str | None = None) -> Turn:
+    """The turn `req` makes, going on from `history` (the conversation a previous response
+    ended, whose chain is chat session `chain_session_id`). A stored response's chain runs as
+    one chat session, named after its first response (unless the request names its own)."""
+    conversation = [*(history or ()), *input_messages(req)]
+    stores = req.store is not False
+    session_id = req.session_id or chain_session_id or (response_id if stores else None)
+    return Turn(chat_request(req, conversation, session_id), conversation, stores)
+
+
+def chat_request(req: ResponsesRequest, conversation: list[InMessage] | None = None,
+                 session_id: str | None = None) -> ChatCompletionRequest:
+    """The chat request `req` means (its input after `conversation` when given, as the chat
+    session `session_id`); a 400 naming the field for what Shoal does not serve."""
+    for name, why in _UNSERVED:
         if getattr(req, name):
             raise BadRequest(why, code="unsupported_parameter", param=name)
-    if req.reasoning is not None:
-        raise BadRequest("reasoning options are not supported by Shoal's models", code="unsupported_parameter",
-                         param="reasoning")
     wants_logprobs = _wants_logprobs(req.include)
-    messages = ([InMessage(role="system", content=req.instructions)] if req.instructions else []) + input_messages(req)
+    turns = conversation if conversation is not None else input_messages(req)
+    messages = ([InMessage(role="system", content=req.instructions)] if req.instructions else []) + turns
     return ChatCompletionRequest(
         model=req.model,
         messages=messages,
@@ -158,7 +180,7 @@ def chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
         logprobs=wants_logprobs or None,
         top_logprobs=req.top_logprobs if wants_logprobs else None,
         user=req.user,
-        session_id=req.session_id,
+        session_id=session_id or req.session_id,
         chat_template_kwargs=req.chat_template_kwargs,
         ignore_eos=req.ignore_eos,
         seed=req.seed,
@@ -415,9 +437,16 @@ class ResponseShell:
             tool_choice=req.tool_choice or ("auto" if req.tools else "none"), tools=req.tools or [],
             text=req.text or TextConfig(format={"type": "text"}), top_logprobs=req.top_logprobs,
             usage=None if token_usage is None else response_usage(token_usage),
-            metadata=req.metadata or {}, user=req.user,
+            metadata=req.metadata or {}, user=req.user, store=req.store is not False,
+            previous_response_id=req.previous_response_id,
             completed_at=int(time.time()) if status in ("completed", "incomplete") else None,
         )
+
+
+class DeletedResponse(Struct):
+    id: str
+    object: str = "response"
+    deleted: bool = True
 
 
 def final_status(finish_reason: str) -> Status:
@@ -440,6 +469,15 @@ def function_call_id() -> str:
 
 def reasoning_id() -> str:
     return f"rs_{uuid.uuid4().hex}"
+
+
+def answer_turn(response: ResponseObject) -> InMessage:
+    """A response's answer as the assistant turn a later request goes on from (its thinking
+    left out, as chat templates leave it out of past turns)."""
+    text = "".join(part.text for item in response.output if isinstance(item, MessageItem) for part in item.content)
+    calls = [InToolCall(item.call_id, FunctionCall(item.name, item.arguments))
+             for item in response.output if isinstance(item, FunctionCallItem)]
+    return InMessage(role="assistant", content=text if text or not calls else None, tool_calls=calls or None)
 
 
 def response_object(shell: ResponseShell, answer: Answer, token_usage: Usage) -> ResponseObject:

@@ -20,6 +20,7 @@ written so far.
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from typing import Any, Literal
 
 from msgspec.structs import replace
@@ -35,6 +36,7 @@ from shoal.services.gateway.responses_api import (
     ReasoningItem,
     ReasoningText,
     ResponseError,
+    ResponseObject,
     ResponseShell,
     Status,
     final_status,
@@ -69,8 +71,12 @@ class _OpenItem:
 class StreamedResponse:
     """The events of one streamed response (one choice: the Responses API has no ``n``)."""
 
-    def __init__(self, sse: SseStream, shell: ResponseShell, reader: AnswerReader, wants_logprobs: bool) -> None:
+    def __init__(self, sse: SseStream, shell: ResponseShell, reader: AnswerReader, wants_logprobs: bool,
+                 on_final: Callable[[ResponseObject], Awaitable[None]] | None = None) -> None:
+        """`on_final`: given the finished response before its last event goes out (so a
+        client that goes on from it at once finds it stored)."""
         self._sse = sse
+        self._on_final = on_final
         self._shell = shell
         self._reader = reader
         self._wants_logprobs = wants_logprobs
@@ -112,7 +118,10 @@ class StreamedResponse:
             await self._text("")
         await self._close(status)
         event = "response.incomplete" if status == "incomplete" else "response.completed"
-        await self._event(event, response=self._shell.make(status, self._output, token_usage))
+        response = self._shell.make(status, self._output, token_usage)
+        if self._on_final is not None:
+            await self._on_final(response)
+        await self._event(event, response=response)
 
     async def fail(self, error: ApiError) -> None:
         output = list(self._output)

@@ -62,11 +62,15 @@ from shoal.services.gateway.openai_api import (
 from shoal.services.gateway.progress import WaitProgress
 from shoal.services.gateway.reasoning import ReasoningReader
 from shoal.services.gateway.request_ids import REQUEST_ID, REQUEST_ID_HEADER
+from shoal.services.gateway.response_store import ResponseStore
 from shoal.services.gateway.responses_api import (
+    DeletedResponse,
+    ResponseObject,
     ResponseShell,
     ResponsesRequest,
-    chat_request,
+    Turn,
     response_object,
+    responses_turn,
 )
 from shoal.services.gateway.responses_stream import StreamedResponse
 from shoal.services.gateway.sse import SseStream
@@ -145,13 +149,13 @@ async def _serve(request: web.Request, endpoint: Endpoint) -> web.StreamResponse
             model_label = _label_for(state, model_named_in(raw))
             raise
         model_label = _label_for(state, body.model)
-        shell: ResponseShell | None = None
+        responding: _Responding | None = None
         if isinstance(body, ResponsesRequest):
-            shell = ResponseShell(_response_id(endpoint, request[REQUEST_ID]), int(time.time()), body)
-            body = chat_request(body)
+            responding = await _responding(state, body, request[REQUEST_ID])
+            body = responding.turn.chat
         kind: Kind = "completion" if endpoint == "completion" else "chat"
         plan = _plan(state, body, request[REQUEST_ID], request.headers.get(SESSION_HEADER),
-                     format_param="text" if shell is not None else "response_format")
+                     format_param="text" if responding is not None else "response_format")
         choices = plan.choices
         for choice in choices:
             check_fits_in_message(choice.request, state.bus.nc.max_payload)
@@ -160,10 +164,10 @@ async def _serve(request: web.Request, endpoint: Endpoint) -> web.StreamResponse
                 admissions.enter_context(state.dispatcher.admitted(body.model))
             started = time.monotonic()
             if plan.stream:
-                response, outcome = await _stream(request, state, plan, kind, shell)
+                response, outcome = await _stream(request, state, plan, kind, responding)
             else:
                 await state.dispatcher.ensure_placed(body.model, choices[0].request.deadline)
-                response, outcome = await _collect(state, plan, kind, request[REQUEST_ID], shell), "ok"
+                response, outcome = await _collect(state, plan, kind, request[REQUEST_ID], responding), "ok"
         return response
     except ApiError as exc:
         outcome = str(exc.status)
@@ -175,6 +179,42 @@ async def _serve(request: web.Request, endpoint: Endpoint) -> web.StreamResponse
         state.requests_total.inc(model=model_label, kind=endpoint, outcome=outcome)
         if started is not None:
             state.latency.observe(time.monotonic() - started, model=model_label)
+
+
+@dataclass(frozen=True)
+class _Responding:
+    """A Responses request: the turn it makes, how its answer is written, where it is kept."""
+
+    turn: Turn
+    shell: ResponseShell
+    store: ResponseStore
+
+    async def keep(self, response: ResponseObject) -> None:
+        await self.store.keep(response, self.turn)
+
+
+async def _responding(state: GatewayState, body: ResponsesRequest, request_id: str) -> _Responding:
+    """The turn `body` makes, after the stored response it goes on from (a 404 naming
+    ``previous_response_id`` when there is none)."""
+    response_id = _response_id("responses", request_id)
+    previous = (await state.responses.get(body.previous_response_id, param="previous_response_id")
+                if body.previous_response_id is not None else None)
+    turn = responses_turn(body, response_id, previous.conversation if previous else None,
+                          previous.session_id if previous else None)
+    return _Responding(turn, ResponseShell(response_id, int(time.time()), body), state.responses)
+
+
+@routes.get("/v1/responses/{response_id}")
+async def get_response(request: web.Request) -> web.Response:
+    stored = await request.app[GATEWAY].responses.get(request.match_info["response_id"])
+    return _json(stored.response)
+
+
+@routes.delete("/v1/responses/{response_id}")
+async def delete_response(request: web.Request) -> web.Response:
+    response_id = request.match_info["response_id"]
+    await request.app[GATEWAY].responses.delete(response_id)
+    return _json(DeletedResponse(response_id))
 
 
 def _label_for(state: GatewayState, model: str | None) -> str:
@@ -313,7 +353,7 @@ class _Collected:
 
 
 async def _collect(state: GatewayState, plan: _Plan, kind: Kind, request_id: str,
-                   shell: ResponseShell | None) -> web.Response:
+                   responding: _Responding | None) -> web.Response:
     choices = plan.choices
     first = choices[0].request
     collected = [_Collected(choice, plan.answer_reader()) for choice in choices]
@@ -322,9 +362,13 @@ async def _collect(state: GatewayState, plan: _Plan, kind: Kind, request_id: str
             collected[index].add(event)
     answers = [c.answer() for c in collected]
     token_usage = _choices_usage(choices, [c.ended() for c in collected])
-    body: Any = (response_object(shell, answers[0], token_usage) if shell is not None else
-                 full_response(kind, _response_id(kind, request_id), int(first.created), first.model, answers,
-                               token_usage))
+    body: Any
+    if responding is not None:
+        body = response_object(responding.shell, answers[0], token_usage)
+        await responding.keep(body)
+    else:
+        body = full_response(kind, _response_id(kind, request_id), int(first.created), first.model, answers,
+                             token_usage)
     return _json(body, headers={REPLICA_HEADER: collected[0].ended().replica_id})  # X-Request-Id: request_id_middleware
 
 
@@ -349,7 +393,7 @@ class _StreamWriter(Protocol):
 
 
 async def _stream(request: web.Request, state: GatewayState, plan: _Plan, kind: Kind,
-                  shell: ResponseShell | None) -> tuple[web.StreamResponse, str]:
+                  responding: _Responding | None) -> tuple[web.StreamResponse, str]:
     """The SSE response and its outcome: "ok", or the status of an error sent in the stream
     after the 200 (504 at the deadline, 503 when the replica died). Several choices stream
     interleaved, each chunk naming its choice's index.
@@ -363,8 +407,9 @@ async def _stream(request: web.Request, state: GatewayState, plan: _Plan, kind: 
     sse = SseStream(request, keepalive_s=state.config.stream_keepalive_s, describe=progress.describe,
                     headers={REQUEST_ID_HEADER: request_id})
     out: _StreamWriter
-    if shell is not None:
-        out = StreamedResponse(sse, shell, plan.answer_reader(), first.params.logprobs is not None)
+    if responding is not None:
+        out = StreamedResponse(sse, responding.shell, plan.answer_reader(), first.params.logprobs is not None,
+                               on_final=responding.keep)
     else:
         out = _StreamedChoices(sse, kind, _response_id(kind, request_id), int(first.created), first.model, plan)
     outcome = "ok"

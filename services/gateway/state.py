@@ -9,6 +9,7 @@ from aiohttp import web
 from shoal.services.gateway.cluster import ClusterView
 from shoal.services.gateway.dispatch import Dispatcher
 from shoal.services.gateway.live import LiveFeeds
+from shoal.services.gateway.response_store import ResponseStore
 from shoal.services.gateway.router import ReplyRouter
 from shoal.services.gateway.session_routes import SessionRoutes
 from shoal.shared.bus import Bus
@@ -25,6 +26,8 @@ class GatewayState:
     dispatcher: Dispatcher
     session_routes: SessionRoutes
     """Which replica holds each chat session's KV (``shoal_sessions``)."""
+    responses: ResponseStore
+    """Stored Responses API answers (``shoal_responses``)."""
     metrics: Registry
     requests_total: Counter
     latency: Histogram

@@ -5,11 +5,14 @@ events' order and identities), function calls and their results, structured outp
 from __future__ import annotations
 
 import json
+import urllib.request
 from typing import Any
 
 import openai
 import pytest
 from pydantic import BaseModel, Field
+
+from tests.e2e.conftest import ShoalUp
 
 pytestmark = pytest.mark.e2e
 
@@ -39,7 +42,7 @@ def test_a_response_is_what_chat_answers_for_the_same_turns(client: openai.OpenA
     assert message.type == "message" and message.role == "assistant" and message.id.startswith("msg_")
     assert response.usage.input_tokens == chat.usage.prompt_tokens
     assert response.usage.output_tokens == 8 and response.usage.total_tokens == chat.usage.total_tokens
-    assert response.instructions == "Be brief." and response.max_output_tokens == 8 and response.store is False
+    assert response.instructions == "Be brief." and response.max_output_tokens == 8 and response.store is True
 
 
 def test_a_streamed_response_ends_as_the_collected_one(client: openai.OpenAI) -> None:
@@ -119,10 +122,50 @@ def test_output_logprobs_come_with_include(client: openai.OpenAI) -> None:
     assert [(lp.token, lp.logprob) for lp in streamed] == [(lp.token, lp.logprob) for lp in part.logprobs]
 
 
-def test_a_stored_response_is_not_pretended(client: openai.OpenAI) -> None:
-    with pytest.raises(openai.BadRequestError) as caught:
-        client.responses.create(model=SMALL, input="Again", previous_response_id="resp_123")
+def test_a_chain_of_responses_goes_on_from_the_stored_conversation_as_one_session(client: openai.OpenAI,
+                                                                                   shoal: ShoalUp) -> None:
+    greedy: dict[str, Any] = dict(model=SMALL, max_output_tokens=6, temperature=0, extra_body={"ignore_eos": True})
+    first = client.responses.create(instructions="Be brief.", input="Say hello.", **greedy)
+    assert first.store is True
+    second = client.responses.create(previous_response_id=first.id, input="Again.", **greedy)
+    assert second.previous_response_id == first.id
+    # Its prompt: the first turn and its answer (the instructions are not carried over), then the new input.
+    chat = client.chat.completions.create(
+        model=SMALL, max_tokens=6, temperature=0, extra_body={"ignore_eos": True},
+        messages=[{"role": "user", "content": "Say hello."}, {"role": "assistant", "content": first.output_text},
+                  {"role": "user", "content": "Again."}])
+    assert second.usage.input_tokens == chat.usage.prompt_tokens
+    assert second.output_text == chat.choices[0].message.content
+    events = list(client.responses.create(previous_response_id=second.id, input="Once more.", stream=True, **greedy))
+    assert events[-1].type == "response.incomplete"  # at max_output_tokens, and stored all the same
+    third = client.responses.retrieve(events[-1].response.id)  # stored before its last event went out
+    assert third.previous_response_id == second.id and third.usage.input_tokens > second.usage.input_tokens
+
+    # The chain is one chat session, named after its first response: a replica holds its KV.
+    with urllib.request.urlopen(f"{shoal.base_url}/admin/sessions?model={SMALL}", timeout=30) as listed:
+        sessions = json.load(listed)["sessions"]
+    assert first.id in {session["session_id"] for session in sessions}
+
+    assert client.responses.retrieve(first.id).output_text == first.output_text
+    client.responses.delete(first.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(first.id)
+    with pytest.raises(openai.NotFoundError) as caught:
+        client.responses.create(previous_response_id=first.id, input="Gone?", **greedy)
     assert caught.value.body["param"] == "previous_response_id"
+
+
+def test_a_response_made_with_store_false_is_not_kept(client: openai.OpenAI) -> None:
+    response = client.responses.create(model=SMALL, input="Hi", max_output_tokens=2, store=False)
+    assert response.store is False
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(response.id)
+
+
+def test_what_shoal_does_not_serve_is_a_400_naming_it(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.responses.create(model=SMALL, input="Again", background=True)
+    assert caught.value.body["param"] == "background"
     with pytest.raises(openai.BadRequestError) as caught:
         client.responses.create(model=SMALL, input="x", text={"format": {
             "type": "json_schema", "name": "bad", "schema": {"type": 5}}})

@@ -61,6 +61,7 @@ def test_file_then_env_then_overrides(tmp_path: Path) -> None:
          "models[0].tool_call_parser"),
         ("[[models]]\nkey = \"m\"\npath = \"m\"\nreasoning_parser = \"think\"\n",
          "models[0].reasoning_parser"),
+        ("[gateway]\nresponses_ttl_s = 0\n", "responses_ttl_s"),
         ("not toml = = 1", "not valid TOML"),
     ],
 )

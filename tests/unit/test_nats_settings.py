@@ -99,7 +99,8 @@ def test_compose_ships_the_users_the_permission_table_renders() -> None:
 
 def test_no_role_may_write_what_is_not_its_own() -> None:
     publish = {role: allowed(role)[0] for role in ROLES}
-    assert [s for s in publish["gateway"] if s.startswith("$KV.")] == ["$KV.shoal_sessions.>"]
+    assert [s for s in publish["gateway"] if s.startswith("$KV.")] == ["$KV.shoal_sessions.>",
+                                                                      "$KV.shoal_responses.>"]
     assert [s for s in publish["worker"] if s.startswith("$KV.")] == ["$KV.shoal_replicas.>"]
     assert "$KV.shoal_nodes.>" not in publish["scheduler"]
     for role in ROLES:

@@ -14,6 +14,8 @@ from shoal.services.gateway.errors import BadRequest
 from shoal.services.gateway.openai_api import (
     Answer,
     FunctionCall,
+    InMessage,
+    InToolCall,
     ToolCallOut,
     decode_body,
     sampling_params,
@@ -24,8 +26,10 @@ from shoal.services.gateway.responses_api import (
     MessageItem,
     ResponseShell,
     ResponsesRequest,
+    answer_turn,
     chat_request,
     response_object,
+    responses_turn,
 )
 from shoal.services.gateway.tools import tool_plan, tool_specs
 from shoal.shared.messages import TokenLogprob
@@ -113,7 +117,6 @@ def test_logprobs_come_with_include() -> None:
 @pytest.mark.parametrize(
     ("fields", "param"),
     [
-        ({"previous_response_id": "resp_1"}, "previous_response_id"),
         ({"conversation": "conv_1"}, "conversation"),
         ({"background": True}, "background"),
         ({"reasoning": {"effort": "low"}}, "reasoning"),
@@ -134,6 +137,36 @@ def test_what_shoal_does_not_serve_is_a_400_naming_the_field(fields: dict[str, A
     with pytest.raises(BadRequest) as caught:
         chat_request(_request(**fields))
     assert caught.value.param == param and caught.value.message
+
+
+def test_a_turn_goes_on_from_the_previous_conversation_as_one_session() -> None:
+    history = [InMessage(role="user", content="Time?"), InMessage(role="assistant", content=None, tool_calls=[
+        InToolCall("call_1", FunctionCall("get_time", "{}"))])]
+    follow_up = _request(input=[{"type": "function_call_output", "call_id": "call_1", "output": "12:00"}],
+                         instructions="Be brief.", previous_response_id="resp_first")
+    turn = responses_turn(follow_up, "resp_second", history, "resp_first")
+    assert [m.role for m in turn.chat.messages] == ["system", "user", "assistant", "tool"]
+    assert [m.role for m in turn.conversation] == ["user", "assistant", "tool"]  # instructions are not kept
+    assert turn.stores and turn.chat.session_id == "resp_first"
+
+    first = responses_turn(_request(), "resp_first")
+    assert first.chat.session_id == "resp_first" and [m.content for m in first.conversation] == ["hi"]
+    unstored = responses_turn(_request(store=False), "resp_x")
+    assert not unstored.stores and unstored.chat.session_id is None
+    assert responses_turn(_request(session_id="mine"), "resp_y").chat.session_id == "mine"
+
+
+def test_an_answer_becomes_the_assistant_turn_a_later_request_goes_on_from() -> None:
+    call = ToolCallOut("call_9", FunctionCall("get_time", '{"zone": "UTC"}'))
+    answered = response_object(_shell(tools=[TOOL]), Answer("Let me see.", "tool_calls", tool_calls=[call],
+                                                            reasoning="thinking"), usage(3, 12))
+    turn = answer_turn(answered)
+    assert (turn.role, turn.content) == ("assistant", "Let me see.")
+    assert [(c.id, c.function.name, c.function.arguments) for c in turn.tool_calls or ()] == [
+        ("call_9", "get_time", '{"zone": "UTC"}')]
+    only_call = answer_turn(response_object(_shell(tools=[TOOL]), Answer("", "tool_calls", tool_calls=[call]),
+                                            usage(3, 9)))
+    assert only_call.content is None
 
 
 def _shell(**fields: Any) -> ResponseShell:
