@@ -475,6 +475,15 @@ def _log_kept(ours: StreamConfig, theirs: StreamConfig, fields: tuple[str, ...])
         log.info("stream_config_kept", stream=ours.name, differences=shown)
 
 
+async def ensure_expiring_bucket(js: JetStreamContext, bucket: str, description: str, *, ttl_s: float,
+                                 max_bytes: int, storage: StorageType) -> KeyValue:
+    """`ensure_bucket` for a cache: one revision per key, each gone `ttl_s` after its last
+    write, at most `max_bytes` in all."""
+    config = KeyValueConfig(bucket=bucket, description=description, history=1, ttl=ttl_s, max_bytes=max_bytes,
+                            storage=storage)
+    return await ensure_bucket(js, config)
+
+
 async def ensure_bucket(js: JetStreamContext, config: KeyValueConfig, refusals: PermissionRefusals | None = None,
                         *, create: bool = True) -> KeyValue:
     """Create `config`'s bucket if it is missing; an existing one is kept as it is (what

@@ -25,13 +25,13 @@ import nats.js.errors
 import structlog
 from msgspec import Struct
 from nats.js import JetStreamContext
-from nats.js.api import KeyValueConfig, StorageType
+from nats.js.api import StorageType
 
 from shoal.services.gateway.errors import NotFound
 from shoal.services.gateway.openai_api import InMessage
 from shoal.services.gateway.responses_api import ResponseObject, Turn, answer_turn
 from shoal.shared import subjects
-from shoal.shared.bus import ensure_bucket
+from shoal.shared.bus import ensure_expiring_bucket
 
 log = structlog.get_logger(__name__)
 
@@ -68,15 +68,10 @@ class ResponseStore:
 
     async def start(self) -> None:
         """Create the bucket, or open it as another gateway created it."""
-        config = KeyValueConfig(
-            bucket=subjects.RESPONSES_BUCKET,
-            description="Shoal's stored Responses API answers: <response id> -> the response and its conversation",
-            history=1,
-            ttl=self.ttl_s,
-            max_bytes=RESPONSES_MAX_BYTES,
-            storage=StorageType.FILE,
-        )
-        self._kv = await ensure_bucket(self._js, config)
+        self._kv = await ensure_expiring_bucket(
+            self._js, subjects.RESPONSES_BUCKET,
+            "Shoal's stored Responses API answers: <response id> -> the response and its conversation",
+            ttl_s=self.ttl_s, max_bytes=RESPONSES_MAX_BYTES, storage=StorageType.FILE)
 
     @property
     def kv(self) -> nats.js.kv.KeyValue:

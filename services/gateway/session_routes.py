@@ -20,10 +20,10 @@ import nats.errors
 import nats.js.errors
 import structlog
 from nats.js import JetStreamContext
-from nats.js.api import KeyValueConfig, StorageType
+from nats.js.api import StorageType
 
 from shoal.shared import subjects
-from shoal.shared.bus import TypedBucket, ensure_bucket
+from shoal.shared.bus import TypedBucket, ensure_expiring_bucket
 from shoal.shared.messages import SessionRoute, now, session_route_decoder
 
 log = structlog.get_logger(__name__)
@@ -42,15 +42,10 @@ class SessionRoutes:
 
     async def start(self) -> None:
         """Create the bucket, or open it as another gateway created it."""
-        config = KeyValueConfig(
-            bucket=subjects.SESSIONS_BUCKET,
-            description="Shoal chat sessions: <model token>.<session id> -> the replica holding its KV",
-            history=1,
-            ttl=self.ttl_s,
-            max_bytes=SESSION_ROUTES_MAX_BYTES,
-            storage=StorageType.MEMORY,
-        )
-        kv = await ensure_bucket(self._js, config)
+        kv = await ensure_expiring_bucket(
+            self._js, subjects.SESSIONS_BUCKET,
+            "Shoal chat sessions: <model token>.<session id> -> the replica holding its KV",
+            ttl_s=self.ttl_s, max_bytes=SESSION_ROUTES_MAX_BYTES, storage=StorageType.MEMORY)
         self._bucket = TypedBucket(kv, session_route_decoder, subjects.SESSIONS_BUCKET, self._js)
 
     @property
