@@ -121,7 +121,7 @@ def get_document() -> bytes:
         "/v1/completions": inference("text completion of a prompt (text or token ids) or a batch of them", "CompletionRequest",
                                      "Completion", "Completion"),
         "/v1/responses": {"post": {
-            "summary": "a response (OpenAI's Responses API, stateless: a chat request underneath)",
+            "summary": "a response (OpenAI's Responses API: a chat request underneath; stored unless store is false)",
             "requestBody": {"required": True, "content": _content(refs["ResponsesRequest"])},
             "responses": {
                 "200": {"description": "a response, or with `\"stream\": true` server-sent events, each "

@@ -105,7 +105,7 @@ class ResponsesRequest(Struct, kw_only=True):
     include: list[str] | None = None
     top_logprobs: TopLogprobs | None = None
     store: bool | None = None
-    """Accepted; Shoal keeps no responses (answered ``false``)."""
+    """Keep the response (response_store.py); true unless false, as OpenAI has it."""
     metadata: Annotated[dict[str, str], Meta(max_length=MAX_METADATA_KEYS)] | None = None
     """Returned as sent."""
     user: str | None = None
@@ -125,7 +125,7 @@ class ResponsesRequest(Struct, kw_only=True):
 
 
 _UNSERVED = (
-    ("conversation", "Shoal keeps no conversations objects: go on from a response with previous_response_id"),
+    ("conversation", "Shoal keeps no conversation objects: go on from a response with previous_response_id"),
     ("background", "background responses are not supported"),
     ("reasoning", "reasoning options are not supported by Shoal's models"),
 )
