@@ -780,6 +780,31 @@ class SessionList(Struct, omit_defaults=True):
     """The session cache's figures (this engine's own counts, since it was built)."""
 
 
+class Tokenize(Struct, tag="tokenize", tag_field="type", omit_defaults=True):
+    """Gateway -> one replica (``shoal.worker.<replica>.tokenize``): the prompt tokens `request`
+    would be generated from (its chat template applied, as generation applies it)."""
+
+    request: InferenceRequest
+    token_strs: bool = False
+    """Each token's text too."""
+
+
+class TokenizeReply(Struct, omit_defaults=True):
+    tokens: list[int]
+    max_model_len: int
+    token_strs: list[str] | None = None
+
+
+class Detokenize(Struct, tag="detokenize", tag_field="type"):
+    """Gateway -> one replica (``shoal.worker.<replica>.detokenize``): token ids' text."""
+
+    tokens: list[int]
+
+
+class DetokenizeReply(Struct):
+    prompt: str
+
+
 class DropSession(Struct, tag="drop_session", tag_field="type"):
     """Gateway -> one replica (``shoal.worker.<replica>.drop_session``): forget a session's KV."""
 
@@ -855,6 +880,10 @@ worker_stats_decoder = msgspec.json.Decoder(WorkerStats)
 list_sessions_decoder = msgspec.json.Decoder(ListSessions)
 session_list_decoder = msgspec.json.Decoder(SessionList)
 drop_session_decoder = msgspec.json.Decoder(DropSession)
+tokenize_decoder = msgspec.json.Decoder(Tokenize)
+tokenize_reply_decoder = msgspec.json.Decoder(TokenizeReply)
+detokenize_decoder = msgspec.json.Decoder(Detokenize)
+detokenize_reply_decoder = msgspec.json.Decoder(DetokenizeReply)
 drop_session_reply_decoder = msgspec.json.Decoder(DropSessionReply)
 session_route_decoder = msgspec.json.Decoder(SessionRoute)
 

@@ -138,6 +138,8 @@ PERMISSIONS: dict[Role, tuple[Grant, ...]] = {
         write_kv((subjects.RESPONSES_BUCKET,), "store Responses API answers (previous_response_id, GET, DELETE)"),
         Grant("list and drop the sessions workers hold (the admin API)",
               publish=(subjects.worker_subject("*", "sessions"), subjects.worker_subject("*", "drop_session"))),
+        Grant("tokenize and detokenize with a replica's tokenizer (/tokenize, /detokenize)",
+              publish=(subjects.worker_subject("*", "tokenize"), subjects.worker_subject("*", "detokenize"))),
         Grant("ping the worker of a lost replica (fail over its requests if it is gone too)",
               publish=(subjects.worker_subject("*", "ping"),)),
     ),

@@ -14,7 +14,14 @@ from collections.abc import AsyncIterator
 import structlog
 from aiohttp import web
 
-from shoal.services.gateway import openapi, routes_admin, routes_openai, routes_sessions, routes_ui
+from shoal.services.gateway import (
+    openapi,
+    routes_admin,
+    routes_openai,
+    routes_sessions,
+    routes_tokenize,
+    routes_ui,
+)
 from shoal.services.gateway.auth import auth_middleware, check_admin_exposure
 from shoal.services.gateway.cluster import ClusterView
 from shoal.services.gateway.dispatch import Dispatcher
@@ -111,6 +118,7 @@ def create_app(config: GatewayConfig, nats_url: str, registry: Registry | None =
     app.cleanup_ctx.append(resources)
     app.on_shutdown.append(routes_ui.end_event_streams)  # before aiohttp waits for open handlers
     app.router.add_routes(routes_openai.routes)
+    app.router.add_routes(routes_tokenize.routes)
     app.router.add_routes(routes_admin.routes)
     app.router.add_routes(routes_sessions.routes)
     routes_ui.add_routes(app)

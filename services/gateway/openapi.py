@@ -26,6 +26,7 @@ from shoal.services.gateway.openai_api import (
 )
 from shoal.services.gateway.responses_api import DeletedResponse, ResponseObject, ResponsesRequest
 from shoal.services.gateway.routes_admin import EvictBody, ScaleBody
+from shoal.services.gateway.routes_tokenize import DetokenizeBody, DetokenizeResponse, TokenizeResponse
 from shoal.shared.config import ModelConfig
 from shoal.shared.messages import SchedulerReply
 from shoal.shared.version import SHOAL_VERSION
@@ -78,7 +79,7 @@ def get_document() -> bytes:
     """The OpenAPI document (JSON bytes)."""
     types = [ChatCompletionRequest, CompletionRequest, ChatCompletion, ChatCompletionChunk, Completion, ModelList,
              ModelCard, ErrorEnvelope, ModelConfig, ScaleBody, EvictBody, SchedulerReply, ResponsesRequest,
-             ResponseObject, DeletedResponse]
+             ResponseObject, DeletedResponse, TokenizeResponse, DetokenizeBody, DetokenizeResponse]
     schemas, components = msgspec.json.schema_components(types, ref_template=_REF)
     refs = {t.__name__: schema for t, schema in zip(types, schemas, strict=True)}
     inference_errors = _errors(refs, 400, 401, 404, 413, 429, 503, 504)
@@ -143,6 +144,20 @@ def get_document() -> bytes:
                                              "content": _content(refs["DeletedResponse"])},
                                      **_errors(refs, 401, 404)}},
         },
+        "/tokenize": {"post": {
+            "summary": "a prompt's tokens, as generation would use them (vLLM's): a chat request's after its "
+                       "template, or a completion's one prompt; `return_token_strs` adds each token's text",
+            "requestBody": {"required": True, "content": {_JSON: {"schema": {
+                "anyOf": [refs["ChatCompletionRequest"], refs["CompletionRequest"]]}}}},
+            "responses": {"200": {"description": "the tokens", "content": _content(refs["TokenizeResponse"])},
+                          **inference_errors},
+        }},
+        "/detokenize": {"post": {
+            "summary": "token ids' text, by the model's tokenizer (vLLM's)",
+            "requestBody": {"required": True, "content": _content(refs["DetokenizeBody"])},
+            "responses": {"200": {"description": "the text", "content": _content(refs["DetokenizeResponse"])},
+                          **_errors(refs, 400, 401, 404, 413, 503, 504)},
+        }},
         "/admin/models": {"post": {"summary": "register (or update) a model",
                                    "requestBody": {"required": True, "content": _content(refs["ModelConfig"])},
                                    "responses": {"200": {"description": "the scheduler's reply",

@@ -181,6 +181,16 @@ async def _serve(request: web.Request, endpoint: Endpoint) -> web.StreamResponse
             state.latency.observe(time.monotonic() - started, model=model_label)
 
 
+def inference_request(state: GatewayState, body: ChatCompletionRequest | CompletionRequest,
+                      request_id: str) -> InferenceRequest:
+    """The one request `body` makes, validated as it would be queued (``/tokenize`` renders its
+    prompt); a 400 for a batch of prompts or ``n`` choices."""
+    plan = _plan(state, body, request_id, None)
+    if len(plan.choices) > 1:
+        raise BadRequest("send one prompt (a batch or n > 1 has several)", param="prompt")
+    return plan.choices[0].request
+
+
 @dataclass(frozen=True)
 class _Responding:
     """A Responses request: the turn it makes, how its answer is written, where it is kept."""

@@ -43,6 +43,7 @@ from shoal.services.worker.prompts import eos_token_ids
 from shoal.services.worker.service import WorkerIdentity, WorkerService
 from shoal.services.worker.sessions_api import add_session_endpoints
 from shoal.services.worker.stats import StatsPublisher
+from shoal.services.worker.tokenize_api import add_tokenize_endpoints
 from shoal.shared import event_loop, subjects
 from shoal.shared.bus import Bus, connect
 from shoal.shared.config import SessionConfig
@@ -198,6 +199,8 @@ async def serve(launch: WorkerLaunch) -> int:
                                  min_engine_bytes=get_min_engine_bytes(launch))
         control = await serve_control(bus, runtime)
         await add_session_endpoints(control, identity, lambda: runtime.engine)
+        await add_tokenize_endpoints(control, identity, loaded.tokenizer, embedding_rows(loaded.model),
+                                     loaded.max_model_len)
         run_task = asyncio.create_task(service.run())
         stats = StatsPublisher(bus, identity, service, lambda: runtime.engine, engine_kind=launch.worker.engine,
                                interval_s=launch.worker.stats_interval_s)

@@ -509,3 +509,38 @@ def test_chat_template_kwargs_reach_the_template(client: openai.OpenAI, demo_mod
         client.chat.completions.create(model=SMALL, messages=messages, extra_body={
             "chat_template_kwargs": {"add_generation_prompt": False}})
     assert caught.value.body["param"] == "chat_template_kwargs"
+
+
+def test_tokenize_counts_the_tokens_generation_uses(client: openai.OpenAI, shoal: ShoalUp,
+                                                   demo_models_root: Path) -> None:
+    """vLLM's /tokenize and /detokenize: a chat's tokens after its template (tools included) are
+    the prompt a request with it reports; a prompt's are the tokenizer's; a model with no
+    replica yet gets one placed first."""
+    code, payload = _post(shoal.base_url + "/admin/models", json.dumps({"key": "org/tokens", "path": SMALL}).encode())
+    assert code == 200, payload
+    messages = [{"role": "user", "content": "Weather in Oslo?"}]
+    code, counted = _post(shoal.base_url + "/tokenize", json.dumps(
+        {"model": "org/tokens", "messages": messages, "tools": [WEATHER_TOOL], "return_token_strs": True}).encode())
+    assert code == 200, counted
+    chat = client.chat.completions.create(model=SMALL, messages=messages, tools=[WEATHER_TOOL], max_tokens=1)
+    assert counted["count"] == len(counted["tokens"]) == chat.usage.prompt_tokens
+    assert len(counted["token_strs"]) == counted["count"] and counted["max_model_len"] == 2048
+
+    tokenizer = AutoTokenizer.from_pretrained(demo_models_root / SMALL)
+    code, prompt = _post(shoal.base_url + "/tokenize", json.dumps({"model": SMALL, "prompt": "The sea"}).encode())
+    assert code == 200 and prompt["tokens"] == tokenizer.encode("The sea", add_special_tokens=True), prompt
+    assert prompt["token_strs"] is None
+    code, text = _post(shoal.base_url + "/detokenize", json.dumps({"model": SMALL, "tokens": prompt["tokens"]}).encode())
+    assert code == 200 and text == {"prompt": tokenizer.decode(prompt["tokens"])}
+
+    for path, body, status, param in [
+        ("/tokenize", {"model": "org/none", "prompt": "x"}, 404, "model"),
+        ("/tokenize", {"model": SMALL, "prompt": "x", "add_special_tokens": False}, 400, "add_special_tokens"),
+        ("/tokenize", {"model": SMALL, "prompt": ["a", "b"]}, 400, "prompt"),
+        ("/tokenize", {"model": SMALL, "messages": messages, "chat_template_kwargs": {"tokenize": 1}}, 400,
+         "chat_template_kwargs"),
+        ("/detokenize", {"model": SMALL, "tokens": [5, 10**6]}, 400, None),
+        ("/detokenize", {"model": SMALL, "tokens": [-1]}, 400, "tokens"),
+    ]:
+        code, error = _post(shoal.base_url + path, json.dumps(body).encode())
+        assert code == status and error["error"]["param"] == param, (body, error)

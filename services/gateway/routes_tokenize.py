@@ -1,0 +1,141 @@
+"""``/tokenize`` and ``/detokenize``, as vLLM serves them: a prompt's tokens (a chat's after
+its template, exactly those a request with it is generated from) and token ids' text, from a
+replica's own tokenizer (services/worker/tokenize_api.py).
+
+A body with ``messages`` is read as a chat request (tools and ``chat_template_kwargs``
+included), one with ``prompt`` as a completion's (one prompt, text or token ids). A model
+with no replica running gets one placed first, as an inference request would.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Annotated, Any
+
+import msgspec
+from aiohttp import web
+from msgspec import Meta, Struct
+
+from shoal.services.gateway.errors import (
+    BadRequest,
+    DeadlineExceeded,
+    NotFound,
+    Unavailable,
+    error_for_status,
+)
+from shoal.services.gateway.openai_api import (
+    MAX_INT32,
+    ChatCompletionRequest,
+    CompletionRequest,
+    decode_body,
+    encoder,
+)
+from shoal.services.gateway.request_ids import REQUEST_ID
+from shoal.services.gateway.routes_openai import inference_request
+from shoal.services.gateway.state import GATEWAY, GatewayState
+from shoal.shared import subjects
+from shoal.shared.messages import (
+    Detokenize,
+    ReplicaRecord,
+    Tokenize,
+    detokenize_reply_decoder,
+    tokenize_reply_decoder,
+)
+from shoal.shared.micro import ServiceCallError, ServiceError, request_json
+
+routes = web.RouteTableDef()
+_SERVING_STATES = ("ready", "draining")
+"""Replicas whose worker runs with its tokenizer loaded."""
+WORKER_TIMEOUT_S = 30.0
+MAX_DETOKENIZE_TOKENS = 1 << 20
+
+
+class _TokenizeOptions(Struct):
+    """What picks the body's shape, and vLLM's options (at their only honoured values)."""
+
+    model: str | None = None
+    messages: Any = None
+    return_token_strs: bool | None = None
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool | None = None
+
+
+class TokenizeResponse(Struct):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeBody(Struct):
+    model: str
+    tokens: Annotated[list[Annotated[int, Meta(ge=0, le=MAX_INT32)]], Meta(max_length=MAX_DETOKENIZE_TOKENS)]
+
+
+class DetokenizeResponse(Struct):
+    prompt: str
+
+
+@routes.post("/tokenize")
+async def tokenize(request: web.Request) -> web.Response:
+    state = request.app[GATEWAY]
+    raw = await request.read()
+    options = decode_body(raw, _TokenizeOptions)
+    is_chat = options.messages is not None
+    # The tokens are those generation uses: a chat's template adds the generation prompt and no
+    # special tokens of its own; a prompt gets the tokenizer's (a BOS, for most models).
+    for name, honoured in (("add_generation_prompt", (None, True) if is_chat else (None,)),
+                           ("add_special_tokens", (None, False) if is_chat else (None, True))):
+        if getattr(options, name) not in honoured:
+            raise BadRequest(f"{name} other than generation's is not supported (its tokens are generation's)",
+                             code="unsupported_parameter", param=name)
+    body = decode_body(raw, ChatCompletionRequest if is_chat else CompletionRequest)
+    _check_model(state, body.model)
+    inference = inference_request(state, body, request[REQUEST_ID])
+    replica = await _serving_replica(state, body.model, inference.deadline)
+    reply = await _ask(state, replica, "tokenize", Tokenize(inference, bool(options.return_token_strs)),
+                       tokenize_reply_decoder)
+    return _json(TokenizeResponse(len(reply.tokens), reply.max_model_len, reply.tokens, reply.token_strs))
+
+
+@routes.post("/detokenize")
+async def detokenize(request: web.Request) -> web.Response:
+    state = request.app[GATEWAY]
+    body = decode_body(await request.read(), DetokenizeBody)
+    _check_model(state, body.model)
+    replica = await _serving_replica(state, body.model, time.time() + state.config.request_timeout_s)
+    reply = await _ask(state, replica, "detokenize", Detokenize(body.tokens), detokenize_reply_decoder)
+    return _json(DetokenizeResponse(reply.prompt))
+
+
+def _check_model(state: GatewayState, model: str) -> None:
+    if state.cluster.get_model(model) is None:
+        raise NotFound(f"model {model[:256]!r} does not exist", code="model_not_found", param="model")
+
+
+async def _serving_replica(state: GatewayState, model: str, deadline: float) -> ReplicaRecord:
+    """A replica of `model` whose worker runs, placed first if there is none (504 at `deadline`)."""
+    while True:
+        serving = [r for r in state.cluster.get_active_replicas(model) if r.state in _SERVING_STATES]
+        if serving:
+            return serving[0]
+        await state.dispatcher.ensure_placed(model, deadline)
+        if time.time() >= deadline:
+            raise DeadlineExceeded(f"no replica of {model!r} was serving within the request's deadline")
+        await asyncio.sleep(0.1)
+
+
+async def _ask(state: GatewayState, replica: ReplicaRecord, verb: str, command: Struct,
+               decoder: msgspec.json.Decoder[Any]) -> Any:
+    try:
+        return await request_json(state.bus.nc, subjects.worker_subject(replica.replica_id, verb), command, decoder,
+                                  timeout_s=WORKER_TIMEOUT_S)
+    except ServiceError as exc:
+        raise error_for_status(exc.code, exc.description) from exc
+    except ServiceCallError as exc:  # the replica went away meanwhile: the client may retry at once
+        raise Unavailable(f"replica {replica.replica_id} did not answer: {exc}", retry_after_s=1.0) from exc
+
+
+def _json(payload: Struct) -> web.Response:
+    return web.Response(body=encoder.encode(payload), content_type="application/json")
