@@ -99,6 +99,11 @@ class SamplingParams(Struct, omit_defaults=True):
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
+    min_tokens: int = 0
+    """Generate at least this many tokens: until then the tokens that end generation are
+    masked out of the choice and stop strings are not looked for (vLLM's)."""
+    stop_token_ids: list[int] = field(default_factory=list)
+    """More tokens that end generation (finish reason "stop"), whatever `ignore_eos` says."""
     top_k: int = 0
     """Sample among the k most likely tokens; 0: no limit."""
     min_p: float = 0.0

@@ -5,7 +5,7 @@ be ``null`` may be ``null``, meaning absent. Numbers are bounded where they are
 declared (`msgspec.Meta`), so an out-of-range value is a 400 naming the field,
 never an overflow further in. Besides OpenAI's sampling fields (with
 ``presence_penalty`` and ``frequency_penalty``), vLLM's ``top_k``, ``min_p``,
-``repetition_penalty`` and ``ignore_eos`` are honoured, and Shoal's ``session_id`` (a chat
+``repetition_penalty``, ``ignore_eos``, ``min_tokens`` and ``stop_token_ids`` are honoured, and Shoal's ``session_id`` (a chat
 session whose KV replicas keep between turns; also the ``X-Session-Id`` header). Fields Shoal knows but
 cannot honour (``functions``, ``suffix``, ``best_of``...) are
 accepted at their defaults and rejected with 400 naming the field otherwise,
@@ -56,6 +56,8 @@ TopLogprobs = Annotated[int, Meta(ge=0, le=MAX_TOP_LOGPROBS)]
 BestOf = Annotated[int, Meta(ge=0, le=20)]
 Bias = Annotated[float, Meta(ge=-100.0, le=100.0)]
 MAX_LOGIT_BIAS_TOKENS = 1024
+TokenId = Annotated[int, Meta(ge=0, le=MAX_INT32)]
+MAX_STOP_TOKEN_IDS = 64
 
 
 class TextPart(Struct):
@@ -138,6 +140,11 @@ class _Sampling(Struct, kw_only=True):
     # vLLM's extensions (the openai client sends them through `extra_body`).
     ignore_eos: bool | None = None
     """Keep generating past end-of-sequence."""
+    min_tokens: Annotated[int, Meta(ge=0, le=MAX_INT32)] | None = None
+    """Generate at least this many tokens (end-of-sequence and `stop_token_ids` cannot be
+    chosen before, stop strings are not looked for)."""
+    stop_token_ids: Annotated[list[TokenId], Meta(max_length=MAX_STOP_TOKEN_IDS)] | None = None
+    """More tokens that end generation, as end-of-sequence does (even with `ignore_eos`)."""
     top_k: TopK | None = None
     min_p: MinP | None = None
     repetition_penalty: RepetitionPenalty | None = None
@@ -281,6 +288,9 @@ def sampling_params(req: _Sampling, max_tokens: int | None, default_max_tokens: 
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])  # bounds: `StopString`
     echo = isinstance(req, CompletionRequest) and bool(req.echo)
     logprobs = requested_logprobs(req)
+    min_tokens = req.min_tokens or 0
+    if max_tokens is not None and min_tokens > max_tokens:
+        raise BadRequest(f"min_tokens ({min_tokens}) is more than max_tokens ({max_tokens})", param="min_tokens")
     return SamplingParams(
         max_tokens=max_tokens if max_tokens is not None else default_max_tokens,
         temperature=1.0 if req.temperature is None else req.temperature,
@@ -288,6 +298,8 @@ def sampling_params(req: _Sampling, max_tokens: int | None, default_max_tokens: 
         seed=req.seed,
         stop=stop,
         ignore_eos=bool(req.ignore_eos),
+        min_tokens=min_tokens,
+        stop_token_ids=sorted(set(req.stop_token_ids or ())),
         top_k=max(req.top_k or 0, 0),
         min_p=req.min_p or 0.0,
         presence_penalty=req.presence_penalty or 0.0,

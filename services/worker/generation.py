@@ -55,6 +55,11 @@ class GenerationRequest:
     turn's KV when it ends and reuses the part of it that the next turn's prompt starts with
     (docs/sessions.md). Without a session cache, or with None, it changes nothing."""
 
+    @property
+    def ending_token_ids(self) -> frozenset[int]:
+        """The tokens that end it: end-of-sequence (unless it ignores EOS) and its ``stop_token_ids``."""
+        return (frozenset() if self.params.ignore_eos else self.eos_token_ids) | frozenset(self.params.stop_token_ids)
+
 
 @dataclass(frozen=True)
 class TokenLogprobs:
@@ -151,11 +156,16 @@ class TextStream:
 
     tokenizer: Detokenizer
     stop: Sequence[str] = ()
+    min_tokens: int = 0
+    """A stop string ends the text only where it ends in the text of this token or a later one
+    (vLLM's ``min_tokens``)."""
     _token_ids: list[int] = field(default_factory=list)
     _prefix_offset: int = 0
     _read_offset: int = 0
     _text: str = ""
     _num_emitted_chars: int = 0
+    _stop_floor: int = 0
+    """Characters of text before the `min_tokens`-th token: no stop string may end in them."""
     stopped: bool = False
     token_hash: int = 0
     """`next_token_hash` over every token pushed so far."""
@@ -169,12 +179,13 @@ class TextStream:
         self._token_ids.append(token_id)
         self.token_hash = next_token_hash(self.token_hash, token_id)
         self._text += self._decode_new_text()
-        if self.stop:
-            cut = self._find_stop()
-            if cut is not None:
-                self._text = self._text[:cut]
-                self.stopped = True
-                return ""
+        if len(self._token_ids) < self.min_tokens:
+            self._stop_floor = len(self._text)
+            return self._take_sendable(hold_back=self._max_stop_prefix())
+        if self.stop and (cut := self._find_stop()) is not None:
+            self._text = self._text[:cut]
+            self.stopped = True
+            return ""
         return self._take_sendable(hold_back=self._max_stop_prefix())
 
     def finish(self) -> str:
@@ -217,7 +228,7 @@ class TextStream:
         window_start = max(0, self._num_emitted_chars - self._max_stop_prefix())
         best: int | None = None
         for stop in self.stop:
-            index = self._text.find(stop, window_start)
+            index = self._text.find(stop, max(window_start, self._stop_floor - len(stop) + 1))
             if index != -1 and (best is None or index < best):
                 best = index
         return best

@@ -136,7 +136,10 @@ class HFGenerateEngine:
             kwargs["repetition_penalty"] = params.repetition_penalty
         if params.logit_bias:
             kwargs["sequence_bias"] = [[[token_id], bias] for token_id, bias in params.logit_bias.items()]
-        if params.ignore_eos:
+        ending_ids = request.ending_token_ids
+        if ending_ids:
+            kwargs.update(eos_token_id=sorted(ending_ids), min_new_tokens=params.min_tokens)
+        else:  # ignore_eos: only its length ends it
             kwargs["min_new_tokens"] = max_new
         input_ids = torch.tensor([request.prompt_token_ids], device=self._model.device)
 
@@ -152,7 +155,7 @@ class HFGenerateEngine:
 
         thread = threading.Thread(target=run, name=f"generate-{request.request_id}", daemon=True)
         thread.start()
-        text = TextStream(self._tokenizer, params.stop)
+        text = TextStream(self._tokenizer, params.stop, params.min_tokens)
         num_generated = 0
         finish_reason = "length"
         error: str | None = None
@@ -168,7 +171,7 @@ class HFGenerateEngine:
                 continue  # generate noticed the stop one token late
             num_generated += 1
             delta = text.push(item)
-            if (item in request.eos_token_ids and not params.ignore_eos) or text.stopped:
+            if item in ending_ids or text.stopped:
                 finish_reason = "stop"
                 flag.event.set()
             if delta:

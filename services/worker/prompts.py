@@ -26,7 +26,7 @@ def prompt_token_ids(tokenizer: PreTrainedTokenizerBase, request: InferenceReque
                      vocab_size: int | None = None) -> list[int]:
     """Chat requests are rendered with the model's chat template (generation prompt added);
     completions are encoded as given. Raises RequestRejected (400) when that is impossible,
-    or when an id (of the prompt or of ``logit_bias``) is not below `vocab_size` (the model's
+    or when an id (of the prompt, ``logit_bias`` or ``stop_token_ids``) is not below `vocab_size` (the model's
     embedding rows; None: the tokenizer's size): an id past the embedding must never reach
     the model."""
     limit = len(tokenizer) if vocab_size is None else min(vocab_size, len(tokenizer))
@@ -39,6 +39,7 @@ def prompt_token_ids(tokenizer: PreTrainedTokenizerBase, request: InferenceReque
         token_ids = list(tokenizer.encode(request.prompt or "", add_special_tokens=True))
     _check_in_vocabulary(token_ids, limit, "prompt", param=None)
     _check_in_vocabulary(request.params.logit_bias, limit, "logit_bias", param="logit_bias")
+    _check_in_vocabulary(request.params.stop_token_ids, limit, "stop_token_ids", param="stop_token_ids")
     return token_ids
 
 

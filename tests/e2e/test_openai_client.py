@@ -544,3 +544,37 @@ def test_tokenize_counts_the_tokens_generation_uses(client: openai.OpenAI, shoal
     ]:
         code, error = _post(shoal.base_url + path, json.dumps(body).encode())
         assert code == status and error["error"]["param"] == param, (body, error)
+
+
+def test_min_tokens_and_stop_token_ids(client: openai.OpenAI, demo_models_root: Path) -> None:
+    """vLLM's fields: a stop token ends the answer (its text kept, as vLLM keeps a non-special
+    one), end-of-sequence included; min_tokens masks them until that many tokens are out."""
+    eos = AutoTokenizer.from_pretrained(demo_models_root / SMALL).eos_token_id
+    stop_token = 300
+
+    def ending(bias_token: int, **extra: Any) -> tuple[int, str]:
+        answer = client.completions.create(model=SMALL, prompt="The sea", max_tokens=12, temperature=0,
+                                           logit_bias={str(bias_token): 100}, extra_body=extra)
+        assert answer.usage is not None
+        return answer.usage.completion_tokens, answer.choices[0].finish_reason
+
+    assert ending(stop_token, ignore_eos=True) == (12, "length")
+    assert ending(stop_token, ignore_eos=True, stop_token_ids=[stop_token]) == (1, "stop")
+    assert ending(stop_token, ignore_eos=True, stop_token_ids=[stop_token], min_tokens=4) == (5, "stop")
+    assert ending(eos) == (1, "stop")
+    assert ending(eos, min_tokens=6) == (7, "stop")
+    streamed = client.chat.completions.create(
+        model=SMALL, messages=[{"role": "user", "content": "Hi"}], max_tokens=12, temperature=0, stream=True,
+        stream_options={"include_usage": True}, logit_bias={str(eos): 100}, extra_body={"min_tokens": 3})
+    chunks = list(streamed)
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 4
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["stop"]
+
+    messages = [{"role": "user", "content": "Hi"}]
+    for extra, param in [({"min_tokens": 5, "max_tokens": 4}, "min_tokens"),
+                         ({"min_tokens": 2, "response_format": {"type": "json_object"}}, "min_tokens"),
+                         ({"stop_token_ids": [4096]}, "stop_token_ids"),
+                         ({"stop_token_ids": [-1]}, "stop_token_ids")]:
+        with pytest.raises(openai.BadRequestError) as caught:
+            client.chat.completions.create(model=SMALL, messages=messages, extra_body=extra)
+        assert caught.value.body["param"] == param, (extra, caught.value.body)

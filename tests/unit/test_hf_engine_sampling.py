@@ -14,6 +14,29 @@ from shoal.services.worker.hf_engine import HFGenerateEngine
 from shoal.shared.messages import SamplingParams
 
 
+async def _ending(engine: HFGenerateEngine, params: SamplingParams) -> tuple[int, str | None]:
+    """(tokens generated, finish reason)."""
+    outputs = [output async for output in engine.generate(GenerationRequest("r", [5, 6, 7, 8], params))]
+    return outputs[-1].num_completion_tokens, outputs[-1].finish_reason
+
+
+async def test_the_hf_engine_takes_stop_token_ids_and_min_tokens(demo_models_root: Path) -> None:
+    """Token 300, made certain by a bias, ends the answer as a stop token: at once, or after min_tokens."""
+    path = demo_models_root / "demo" / "llama-5m"
+    engine = HFGenerateEngine(AutoModelForCausalLM.from_pretrained(path).eval(), AutoTokenizer.from_pretrained(path),
+                              2048)
+    try:
+        forced = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logit_bias={300: 100.0})
+        assert await _ending(engine, forced) == (8, "length")
+        stopping = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logit_bias={300: 100.0},
+                                  stop_token_ids=[300])
+        assert await _ending(engine, stopping) == (1, "stop")
+        stopping.min_tokens = 3
+        assert await _ending(engine, stopping) == (4, "stop")
+    finally:
+        await engine.close()
+
+
 async def _text(engine: HFGenerateEngine, params: SamplingParams) -> str:
     request = GenerationRequest("r", [5, 6, 7, 8], params)
     return "".join([output.text async for output in engine.generate(request)])

@@ -139,3 +139,22 @@ def test_an_impossible_token_reports_the_floor_not_minus_infinity() -> None:
     state = SamplingState.from_params(SamplingParams(temperature=1.0, seed=0, logprobs=1))
     (entry,) = token_logprobs(logits, [state], [1])  # as if drawn (it cannot be)
     assert entry is not None and entry.logprob == MIN_LOGPROB
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_min_tokens_masks_the_ending_tokens_until_that_many_are_chosen(temperature: float) -> None:
+    """Token 0 ends the request and is by far the likeliest: it is chosen only from the fourth token on."""
+    logits = torch.tensor([[9.0, 1.0, 0.5, 0.0, -1.0]])
+    state = SamplingState.from_params(SamplingParams(temperature=temperature, seed=5, min_tokens=3),
+                                      ending_ids=frozenset({0, 4}))
+    chosen = [sample(logits.clone(), [state], argmax=logits.argmax(dim=-1))[0] for _ in range(5)]
+    assert all(token not in (0, 4) for token in chosen[:3]) and chosen[3:] == [0, 0], chosen
+    unheld = SamplingState.from_params(SamplingParams(temperature=temperature, seed=5, min_tokens=3))
+    assert sample(logits.clone(), [unheld])[0] == 0, "nothing to mask without ending tokens (ignore_eos)"
+
+
+def test_min_tokens_counts_each_row_apart_in_a_batch() -> None:
+    logits = torch.tensor([[9.0, 1.0, 0.0], [9.0, 1.0, 0.0]])
+    short, long = (SamplingState.from_params(SamplingParams(temperature=0.0, min_tokens=n), ending_ids=frozenset({0}))
+                   for n in (1, 2))
+    assert [sample(logits.clone(), [short, long]) for _ in range(3)] == [[1, 1], [0, 1], [0, 0]]

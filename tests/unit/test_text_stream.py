@@ -82,6 +82,18 @@ def test_text_that_may_start_a_stop_string_is_held_back(tokenizer: PreTrainedTok
     assert sent + stream.finish() == "the quick brown"
 
 
+def test_stop_strings_are_looked_for_from_min_tokens_on(tokenizer: PreTrainedTokenizerFast) -> None:
+    """vLLM's min_tokens: a stop string ends the text only once that many tokens are pushed."""
+    token_ids = tokenizer("the fox and the fox").input_ids
+    first_fox_ends = next(n for n in range(1, len(token_ids) + 1) if "fox" in tokenizer.decode(token_ids[:n]))
+    later = TextStream(tokenizer, ["fox"], min_tokens=first_fox_ends + 1)
+    text = "".join(later.push(token_id) for token_id in token_ids if not later.stopped)
+    assert (text + later.finish(), later.stopped) == ("the fox and the ", True)
+    at_once = TextStream(tokenizer, ["fox"], min_tokens=first_fox_ends)
+    text = "".join(at_once.push(token_id) for token_id in token_ids if not at_once.stopped)
+    assert (text + at_once.finish(), at_once.stopped) == ("the ", True)
+
+
 def test_special_tokens_are_skipped(tokenizer: PreTrainedTokenizerFast) -> None:
     token_ids = [*tokenizer("hello").input_ids, tokenizer.eos_token_id]
     assert _stream(tokenizer, token_ids, [])[1] == "hello"

@@ -10,7 +10,8 @@ Penalties follow the OpenAI API (presence and frequency, over the tokens generat
 far: ``logit - presence * [count > 0] - frequency * count``) and vLLM / Hugging Face
 (repetition, over prompt and generated tokens: a positive logit is divided by it, a
 negative one multiplied), applied before the temperature; then the request's ``logit_bias``
-is added (OpenAI's: -100 bans a token, 100 makes it all but certain).
+is added (OpenAI's: -100 bans a token, 100 makes it all but certain). Until a request with
+``min_tokens`` has that many tokens, the tokens that would end it are masked out (vLLM's).
 """
 
 from __future__ import annotations
@@ -50,9 +51,15 @@ class SamplingState:
     """Report the chosen token's log probability and this many alternatives; None: don't."""
     matcher: TokenMatcher | None = None
     """Structured output: the grammar the tokens must follow (the engine sets it)."""
+    min_tokens: int = 0
+    ending_ids: torch.Tensor | None = None
+    """The tokens that end the request, masked out until `min_tokens` are chosen; None: none."""
+    num_chosen: int = 0
+    """Tokens chosen for the request so far (counted while the mask holds, all it needs)."""
 
     @classmethod
-    def from_params(cls, params: SamplingParams) -> SamplingState:
+    def from_params(cls, params: SamplingParams, ending_ids: frozenset[int] = frozenset()) -> SamplingState:
+        """`ending_ids`: the tokens that end the request (end-of-sequence and ``stop_token_ids``)."""
         generator = None
         if params.temperature > 0.0:
             generator = torch.Generator()
@@ -72,6 +79,8 @@ class SamplingState:
             repetition_penalty=params.repetition_penalty,
             logit_bias=_bias_tensors(params.logit_bias),
             num_logprobs=params.logprobs,
+            min_tokens=params.min_tokens,
+            ending_ids=torch.tensor(sorted(ending_ids), dtype=torch.int64) if params.min_tokens and ending_ids else None,
         )
 
     @property
@@ -84,9 +93,16 @@ class SamplingState:
         return self.matcher if self.matcher is not None and not self.matcher.failed else None
 
     @property
+    def holds_ending(self) -> bool:
+        """The request may not end yet (``min_tokens``): its ending tokens are masked out."""
+        return self.ending_ids is not None and self.num_chosen < self.min_tokens
+
+    @property
     def adjusts_logits(self) -> bool:
-        """Penalties, a bias or a grammar: the row's logits change before its token is chosen."""
-        return self.has_penalties or self.logit_bias is not None or self.active_matcher is not None
+        """Penalties, a bias, a grammar or a minimum length: the row's logits change before its
+        token is chosen."""
+        return (self.has_penalties or self.logit_bias is not None or self.active_matcher is not None
+                or self.holds_ending)
 
 
 def _bias_tensors(logit_bias: dict[int, float]) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -121,6 +137,7 @@ def sample(
     if argmax is not None and not adjusted_rows and all(state.generator is None for state in states):
         return argmax.tolist()
     constrained: list[tuple[int, TokenMatcher]] = []
+    held_rows: list[int] = []
     if adjusted_rows:
         logits = logits.clone()
         for row in adjusted_rows:
@@ -131,6 +148,10 @@ def sample(
             if state.logit_bias is not None:
                 token_ids, biases = state.logit_bias
                 logits[row].index_add_(0, token_ids.to(logits.device), biases.to(logits.device, logits.dtype))
+            if state.holds_ending:
+                assert state.ending_ids is not None, "holds_ending implies ending_ids"
+                logits[row, state.ending_ids.to(logits.device)] = float("-inf")
+                held_rows.append(row)
         constrained = [(row, matcher) for row in adjusted_rows if (matcher := states[row].active_matcher) is not None]
         if constrained:
             mask_rows(logits, [row for row, _ in constrained], [matcher for _, matcher in constrained])
@@ -141,6 +162,8 @@ def sample(
     chosen: list[int] = token_ids.tolist()
     for row, matcher in constrained:
         matcher.advance(chosen[row])
+    for row in held_rows:
+        states[row].num_chosen += 1
     return chosen
 
 
