@@ -224,6 +224,8 @@ class FinalReply(Struct, tag="final", tag_field="type", omit_defaults=True):
     prompt_tokens: int
     completion_tokens: int
     replica_id: ReplyReplicaId = ""
+    cached_tokens: int = 0
+    """Prompt tokens whose K/V the replica had (prefix cache, the session), not computed."""
 
 
 ErrorType = Literal["invalid_request_error", "timeout", "unavailable", "server_error"]

@@ -450,10 +450,16 @@ def raise_prompt_too_large(num_chars: int, max_chars: int, param: str = "prompt"
 # --------------------------------------------------------------------------- responses
 
 
+class PromptTokensDetails(Struct):
+    cached_tokens: int = 0
+    """Prompt tokens whose K/V a replica had cached (prefix cache, the chat session)."""
+
+
 class Usage(Struct):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails = msgspec.field(default_factory=PromptTokensDetails)
 
 
 class ToolCallOut(Struct):
@@ -591,8 +597,9 @@ Kind = Literal["chat", "completion"]
 encoder = msgspec.json.Encoder()
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> Usage:
-    return Usage(prompt_tokens, completion_tokens, prompt_tokens + completion_tokens)
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> Usage:
+    return Usage(prompt_tokens, completion_tokens, prompt_tokens + completion_tokens,
+                 PromptTokensDetails(cached_tokens))
 
 
 def _token_text(token: bytes) -> str:

@@ -301,9 +301,9 @@ def _choices_usage(choices: list[Choice], finals: Sequence[FinalReply | None]) -
     """Each prompt's tokens once (as OpenAI counts ``n > 1``), every choice's completion tokens."""
     ended = [final for final in finals if final is not None]
     assert len(ended) == len(choices), "every choice ends with its final reply"
-    prompt_tokens = sum(final.prompt_tokens for choice, final in zip(choices, ended, strict=True)
-                        if choice.counts_prompt)
-    return usage(prompt_tokens, sum(final.completion_tokens for final in ended))
+    prompts = [final for choice, final in zip(choices, ended, strict=True) if choice.counts_prompt]
+    return usage(sum(final.prompt_tokens for final in prompts), sum(final.completion_tokens for final in ended),
+                 sum(final.cached_tokens for final in prompts))
 
 
 @contextlib.asynccontextmanager

@@ -81,6 +81,8 @@ class GenerationOutput:
     finish_reason: FinishReason | None = None
     num_prompt_tokens: int = 0
     num_completion_tokens: int = 0
+    num_cached_tokens: int = 0
+    """Prompt tokens whose K/V the request found (prefix cache, its session), not computed."""
     error: str | None = None
     token_hash: int = 0
     """`next_token_hash` over every token generated so far (`TextStream.token_hash`)."""

@@ -447,11 +447,13 @@ class WorkerService:
                 await replier.error(504, "the request's deadline passed while generating", "timeout")
                 return "expired"
             return "cancelled"
-        await replier.final(output.finish_reason or "stop", output.num_prompt_tokens, output.num_completion_tokens)
+        await replier.final(output.finish_reason or "stop", output.num_prompt_tokens, output.num_completion_tokens,
+                            output.num_cached_tokens)
         logger.info(
             "request_done",
             prompt_tokens=output.num_prompt_tokens,
             completion_tokens=output.num_completion_tokens,
+            cached_tokens=output.num_cached_tokens,
             finish_reason=output.finish_reason,
         )
         return "ok"
@@ -541,10 +543,9 @@ class _Replier:
         self.seq += 1
         await self._publish(encode_msgpack(message))
 
-    async def final(self, finish_reason: str, num_prompt: int, num_completion: int) -> None:
-        message = FinalReply(
-            self.request_id, self.attempt, self.seq, finish_reason, num_prompt, num_completion, self.replica_id
-        )
+    async def final(self, finish_reason: str, num_prompt: int, num_completion: int, num_cached: int) -> None:
+        message = FinalReply(self.request_id, self.attempt, self.seq, finish_reason, num_prompt, num_completion,
+                             self.replica_id, num_cached)
         await self._publish_confirmed(encode_msgpack(message))
 
     async def error(self, status: int, message: str, error_type: ErrorType, *, param: str | None = None) -> None:

@@ -140,6 +140,9 @@ def test_a_chain_of_responses_goes_on_from_the_stored_conversation_as_one_sessio
     assert events[-1].type == "response.incomplete"  # at max_output_tokens, and stored all the same
     third = client.responses.retrieve(events[-1].response.id)  # stored before its last event went out
     assert third.previous_response_id == second.id and third.usage.input_tokens > second.usage.input_tokens
+    # ... and its session's KV served it: the second turn's whole blocks (worker.block_size 16) were cached.
+    kept = (second.usage.input_tokens + second.usage.output_tokens - 1) // 16 * 16
+    assert third.usage.input_tokens_details.cached_tokens >= kept > 0, (kept, third.usage)
 
     # The chain is one chat session, named after its first response: a replica holds its KV.
     with urllib.request.urlopen(f"{shoal.base_url}/admin/sessions?model={SMALL}", timeout=30) as listed:

@@ -150,6 +150,32 @@ def test_a_five_turn_conversation_reuses_its_kv_on_turns_two_to_five(shoal: Shoa
     assert session["gpu_bytes"] > 0 and not session["active"]
 
 
+def test_usage_counts_the_prompt_tokens_a_turn_found_cached(shoal: ShoalUp) -> None:
+    """``usage.prompt_tokens_details.cached_tokens``: none on a first turn (a history no test
+    sent before), its whole blocks on the next turn of its session, and on the same first turn
+    sent again (the prefix cache)."""
+    block_size = 16  # worker.block_size
+
+    def turn(messages: list[dict[str, str]]) -> dict[str, Any]:
+        body = {"model": SMALL, "messages": messages, "max_tokens": 8, "temperature": 0, "ignore_eos": True,
+                "session_id": "cached-usage"}
+        status, payload, _ = call("POST", shoal.v1 + "/chat/completions", body)
+        assert status == 200, payload
+        return payload
+
+    first = [{"role": "system", "content": "Counting cached tokens. " + SYSTEM}, {"role": "user", "content": QUESTIONS[0]}]
+    one = turn(first)
+    assert one["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+    history = one["usage"]["prompt_tokens"] + one["usage"]["completion_tokens"] - 1  # the last token has no K/V yet
+    two = turn([*first, one["choices"][0]["message"], {"role": "user", "content": QUESTIONS[1]}])
+    cached = two["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert history // block_size * block_size <= cached < two["usage"]["prompt_tokens"], (history, cached)
+    assert cached % block_size == 0
+    again = turn(first)  # all but its last token cached: whole blocks, and one token is always computed
+    whole_blocks = (one["usage"]["prompt_tokens"] - 1) // block_size * block_size
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == whole_blocks
+
+
 def chat_tokens(models_root: Path, model: str, messages: list[dict[str, str]]) -> list[int]:
     tokenizer = AutoTokenizer.from_pretrained(models_root / model)
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)

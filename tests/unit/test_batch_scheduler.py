@@ -108,6 +108,7 @@ def test_pool_exhaustion_preempts_the_newest_and_resumes_it() -> None:
     assert _shape(plan) == [("new", 4, 1, True)]
     assert new.token_ids == [5, 6, 7, 8, 7, 7]
     assert scheduler.kv_cache.pool.get_stats().num_cache_hits == 1
+    assert new.num_cached_tokens == 0, "its usage counts what it found when it first started"
 
 
 def test_preemption_without_prefix_caching_recomputes_everything() -> None:
@@ -161,6 +162,8 @@ def test_a_shared_prefix_is_not_recomputed() -> None:
     scheduler.add(_seq("b", [*prompt[:8], 42]))
     plan = _run(scheduler)
     assert _shape(plan) == [("a", 9, 1, True), ("b", 8, 1, True)]
+    b = scheduler.get_sequence("b")
+    assert b is not None and b.num_cached_tokens == 8
     kv = scheduler.kv_cache
     assert kv.get_block_ids("b")[:2] == kv.get_block_ids("a")[:2]
 

@@ -275,6 +275,8 @@ class BatchScheduler:
                     break
             if not started and not self._try_start(seq, budget):
                 break
+            if seq.num_cached_tokens is None:  # a preempted sequence's restart keeps its first figure
+                seq.num_cached_tokens = seq.num_computed_tokens - seq.num_hole_tokens
             num_recompute, num_new_tokens = _split_budget(seq, budget)
             waiting.popleft()
             seq.status = SequenceStatus.RUNNING

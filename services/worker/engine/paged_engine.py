@@ -713,6 +713,7 @@ class PagedEngine:
             finish_reason=finish_reason,
             num_prompt_tokens=state.seq.num_prompt_tokens,
             num_completion_tokens=state.seq.num_output_tokens,
+            num_cached_tokens=state.seq.num_cached_tokens or 0,
             error=error,
             token_hash=state.text.token_hash,
         )

@@ -45,6 +45,9 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0
+    num_cached_tokens: int | None = None
+    """Prompt tokens whose K/V it found when it first started (prefix cache, session; a
+    session's dropped prefix, recomputed, not counted); None until it starts."""
     block_hashes: list[BlockHash] = field(default_factory=list)
     """Prefix-cache hashes of its full blocks, as far as known: filled by the KV cache
     manager and kept across admission attempts and preemptions, so a prompt is hashed once."""
