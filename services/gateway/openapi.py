@@ -25,6 +25,7 @@ from shoal.services.gateway.openai_api import (
     ModelList,
 )
 from shoal.services.gateway.responses_api import DeletedResponse, ResponseObject, ResponsesRequest
+from shoal.services.gateway.responses_items import ItemList
 from shoal.services.gateway.routes_admin import EvictBody, ScaleBody
 from shoal.services.gateway.routes_tokenize import DetokenizeBody, DetokenizeResponse, TokenizeResponse
 from shoal.shared.config import ModelConfig
@@ -79,7 +80,7 @@ def get_document() -> bytes:
     """The OpenAPI document (JSON bytes)."""
     types = [ChatCompletionRequest, CompletionRequest, ChatCompletion, ChatCompletionChunk, Completion, ModelList,
              ModelCard, ErrorEnvelope, ModelConfig, ScaleBody, EvictBody, SchedulerReply, ResponsesRequest,
-             ResponseObject, DeletedResponse, TokenizeResponse, DetokenizeBody, DetokenizeResponse]
+             ResponseObject, DeletedResponse, ItemList, TokenizeResponse, DetokenizeBody, DetokenizeResponse]
     schemas, components = msgspec.json.schema_components(types, ref_template=_REF)
     refs = {t.__name__: schema for t, schema in zip(types, schemas, strict=True)}
     inference_errors = _errors(refs, 400, 401, 404, 413, 429, 503, 504)
@@ -144,6 +145,18 @@ def get_document() -> bytes:
                                              "content": _content(refs["DeletedResponse"])},
                                      **_errors(refs, 401, 404)}},
         },
+        "/v1/responses/{response_id}/input_items": {"get": {
+            "summary": "a stored response's input items, a page at a time",
+            "parameters": [
+                {"name": "response_id", "in": "path", "required": True, "schema": {"type": "string", "minLength": 1}},
+                {"name": "limit", "in": "query", "schema": {"type": "integer", "minimum": 1, "maximum": 100}},
+                {"name": "order", "in": "query", "schema": {"type": "string", "enum": ["asc", "desc"]}},
+                {"name": "after", "in": "query", "schema": {"type": "string"},
+                 "description": "an item id: the page starts after it"},
+            ],
+            "responses": {"200": {"description": "the items", "content": _content(refs["ItemList"])},
+                          **_errors(refs, 400, 401, 404)},
+        }},
         "/tokenize": {"post": {
             "summary": "a prompt's tokens, as generation would use them (vLLM's): a chat request's after its "
                        "template, or a completion's one prompt; `return_token_strs` adds each token's text",

@@ -10,6 +10,10 @@ chain. ``instructions`` are not carried over, as OpenAI has it.
 A chain runs as one chat session (docs/sessions.md), named after its first response: a replica
 keeps the conversation's KV between turns, so a turn computes only its new input.
 
+Each entry keeps its input items too (``GET /v1/responses/{id}/input_items``), and every
+input and output item's id is indexed (key ``item.<id>`` -> the response's id), so an
+``item_reference`` in a later request finds the item it names.
+
 Bounded by the bucket itself (file storage, at most `RESPONSES_MAX_BYTES`; an entry at most
 the NATS server's ``max_payload``): a response that cannot be stored is logged and answered
 all the same, then not found when asked for.
@@ -29,7 +33,15 @@ from nats.js.api import StorageType
 
 from shoal.services.gateway.errors import NotFound
 from shoal.services.gateway.openai_api import InMessage
-from shoal.services.gateway.responses_api import ResponseObject, Turn, answer_turn
+from shoal.services.gateway.responses_api import MessageItem, ResponseObject, Turn, answer_turn
+from shoal.services.gateway.responses_items import (
+    ITEM_ID,
+    ContentPart,
+    FunctionCallItem,
+    InputItem,
+    InputMessageItem,
+    ItemReference,
+)
 from shoal.shared import subjects
 from shoal.shared.bus import ensure_expiring_bucket
 
@@ -45,10 +57,31 @@ class StoredResponse(Struct, kw_only=True):
     """Every turn up to and including this response's answer (no ``instructions``)."""
     session_id: str | None
     """The chain's chat session."""
+    input_items: list[InputItem] = msgspec.field(default_factory=list)
+    """This response's own input (not its chain's), references resolved."""
+
+    def find_item(self, item_id: str) -> InputItem | None:
+        """An input or output item by id, as an input item (a reasoning item: None)."""
+        for item in self.input_items:
+            if item.id == item_id:
+                return item
+        for output in self.response.output:
+            if output.id != item_id:
+                continue
+            if isinstance(output, MessageItem):
+                return InputMessageItem(id=output.id, role="assistant",
+                                        content=[ContentPart("output_text", part.text) for part in output.content])
+            if isinstance(output, FunctionCallItem):
+                return output
+        return None
 
 
 _decoder = msgspec.json.Decoder(StoredResponse)
 _encoder = msgspec.json.Encoder()
+
+
+def _item_key(item_id: str) -> str:
+    return f"item.{item_id}"
 
 
 def check_response_id(response_id: str, param: str | None = None) -> str:
@@ -99,14 +132,52 @@ class ResponseStore:
         """Store `response`, the answer to `turn`, if the turn stores and it was answered."""
         if turn.stores and response.status in ("completed", "incomplete"):
             await self.put(StoredResponse(response=response, conversation=[*turn.conversation, answer_turn(response)],
-                                          session_id=turn.chat.session_id))
+                                          session_id=turn.chat.session_id, input_items=turn.items))
 
     async def put(self, stored: StoredResponse) -> None:
+        """Store `stored`, then index its items' ids (the response first: an index entry never
+        names a response that is not there yet)."""
         key = stored.response.id
         try:
             await self.kv.put(key, _encoder.encode(stored))
+            for item_id in {*(item.id for item in stored.input_items), *(item.id for item in stored.response.output)}:
+                await self.kv.put(_item_key(item_id), key.encode())
         except (TimeoutError, nats.errors.Error) as exc:  # too large, bucket full, NATS away
             log.warning("response_not_stored", response_id=key, error=str(exc))
+
+    async def resolve(self, items: list[InputItem | ItemReference]) -> list[InputItem]:
+        """`items` with each reference replaced by the stored item it names (a 404 naming
+        ``input`` for one that is not stored; a reasoning item's reference is dropped, as a
+        reasoning item is)."""
+        found: list[InputItem] = []
+        for item in items:
+            if not isinstance(item, ItemReference):
+                found.append(item)
+                continue
+            stored = await self._holder_of(item)
+            if stored is None:
+                raise NotFound(f"input[{item.index}]: no stored item {item.id[:128]!r} (not stored, expired after "
+                               f"{self.ttl_s:g} s, or deleted)", param="input")
+            if (referenced := stored.find_item(item.id)) is not None:
+                found.append(referenced)
+        return found
+
+    async def _holder_of(self, reference: ItemReference) -> StoredResponse | None:
+        """The stored response that holds the referenced item, if any."""
+        if not ITEM_ID.fullmatch(reference.id):
+            return None
+        try:
+            entry = await self.kv.get(_item_key(reference.id))
+        except nats.js.errors.KeyNotFoundError:
+            return None
+        if entry is None or not entry.value:
+            return None
+        try:
+            stored = await self.get(entry.value.decode(errors="replace"))
+        except NotFound:
+            return None
+        ids = {item.id for item in stored.input_items} | {item.id for item in stored.response.output}
+        return stored if reference.id in ids else None
 
     async def delete(self, response_id: str) -> None:
         """Forget a stored response; a 404 when there is none."""

@@ -3,10 +3,8 @@
 A Responses body is validated here and rewritten as the `ChatCompletionRequest` it means, so
 it is placed, queued, templated, sampled and read for calls exactly as a chat request is:
 
-* ``input``: a string (one user turn) or a list of items: messages (``input_text`` /
-  ``output_text`` parts, or a string), ``function_call`` items (joined to the assistant turn
-  before them, as chat templates expect one turn with its calls) and ``function_call_output``
-  items (a tool turn). ``reasoning`` items are skipped: no Shoal model writes them.
+* ``input``: a string (one user turn) or a list of items (responses_items.py): messages,
+  ``function_call`` and ``function_call_output`` items, ``item_reference`` to a stored item.
 * ``instructions``: a system turn before the input.
 * ``max_output_tokens``, ``temperature``, ``top_p``; ``tools`` (``function`` tools),
   ``tool_choice``, ``parallel_tool_calls``; ``text.format`` (``text``, ``json_object``,
@@ -16,9 +14,9 @@ it is placed, queued, templated, sampled and read for calls exactly as a chat re
 
 A response is stored unless ``store: false`` (response_store.py): ``previous_response_id``
 goes on from it (`responses_turn`; the chain runs as one chat session, so replicas keep its
-KV between turns), and ``GET`` / ``DELETE /v1/responses/{id}`` read and forget it.
-``conversation`` objects, ``item_reference`` items and ``background`` are a 400 naming the
-field, as are images, files and hosted tools.
+KV between turns), ``GET`` / ``DELETE /v1/responses/{id}`` read and forget it, and ``GET
+/v1/responses/{id}/input_items`` lists its input. ``conversation`` objects and ``background``
+are a 400 naming the field, as are images, files and hosted tools.
 
 The answer (`response_object`) is a ``response`` with a ``reasoning`` item for a reasoning
 model's thinking, a ``message`` item for the text and a ``function_call`` item per call, in
@@ -62,6 +60,13 @@ from shoal.services.gateway.openai_api import (
     TopP,
     Usage,
     chat_logprobs,
+)
+from shoal.services.gateway.responses_items import (
+    FunctionCallItem,
+    InputItem,
+    read_input,
+    resolved,
+    turns_of,
 )
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
@@ -141,19 +146,23 @@ class Turn:
     conversation: list[InMessage]
     """The turns so far (the previous response's, then this input), without ``instructions``
     and without the answer."""
+    items: list[InputItem]
+    """This request's input items (references resolved), as stored with its answer."""
     stores: bool
     """Keep the answer (``store``, true unless false)."""
 
 
 def responses_turn(req: ResponsesRequest, response_id: str, history: list[InMessage] | None = None,
-                   chain_session_id: str | None = None) -> Turn:
-    """The turn `req` makes, going on from `history` (the conversation a previous response
-    ended, whose chain is chat session `chain_session_id`). A stored response's chain runs as
-    one chat session, named after its first response (unless the request names its own)."""
-    conversation = [*(history or ()), *input_messages(req)]
+                   chain_session_id: str | None = None, items: list[InputItem] | None = None) -> Turn:
+    """The turn `req` makes from its input `items` (read from `req` when None), going on from
+    `history` (the conversation a previous response ended, whose chain is chat session
+    `chain_session_id`). A stored response's chain runs as one chat session, named after its
+    first response (unless the request names its own)."""
+    items = resolved(read_input(req.input)) if items is None else items
+    conversation = [*(history or ()), *turns_of(items)]
     stores = req.store is not False
     session_id = req.session_id or chain_session_id or (response_id if stores else None)
-    return Turn(chat_request(req, conversation, session_id), conversation, stores)
+    return Turn(chat_request(req, conversation, session_id), conversation, items, stores)
 
 
 def chat_request(req: ResponsesRequest, conversation: list[InMessage] | None = None,
@@ -164,7 +173,7 @@ def chat_request(req: ResponsesRequest, conversation: list[InMessage] | None = N
         if getattr(req, name):
             raise BadRequest(why, code="unsupported_parameter", param=name)
     wants_logprobs = _wants_logprobs(req.include)
-    turns = conversation if conversation is not None else input_messages(req)
+    turns = conversation if conversation is not None else turns_of(resolved(read_input(req.input)))
     messages = ([InMessage(role="system", content=req.instructions)] if req.instructions else []) + turns
     return ChatCompletionRequest(
         model=req.model,
@@ -195,86 +204,6 @@ def _wants_logprobs(include: list[str] | None) -> bool:
     if others:
         raise BadRequest(f"include: Shoal serves only {LOGPROBS_INCLUDE!r}, not {others}", param="include")
     return bool(include)
-
-
-# --------------------------------------------------------------------------- input items
-
-
-class _Part(Struct):
-    type: str
-    text: str | None = None
-
-
-class _MessageItem(Struct, kw_only=True):
-    role: Literal["user", "assistant", "system", "developer"]
-    content: str | list[_Part]
-    type: Literal["message"] = "message"
-
-
-class _FunctionCallItem(Struct, kw_only=True):
-    type: Literal["function_call"]
-    call_id: Annotated[str, Meta(min_length=1)]
-    name: FunctionName
-    arguments: str
-
-
-class _FunctionCallOutputItem(Struct, kw_only=True):
-    type: Literal["function_call_output"]
-    call_id: Annotated[str, Meta(min_length=1)]
-    output: str | list[_Part]
-
-
-_TEXT_PARTS = frozenset({"input_text", "output_text", "text"})
-_ITEM_TYPES: dict[str, type[Struct]] = {
-    "message": _MessageItem, "function_call": _FunctionCallItem, "function_call_output": _FunctionCallOutputItem,
-}
-_SKIPPED_ITEM_TYPES = frozenset({"reasoning"})
-
-
-def input_messages(req: ResponsesRequest) -> list[InMessage]:
-    """``input`` as chat messages; each bad item is a 400 naming its place (``input[2]``)."""
-    if isinstance(req.input, str):
-        return [InMessage(role="user", content=req.input)]
-    messages: list[InMessage] = []
-    for i, raw in enumerate(req.input):
-        item = _item(raw, i)
-        if isinstance(item, _MessageItem):
-            messages.append(InMessage(role=item.role, content=_text(item.content, i)))
-        elif isinstance(item, _FunctionCallItem):
-            call = InToolCall(item.call_id, FunctionCall(item.name, item.arguments))
-            last = messages[-1] if messages else None
-            if last is not None and last.role == "assistant" and last.tool_call_id is None:
-                last.tool_calls = [*(last.tool_calls or ()), call]
-            else:
-                messages.append(InMessage(role="assistant", content=None, tool_calls=[call]))
-        elif isinstance(item, _FunctionCallOutputItem):
-            messages.append(InMessage(role="tool", content=_text(item.output, i), tool_call_id=item.call_id))
-    if not messages:
-        raise BadRequest("input holds no message", param="input")
-    return messages
-
-
-def _item(raw: dict[str, Any], i: int) -> Struct | None:
-    kind = raw.get("type", "message")
-    if kind in _SKIPPED_ITEM_TYPES:
-        return None
-    schema = _ITEM_TYPES.get(kind) if isinstance(kind, str) else None
-    if schema is None:
-        known = ", ".join(sorted(_ITEM_TYPES))
-        raise BadRequest(f"input[{i}]: item type {kind!r} is not supported (Shoal takes {known})", param="input")
-    try:
-        return msgspec.convert(raw, schema)
-    except msgspec.ValidationError as exc:
-        raise BadRequest(f"input[{i}]: {exc}", param="input") from exc
-
-
-def _text(content: str | list[_Part], i: int) -> str:
-    if isinstance(content, str):
-        return content
-    kinds = {part.type for part in content} - _TEXT_PARTS
-    if kinds:
-        raise BadRequest(f"input[{i}].content: only text parts are supported, got {sorted(kinds)}", param="input")
-    return "".join(part.text or "" for part in content)
 
 
 def _chat_tools(tools: list[ResponsesTool] | None) -> list[ToolDefinition] | None:
@@ -345,14 +274,6 @@ class ReasoningItem(Struct, kw_only=True, tag_field="type", tag="reasoning"):
     summary: list[Any] = msgspec.field(default_factory=list)
     content: list[ReasoningText]
     status: str
-
-
-class FunctionCallItem(Struct, kw_only=True, tag_field="type", tag="function_call"):
-    id: str
-    call_id: str
-    name: str
-    arguments: str
-    status: str = "completed"
 
 
 OutputItem = ReasoningItem | MessageItem | FunctionCallItem

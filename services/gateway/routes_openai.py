@@ -15,11 +15,12 @@ import contextlib
 import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol
+from typing import Annotated, Any, Literal, Protocol
 
 import msgspec
 import structlog
 from aiohttp import web
+from msgspec import Meta, Struct
 
 from shoal.services.gateway.answer_reader import AnswerReader, Read
 from shoal.services.gateway.choices import Choice, expand, merged
@@ -45,6 +46,7 @@ from shoal.services.gateway.openai_api import (
     check_num_choices,
     completion_prompts,
     decode_body,
+    decode_query,
     echoed_logprobs,
     echoed_text,
     encoder,
@@ -72,6 +74,7 @@ from shoal.services.gateway.responses_api import (
     response_object,
     responses_turn,
 )
+from shoal.services.gateway.responses_items import page, read_input
 from shoal.services.gateway.responses_stream import StreamedResponse
 from shoal.services.gateway.sse import SseStream
 from shoal.services.gateway.state import GATEWAY, GatewayState
@@ -209,8 +212,9 @@ async def _responding(state: GatewayState, body: ResponsesRequest, request_id: s
     response_id = _response_id("responses", request_id)
     previous = (await state.responses.get(body.previous_response_id, param="previous_response_id")
                 if body.previous_response_id is not None else None)
+    items = await state.responses.resolve(read_input(body.input))
     turn = responses_turn(body, response_id, previous.conversation if previous else None,
-                          previous.session_id if previous else None)
+                          previous.session_id if previous else None, items)
     return _Responding(turn, ResponseShell(response_id, int(time.time()), body), state.responses)
 
 
@@ -218,6 +222,21 @@ async def _responding(state: GatewayState, body: ResponsesRequest, request_id: s
 async def get_response(request: web.Request) -> web.Response:
     stored = await request.app[GATEWAY].responses.get(request.match_info["response_id"])
     return _json(stored.response)
+
+
+class InputItemsQuery(Struct, kw_only=True):
+    """``GET /v1/responses/{id}/input_items``'s query, as OpenAI has it."""
+
+    limit: Annotated[int, Meta(ge=1, le=100)] = 20
+    order: Literal["asc", "desc"] = "desc"
+    after: str | None = None
+
+
+@routes.get("/v1/responses/{response_id}/input_items")
+async def list_input_items(request: web.Request) -> web.Response:
+    query = decode_query(request.query, InputItemsQuery)
+    stored = await request.app[GATEWAY].responses.get(request.match_info["response_id"])
+    return _json(page(stored.input_items, limit=query.limit, order=query.order, after=query.after))
 
 
 @routes.delete("/v1/responses/{response_id}")

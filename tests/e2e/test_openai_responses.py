@@ -107,6 +107,23 @@ def test_a_forced_call_and_its_result_make_the_next_turn(client: openai.OpenAI) 
     assert follow_up.usage.input_tokens == chat.usage.prompt_tokens
     assert follow_up.output_text == chat.choices[0].message.content
 
+    # The follow-up's input items, as stored (the call kept its id), newest first by default...
+    listed = client.responses.input_items.list(follow_up.id)
+    assert [item.type for item in listed.data] == ["function_call_output", "function_call", "message"]
+    assert listed.data[1].id == call.id and listed.data[2].content[0].text == "Time in Oslo?"
+    oldest = client.responses.input_items.list(follow_up.id, order="asc", limit=1)
+    assert [item.id for item in oldest.data] == [listed.data[2].id] and oldest.has_more
+    # ... and the call named by reference (to the first response's output item): the same prompt.
+    by_reference = client.responses.create(
+        model=OTHER, tools=[TIME_TOOL], max_output_tokens=4, temperature=0, extra_body={"ignore_eos": True},
+        input=[{"role": "user", "content": "Time in Oslo?"}, {"type": "item_reference", "id": call.id},
+               {"type": "function_call_output", "call_id": call.call_id, "output": "12:00"}])
+    assert by_reference.usage.input_tokens == follow_up.usage.input_tokens
+    assert by_reference.output_text == follow_up.output_text
+    with pytest.raises(openai.NotFoundError) as caught:
+        client.responses.create(model=OTHER, input=[{"type": "item_reference", "id": "fc_never"}])
+    assert caught.value.body["param"] == "input"
+
 
 def test_output_logprobs_come_with_include(client: openai.OpenAI) -> None:
     response = client.responses.create(model=SMALL, input="Hi", max_output_tokens=6, temperature=0,

@@ -120,7 +120,7 @@ async def gateway(bus: Bus, nats_server: EmbeddedNatsServer) -> AsyncIterator[st
         ("responses", {"top_logprobs": 21}, "top_logprobs"),
         ("responses", {"truncation": "auto"}, "truncation"),
         ("responses", {"metadata": {str(i): "v" for i in range(17)}}, "metadata"),
-        ("responses", {"input": [{"type": "item_reference", "id": "msg_1"}]}, "input"),
+        ("responses", {"input": [{"type": "item_reference"}]}, "input"),
         ("responses", {"tools": [{"type": "file_search"}]}, "tools"),
         ("responses", {"tool_choice": "required"}, "tool_choice"),
         ("responses", {"text": {"format": {"type": "yaml"}}}, "text"),
@@ -139,12 +139,15 @@ async def test_out_of_range_and_unsupported_fields_are_400_naming_the_field(
 
 @pytest.mark.parametrize("response_id", ["resp_unknown", "x.y", "resp_" + "a" * 200, "resp_a%2E%3E"])
 async def test_a_response_that_is_not_stored_is_404_however_it_is_named(gateway: str, response_id: str) -> None:
-    for method in ("GET", "DELETE"):
-        status, body, _ = await call(method, f"{gateway}/v1/responses/{response_id}")
+    for method, path in (("GET", ""), ("DELETE", ""), ("GET", "/input_items")):
+        status, body, _ = await call(method, f"{gateway}/v1/responses/{response_id}{path}")
         assert status == 404 and body["error"]["type"] == "not_found_error", body
     status, body, _ = await call("POST", gateway + "/v1/responses", json=RESPONSES | {
         "previous_response_id": response_id})
     assert status == 404 and body["error"]["param"] == "previous_response_id", body
+    status, body, _ = await call("POST", gateway + "/v1/responses", json=RESPONSES | {
+        "input": [{"type": "item_reference", "id": response_id.replace("resp_", "msg_")}]})
+    assert status == 404 and body["error"]["param"] == "input", body
 
 
 async def test_a_number_beyond_float_range_is_400_naming_the_field(gateway: str) -> None:

@@ -31,6 +31,16 @@ from shoal.services.gateway.responses_api import (
     response_object,
     responses_turn,
 )
+from shoal.services.gateway.responses_items import (
+    ContentPart,
+    FunctionCallOutputItem,
+    InputMessageItem,
+    ItemList,
+    ItemReference,
+    page,
+    read_input,
+    turns_of,
+)
 from shoal.services.gateway.tools import tool_plan, tool_specs
 from shoal.shared.messages import TokenLogprob
 
@@ -121,7 +131,7 @@ def test_logprobs_come_with_include() -> None:
         ({"background": True}, "background"),
         ({"reasoning": {"effort": "low"}}, "reasoning"),
         ({"include": ["reasoning.encrypted_content"]}, "include"),
-        ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input"),
+        ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input"),  # only the store resolves one
         ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input"),
         ({"input": [{"role": "tool", "content": "x"}]}, "input"),
         ({"input": [{"type": "function_call", "call_id": "c", "name": "no spaces", "arguments": "{}"}]}, "input"),
@@ -206,3 +216,34 @@ def test_calls_are_function_call_items_after_any_text() -> None:
                                 usage(3, 12))
     assert [type(item) for item in with_text.output] == [MessageItem, FunctionCallItem]
     assert [item["type"] for item in msgspec.to_builtins(with_text)["output"]] == ["message", "function_call"]
+
+
+def test_input_items_keep_the_clients_ids_and_get_new_ones_otherwise() -> None:
+    items = read_input([{"role": "user", "content": "hi", "id": "msg_mine"},
+                        {"type": "function_call", "call_id": "c1", "name": "get_time", "arguments": "{}"},
+                        {"type": "function_call_output", "call_id": "c1", "output": "noon", "id": "bad id!"},
+                        {"type": "reasoning", "summary": []},
+                        {"type": "item_reference", "id": "fc_x"}])
+    message, call, output, reference = items
+    assert isinstance(message, InputMessageItem) and message.id == "msg_mine"
+    assert message.content == [ContentPart("input_text", "hi")]
+    assert isinstance(call, FunctionCallItem) and call.id.startswith("fc_")
+    assert isinstance(output, FunctionCallOutputItem) and output.id.startswith("fco_") and output.id != "bad id!"
+    assert reference == ItemReference(id="fc_x", index=4)
+    assert [m.role for m in turns_of([message, call, output])] == ["user", "assistant", "tool"]
+
+
+def test_input_items_are_listed_a_page_at_a_time_in_either_order() -> None:
+    items = read_input([{"role": "user", "content": str(i), "id": f"msg_{i}"} for i in range(5)])
+    typed = [item for item in items if isinstance(item, InputMessageItem)]
+    newest = page(typed, limit=2, order="desc", after=None)
+    assert [i.id for i in newest.data] == ["msg_4", "msg_3"] and newest.has_more
+    assert (newest.first_id, newest.last_id) == ("msg_4", "msg_3")
+    rest = page(typed, limit=20, order="desc", after="msg_3")
+    assert [i.id for i in rest.data] == ["msg_2", "msg_1", "msg_0"] and not rest.has_more
+    assert [i.id for i in page(typed, limit=3, order="asc", after="msg_0").data] == ["msg_1", "msg_2", "msg_3"]
+    assert page(typed, limit=5, order="asc", after="msg_4") == ItemList(data=[], first_id=None, last_id=None,
+                                                                        has_more=False)
+    with pytest.raises(BadRequest) as caught:
+        page(typed, limit=1, order="asc", after="msg_9")
+    assert caught.value.param == "after"
