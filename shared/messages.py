@@ -119,13 +119,21 @@ class SamplingParams(Struct, omit_defaults=True):
     json_schema: str | None = None
     """Structured output: the text must be JSON matching this schema (JSON text;
     ``response_format``, or a forced ``tool_choice``); None: free text."""
-    json_schema_param: str = "response_format"
-    """The request field `json_schema` came from, named by an error about it."""
+    regex: str | None = None
+    """Structured output: the text must match this regular expression (vLLM's ``guided_regex``
+    and ``guided_choice``); at most one of `json_schema` and `regex`."""
+    grammar_param: str = "response_format"
+    """The request field the grammar (`json_schema` or `regex`) came from, named by an error about it."""
     echo: bool = False
     """Send the prompt back (`PromptEcho`) with the first chunk (completions' ``echo``)."""
     prompt_logprobs: int | None = None
     """With `echo`: each prompt token's log probability and this many alternatives; the
     prompt is then computed whole (no prefix-cache or session reuse)."""
+
+    @property
+    def has_grammar(self) -> bool:
+        """Structured output: a JSON schema or a regular expression shapes the text."""
+        return self.json_schema is not None or self.regex is not None
 
     def __post_init__(self) -> None:
         if self.temperature < GREEDY_BELOW_TEMPERATURE or self.top_p < GREEDY_BELOW_TEMPERATURE:

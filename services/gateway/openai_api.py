@@ -5,7 +5,8 @@ be ``null`` may be ``null``, meaning absent. Numbers are bounded where they are
 declared (`msgspec.Meta`), so an out-of-range value is a 400 naming the field,
 never an overflow further in. Besides OpenAI's sampling fields (with
 ``presence_penalty`` and ``frequency_penalty``), vLLM's ``top_k``, ``min_p``,
-``repetition_penalty``, ``ignore_eos``, ``min_tokens`` and ``stop_token_ids`` are honoured, and Shoal's ``session_id`` (a chat
+``repetition_penalty``, ``ignore_eos``, ``min_tokens``, ``stop_token_ids`` and the
+structured-output fields (guided.py) are honoured, and Shoal's ``session_id`` (a chat
 session whose KV replicas keep between turns; also the ``X-Session-Id`` header). Fields Shoal knows but
 cannot honour (``functions``, ``suffix``, ``best_of``...) are
 accepted at their defaults and rejected with 400 naming the field otherwise,
@@ -23,6 +24,7 @@ from msgspec import Meta, Struct
 
 from shoal.services.gateway.choices import MAX_CHOICES
 from shoal.services.gateway.errors import BadRequest, PayloadTooLarge
+from shoal.services.gateway.guided import Choices, Regex, StructuredOutputs, request_grammar
 from shoal.shared.messages import (
     ChatMessage,
     InferenceRequest,
@@ -155,6 +157,12 @@ class _Sampling(Struct, kw_only=True):
     """Choices per prompt (choices.py)."""
     logit_bias: Annotated[dict[str, Bias], Meta(max_length=MAX_LOGIT_BIAS_TOKENS)] | None = None
     """Token id (as a string, OpenAI's form) -> bias added to its logit."""
+    # vLLM's structured outputs (guided.py).
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: Regex | None = None
+    guided_choice: Choices | None = None
+    guided_grammar: str | None = None
+    structured_outputs: StructuredOutputs | None = None
 
 
 MAX_TEMPLATE_KWARGS = 32
@@ -297,6 +305,9 @@ def sampling_params(req: _Sampling, max_tokens: int | None, default_max_tokens: 
     echo = isinstance(req, CompletionRequest) and bool(req.echo)
     logprobs = requested_logprobs(req)
     min_tokens = req.min_tokens or 0
+    grammar = request_grammar(
+        response_format=json_schema_of(req), guided_json=req.guided_json, guided_regex=req.guided_regex,
+        guided_choice=req.guided_choice, guided_grammar=req.guided_grammar, structured=req.structured_outputs)
     if max_tokens is not None and min_tokens > max_tokens:
         raise BadRequest(f"min_tokens ({min_tokens}) is more than max_tokens ({max_tokens})", param="min_tokens")
     return SamplingParams(
@@ -315,7 +326,9 @@ def sampling_params(req: _Sampling, max_tokens: int | None, default_max_tokens: 
         repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
         logit_bias=logit_bias_of(req),
         logprobs=logprobs,
-        json_schema=json_schema_of(req),
+        json_schema=grammar.json_schema if grammar is not None else None,
+        regex=grammar.regex if grammar is not None else None,
+        grammar_param=grammar.param if grammar is not None else "response_format",
         echo=echo,
         prompt_logprobs=logprobs if echo else None,
     )

@@ -286,8 +286,8 @@ def _plan(state: GatewayState, body: ChatCompletionRequest | CompletionRequest, 
         tools = tool_plan(body, spec.tool_call_parser if spec is not None else "hermes")
         reasoning = spec.reasoning_parser if spec is not None else None
         params = forced(sampling_params(body, max_tokens, UNLIMITED_MAX_TOKENS), tools, body)
-        if params.json_schema is not None and params.json_schema_param == "response_format":
-            params = msgspec.structs.replace(params, json_schema_param=format_param)
+        if params.json_schema is not None and params.grammar_param == "response_format":
+            params = msgspec.structs.replace(params, grammar_param=format_param)
         prompts = [{"messages": chat_messages(body, state.config.max_prompt_chars), "tools": tool_specs(body),
                     "chat_template_kwargs": template_kwargs(body)}]
     else:

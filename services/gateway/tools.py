@@ -74,12 +74,13 @@ def tool_plan(req: ChatCompletionRequest, call_format: ToolCallParser = "hermes"
 
 def forced(params: SamplingParams, plan: ToolPlan | None, req: ChatCompletionRequest) -> SamplingParams:
     """`params` with the JSON grammar a ``required`` or named ``tool_choice`` forces; a 400
-    when ``response_format`` asks for JSON too (one answer cannot follow both)."""
+    when ``response_format`` or a vLLM structured-output field shapes the answer too (one
+    answer cannot follow both)."""
     if plan is None or plan.choice not in ("required", "named"):
         return params
-    if params.json_schema is not None:
-        raise BadRequest("response_format and a forced tool_choice cannot both shape the answer; send one",
-                         param="response_format")
+    if params.has_grammar:
+        raise BadRequest(f"{params.grammar_param} and a forced tool_choice cannot both shape the answer; send one",
+                         param=params.grammar_param)
     parameters = {tool.function.name: _parameters_schema(tool.function.parameters) for tool in req.tools or ()}
     if plan.choice == "named":
         assert plan.function is not None, "a named choice names its function"
@@ -99,7 +100,7 @@ def forced(params: SamplingParams, plan: ToolPlan | None, req: ChatCompletionReq
         if not plan.parallel:
             schema["maxItems"] = 1
     return msgspec.structs.replace(params, json_schema=msgspec.json.encode(schema).decode(),
-                                   json_schema_param="tools")
+                                   grammar_param="tools")
 
 
 def _parameters_schema(parameters: dict[str, Any] | None) -> dict[str, Any]:

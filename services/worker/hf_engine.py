@@ -98,8 +98,8 @@ class HFGenerateEngine:
         if request.params.logprobs is not None:
             raise RequestRejected("logprobs need the paged engine; this model runs on the hf engine", 400,
                                   param="logprobs")
-        if request.params.json_schema is not None:
-            param = request.params.json_schema_param
+        if request.params.has_grammar:
+            param = request.params.grammar_param
             raise RequestRejected(f"structured output ({param}) needs the paged engine; this model runs on the hf "
                                   "engine", 400,
                                   param=param)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -150,6 +151,38 @@ def test_a_json_schema_gets_json_that_follows_it(client: openai.OpenAI) -> None:
         client.chat.completions.create(model=OTHER, messages=[{"role": "user", "content": "x"}], response_format={
             "type": "json_schema", "json_schema": {"name": "bad", "schema": {"type": 5}}})
     assert caught.value.body["param"] == "response_format"
+
+
+def test_vllm_structured_outputs_shape_the_answer(client: openai.OpenAI) -> None:
+    """guided_choice / guided_regex / guided_json and the structured_outputs object, on chat and completions."""
+    choices = ["yes please", "no-way #1", "été"]
+    chat: dict[str, Any] = dict(model=SMALL, messages=[{"role": "user", "content": "Well?"}], max_tokens=40, seed=2)
+    for extra in ({"guided_choice": choices}, {"structured_outputs": {"choice": choices}}):
+        answer = client.chat.completions.create(**chat, extra_body=extra).choices[0]
+        assert answer.message.content in choices and answer.finish_reason == "stop", (extra, answer)
+    for extra in ({"guided_regex": r"[0-9]{3}-[a-z]{2}"}, {"structured_outputs": {"regex": r"[0-9]{3}-[a-z]{2}"}}):
+        completion = client.completions.create(model=SMALL, prompt="Code:", max_tokens=20, seed=5, extra_body=extra)
+        assert re.fullmatch(r"[0-9]{3}-[a-z]{2}", completion.choices[0].text), completion.choices[0].text
+    schema = {"type": "object", "additionalProperties": False, "required": ["size", "ok"],
+              "properties": {"size": {"enum": ["S", "M", "L"]}, "ok": {"type": "boolean"}}}
+    for extra in ({"guided_json": schema}, {"structured_outputs": {"json": json.dumps(schema)}}):
+        shirt = json.loads(client.chat.completions.create(**chat, extra_body=extra).choices[0].message.content or "")
+        assert set(shirt) == {"size", "ok"} and shirt["size"] in ("S", "M", "L")
+
+    forced_tool = {"tools": [WEATHER_TOOL], "tool_choice": "required"}
+    for extra, param in [({"guided_regex": "a+", "response_format": {"type": "json_object"}}, "guided_regex"),
+                         ({"guided_regex": "a+", "guided_choice": ["a"]}, "guided_choice"),
+                         ({"structured_outputs": {"regex": "a+", "choice": ["a"]}}, "structured_outputs"),
+                         ({"structured_outputs": {"grammar": "root ::= 'a'"}}, "structured_outputs"),
+                         ({"guided_grammar": "root ::= 'a'"}, "guided_grammar"),
+                         ({"guided_regex": "(unclosed"}, "guided_regex"),
+                         ({"guided_json": {"type": 5}}, "guided_json"),
+                         ({"guided_choice": []}, "guided_choice"),
+                         ({"guided_choice": ["a"], "min_tokens": 2}, "min_tokens"),
+                         ({"guided_json": schema, **forced_tool}, "guided_json")]:
+        with pytest.raises(openai.BadRequestError) as caught:
+            client.chat.completions.create(**chat, extra_body=extra)
+        assert caught.value.body["param"] == param, (extra, caught.value.body)
 
 
 WEATHER_TOOL = {"type": "function", "function": {

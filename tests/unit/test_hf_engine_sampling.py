@@ -59,7 +59,7 @@ async def test_the_hf_engine_takes_a_logit_bias_and_refuses_logprobs_json_and_pr
             await _text(engine, SamplingParams(max_tokens=2, json_schema='{"type": "object"}'))
         assert caught.value.param == "response_format"
         with pytest.raises(RequestRejected) as caught:
-            await _text(engine, SamplingParams(max_tokens=2, json_schema='{"type": "array"}', json_schema_param="tools"))
+            await _text(engine, SamplingParams(max_tokens=2, json_schema='{"type": "array"}', grammar_param="tools"))
         assert caught.value.param == "tools" and "tools" in str(caught.value)
         with pytest.raises(RequestRejected) as caught:
             await _text(engine, SamplingParams(max_tokens=2, echo=True, prompt_logprobs=1, logprobs=1))

@@ -88,7 +88,7 @@ def test_two_functions_of_one_name_are_400() -> None:
 def test_required_forces_an_array_of_calls_and_named_forces_the_arguments() -> None:
     request = _request(tools=[WEATHER, TIME], tool_choice="required")
     params = forced(SamplingParams(), tool_plan(request), request)
-    assert params.json_schema_param == "tools" and params.json_schema is not None  # errors blame the schemas
+    assert params.grammar_param == "tools" and params.json_schema is not None  # errors blame the schemas
     schema = json.loads(params.json_schema)
     assert schema["type"] == "array" and schema["minItems"] == 1 and "maxItems" not in schema
     weather, time_ = schema["items"]["anyOf"]

@@ -491,13 +491,13 @@ class PagedEngine:
                 413,
             )
         params = request.params
-        if params.min_tokens and params.json_schema is not None:
-            raise RequestRejected(f"min_tokens cannot be combined with {params.json_schema_param}: the JSON's end "
+        if params.min_tokens and params.has_grammar:
+            raise RequestRejected(f"min_tokens cannot be combined with {params.grammar_param}: the grammar's end "
                                   "ends the answer", 400, param="min_tokens")
         eos_token_ids = request.ending_token_ids
         sampling = SamplingState.from_params(params, eos_token_ids)
-        if params.json_schema is not None:
-            sampling.matcher = self._grammars.matcher(params.json_schema, params.json_schema_param)
+        if params.has_grammar:
+            sampling.matcher = self._grammars.matcher(params)
         max_num_tokens = min(max_model_len, num_prompt_tokens + max(1, params.max_tokens))
         loop = asyncio.get_running_loop()
         with self._lock:

@@ -1,4 +1,5 @@
-"""Structured output: a request's JSON schema (``response_format``) as a token mask per step.
+"""Structured output: a request's JSON schema (``response_format``) or regular expression
+(vLLM's ``guided_regex`` and ``guided_choice``) as a token mask per step.
 
 llguidance (the grammar engine vLLM and llama.cpp use) compiles the schema into a matcher
 over the model's tokenizer; before each of the request's tokens the matcher says which tokens
@@ -18,6 +19,7 @@ import numpy as np
 import torch
 
 from shoal.services.worker.generation import RequestRejected
+from shoal.shared.messages import SamplingParams
 
 MAX_WHITESPACE = 4
 _JSON_OPTIONS: Any = {"whitespace_pattern": rf"[\x20\x0A\x0D\x09]{{0,{MAX_WHITESPACE}}}"}
@@ -45,19 +47,25 @@ class Grammars:
                                       f"{exc}", param=param) from exc
         return self._llg_tokenizer
 
-    def matcher(self, json_schema: str, param: str = "response_format") -> TokenMatcher:
-        """A fresh matcher for one request; a 400 naming `param` (the request field the schema
-        came from) when the schema cannot be compiled."""
+    def matcher(self, params: SamplingParams) -> TokenMatcher:
+        """A fresh matcher for one request's grammar (its JSON schema or regular expression);
+        a 400 naming the request field it came from when it cannot be compiled."""
         import llguidance
 
+        param = params.grammar_param
+        what = "the JSON schema" if params.json_schema is not None else "the regular expression"
         ll_tokenizer = self._ll_tokenizer(param)
         try:
-            grammar = llguidance.LLMatcher.grammar_from_json_schema(json_schema, defaults=_JSON_OPTIONS)
-        except Exception as exc:  # the schema is the client's: any failure to compile it is its fault
-            raise RequestRejected(f"{param}: the JSON schema is not usable: {exc}", param=param) from exc
+            if params.json_schema is not None:
+                grammar = llguidance.LLMatcher.grammar_from_json_schema(params.json_schema, defaults=_JSON_OPTIONS)
+            else:
+                assert params.regex is not None, "a grammar is a schema or a regex"
+                grammar = llguidance.LLMatcher.grammar_from_regex(params.regex)
+        except Exception as exc:  # the grammar is the client's: any failure to compile it is its fault
+            raise RequestRejected(f"{param}: {what} is not usable: {exc}", param=param) from exc
         matcher = llguidance.LLMatcher(ll_tokenizer, grammar)
         if matcher.is_error():
-            raise RequestRejected(f"{param}: the JSON schema is not usable: {matcher.get_error()}", param=param)
+            raise RequestRejected(f"{param}: {what} is not usable: {matcher.get_error()}", param=param)
         return TokenMatcher(matcher, ll_tokenizer.vocab_size)
 
 
