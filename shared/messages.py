@@ -167,6 +167,11 @@ class InferenceRequest(Struct, tag="infer", tag_field="type", omit_defaults=True
     """Chat completions: the functions the chat template tells the model about."""
     chat_template_kwargs: dict[str, Any] | None = None
     """Chat completions: more variables for the chat template (``enable_thinking``...)."""
+    add_generation_prompt: bool = True
+    """Chat completions: the template opens the assistant's turn after the messages."""
+    continue_final_message: bool = False
+    """Chat completions: the template leaves the last message (the assistant's) open, to be
+    gone on with (vLLM's; without `add_generation_prompt`)."""
     stream: bool = False
     gateway_id: str = ""
     created: float = 0.0

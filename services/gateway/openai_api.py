@@ -180,6 +180,10 @@ RESERVED_TEMPLATE_KWARGS = frozenset({
 class ChatCompletionRequest(_Sampling, kw_only=True):
     messages: Annotated[list[InMessage], Meta(min_length=1)]
     chat_template_kwargs: TemplateKwargs | None = None
+    add_generation_prompt: bool | None = None
+    """vLLM's: open the assistant's turn after the messages (true unless false)."""
+    continue_final_message: bool | None = None
+    """vLLM's: go on with the last message (the assistant's) instead of opening a turn."""
     max_completion_tokens: MaxTokens | None = None
     logprobs: bool | None = None
     top_logprobs: TopLogprobs | None = None
@@ -414,6 +418,21 @@ def template_kwargs(req: ChatCompletionRequest) -> dict[str, Any] | None:
         raise BadRequest(f"chat_template_kwargs: {taken} are set by Shoal, not by requests",
                          param="chat_template_kwargs")
     return kwargs or None
+
+
+def template_mode(req: ChatCompletionRequest) -> dict[str, bool]:
+    """vLLM's ``add_generation_prompt`` and ``continue_final_message`` as the request fields
+    that carry them (those not at their defaults). Continuing implies no generation prompt; a
+    400 when both are asked for, or the last message is not the assistant's."""
+    if not req.continue_final_message:
+        return {"add_generation_prompt": False} if req.add_generation_prompt is False else {}
+    if req.add_generation_prompt:
+        raise BadRequest("continue_final_message goes on with the last message and add_generation_prompt opens a "
+                         "new turn: send one", param="continue_final_message")
+    if req.messages[-1].role != "assistant":
+        raise BadRequest("continue_final_message goes on with the last message, which must be the assistant's "
+                         f"(it is the {req.messages[-1].role}'s)", param="continue_final_message")
+    return {"add_generation_prompt": False, "continue_final_message": True}
 
 
 def completion_prompts(req: CompletionRequest, max_chars: int) -> list[dict[str, Any]]:

@@ -58,6 +58,7 @@ from shoal.services.gateway.openai_api import (
     stream_chunk,
     stream_mode,
     template_kwargs,
+    template_mode,
     text_logprobs,
     usage,
 )
@@ -289,7 +290,7 @@ def _plan(state: GatewayState, body: ChatCompletionRequest | CompletionRequest, 
         if params.json_schema is not None and params.grammar_param == "response_format":
             params = msgspec.structs.replace(params, grammar_param=format_param)
         prompts = [{"messages": chat_messages(body, state.config.max_prompt_chars), "tools": tool_specs(body),
-                    "chat_template_kwargs": template_kwargs(body)}]
+                    "chat_template_kwargs": template_kwargs(body), **template_mode(body)}]
     else:
         params = sampling_params(body, body.max_tokens, 16)
         prompts = completion_prompts(body, state.config.max_prompt_chars)

@@ -83,10 +83,12 @@ async def tokenize(request: web.Request) -> web.Response:
     raw = await request.read()
     options = decode_body(raw, _TokenizeOptions)
     is_chat = options.messages is not None
-    # The tokens are those generation uses: a chat's template adds the generation prompt and no
-    # special tokens of its own; a prompt gets the tokenizer's (a BOS, for most models).
-    for name, honoured in (("add_generation_prompt", (None, True) if is_chat else (None,)),
-                           ("add_special_tokens", (None, False) if is_chat else (None, True))):
+    # The tokens are those generation uses: a chat's template adds no special tokens of its own
+    # (its add_generation_prompt and continue_final_message are chat's fields, honoured as chat
+    # honours them); a prompt gets the tokenizer's (a BOS, for most models).
+    honoured_values = ({"add_special_tokens": (None, False)} if is_chat
+                       else {"add_special_tokens": (None, True), "add_generation_prompt": (None,)})
+    for name, honoured in honoured_values.items():
         if getattr(options, name) not in honoured:
             raise BadRequest(f"{name} other than generation's is not supported (its tokens are generation's)",
                              code="unsupported_parameter", param=name)

@@ -45,7 +45,7 @@ def prompt_token_ids(tokenizer: PreTrainedTokenizerBase, request: InferenceReque
 
 def chat_prompt(tokenizer: PreTrainedTokenizerBase, request: InferenceRequest) -> str:
     """The conversation (and its tools) rendered by the model's chat template, the assistant's
-    turn opened; a 400 when the model has no template, or tools and a template that ignores them."""
+    turn opened (or its last message left open, `continue_final_message`); a 400 when the model has no template, or tools and a template that ignores them."""
     if not getattr(tokenizer, "chat_template", None):
         raise RequestRejected(f"model {request.model!r} has no chat template; use /v1/completions with a plain prompt")
     assert request.messages is not None, "a chat request"
@@ -56,7 +56,8 @@ def chat_prompt(tokenizer: PreTrainedTokenizerBase, request: InferenceRequest) -
     conversation = [_template_message(message) for message in request.messages]
     try:
         text = tokenizer.apply_chat_template(conversation, tools=None if tools is None else [*tools],
-                                             tokenize=False, add_generation_prompt=True,
+                                             tokenize=False, add_generation_prompt=request.add_generation_prompt,
+                                             continue_final_message=request.continue_final_message,
                                              **(request.chat_template_kwargs or {}))
     except Exception as exc:  # jinja errors come in many types; all mean "bad conversation"
         raise RequestRejected(f"chat template of {request.model!r} rejected the messages: {exc}") from exc

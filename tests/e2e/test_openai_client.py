@@ -611,3 +611,32 @@ def test_min_tokens_and_stop_token_ids(client: openai.OpenAI, demo_models_root: 
         with pytest.raises(openai.BadRequestError) as caught:
             client.chat.completions.create(model=SMALL, messages=messages, extra_body=extra)
         assert caught.value.body["param"] == param, (extra, caught.value.body)
+
+
+def test_continue_final_message_goes_on_with_the_assistants_words(client: openai.OpenAI, shoal: ShoalUp,
+                                                                  demo_models_root: Path) -> None:
+    """vLLM's continue_final_message (an answer's start given) and add_generation_prompt: the
+    prompt is the template's for them, and the answer what a completion of it writes."""
+    tokenizer = AutoTokenizer.from_pretrained(demo_models_root / SMALL)
+    messages = [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "My favourite is"}]
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=False,
+                                         continue_final_message=True)
+    assert text.endswith("My favourite is")
+    prompt_ids = tokenizer.encode(text, add_special_tokens=False)
+    greedy: dict[str, Any] = dict(model=SMALL, max_tokens=6, temperature=0)
+    chat = client.chat.completions.create(messages=messages, **greedy,
+                                          extra_body={"ignore_eos": True, "continue_final_message": True})
+    completion = client.completions.create(prompt=prompt_ids, **greedy, extra_body={"ignore_eos": True})
+    assert chat.usage is not None and chat.usage.prompt_tokens == len(prompt_ids)
+    assert chat.choices[0].message.content == completion.choices[0].text
+
+    unopened = tokenizer.apply_chat_template(messages[:1], tokenize=False, add_generation_prompt=False)
+    code, counted = _post(shoal.base_url + "/tokenize", json.dumps(
+        {"model": SMALL, "messages": messages[:1], "add_generation_prompt": False}).encode())
+    assert code == 200 and counted["tokens"] == tokenizer.encode(unopened, add_special_tokens=False), counted
+
+    for extra, sent in [({"continue_final_message": True}, messages[:1]),
+                        ({"continue_final_message": True, "add_generation_prompt": True}, messages)]:
+        with pytest.raises(openai.BadRequestError) as caught:
+            client.chat.completions.create(messages=sent, **greedy, extra_body=extra)
+        assert caught.value.body["param"] == "continue_final_message", caught.value.body
