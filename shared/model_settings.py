@@ -24,7 +24,7 @@ from shoal.shared.subjects import InvalidModelKey, validate_model_key
 
 Dtype = Literal["auto", "float32", "float16", "bfloat16"]
 SleepLevel = Literal["warm", "cold"]
-ToolCallParser = Literal["hermes", "llama3_json"]
+ToolCallParser = Literal["hermes", "llama3_json", "mistral", "pythonic"]
 """How a model writes function calls (vLLM's parser names; services/gateway/tool_call_parser.py)."""
 ReasoningParser = Literal["deepseek_r1", "qwen3"]
 """How a reasoning model marks its thinking (vLLM's parser names; services/gateway/reasoning.py)."""
@@ -109,7 +109,8 @@ class ModelSettings(Struct, kw_only=True, omit_defaults=True):
     sleep: SleepSettings = field(default_factory=SleepSettings)
     tool_call_parser: ToolCallParser = "hermes"
     """How the model writes function calls, read from its answers to ``tool_choice: auto``:
-    ``hermes`` (``<tool_call>`` JSON: Qwen2.5, Qwen3, Hermes) or ``llama3_json`` (Llama 3.1-3.3)."""
+    ``hermes`` (``<tool_call>`` JSON: Qwen2.5, Qwen3, Hermes), ``llama3_json`` (Llama 3.1-3.3),
+    ``mistral`` (a JSON array) or ``pythonic`` (Llama 3.2 and 4)."""
     reasoning_parser: ReasoningParser | None = None
     """A reasoning model's thinking, split out of its chat answers into ``reasoning``:
     ``deepseek_r1`` (DeepSeek-R1, QwQ: the prompt opens the think block) or ``qwen3`` (blocks

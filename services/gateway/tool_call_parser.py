@@ -13,6 +13,12 @@ named as vLLM names its parsers):
   ``{"name": ..., "parameters": {...}}`` separated by ``;`` (the ``<|python_tag|>`` before
   them is a special token, not in the text); read when the choice ends, and content as
   written should they not parse. Any other answer is content, streamed as it comes.
+* ``mistral`` (Mistral 7B v0.3, Nemo, Small): an answer that starts with ``[`` is a JSON array of
+  ``{"name": ..., "arguments": {...}}`` (the ``[TOOL_CALLS]`` token before it is special, not in
+  the text); read as ``llama3_json`` is.
+* ``pythonic`` (Llama 3.2 and 4, ToolACE): an answer that starts with ``[`` is a Python list of
+  calls with literal keyword arguments, ``[get_weather(city="Paris")]``, parsed (never run) when
+  the choice ends; read as ``llama3_json`` is.
 
 A forced choice (``required``, a named function) makes the whole text the grammar's JSON,
 read when the choice ends; should it not parse (cut off by ``max_tokens``), it is the content.
@@ -22,8 +28,10 @@ Arguments are given out as JSON text written again (``json.dumps``), whatever sp
 
 from __future__ import annotations
 
+import ast
 import json
 import uuid
+from collections.abc import Callable
 from typing import Any, Protocol
 
 from shoal.services.gateway.openai_api import FunctionCall, ToolCallOut
@@ -138,8 +146,13 @@ def _hermes_call(body: str) -> FunctionCall | None:
         return None
 
 
-class _Llama3Json:
-    def __init__(self) -> None:
+class _WholeAnswer:
+    """An answer that opens with `opening` is calls, read by `parse` when it ends (the content
+    as written should it not parse); any other answer is content, streamed as it comes."""
+
+    def __init__(self, opening: str, parse: Callable[[str], list[FunctionCall] | None]) -> None:
+        self._opening = opening
+        self._parse = parse
         self._pending = ""
         self._calls: bool | None = None
         """Whether the answer is calls; None until its first non-blank character."""
@@ -147,7 +160,7 @@ class _Llama3Json:
     def feed(self, text: str) -> list[Piece]:
         self._pending += text
         if self._calls is None and self._pending.strip():
-            self._calls = self._pending.lstrip().startswith("{")
+            self._calls = self._pending.lstrip().startswith(self._opening)
         if self._calls is False:
             pending, self._pending = self._pending, ""
             return [pending]
@@ -155,7 +168,7 @@ class _Llama3Json:
 
     def finish(self) -> list[Piece]:
         pending, self._pending = self._pending, ""
-        calls = _json_calls(pending) if self._calls else None
+        calls = self._parse(pending) if self._calls else None
         return list(calls) if calls else [pending]
 
 
@@ -177,6 +190,38 @@ def _json_calls(text: str) -> list[FunctionCall] | None:
         if call is None:
             return None
         calls.append(call)
+
+
+def _json_array_calls(text: str) -> list[FunctionCall] | None:
+    """A JSON array of call objects (Mistral's); None unless the text is one."""
+    try:
+        items = json.loads(text)
+    except ValueError:
+        return None
+    calls = [_call_of(item) for item in items] if isinstance(items, list) else [None]
+    return None if not calls or None in calls else [call for call in calls if call is not None]
+
+
+def _pythonic_calls(text: str) -> list[FunctionCall] | None:
+    """A Python list of calls with literal keyword arguments, ``[f(a=1), g(b="x")]`` (read by
+    `ast`, never run); None unless the text is one."""
+    try:
+        tree = ast.parse(text.strip(), mode="eval")
+    except (SyntaxError, ValueError, RecursionError, MemoryError):
+        return None
+    if not isinstance(tree.body, ast.List) or not tree.body.elts:
+        return None
+    calls: list[FunctionCall] = []
+    for node in tree.body.elts:
+        if (not isinstance(node, ast.Call) or not isinstance(node.func, ast.Name) or node.args
+                or any(keyword.arg is None for keyword in node.keywords)):  # positional or **kwargs
+            return None
+        try:
+            arguments = {keyword.arg: ast.literal_eval(keyword.value) for keyword in node.keywords}
+            calls.append(FunctionCall(node.func.id, json.dumps(arguments, ensure_ascii=False, allow_nan=False)))
+        except (ValueError, TypeError, SyntaxError, RecursionError, MemoryError):  # not a literal, not JSON
+            return None
+    return calls
 
 
 class _Forced:
@@ -222,4 +267,9 @@ def _call_of(item: Any) -> FunctionCall | None:
     return FunctionCall(item["name"], json.dumps(arguments, ensure_ascii=False))
 
 
-_FORMATS: dict[str, type[_Format]] = {"hermes": _Hermes, "llama3_json": _Llama3Json}
+_FORMATS: dict[str, Callable[[], _Format]] = {
+    "hermes": _Hermes,
+    "llama3_json": lambda: _WholeAnswer("{", _json_calls),
+    "mistral": lambda: _WholeAnswer("[", _json_array_calls),
+    "pythonic": lambda: _WholeAnswer("[", _pythonic_calls),
+}

@@ -274,6 +274,26 @@ def test_a_models_tool_call_parser_decides_how_its_answers_are_read(client: open
     assert json.loads(hermes.message.content)["name"] == "get_time"
 
 
+@pytest.mark.parametrize(("parser", "shape"), [
+    ("pythonic", {"guided_regex": r'\[get_time\(zone="(UTC|CET)"\)\]'}),
+    ("mistral", {"guided_json": {"type": "array", "minItems": 1, "maxItems": 1, "items": {
+        "type": "object", "additionalProperties": False, "required": ["name", "arguments"],
+        "properties": {"name": {"const": "get_time"}, "arguments": TIME_TOOL["function"]["parameters"]}}}}),
+])
+def test_pythonic_and_mistral_calls_are_read_as_calls(client: openai.OpenAI, shoal: ShoalUp, parser: str,
+                                                      shape: dict[str, Any]) -> None:
+    """The answer is made a call in the model's format by a grammar (random weights never write one)."""
+    key = f"org/{parser}-calls"
+    code, payload = _post(shoal.base_url + "/admin/models", json.dumps(
+        {"key": key, "path": SMALL, "tool_call_parser": parser}).encode())
+    assert code == 200, payload
+    choice = client.chat.completions.create(model=key, messages=[{"role": "user", "content": "Time?"}],
+                                            tools=[TIME_TOOL], max_tokens=60, temperature=0, extra_body=shape).choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None, choice
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "get_time" and json.loads(call.function.arguments)["zone"] in ("UTC", "CET")
+
+
 def test_a_tool_whose_schema_cannot_be_followed_is_400_naming_tools(client: openai.OpenAI) -> None:
     bad = {"type": "function", "function": {"name": "f", "parameters": {"type": 5}}}
     with pytest.raises(openai.BadRequestError) as caught:

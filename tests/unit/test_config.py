@@ -57,7 +57,7 @@ def test_file_then_env_then_overrides(tmp_path: Path) -> None:
          "unknown field `min_runtim_s` - at `$.models[0].fairness`"),
         ("[[models]]\nkey = \"m\"\npath = \"m\"\n[models.sleep]\nlevel = \"frozen\"\n", "models[0].sleep.level"),
         ("[[models]]\nkey = \"m\"\npath = \"m\"\n[models.sleep]\nidle_timeout_s = -1\n", "idle_timeout_s"),
-        ("[[models]]\nkey = \"m\"\npath = \"m\"\ntool_call_parser = \"pythonic\"\n",
+        ("[[models]]\nkey = \"m\"\npath = \"m\"\ntool_call_parser = \"granite\"\n",
          "models[0].tool_call_parser"),
         ("[[models]]\nkey = \"m\"\npath = \"m\"\nreasoning_parser = \"think\"\n",
          "models[0].reasoning_parser"),

@@ -230,3 +230,41 @@ def test_llama3_without_parallel_calls_keeps_the_first() -> None:
     plan = ToolPlan("auto", parallel=False, format="llama3_json")
     text = '{"name": "a", "parameters": {}};{"name": "b", "parameters": {}}'
     assert _read(plan, [text]) == ("", [("a", {})], "tool_calls")
+
+
+MISTRAL = ToolPlan("auto", format="mistral")
+PYTHONIC = ToolPlan("auto", format="pythonic")
+
+
+@pytest.mark.parametrize("split", [lambda t: [t], _characters])
+def test_mistral_calls_are_a_json_array_read_when_the_answer_ends(split: Any) -> None:
+    text = ' [{"name": "get_weather", "arguments": {"city": "Paris"}}, {"name": "get_time", "arguments": {}}]'
+    assert _read(MISTRAL, split(text)) == ("", [("get_weather", {"city": "Paris"}), ("get_time", {})], "tool_calls")
+
+
+@pytest.mark.parametrize("text", ['[{"name": "f", "arguments": {"x"', "[1, 2]", "[]", '[{"name": "f"}] and words'])
+def test_a_mistral_array_that_is_not_calls_is_the_content(text: str) -> None:
+    assert _read(MISTRAL, _characters(text), "length") == (text, [], "length")
+
+
+@pytest.mark.parametrize("split", [lambda t: [t], _characters])
+def test_pythonic_calls_are_parsed_never_run(split: Any) -> None:
+    text = '[get_weather(city="Paris", days=[1, 2], exact=True, note=None), get_time()]'
+    assert _read(PYTHONIC, split(text)) == (
+        "", [("get_weather", {"city": "Paris", "days": [1, 2], "exact": True, "note": None}), ("get_time", {})],
+        "tool_calls")
+
+
+@pytest.mark.parametrize("text", [
+    '[get_weather("Paris")]',                   # positional: no argument names
+    '[get_weather(city=open("/etc/passwd"))]',  # not a literal: never evaluated
+    "[f(**kwargs)]", "[obj.method(a=1)]", "[f(a=1e999)]", "[f(a={1, 2})]", "[1, 2]", "[f(a=1)", "[" * 500 + "]" * 500,
+])
+def test_a_pythonic_list_that_is_not_literal_calls_is_the_content(text: str) -> None:
+    assert _read(PYTHONIC, [text]) == (text, [], "stop")
+
+
+def test_a_pythonic_answer_in_words_streams_as_content() -> None:
+    reader = ToolCallReader(PYTHONIC)
+    assert reader.feed("It is [sunny]") == ("It is [sunny]", [])
+    assert reader.finish("stop") == ("", [], "stop")
