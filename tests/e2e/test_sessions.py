@@ -153,12 +153,13 @@ def test_a_five_turn_conversation_reuses_its_kv_on_turns_two_to_five(shoal: Shoa
 def test_usage_counts_the_prompt_tokens_a_turn_found_cached(shoal: ShoalUp) -> None:
     """``usage.prompt_tokens_details.cached_tokens``: none on a first turn (a history no test
     sent before), its whole blocks on the next turn of its session, and on the same first turn
-    sent again (the prefix cache)."""
+    sent again without a session (the prefix cache)."""
     block_size = 16  # worker.block_size
+    start = session_counts(shoal, model=SMALL)
 
-    def turn(messages: list[dict[str, str]]) -> dict[str, Any]:
+    def turn(messages: list[dict[str, str]], session_id: str | None = "cached-usage") -> dict[str, Any]:
         body = {"model": SMALL, "messages": messages, "max_tokens": 8, "temperature": 0, "ignore_eos": True,
-                "session_id": "cached-usage"}
+                "session_id": session_id}
         status, payload, _ = call("POST", shoal.v1 + "/chat/completions", body)
         assert status == 200, payload
         return payload
@@ -171,9 +172,11 @@ def test_usage_counts_the_prompt_tokens_a_turn_found_cached(shoal: ShoalUp) -> N
     cached = two["usage"]["prompt_tokens_details"]["cached_tokens"]
     assert history // block_size * block_size <= cached < two["usage"]["prompt_tokens"], (history, cached)
     assert cached % block_size == 0
-    again = turn(first)  # all but its last token cached: whole blocks, and one token is always computed
+    again = turn(first, session_id=None)  # all but its last token cached: whole blocks, one token always computed
     whole_blocks = (one["usage"]["prompt_tokens"] - 1) // block_size * block_size
     assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == whole_blocks
+    # The next test counts session turns from here: its start must include these two.
+    wait_for_counts(shoal, hit=start["hit"] + 1, miss=start["miss"] + 1, model=SMALL)
 
 
 def chat_tokens(models_root: Path, model: str, messages: list[dict[str, str]]) -> list[int]:
