@@ -177,9 +177,15 @@ RESERVED_TEMPLATE_KWARGS = frozenset({
 """Names `apply_chat_template` takes itself: Shoal sets them."""
 
 
+ReasoningEffort = Literal["none", "minimal", "low", "medium", "high"]
+
+
 class ChatCompletionRequest(_Sampling, kw_only=True):
     messages: Annotated[list[InMessage], Meta(min_length=1)]
     chat_template_kwargs: TemplateKwargs | None = None
+    reasoning_effort: ReasoningEffort | None = None
+    """OpenAI's, given to the chat template as its ``reasoning_effort`` variable (as vLLM
+    does: templates that know it, gpt-oss's, use it; others ignore it)."""
     add_generation_prompt: bool | None = None
     """vLLM's: open the assistant's turn after the messages (true unless false)."""
     continue_final_message: bool | None = None
@@ -411,12 +417,17 @@ def chat_messages(req: ChatCompletionRequest, max_chars: int) -> list[ChatMessag
 
 
 def template_kwargs(req: ChatCompletionRequest) -> dict[str, Any] | None:
-    """``chat_template_kwargs``, none of them a name Shoal passes itself (a 400 naming it)."""
-    kwargs = req.chat_template_kwargs
-    taken = sorted(set(kwargs or ()) & RESERVED_TEMPLATE_KWARGS)
+    """``chat_template_kwargs``, none of them a name Shoal passes itself (a 400 naming it),
+    with ``reasoning_effort`` (a 400 when the two disagree)."""
+    kwargs = dict(req.chat_template_kwargs or {})
+    taken = sorted(set(kwargs) & RESERVED_TEMPLATE_KWARGS)
     if taken:
         raise BadRequest(f"chat_template_kwargs: {taken} are set by Shoal, not by requests",
                          param="chat_template_kwargs")
+    effort = req.reasoning_effort
+    if effort is not None and kwargs.setdefault("reasoning_effort", effort) != effort:
+        raise BadRequest("reasoning_effort and chat_template_kwargs.reasoning_effort differ; send one",
+                         param="reasoning_effort")
     return kwargs or None
 
 

@@ -50,6 +50,7 @@ from shoal.services.gateway.openai_api import (
     MinP,
     NamedFunction,
     NamedToolChoice,
+    ReasoningEffort,
     RepetitionPenalty,
     Seed,
     Temperature,
@@ -70,7 +71,10 @@ from shoal.services.gateway.responses_items import (
 )
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
-"""The one ``include`` value Shoal serves: the output text's log probabilities."""
+"""The ``include`` value that asks for the output text's log probabilities."""
+ENCRYPTED_REASONING_INCLUDE = "reasoning.encrypted_content"
+"""Accepted, and nothing to add: past reasoning is never carried into a prompt (chat templates
+leave it out), so there is no state to hand back."""
 MAX_METADATA_KEYS = 16
 
 
@@ -93,6 +97,14 @@ class TextConfig(Struct, kw_only=True, omit_defaults=True):
     format: dict[str, Any] | None = None
     """``{"type": "text"}``, ``{"type": "json_object"}`` or ``{"type": "json_schema", "name", "schema"}``."""
     verbosity: str | None = None
+
+
+class ResponsesReasoning(Struct, kw_only=True, omit_defaults=True):
+    """``reasoning``: ``effort`` reaches the chat template as ``reasoning_effort``; ``summary``
+    is accepted (a reasoning item carries the thinking whole, not summarized)."""
+
+    effort: ReasoningEffort | None = None
+    summary: Literal["auto", "concise", "detailed"] | None = None
 
 
 class ResponsesRequest(Struct, kw_only=True):
@@ -118,7 +130,7 @@ class ResponsesRequest(Struct, kw_only=True):
     previous_response_id: str | None = None
     conversation: str | dict[str, Any] | None = None
     background: bool | None = None
-    reasoning: dict[str, Any] | None = None
+    reasoning: ResponsesReasoning | None = None
     # Shoal's and vLLM's, as in chat (the openai client sends them through `extra_body`).
     session_id: str | None = None
     chat_template_kwargs: TemplateKwargs | None = None
@@ -132,7 +144,6 @@ class ResponsesRequest(Struct, kw_only=True):
 _UNSERVED = (
     ("conversation", "Shoal keeps no conversation objects: go on from a response with previous_response_id"),
     ("background", "background responses are not supported"),
-    ("reasoning", "reasoning options are not supported by Shoal's models"),
 )
 UNSERVED_FIELDS = tuple(name for name, _ in _UNSERVED)
 """Fields accepted only when absent (``null``, ``false``)."""
@@ -191,6 +202,7 @@ def chat_request(req: ResponsesRequest, conversation: list[InMessage] | None = N
         user=req.user,
         session_id=session_id or req.session_id,
         chat_template_kwargs=req.chat_template_kwargs,
+        reasoning_effort=req.reasoning.effort if req.reasoning is not None else None,
         ignore_eos=req.ignore_eos,
         seed=req.seed,
         top_k=req.top_k,
@@ -200,10 +212,11 @@ def chat_request(req: ResponsesRequest, conversation: list[InMessage] | None = N
 
 
 def _wants_logprobs(include: list[str] | None) -> bool:
-    others = sorted(set(include or ()) - {LOGPROBS_INCLUDE})
+    others = sorted(set(include or ()) - {LOGPROBS_INCLUDE, ENCRYPTED_REASONING_INCLUDE})
     if others:
-        raise BadRequest(f"include: Shoal serves only {LOGPROBS_INCLUDE!r}, not {others}", param="include")
-    return bool(include)
+        raise BadRequest(f"include: Shoal serves only {LOGPROBS_INCLUDE!r} and {ENCRYPTED_REASONING_INCLUDE!r}, "
+                         f"not {others}", param="include")
+    return LOGPROBS_INCLUDE in (include or ())
 
 
 def _chat_tools(tools: list[ResponsesTool] | None) -> list[ToolDefinition] | None:
@@ -330,7 +343,7 @@ class ResponseObject(Struct, kw_only=True):
     metadata: dict[str, str]
     store: bool = False
     previous_response_id: str | None = None
-    reasoning: None = None
+    reasoning: ResponsesReasoning | None = None
     background: bool = False
     user: str | None
     completed_at: int | None = None
@@ -359,7 +372,7 @@ class ResponseShell:
             text=req.text or TextConfig(format={"type": "text"}), top_logprobs=req.top_logprobs,
             usage=None if token_usage is None else response_usage(token_usage),
             metadata=req.metadata or {}, user=req.user, store=req.store is not False,
-            previous_response_id=req.previous_response_id,
+            previous_response_id=req.previous_response_id, reasoning=req.reasoning,
             completed_at=int(time.time()) if status in ("completed", "incomplete") else None,
         )
 

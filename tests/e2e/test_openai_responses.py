@@ -43,6 +43,14 @@ def test_a_response_is_what_chat_answers_for_the_same_turns(client: openai.OpenA
     assert response.usage.input_tokens == chat.usage.prompt_tokens
     assert response.usage.output_tokens == 8 and response.usage.total_tokens == chat.usage.total_tokens
     assert response.instructions == "Be brief." and response.max_output_tokens == 8 and response.store is True
+    # What stateless clients send by default: a reasoning effort and encrypted reasoning (the demo
+    # template ignores the effort, so the answer is the same).
+    effortful = client.responses.create(model=SMALL, instructions="Be brief.", input="Say hello.",
+                                        max_output_tokens=8, temperature=0, extra_body={"ignore_eos": True},
+                                        reasoning={"effort": "low", "summary": "auto"},
+                                        include=["reasoning.encrypted_content"])
+    assert effortful.output_text == response.output_text
+    assert effortful.reasoning is not None and effortful.reasoning.effort == "low"
 
 
 def test_a_streamed_response_ends_as_the_collected_one(client: openai.OpenAI) -> None:

@@ -19,6 +19,7 @@ from shoal.services.gateway.openai_api import (
     ToolCallOut,
     decode_body,
     sampling_params,
+    template_kwargs,
     usage,
 )
 from shoal.services.gateway.responses_api import (
@@ -129,8 +130,9 @@ def test_logprobs_come_with_include() -> None:
     [
         ({"conversation": "conv_1"}, "conversation"),
         ({"background": True}, "background"),
-        ({"reasoning": {"effort": "low"}}, "reasoning"),
-        ({"include": ["reasoning.encrypted_content"]}, "include"),
+        ({"reasoning": {"effort": "extreme"}}, "reasoning"),
+        ({"reasoning": {"summary": "long"}}, "reasoning"),
+        ({"include": ["file_search_call.results"]}, "include"),
         ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input"),  # only the store resolves one
         ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input"),
         ({"input": [{"role": "tool", "content": "x"}]}, "input"),
@@ -247,3 +249,17 @@ def test_input_items_are_listed_a_page_at_a_time_in_either_order() -> None:
     with pytest.raises(BadRequest) as caught:
         page(typed, limit=1, order="asc", after="msg_9")
     assert caught.value.param == "after"
+
+
+def test_reasoning_effort_reaches_the_chat_template_and_encrypted_reasoning_is_a_no_op() -> None:
+    chat = chat_request(_request(reasoning={"effort": "low", "summary": "auto"},
+                                 include=["reasoning.encrypted_content"]))
+    assert chat.reasoning_effort == "low" and chat.logprobs is None
+    assert template_kwargs(chat) == {"reasoning_effort": "low"}
+    shell = ResponseShell("resp_1", 0, _request(reasoning={"effort": "low", "summary": "auto"}))
+    echoed = msgspec.to_builtins(shell.make("completed", []))["reasoning"]
+    assert echoed == {"effort": "low", "summary": "auto"}
+    both = chat_request(_request(reasoning={"effort": "high"}, chat_template_kwargs={"reasoning_effort": "low"}))
+    with pytest.raises(BadRequest) as caught:
+        template_kwargs(both)
+    assert caught.value.param == "reasoning_effort"
