@@ -21,6 +21,7 @@ all the same, then not found when asked for.
 
 from __future__ import annotations
 
+import asyncio
 import re
 
 import msgspec
@@ -140,8 +141,8 @@ class ResponseStore:
         key = stored.response.id
         try:
             await self.kv.put(key, _encoder.encode(stored))
-            for item_id in {*(item.id for item in stored.input_items), *(item.id for item in stored.response.output)}:
-                await self.kv.put(_item_key(item_id), key.encode())
+            item_ids = {*(item.id for item in stored.input_items), *(item.id for item in stored.response.output)}
+            await asyncio.gather(*(self.kv.put(_item_key(item_id), key.encode()) for item_id in item_ids))
         except (TimeoutError, nats.errors.Error) as exc:  # too large, bucket full, NATS away
             log.warning("response_not_stored", response_id=key, error=str(exc))
 
