@@ -35,6 +35,7 @@ from shoal.services.gateway.state import GATEWAY, GatewayState
 from shoal.shared.bus import connect
 from shoal.shared.config import GatewayConfig, NatsConfig, SessionConfig
 from shoal.shared.metrics import CONTENT_TYPE, Registry
+from shoal.shared.version import SHOAL_VERSION
 
 log = structlog.get_logger(__name__)
 
@@ -42,6 +43,11 @@ async def healthz(request: web.Request) -> web.Response:
     state = request.app[GATEWAY]
     healthy = state.bus.nc.is_connected
     return web.json_response({"status": "ok" if healthy else "nats disconnected"}, status=200 if healthy else 503)
+
+
+async def version(request: web.Request) -> web.Response:
+    """vLLM's ``/version``: which Shoal answers (open, as its health is)."""
+    return web.json_response({"version": SHOAL_VERSION})
 
 
 async def metrics(request: web.Request) -> web.Response:
@@ -124,6 +130,7 @@ def create_app(config: GatewayConfig, nats_url: str, registry: Registry | None =
     routes_ui.add_routes(app)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/health", healthz)
+    app.router.add_get("/version", version)
     app.router.add_get("/metrics", metrics)
     openapi.add_routes(app)
     return app

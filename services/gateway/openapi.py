@@ -182,6 +182,10 @@ def get_document() -> bytes:
         "/healthz": {"get": {"summary": "200 while the gateway's NATS connection is up",
                              "responses": {"200": {"description": "healthy"},
                                            "503": {"description": "NATS is disconnected"}}}},
+        "/version": {"get": {"summary": "Shoal's version",
+                             "responses": {"200": {"description": "the version", "content": {_JSON: {"schema": {
+                                 "type": "object", "required": ["version"],
+                                 "properties": {"version": {"type": "string"}}}}}}}}},
         "/metrics": {"get": {"summary": "Prometheus metrics (text format)",
                              "responses": {"200": {"description": "the exposition",
                                                    "content": {"text/plain": {"schema": {"type": "string"}}}}}}},

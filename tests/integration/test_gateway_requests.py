@@ -20,6 +20,7 @@ from shoal.shared.bus import Bus
 from shoal.shared.config import ConfigError, GatewayConfig
 from shoal.shared.messages import ModelSpec
 from shoal.shared.nats_server import EmbeddedNatsServer
+from shoal.shared.version import SHOAL_VERSION
 from tests.integration.gateway_harness import call, gateway_running, metric_value
 
 MODEL = "org/m"
@@ -245,10 +246,12 @@ async def test_rejected_requests_are_counted(gateway: str) -> None:
         assert await metric_value(gateway, sample) == value, sample
 
 
-async def test_health_alias(gateway: str) -> None:
+async def test_health_alias_and_version(gateway: str) -> None:
     for path in ("/health", "/healthz"):
         status, body, _ = await call("GET", gateway + path)
         assert status == 200 and body == {"status": "ok"}
+    status, body, _ = await call("GET", gateway + "/version")
+    assert status == 200 and body == {"version": SHOAL_VERSION}
 
 
 async def test_bearer_scheme_is_case_insensitive(bus: Bus, nats_server: EmbeddedNatsServer) -> None:
