@@ -129,6 +129,9 @@ class SamplingParams(Struct, omit_defaults=True):
     prompt_logprobs: int | None = None
     """With `echo`: each prompt token's log probability and this many alternatives; the
     prompt is then computed whole (no prefix-cache or session reuse)."""
+    embed: bool = False
+    """``/v1/embeddings``: no text; the prompt's embedding (its last token's final hidden
+    state, L2-normalized, as vLLM pools a decoder model by default) ends the request."""
 
     @property
     def has_grammar(self) -> bool:
@@ -239,6 +242,8 @@ class FinalReply(Struct, tag="final", tag_field="type", omit_defaults=True):
     replica_id: ReplyReplicaId = ""
     cached_tokens: int = 0
     """Prompt tokens whose K/V the replica had (prefix cache, the session), not computed."""
+    embedding: bytes | None = None
+    """An embedding request's vector: float32, little-endian (`SamplingParams.embed`)."""
 
 
 ErrorType = Literal["invalid_request_error", "timeout", "unavailable", "server_error"]

@@ -14,6 +14,7 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
+from shoal.services.gateway.embeddings_api import EmbeddingList, EmbeddingRequest
 from shoal.services.gateway.errors import ErrorEnvelope
 from shoal.services.gateway.openai_api import (
     ChatCompletion,
@@ -80,7 +81,7 @@ def get_document() -> bytes:
     """The OpenAPI document (JSON bytes)."""
     types = [ChatCompletionRequest, CompletionRequest, ChatCompletion, ChatCompletionChunk, Completion, ModelList,
              ModelCard, ErrorEnvelope, ModelConfig, ScaleBody, EvictBody, SchedulerReply, ResponsesRequest,
-             ResponseObject, DeletedResponse, ItemList, TokenizeResponse, DetokenizeBody, DetokenizeResponse]
+             ResponseObject, DeletedResponse, ItemList, EmbeddingRequest, EmbeddingList, TokenizeResponse, DetokenizeBody, DetokenizeResponse]
     schemas, components = msgspec.json.schema_components(types, ref_template=_REF)
     refs = {t.__name__: schema for t, schema in zip(types, schemas, strict=True)}
     inference_errors = _errors(refs, 400, 401, 404, 413, 429, 503, 504)
@@ -145,6 +146,12 @@ def get_document() -> bytes:
                                              "content": _content(refs["DeletedResponse"])},
                                      **_errors(refs, 401, 404)}},
         },
+        "/v1/embeddings": {"post": {
+            "summary": "embeddings: each input's last token's final hidden state, L2-normalized",
+            "requestBody": {"required": True, "content": _content(refs["EmbeddingRequest"])},
+            "responses": {"200": {"description": "the embeddings", "content": _content(refs["EmbeddingList"])},
+                          **inference_errors},
+        }},
         "/v1/responses/{response_id}/input_items": {"get": {
             "summary": "a stored response's input items, a page at a time",
             "parameters": [

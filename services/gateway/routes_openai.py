@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
@@ -25,6 +26,13 @@ from msgspec import Meta, Struct
 from shoal.services.gateway.answer_reader import AnswerReader, Read
 from shoal.services.gateway.choices import Choice, expand, merged
 from shoal.services.gateway.dispatch import DispatchEvent, Restart
+from shoal.services.gateway.embeddings_api import (
+    EMBED_PARAMS,
+    EmbeddingRequest,
+    as_input_error,
+    completion_request,
+    embedding_list,
+)
 from shoal.services.gateway.errors import ApiError, BadRequest, NotFound, error_payload
 from shoal.services.gateway.openai_api import (
     SESSION_HEADER,
@@ -133,9 +141,15 @@ async def responses(request: web.Request) -> web.StreamResponse:
     return await _serve(request, "responses")
 
 
-Endpoint = Literal["chat", "completion", "responses"]
+@routes.post("/v1/embeddings")
+async def embeddings(request: web.Request) -> web.StreamResponse:
+    return await _serve(request, "embeddings")
+
+
+Endpoint = Literal["chat", "completion", "responses", "embeddings"]
 _BODIES: dict[Endpoint, type[Any]] = {
-    "chat": ChatCompletionRequest, "completion": CompletionRequest, "responses": ResponsesRequest}
+    "chat": ChatCompletionRequest, "completion": CompletionRequest, "responses": ResponsesRequest,
+    "embeddings": EmbeddingRequest}
 
 
 async def _serve(request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
@@ -158,8 +172,11 @@ async def _serve(request: web.Request, endpoint: Endpoint) -> web.StreamResponse
             responding = await _responding(state, body, request[REQUEST_ID])
             body = responding.turn.chat
         kind: Kind = "completion" if endpoint == "completion" else "chat"
-        plan = _plan(state, body, request[REQUEST_ID], request.headers.get(SESSION_HEADER),
-                     format_param="text" if responding is not None else "response_format")
+        if isinstance(body, EmbeddingRequest):
+            plan = _embedding_plan(state, body, request[REQUEST_ID])
+        else:
+            plan = _plan(state, body, request[REQUEST_ID], request.headers.get(SESSION_HEADER),
+                         format_param="text" if responding is not None else "response_format")
         choices = plan.choices
         for choice in choices:
             check_fits_in_message(choice.request, state.bus.nc.max_payload)
@@ -171,7 +188,9 @@ async def _serve(request: web.Request, endpoint: Endpoint) -> web.StreamResponse
                 response, outcome = await _stream(request, state, plan, kind, responding)
             else:
                 await state.dispatcher.ensure_placed(body.model, choices[0].request.deadline)
-                response, outcome = await _collect(state, plan, kind, request[REQUEST_ID], responding), "ok"
+                collected = (_collect_embeddings(state, plan, body) if isinstance(body, EmbeddingRequest)
+                             else _collect(state, plan, kind, request[REQUEST_ID], responding))
+                response, outcome = await collected, "ok"
         return response
     except ApiError as exc:
         outcome = str(exc.status)
@@ -315,6 +334,31 @@ def _plan(state: GatewayState, body: ChatCompletionRequest | CompletionRequest, 
         session_id=session_id,
     )
     return _Plan(expand(inference, prompts, n, state.router.reply_subject), stream, include_usage, tools, reasoning)
+
+
+def _embedding_plan(state: GatewayState, body: EmbeddingRequest, request_id: str) -> _Plan:
+    """One request per input, each computing its prompt's embedding (embeddings_api.py)."""
+    try:
+        plan = _plan(state, completion_request(body), request_id, None)
+    except BadRequest as exc:
+        raise as_input_error(exc) from None
+    choices = [dataclasses.replace(choice, request=msgspec.structs.replace(choice.request, params=EMBED_PARAMS))
+               for choice in plan.choices]
+    return dataclasses.replace(plan, choices=choices)
+
+
+async def _collect_embeddings(state: GatewayState, plan: _Plan, body: EmbeddingRequest) -> web.Response:
+    finals: list[FinalReply | None] = [None] * len(plan.choices)
+    try:
+        async with _generating(state, plan.choices, restartable=True) as events:
+            async for index, event in events:
+                if isinstance(event, FinalReply):
+                    finals[index] = event
+    except BadRequest as exc:  # the worker's, about a prompt: an input here
+        raise as_input_error(exc) from None
+    ended = [final for final in finals if final is not None]
+    assert len(ended) == len(finals), "every input ends with its final reply"
+    return _json(embedding_list(body, ended), headers={REPLICA_HEADER: ended[0].replica_id})
 
 
 def _choices_usage(choices: list[Choice], finals: Sequence[FinalReply | None]) -> Usage:

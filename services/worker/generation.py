@@ -83,6 +83,8 @@ class GenerationOutput:
     num_completion_tokens: int = 0
     num_cached_tokens: int = 0
     """Prompt tokens whose K/V the request found (prefix cache, its session), not computed."""
+    embedding: bytes | None = None
+    """An embedding request's vector (`SamplingParams.embed`), float32 little-endian."""
     error: str | None = None
     token_hash: int = 0
     """`next_token_hash` over every token generated so far (`TextStream.token_hash`)."""

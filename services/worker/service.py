@@ -448,7 +448,7 @@ class WorkerService:
                 return "expired"
             return "cancelled"
         await replier.final(output.finish_reason or "stop", output.num_prompt_tokens, output.num_completion_tokens,
-                            output.num_cached_tokens)
+                            output.num_cached_tokens, output.embedding)
         logger.info(
             "request_done",
             prompt_tokens=output.num_prompt_tokens,
@@ -543,9 +543,10 @@ class _Replier:
         self.seq += 1
         await self._publish(encode_msgpack(message))
 
-    async def final(self, finish_reason: str, num_prompt: int, num_completion: int, num_cached: int) -> None:
+    async def final(self, finish_reason: str, num_prompt: int, num_completion: int, num_cached: int,
+                    embedding: bytes | None = None) -> None:
         message = FinalReply(self.request_id, self.attempt, self.seq, finish_reason, num_prompt, num_completion,
-                             self.replica_id, num_cached)
+                             self.replica_id, num_cached, embedding)
         await self._publish_confirmed(encode_msgpack(message))
 
     async def error(self, status: int, message: str, error_type: ErrorType, *, param: str | None = None) -> None:

@@ -39,6 +39,7 @@ MAX_EXAMPLES = 30
 INFERENCE_PATHS = ("/v1/chat/completions", "/v1/completions")
 RESPONSES_PATH = "/v1/responses"
 TOKENIZE_PATHS = ("/tokenize", "/detokenize")
+EMBEDDINGS_PATH = "/v1/embeddings"
 
 schema = schemathesis.openapi.from_dict(json.loads(get_document()))
 
@@ -60,7 +61,8 @@ CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance,
 
 def _aim_at_a_served_model(case: schemathesis.Case) -> None:
     """A deterministic third of the inference bodies name a served model and ask for few tokens."""
-    if case.path not in (*INFERENCE_PATHS, RESPONSES_PATH, *TOKENIZE_PATHS) or not isinstance(case.body, dict):
+    if case.path not in (*INFERENCE_PATHS, RESPONSES_PATH, *TOKENIZE_PATHS, EMBEDDINGS_PATH) \
+            or not isinstance(case.body, dict):
         return
     digest = hashlib.sha256(json.dumps(case.body, sort_keys=True, default=str).encode()).digest()
     if digest[0] % 3 == 0:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import array
 import asyncio
+import base64
 import json
 import re
 import urllib.error
@@ -660,3 +662,38 @@ def test_continue_final_message_goes_on_with_the_assistants_words(client: openai
         with pytest.raises(openai.BadRequestError) as caught:
             client.chat.completions.create(messages=sent, **greedy, extra_body=extra)
         assert caught.value.body["param"] == "continue_final_message", caught.value.body
+
+
+def test_embeddings_are_the_models_normalized_last_hidden_states(client: openai.OpenAI,
+                                                                 demo_models_root: Path) -> None:
+    """``client.embeddings.create``: each input's last token's final hidden state, L2-normalized
+    (vLLM's default for a decoder model), as a local forward of the same model computes it."""
+    model = AutoModelForCausalLM.from_pretrained(demo_models_root / SMALL).eval()
+    tokenizer = AutoTokenizer.from_pretrained(demo_models_root / SMALL)
+
+    def expected(ids: list[int]) -> list[float]:
+        with torch.inference_mode():
+            hidden = model.get_decoder()(torch.tensor([ids])).last_hidden_state[0, -1]
+        return torch.nn.functional.normalize(hidden, dim=-1).tolist()
+
+    texts = ["The sea is calm.", "A storm comes in from the west."]
+    answer = client.embeddings.create(model=SMALL, input=texts)
+    assert [item.index for item in answer.data] == [0, 1] and answer.model == SMALL
+    token_ids = [tokenizer.encode(text) for text in texts]
+    assert answer.usage.prompt_tokens == answer.usage.total_tokens == sum(len(ids) for ids in token_ids)
+    for item, ids in zip(answer.data, token_ids, strict=True):
+        assert len(item.embedding) == model.config.hidden_size
+        assert item.embedding == pytest.approx(expected(ids), abs=2e-4)
+    # base64 (float32 little-endian, as OpenAI sends it) and token ids
+    packed = client.embeddings.create(model=SMALL, input=[token_ids[1]], encoding_format="base64")
+    assert isinstance(packed.data[0].embedding, str)
+    unpacked = array.array("f", base64.b64decode(packed.data[0].embedding)).tolist()
+    assert unpacked == pytest.approx(answer.data[1].embedding, abs=1e-6)
+
+    for extra, param in [({"input": ""}, "input"), ({"input": [[5, 10**6]]}, "input"), ({"dimensions": 8}, "dimensions"),
+                         ({"input": ["x"] * 129}, "input"), ({"encoding_format": "hex"}, "encoding_format")]:
+        with pytest.raises(openai.BadRequestError) as caught:
+            client.embeddings.create(model=SMALL, **{"input": "x", **extra})
+        assert caught.value.body["param"] == param, (extra, caught.value.body)
+    with pytest.raises(openai.NotFoundError):
+        client.embeddings.create(model="org/none", input="x")

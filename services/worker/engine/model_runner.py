@@ -164,6 +164,13 @@ class ModelRunner:
         native forward computed it; None otherwise."""
         self.last_prompt_logits: list[tuple[PromptRows, torch.Tensor]] = []
         """The last `execute`'s logits of prompt rows to score (views: read before the next pass)."""
+        self.want_hidden = False
+        """The next `execute` keeps the final hidden states of its logits rows (`last_hidden`):
+        a pass with an embedding request."""
+        self.last_hidden: torch.Tensor | None = None
+        """The last `execute`'s final (normed) hidden state per row of its logits, in the same
+        order, when `want_hidden` was set; None otherwise."""
+        self._pass_hidden: torch.Tensor | None = None
         self.native: NativeForward | None = None
         if packed_model is not None:
             assert not self.kernels_path, "the native forward runs the CPU plan"
@@ -347,7 +354,7 @@ class ModelRunner:
                 batch = dataclasses.replace(batch, before_attention=layered.wait)
         if step.copy_pairs is not None:
             self.pools.copy_blocks(step.copy_pairs)
-        self.last_argmax = None
+        self.last_argmax = self.last_hidden = None
         try:
             logits = self._forward(step, batch)
         except BaseException:
@@ -358,6 +365,10 @@ class ModelRunner:
         if layered is not None:
             layered.finish()
         self.last_prompt_logits = [(rows, logits[rows.row:rows.row + rows.count]) for rows in step.prompt_rows]
+        hidden, self._pass_hidden = self._pass_hidden, None
+        if hidden is not None:  # a copy: the native forward's rows are a buffer the next pass overwrites
+            self.last_hidden = (hidden.clone() if step.logits_order is None
+                                else hidden.index_select(0, step.logits_order.to(hidden.device)))
         if step.logits_order is None:
             return logits
         # The logits come back where the model's hooks put them (the LM head's device, or
@@ -370,14 +381,25 @@ class ModelRunner:
             argmax = self.native.last_argmax
             if argmax is not None:
                 self.last_argmax = argmax if step.logits_order is None else argmax.index_select(0, step.logits_order)
+            if self.want_hidden:
+                self._pass_hidden = self.native.last_hidden
             return logits
-        output = self.model(
-            input_ids=step.input_ids,
-            position_ids=step.position_ids,
-            use_cache=False,
-            logits_to_keep=step.logits_to_keep,
-            **{BATCH_KWARG: batch},
-        )
+        captured: list[torch.Tensor] = []
+        hook = (self.model.get_decoder().norm.register_forward_hook(lambda _m, _a, out: captured.append(out))
+                if self.want_hidden else None)
+        try:
+            output = self.model(
+                input_ids=step.input_ids,
+                position_ids=step.position_ids,
+                use_cache=False,
+                logits_to_keep=step.logits_to_keep,
+                **{BATCH_KWARG: batch},
+            )
+        finally:
+            if hook is not None:
+                hook.remove()
+        if captured:  # the final norm's output [1, T, H]: the rows the LM head read
+            self._pass_hidden = _kept_rows(captured[0][0], step.logits_to_keep)
         return output.logits[0]
 
     def _start_layered_swap_in(self, pairs: torch.Tensor) -> LayeredSwapIn:
@@ -403,3 +425,11 @@ class ModelRunner:
             started = time.perf_counter()
             self.pools.swap_in(self.host_cache, pairs)
             self._swap_in_timing = (time.perf_counter() - started, None, None)
+
+
+def _kept_rows(hidden: torch.Tensor, logits_to_keep: int | torch.Tensor) -> torch.Tensor:
+    """The rows of `hidden` [T, H] that transformers' ``logits_to_keep`` keeps (an int k: the
+    last k, 0 for all; a tensor: those indices)."""
+    if isinstance(logits_to_keep, int):
+        return hidden[-logits_to_keep:] if logits_to_keep else hidden
+    return hidden.index_select(0, logits_to_keep.to(hidden.device))

@@ -296,6 +296,9 @@ class NativeForward:
         self.last_argmax: torch.Tensor | None = None
         """int64 [rows kept]: the last pass's most likely token per row (None without an
         lm_head of its own: tied to the embedding, the logits are a torch product)."""
+        self.last_hidden: torch.Tensor | None = None
+        """The last pass's final (normed) hidden state per logits row: a view of a buffer the
+        next pass overwrites."""
 
     def rest(self) -> None:
         """No pass comes soon: the forward's helper threads sleep now (`rest_threads`)."""
@@ -401,6 +404,7 @@ class NativeForward:
             prefill=prefill,
             whole_last_layer=not LAST_LAYER_WANTED_ROWS_ONLY,
         )
+        self.last_hidden = buffers.final_rows[:num_logit_rows]
         if buffers.logits is not None:
             self.last_argmax = buffers.argmax[:num_logit_rows]
             return buffers.logits[:num_logit_rows]

@@ -232,6 +232,8 @@ class PagedEngine:
         self._reset_kv_state(num_blocks)
         self._suspended = False
         self._requests: dict[str, RequestState] = {}
+        self._embedding_ids: set[str] = set()
+        """Embedding requests in the engine: a step looks for their rows only while there are any."""
         self._arrivals = itertools.count()
         self._mean_request_blocks = 1.0
         self._lock = threading.Lock()
@@ -498,7 +500,7 @@ class PagedEngine:
         sampling = SamplingState.from_params(params, eos_token_ids)
         if params.has_grammar:
             sampling.matcher = self._grammars.matcher(params)
-        max_num_tokens = min(max_model_len, num_prompt_tokens + max(1, params.max_tokens))
+        max_num_tokens = min(max_model_len, num_prompt_tokens + (1 if params.embed else max(1, params.max_tokens)))
         loop = asyncio.get_running_loop()
         with self._lock:
             if self.fatal_error is not None:
@@ -531,6 +533,8 @@ class PagedEngine:
                 detokenize_in_step=bool(params.stop),
             )
             self._requests[request.request_id] = state
+            if params.embed:
+                self._embedding_ids.add(request.request_id)
             self._scheduler.add(seq)
             request_blocks = self._kv_cache.get_num_blocks_for(max_num_tokens)
             self._mean_request_blocks += 0.1 * (request_blocks - self._mean_request_blocks)
@@ -585,6 +589,9 @@ class PagedEngine:
             step = self._runner.prepare(plan, self._kv_cache)
             sampled = [chunk.seq for chunk in plan.chunks if chunk.samples]
             sampling_states = [self._requests[seq.seq_id].sampling for seq in sampled]
+            embedding_rows = ([row for row, seq in enumerate(sampled) if seq.seq_id in self._embedding_ids]
+                              if self._embedding_ids else [])
+            self._runner.want_hidden = bool(embedding_rows)
             histories = None
             if any(state.has_penalties for state in sampling_states):
                 # The lists themselves: only this thread appends to them (`update`, below).
@@ -599,6 +606,7 @@ class PagedEngine:
             prompt_scores = self._score_prompts(plan)
             token_ids = sample(logits, sampling_states, histories, self._runner.last_argmax)
             logprobs = token_logprobs(logits, sampling_states, token_ids)
+            embeddings = self._embeddings(sampled, embedding_rows)
         except Exception as exc:  # a failed pass fails its requests, not the engine...
             if is_fatal_device_error(exc):  # ...unless the GPU context is poisoned
                 self._die(exc)
@@ -624,6 +632,9 @@ class PagedEngine:
             logprobs_by_seq = {} if logprobs is None else {
                 seq.seq_id: entry for seq, entry in zip(sampled, logprobs, strict=True) if entry is not None}
             for update in self._scheduler.update(plan, token_ids):
+                if (embedding := embeddings.get(update.seq.seq_id)) is not None:
+                    self._finish(self._requests[update.seq.seq_id], "stop", outbox, embedding=embedding)
+                    continue
                 self._emit(update, outbox, logprobs_by_seq.get(update.seq.seq_id))
                 has_first_token = has_first_token or update.seq.num_output_tokens == 1
             if has_first_token:
@@ -653,6 +664,16 @@ class PagedEngine:
                                              seq.prompt_logprobs)))
             seq.num_scored_prompt_rows = rows.first_position + rows.count
         return scores
+
+    def _embeddings(self, sampled: list[Sequence], rows: list[int]) -> dict[str, bytes]:
+        """The embedding requests' vectors, by sequence: their rows' final hidden states
+        (`ModelRunner.last_hidden`), L2-normalized, as float32 little-endian bytes."""
+        if not rows:
+            return {}
+        hidden = self._runner.last_hidden
+        assert hidden is not None, "the pass kept its hidden states (want_hidden)"
+        vectors = torch.nn.functional.normalize(hidden[rows].float(), dim=-1).cpu()
+        return {sampled[row].seq_id: vectors[i].numpy().astype("<f4").tobytes() for i, row in enumerate(rows)}
 
     def _stopping(self) -> bool:
         """The step thread is to end (closed, or suspended for a park)."""
@@ -700,11 +721,19 @@ class PagedEngine:
         delta: str = "",
         error: str | None = None,
         token_ids: tuple[int, ...] = (),
+        embedding: bytes | None = None,
     ) -> None:
         """Ends a request: its last output (or, detokenized by its consumer, its last tokens
-        and that output without its text)."""
+        and that output without its text); an embedding request's, its vector and no text."""
         state.finished = True
         del self._requests[state.request.request_id]
+        self._embedding_ids.discard(state.request.request_id)
+        if embedding is not None:
+            outbox.put(state, GenerationOutput(
+                state.request.request_id, "", 0, finished=True, finish_reason=finish_reason,
+                num_prompt_tokens=state.seq.num_prompt_tokens, num_cached_tokens=state.seq.num_cached_tokens or 0,
+                embedding=embedding))
+            return
         final = GenerationOutput(
             state.request.request_id,
             "",
