@@ -122,6 +122,10 @@ class SamplingParams(Struct, omit_defaults=True):
     regex: str | None = None
     """Structured output: the text must match this regular expression (vLLM's ``guided_regex``
     and ``guided_choice``); at most one of `json_schema` and `regex`."""
+    grammar_after: str | None = None
+    """The grammar shapes only the text after this marker (a reasoning model's ``</think>``):
+    from the first token when the prompt ends with it (thinking off), else from the token after
+    the one that completes it; None: all the text."""
     grammar_param: str = "response_format"
     """The request field the grammar (`json_schema` or `regex`) came from, named by an error about it."""
     echo: bool = False

@@ -115,6 +115,11 @@ class ModelSettings(Struct, kw_only=True, omit_defaults=True):
     """A reasoning model's thinking, split out of its chat answers into ``reasoning``:
     ``deepseek_r1`` (DeepSeek-R1, QwQ: the prompt opens the think block) or ``qwen3`` (blocks
     the answer opens with ``<think>``); None: answers are all content."""
+    grammar_after_reasoning: bool = True
+    """With a `reasoning_parser`: a grammar (``response_format``, a forced ``tool_choice``, vLLM's
+    structured outputs) shapes only the text after ``</think>``, so the model thinks freely
+    first, as vLLM has it; false: it shapes the whole answer from its first token (no thinking,
+    the JSON at once)."""
 
     def __post_init__(self) -> None:
         try:

@@ -71,7 +71,7 @@ from shoal.services.gateway.openai_api import (
     usage,
 )
 from shoal.services.gateway.progress import WaitProgress
-from shoal.services.gateway.reasoning import ReasoningReader
+from shoal.services.gateway.reasoning import THINK_END, ReasoningReader
 from shoal.services.gateway.request_ids import REQUEST_ID, REQUEST_ID_HEADER
 from shoal.services.gateway.response_store import ResponseStore
 from shoal.services.gateway.responses_api import (
@@ -305,9 +305,12 @@ def _plan(state: GatewayState, body: ChatCompletionRequest | CompletionRequest, 
         spec = state.cluster.get_model(body.model)
         tools = tool_plan(body, spec.tool_call_parser if spec is not None else "hermes")
         reasoning = spec.reasoning_parser if spec is not None else None
+        thinks_first = reasoning is not None and spec is not None and spec.grammar_after_reasoning
         params = forced(sampling_params(body, max_tokens, UNLIMITED_MAX_TOKENS), tools, body)
         if params.json_schema is not None and params.grammar_param == "response_format":
             params = msgspec.structs.replace(params, grammar_param=format_param)
+        if thinks_first and params.has_grammar:  # the model thinks first, freely (as vLLM has it)
+            params = msgspec.structs.replace(params, grammar_after=THINK_END)
         prompts = [{"messages": chat_messages(body, state.config.max_prompt_chars), "tools": tool_specs(body),
                     "chat_template_kwargs": template_kwargs(body), **template_mode(body)}]
     else:

@@ -519,10 +519,11 @@ def test_health_and_metrics(shoal: ShoalUp) -> None:
 def test_a_reasoning_models_thinking_comes_apart_from_its_answer(client: openai.OpenAI, shoal: ShoalUp) -> None:
     """A model registered with ``reasoning_parser = "deepseek_r1"``: what comes before
     ``</think>`` is ``reasoning``, the rest ``content``, streamed or not, in chat and in the
-    Responses API. (The answer is made one with a thinking part by ``response_format``:
-    random weights never close a think block.)"""
+    Responses API. (The answer is made one with a thinking part by ``response_format``, which
+    this model lets shape its thinking too: random weights never close a think block.)"""
     code, payload = _post(shoal.base_url + "/admin/models", json.dumps(
-        {"key": "org/thinker", "path": SMALL, "reasoning_parser": "deepseek_r1"}).encode())
+        {"key": "org/thinker", "path": SMALL, "reasoning_parser": "deepseek_r1",
+         "grammar_after_reasoning": False}).encode())
     assert code == 200 and payload["model"]["reasoning_parser"] == "deepseek_r1", payload
     answer = {"type": "json_schema", "json_schema": {"name": "a", "schema": {"const": "plan</think>answer"}}}
     kwargs = dict(messages=[{"role": "user", "content": "2+2?"}], max_tokens=40, response_format=answer)
@@ -550,6 +551,21 @@ def test_a_reasoning_models_thinking_comes_apart_from_its_answer(client: openai.
 
     plain = client.chat.completions.create(model=SMALL, **kwargs).choices[0].message
     assert plain.content == '"plan</think>answer"' and getattr(plain, "reasoning", None) is None
+
+
+def test_a_reasoning_model_thinks_before_its_grammar_applies(client: openai.OpenAI, shoal: ShoalUp) -> None:
+    """By default a grammar waits for ``</think>`` (tests/unit/test_engine_grammar_after.py
+    shows the text after it shaped): these random weights never close their think block, so
+    the schema's constant never comes, and the whole answer is reasoning."""
+    code, payload = _post(shoal.base_url + "/admin/models", json.dumps(
+        {"key": "org/free-thinker", "path": SMALL, "reasoning_parser": "deepseek_r1"}).encode())
+    assert code == 200 and payload["model"].get("grammar_after_reasoning", True) is True, payload
+    answer = {"type": "json_schema", "json_schema": {"name": "a", "schema": {"const": "x"}}}
+    choice = client.chat.completions.create(model="org/free-thinker", messages=[{"role": "user", "content": "2+2?"}],
+                                            max_tokens=8, response_format=answer,
+                                            extra_body={"ignore_eos": True}).choices[0]
+    assert choice.finish_reason == "length" and not choice.message.content
+    assert choice.message.reasoning and choice.message.reasoning != '"x"'
 
 
 def test_chat_template_kwargs_reach_the_template(client: openai.OpenAI, demo_models_root: Path) -> None:

@@ -139,7 +139,7 @@ def test_a_model_spec_is_derived_from_the_models_settings() -> None:
     config = load_config(None, environ={}, overrides={"models": [{
         "key": "org/m", "path": "m", "dtype": "bfloat16", "max_model_len": 512, "kv_cache_tokens": 100,
         "memory_override_bytes": "1GiB", "num_gpus": 2, "min_replicas": 3, "max_queue": 9,
-        "tool_call_parser": "llama3_json", "reasoning_parser": "qwen3", "fairness": {"popular": True, "min_runtime_s": 30}, "sleep": {"idle_timeout_s": 120, "level": "cold"},
+        "tool_call_parser": "llama3_json", "reasoning_parser": "qwen3", "grammar_after_reasoning": False, "fairness": {"popular": True, "min_runtime_s": 30}, "sleep": {"idle_timeout_s": 120, "level": "cold"},
     }]})
     settings = config.models[0]
     spec = ModelSpec.from_settings(settings, source="config", registered_at=12.0)

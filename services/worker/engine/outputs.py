@@ -42,6 +42,8 @@ class RequestState:
     """The prompt's scores so far (requests that ask: `Sequence.prompt_logprobs`); the
     consumer reads them with the request's first output, after the last was added."""
     finished: bool = False
+    marker_search_from: int = 0
+    """Where in the text a reasoning end marker may still begin (`SamplingParams.grammar_after`)."""
     detokenize_in_step: bool = False
     """With stop strings the step thread detokenizes (a stop string ends the sequence in the
     step that completes it); without, the consumer does (`Tokens`)."""

@@ -80,6 +80,9 @@ from shoal.shared.model_memory import (
 
 log = structlog.get_logger(__name__)
 
+PROMPT_TAIL_TOKENS = 32
+"""Tokens of a prompt's end decoded to find a reasoning end marker there."""
+
 
 SESSION_EXPIRY_INTERVAL_S = 1.0
 """How often an idle engine with cached sessions looks for expired ones."""
@@ -500,6 +503,8 @@ class PagedEngine:
         sampling = SamplingState.from_params(params, eos_token_ids)
         if params.has_grammar:
             sampling.matcher = self._grammars.matcher(params)
+            sampling.grammar_waits = (params.grammar_after is not None
+                                      and not self._prompt_ends_with(request.prompt_token_ids, params.grammar_after))
         max_num_tokens = min(max_model_len, num_prompt_tokens + (1 if params.embed else max(1, params.max_tokens)))
         loop = asyncio.get_running_loop()
         with self._lock:
@@ -530,7 +535,7 @@ class PagedEngine:
                 TextStream(self._tokenizer, params.stop, params.min_tokens),
                 loop,
                 asyncio.Queue(),
-                detokenize_in_step=bool(params.stop),
+                detokenize_in_step=bool(params.stop) or sampling.grammar_waits,
             )
             self._requests[request.request_id] = state
             if params.embed:
@@ -675,6 +680,22 @@ class PagedEngine:
         vectors = torch.nn.functional.normalize(hidden[rows].float(), dim=-1).cpu()
         return {sampled[row].seq_id: vectors[i].numpy().astype("<f4").tobytes() for i, row in enumerate(rows)}
 
+    def _prompt_ends_with(self, prompt_token_ids: list[int], marker: str) -> bool:
+        """The prompt's text ends with `marker` (blanks after it aside): its reasoning is over
+        before the answer starts (a template that turns thinking off closes the block)."""
+        tail = self._tokenizer.decode(prompt_token_ids[-PROMPT_TAIL_TOKENS:], skip_special_tokens=False)
+        return str(tail).rstrip().endswith(marker)
+
+    @staticmethod
+    def _watch_reasoning_end(state: RequestState) -> None:
+        """The text so far completes the reasoning's end marker: the grammar applies from the next token."""
+        marker = state.request.params.grammar_after
+        assert marker is not None, "only a request whose grammar waits for a marker is watched"
+        text = state.text.text
+        if text.find(marker, state.marker_search_from) >= 0:
+            state.sampling.grammar_waits = False
+        state.marker_search_from = max(0, len(text) - len(marker) + 1)
+
     def _stopping(self) -> bool:
         """The step thread is to end (closed, or suspended for a park)."""
         return self._closed or self._suspended
@@ -692,6 +713,8 @@ class PagedEngine:
             return
         state.num_unsent_tokens += 1
         delta = state.text.push(update.token_id)
+        if state.sampling.grammar_waits:
+            self._watch_reasoning_end(state)
         if state.text.stopped:
             self._scheduler.finish(update.seq.seq_id, "stop")
             self._finish(state, "stop", outbox)

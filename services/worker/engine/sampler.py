@@ -51,6 +51,9 @@ class SamplingState:
     """Report the chosen token's log probability and this many alternatives; None: don't."""
     matcher: TokenMatcher | None = None
     """Structured output: the grammar the tokens must follow (the engine sets it)."""
+    grammar_waits: bool = False
+    """The grammar applies once the reasoning before it has ended (`SamplingParams.grammar_after`;
+    the engine clears it when the text shows that end)."""
     min_tokens: int = 0
     ending_ids: torch.Tensor | None = None
     """The tokens that end the request, masked out until `min_tokens` are chosen; None: none."""
@@ -90,7 +93,9 @@ class SamplingState:
     @property
     def active_matcher(self) -> TokenMatcher | None:
         """The grammar that still decides which tokens may come next, if any."""
-        return self.matcher if self.matcher is not None and not self.matcher.failed else None
+        if self.matcher is None or self.grammar_waits or self.matcher.failed:
+            return None
+        return self.matcher
 
     @property
     def holds_ending(self) -> bool:
