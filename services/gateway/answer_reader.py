@@ -34,8 +34,14 @@ class AnswerReader:
         """Text comes out as content as it goes in (nothing is read out of it)."""
         return self._reasoning is None and self._tools is None
 
-    def feed(self, text: str) -> Read:
-        reasoning, content = self._reasoning.feed(text) if self._reasoning is not None else ("", text)
+    @property
+    def num_reasoning_tokens(self) -> int:
+        """Tokens of the answer the model thought in (those fed with `num_tokens`)."""
+        return self._reasoning.num_reasoning_tokens if self._reasoning is not None else 0
+
+    def feed(self, text: str, num_tokens: int = 0) -> Read:
+        reasoning, content = (self._reasoning.feed(text, num_tokens) if self._reasoning is not None
+                              else ("", text))
         return Read(reasoning) + self._content(content)
 
     def finish(self, finish_reason: str) -> tuple[Read, str]:

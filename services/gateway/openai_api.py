@@ -506,11 +506,17 @@ class PromptTokensDetails(Struct):
     """Prompt tokens whose K/V a replica had cached (prefix cache, the chat session)."""
 
 
+class CompletionTokensDetails(Struct):
+    reasoning_tokens: int = 0
+    """Tokens a reasoning model thought in (its ``reasoning_parser``; counted chunk by chunk)."""
+
+
 class Usage(Struct):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails = msgspec.field(default_factory=PromptTokensDetails)
+    completion_tokens_details: CompletionTokensDetails = msgspec.field(default_factory=CompletionTokensDetails)
 
 
 class ToolCallOut(Struct):
@@ -648,9 +654,9 @@ Kind = Literal["chat", "completion"]
 encoder = msgspec.json.Encoder()
 
 
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> Usage:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0, reasoning_tokens: int = 0) -> Usage:
     return Usage(prompt_tokens, completion_tokens, prompt_tokens + completion_tokens,
-                 PromptTokensDetails(cached_tokens))
+                 PromptTokensDetails(cached_tokens), CompletionTokensDetails(reasoning_tokens))
 
 
 def _token_text(token: bytes) -> str:

@@ -34,8 +34,16 @@ class ReasoningReader:
         self._held = ""
         """Text not given out yet: a possible tag's start, or whitespace after a tag."""
         self._skip_space = True
+        self.num_reasoning_tokens = 0
+        """Tokens of the chunks that came while the model thought (the one closing its block
+        included): exact to the chunk, and a chunk is most often one token."""
+        self._undecided_tokens = 0
+        """Tokens fed while the answer's start could not yet tell whether it thinks."""
+        self._thought = False
 
-    def feed(self, text: str) -> tuple[str, str]:
+    def feed(self, text: str, num_tokens: int = 0) -> tuple[str, str]:
+        """The reasoning and content `text` gives out; `num_tokens`: the tokens it came in."""
+        before = self._phase
         reasoning: list[str] = []
         content: list[str] = []
         self._held += text
@@ -51,13 +59,30 @@ class ReasoningReader:
             else:
                 content.append(self._visible(self._held))
                 self._held = ""
+        self._count(before, num_tokens)
         return "".join(reasoning), "".join(content)
+
+    def _count(self, before: _Phase, num_tokens: int) -> None:
+        if before == "reasoning":
+            self.num_reasoning_tokens += num_tokens
+        elif before == "opening":
+            self._undecided_tokens += num_tokens
+            if self._phase != "opening":
+                self._decided()
+
+    def _decided(self) -> None:
+        """The answer's start told whether it thinks: the tokens fed until then count if it did."""
+        if self._thought:
+            self.num_reasoning_tokens += self._undecided_tokens
+        self._undecided_tokens = 0
 
     def finish(self) -> tuple[str, str]:
         """What is held when the choice ends: a tag's start that never completed is text."""
         held, self._held = self._held, ""
         if self._phase == "opening":
             self._phase = "reasoning" if self._parser == "deepseek_r1" else "content"
+            self._thought = self._phase == "reasoning"
+            self._decided()
         visible = self._visible(held)
         return (visible, "") if self._phase == "reasoning" else ("", visible)
 
@@ -67,11 +92,13 @@ class ReasoningReader:
         if stripped.startswith(THINK_START):
             self._held = stripped[len(THINK_START):]
             self._phase = "reasoning"
+            self._thought = True
             self._skip_space = True
             return True
         if THINK_START.startswith(stripped):
             return False  # "", or a prefix of "<think>": wait
         self._phase = "reasoning" if self._parser == "deepseek_r1" else "content"
+        self._thought = self._phase == "reasoning"
         return True
 
     def _until_end(self) -> tuple[str, bool]:

@@ -391,7 +391,9 @@ def final_status(finish_reason: str) -> Status:
 def response_usage(token_usage: Usage) -> ResponseUsage:
     return ResponseUsage(input_tokens=token_usage.prompt_tokens, output_tokens=token_usage.completion_tokens,
                          total_tokens=token_usage.total_tokens,
-                         input_tokens_details=InputTokensDetails(token_usage.prompt_tokens_details.cached_tokens))
+                         input_tokens_details=InputTokensDetails(token_usage.prompt_tokens_details.cached_tokens),
+                         output_tokens_details=OutputTokensDetails(
+                             token_usage.completion_tokens_details.reasoning_tokens))
 
 
 def message_id() -> str:

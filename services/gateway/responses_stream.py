@@ -95,6 +95,10 @@ class StreamedResponse:
         self._sequence_number += 1
         await self._sse.send(encoder.encode(payload), event=kind)
 
+    @property
+    def num_reasoning_tokens(self) -> int:
+        return self._reader.num_reasoning_tokens
+
     async def start(self) -> None:
         snapshot = self._shell.make("in_progress", [])
         await self._event("response.created", response=snapshot)
@@ -103,7 +107,7 @@ class StreamedResponse:
     async def tokens(self, index: int, chunk: TokenChunk) -> None:
         if self._wants_logprobs:
             self._pending_logprobs += chat_logprobs(chunk.logprobs or []).content
-        await self._write(self._reader.feed(chunk.text))
+        await self._write(self._reader.feed(chunk.text, chunk.num_tokens))
 
     async def ended(self, index: int, final: FinalReply) -> None:
         self.finals[index] = final

@@ -364,13 +364,14 @@ async def _collect_embeddings(state: GatewayState, plan: _Plan, body: EmbeddingR
     return _json(embedding_list(body, ended), headers={REPLICA_HEADER: ended[0].replica_id})
 
 
-def _choices_usage(choices: list[Choice], finals: Sequence[FinalReply | None]) -> Usage:
-    """Each prompt's tokens once (as OpenAI counts ``n > 1``), every choice's completion tokens."""
+def _choices_usage(choices: list[Choice], finals: Sequence[FinalReply | None], num_reasoning_tokens: int) -> Usage:
+    """Each prompt's tokens once (as OpenAI counts ``n > 1``), every choice's completion tokens
+    (`num_reasoning_tokens` of them the model thought in)."""
     ended = [final for final in finals if final is not None]
     assert len(ended) == len(choices), "every choice ends with its final reply"
     prompts = [final for choice, final in zip(choices, ended, strict=True) if choice.counts_prompt]
     return usage(sum(final.prompt_tokens for final in prompts), sum(final.completion_tokens for final in ended),
-                 sum(final.cached_tokens for final in prompts))
+                 sum(final.cached_tokens for final in prompts), num_reasoning_tokens)
 
 
 @contextlib.asynccontextmanager
@@ -391,7 +392,8 @@ class _Collected:
     """One choice's answer as its events come (a non-streamed response)."""
 
     def __init__(self, choice: Choice, reader: AnswerReader) -> None:
-        self.parts: list[str] = []
+        self.parts: list[tuple[str, int]] = []
+        """The answer's text as it came: (text, the tokens it came in)."""
         self.logprobs: list[TokenLogprob] | None = [] if choice.request.params.logprobs is not None else None
         self.final: FinalReply | None = None
         self.prompt: PromptEcho | None = None
@@ -408,8 +410,8 @@ class _Collected:
             case TokenChunk(text=text):
                 if event.prompt is not None:
                     self.prompt = event.prompt
-                    self.parts.append(echoed_text(event.prompt, self._own_prompt))
-                self.parts.append(text)
+                    self.parts.append((echoed_text(event.prompt, self._own_prompt), 0))
+                self.parts.append((text, event.num_tokens))
                 if self.logprobs is not None:
                     self.logprobs += event.logprobs or ()
             case FinalReply():
@@ -419,11 +421,17 @@ class _Collected:
         assert self.final is not None, "dispatcher ended without a final reply or an error"
         return self.final
 
+    @property
+    def num_reasoning_tokens(self) -> int:
+        return self._reader.num_reasoning_tokens
+
     def answer(self) -> Answer:
-        text, finish_reason = "".join(self.parts), self.ended().finish_reason
+        finish_reason = self.ended().finish_reason
         if self._reader.passes_through:
-            return Answer(text, finish_reason, self.logprobs, prompt=self.prompt)
-        read = self._reader.feed(text)
+            return Answer("".join(text for text, _ in self.parts), finish_reason, self.logprobs, prompt=self.prompt)
+        read = Read()
+        for text, num_tokens in self.parts:  # as they came: the reasoning's tokens are counted chunk by chunk
+            read += self._reader.feed(text, num_tokens)
         rest, finish_reason = self._reader.finish(finish_reason)
         read += rest
         return Answer(read.content, finish_reason, self.logprobs, read.calls or None, reasoning=read.reasoning or None)
@@ -438,7 +446,8 @@ async def _collect(state: GatewayState, plan: _Plan, kind: Kind, request_id: str
         async for index, event in events:
             collected[index].add(event)
     answers = [c.answer() for c in collected]
-    token_usage = _choices_usage(choices, [c.ended() for c in collected])
+    token_usage = _choices_usage(choices, [c.ended() for c in collected],
+                                 sum(c.num_reasoning_tokens for c in collected))
     body: Any
     if responding is not None:
         body = response_object(responding.shell, answers[0], token_usage)
@@ -460,6 +469,9 @@ class _StreamWriter(Protocol):
     """How a stream's events are written (chat and completion chunks, or Responses events)."""
 
     finals: list[FinalReply | None]
+
+    @property
+    def num_reasoning_tokens(self) -> int: ...
 
     async def start(self) -> None: ...
     async def tokens(self, index: int, chunk: TokenChunk) -> None: ...
@@ -507,7 +519,7 @@ async def _stream(request: web.Request, state: GatewayState, plan: _Plan, kind: 
                     index, event = await anext(events)
                 except StopAsyncIteration:
                     break
-            await out.finish(_choices_usage(choices, out.finals))
+            await out.finish(_choices_usage(choices, out.finals, out.num_reasoning_tokens))
         except ApiError as exc:
             # Errors before anything was sent (unknown model in the worker, prompt too long...)
             # keep their proper status; after that they become the stream's last event.
@@ -539,6 +551,10 @@ class _StreamedChoices:
     async def send(self, index: int, **fields: Any) -> None:
         await self._sse.send(stream_chunk(*self._head, index=index, **fields))
 
+    @property
+    def num_reasoning_tokens(self) -> int:
+        return sum(reader.num_reasoning_tokens for reader in self._readers)
+
     async def start(self) -> None:
         """A chat stream's first chunk per choice: the assistant role."""
         if self._kind == "chat":
@@ -564,7 +580,7 @@ class _StreamedChoices:
         if reader.passes_through:
             await self.send(index, text=chunk.text, logprobs=logprobs)
             return
-        await self._send_read(index, reader.feed(chunk.text), logprobs)
+        await self._send_read(index, reader.feed(chunk.text, chunk.num_tokens), logprobs)
 
     async def ended(self, index: int, final: FinalReply) -> None:
         self.finals[index] = final

@@ -528,19 +528,27 @@ def test_a_reasoning_models_thinking_comes_apart_from_its_answer(client: openai.
     answer = {"type": "json_schema", "json_schema": {"name": "a", "schema": {"const": "plan</think>answer"}}}
     kwargs = dict(messages=[{"role": "user", "content": "2+2?"}], max_tokens=40, response_format=answer)
 
-    message = client.chat.completions.create(model="org/thinker", **kwargs).choices[0].message
+    collected = client.chat.completions.create(model="org/thinker", **kwargs)
+    message = collected.choices[0].message
     assert (message.reasoning, message.content) == ('"plan', 'answer"')
     assert message.reasoning_content == message.reasoning
-    chunks = list(client.chat.completions.create(model="org/thinker", stream=True, **kwargs))
+    assert collected.usage is not None and collected.usage.completion_tokens_details is not None
+    num_thinking = collected.usage.completion_tokens_details.reasoning_tokens
+    assert 0 < num_thinking < collected.usage.completion_tokens, collected.usage
+    chunks = list(client.chat.completions.create(model="org/thinker", stream=True,
+                                                 stream_options={"include_usage": True}, **kwargs))
     deltas = [chunk.choices[0].delta for chunk in chunks if chunk.choices]
     assert "".join(getattr(d, "reasoning", None) or "" for d in deltas) == '"plan'
     assert "".join(d.content or "" for d in deltas) == 'answer"'
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens_details is not None
+    assert chunks[-1].usage.completion_tokens_details.reasoning_tokens == num_thinking
 
     responses_kwargs: dict[str, Any] = dict(model="org/thinker", input="2+2?", max_output_tokens=40, text={
         "format": {"type": "json_schema", "name": "a", "schema": {"const": "plan</think>answer"}}})
     response = client.responses.create(**responses_kwargs)
     thinking, said = response.output
     assert thinking.type == "reasoning" and thinking.content[0].text == '"plan'
+    assert response.usage is not None and response.usage.output_tokens_details.reasoning_tokens == num_thinking
     assert said.type == "message" and response.output_text == 'answer"'
     with client.responses.stream(**responses_kwargs) as stream:
         kinds = [event.type for event in stream]

@@ -78,3 +78,23 @@ def test_without_a_parser_or_tools_text_passes_through() -> None:
     reader = AnswerReader()
     assert reader.passes_through
     assert reader.feed("<think>x</think>").content == "<think>x</think>"
+
+
+@pytest.mark.parametrize(
+    ("parser", "chunks", "num_reasoning_tokens"),
+    [
+        ("deepseek_r1", ["plan", " more", "</think>", "answer"], 3),   # the closing chunk is the thinking's
+        ("deepseek_r1", ["<", "think>", "x", "</think>", "y"], 4),     # undecided chunks count once it thinks
+        ("deepseek_r1", ["<"], 1),                                     # cut while undecided: all reasoning
+        ("qwen3", ["<th", "ink>x", "</think>", "y", "z"], 3),
+        ("qwen3", ["<", "b>", "hi"], 0),                               # no think block: no reasoning
+        ("qwen3", ["Hi"], 0),
+    ],
+)
+def test_reasoning_tokens_are_those_of_the_chunks_that_came_while_thinking(
+        parser: ReasoningParser, chunks: list[str], num_reasoning_tokens: int) -> None:
+    reader = ReasoningReader(parser)
+    for chunk in chunks:
+        reader.feed(chunk, num_tokens=1)
+    reader.finish()
+    assert reader.num_reasoning_tokens == num_reasoning_tokens
