@@ -18,6 +18,7 @@ from shoal.services.gateway import (
     openapi,
     routes_admin,
     routes_openai,
+    routes_responses,
     routes_sessions,
     routes_tokenize,
     routes_ui,
@@ -124,6 +125,7 @@ def create_app(config: GatewayConfig, nats_url: str, registry: Registry | None =
     app.cleanup_ctx.append(resources)
     app.on_shutdown.append(routes_ui.end_event_streams)  # before aiohttp waits for open handlers
     app.router.add_routes(routes_openai.routes)
+    app.router.add_routes(routes_responses.routes)
     app.router.add_routes(routes_tokenize.routes)
     app.router.add_routes(routes_admin.routes)
     app.router.add_routes(routes_sessions.routes)

@@ -16,12 +16,11 @@ import dataclasses
 import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
-from typing import Annotated, Any, Literal, Protocol
+from typing import Any, Literal, Protocol
 
 import msgspec
 import structlog
 from aiohttp import web
-from msgspec import Meta, Struct
 
 from shoal.services.gateway.answer_reader import AnswerReader, Read
 from shoal.services.gateway.choices import Choice, expand, merged
@@ -34,6 +33,7 @@ from shoal.services.gateway.embeddings_api import (
     embedding_list,
 )
 from shoal.services.gateway.errors import ApiError, BadRequest, NotFound, error_payload
+from shoal.services.gateway.json_body import json_response
 from shoal.services.gateway.openai_api import (
     SESSION_HEADER,
     UNLIMITED_MAX_TOKENS,
@@ -54,10 +54,8 @@ from shoal.services.gateway.openai_api import (
     check_num_choices,
     completion_prompts,
     decode_body,
-    decode_query,
     echoed_logprobs,
     echoed_text,
-    encoder,
     full_response,
     logprobs_end,
     model_named_in,
@@ -75,7 +73,6 @@ from shoal.services.gateway.reasoning import THINK_END, ReasoningReader
 from shoal.services.gateway.request_ids import REQUEST_ID, REQUEST_ID_HEADER
 from shoal.services.gateway.response_store import ResponseStore
 from shoal.services.gateway.responses_api import (
-    DeletedResponse,
     ResponseObject,
     ResponseShell,
     ResponsesRequest,
@@ -83,7 +80,7 @@ from shoal.services.gateway.responses_api import (
     response_object,
     responses_turn,
 )
-from shoal.services.gateway.responses_items import page, read_input
+from shoal.services.gateway.responses_items import read_input
 from shoal.services.gateway.responses_stream import StreamedResponse
 from shoal.services.gateway.sse import SseStream
 from shoal.services.gateway.state import GATEWAY, GatewayState
@@ -100,16 +97,11 @@ REPLICA_HEADER = "X-Shoal-Replica"
 """Which replica answered a non-streamed request (debugging, and the replica-spread tests)."""
 
 
-def _json(payload: object, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
-    return web.Response(body=encoder.encode(payload), status=status, content_type="application/json",
-                        headers=headers)
-
-
 @routes.get("/v1/models")
 async def list_models(request: web.Request) -> web.Response:
     state = request.app[GATEWAY]
     cards = [_card(spec.key, spec.registered_at, spec.max_model_len) for spec in state.cluster.models.values()]
-    return _json(ModelList(sorted(cards, key=lambda c: c.id)))
+    return json_response(ModelList(sorted(cards, key=lambda c: c.id)))
 
 
 @routes.get("/v1/models/{model:.+}")
@@ -119,7 +111,7 @@ async def get_model(request: web.Request) -> web.Response:
     spec = state.cluster.get_model(model)
     if spec is None:
         raise NotFound(f"model {model!r} does not exist", code="model_not_found", param="model")
-    return _json(_card(spec.key, spec.registered_at, spec.max_model_len))
+    return json_response(_card(spec.key, spec.registered_at, spec.max_model_len))
 
 
 def _card(key: str, registered_at: float, max_model_len: int | None) -> ModelCard:
@@ -238,34 +230,6 @@ async def _responding(state: GatewayState, body: ResponsesRequest, request_id: s
     return _Responding(turn, ResponseShell(response_id, int(time.time()), body), state.responses)
 
 
-@routes.get("/v1/responses/{response_id}")
-async def get_response(request: web.Request) -> web.Response:
-    stored = await request.app[GATEWAY].responses.get(request.match_info["response_id"])
-    return _json(stored.response)
-
-
-class InputItemsQuery(Struct, kw_only=True):
-    """``GET /v1/responses/{id}/input_items``'s query, as OpenAI has it."""
-
-    limit: Annotated[int, Meta(ge=1, le=100)] = 20
-    order: Literal["asc", "desc"] = "desc"
-    after: str | None = None
-
-
-@routes.get("/v1/responses/{response_id}/input_items")
-async def list_input_items(request: web.Request) -> web.Response:
-    query = decode_query(request.query, InputItemsQuery)
-    stored = await request.app[GATEWAY].responses.get(request.match_info["response_id"])
-    return _json(page(stored.input_items, limit=query.limit, order=query.order, after=query.after))
-
-
-@routes.delete("/v1/responses/{response_id}")
-async def delete_response(request: web.Request) -> web.Response:
-    response_id = request.match_info["response_id"]
-    await request.app[GATEWAY].responses.delete(response_id)
-    return _json(DeletedResponse(response_id))
-
-
 def _label_for(state: GatewayState, model: str | None) -> str:
     """Bind `model` for logging; return it as a metrics label only if it is registered (clients
     must not be able to mint label values)."""
@@ -361,7 +325,7 @@ async def _collect_embeddings(state: GatewayState, plan: _Plan, body: EmbeddingR
         raise as_input_error(exc) from None
     ended = [final for final in finals if final is not None]
     assert len(ended) == len(finals), "every input ends with its final reply"
-    return _json(embedding_list(body, ended), headers={REPLICA_HEADER: ended[0].replica_id})
+    return json_response(embedding_list(body, ended), headers={REPLICA_HEADER: ended[0].replica_id})
 
 
 def _choices_usage(choices: list[Choice], finals: Sequence[FinalReply | None], num_reasoning_tokens: int) -> Usage:
@@ -455,7 +419,7 @@ async def _collect(state: GatewayState, plan: _Plan, kind: Kind, request_id: str
     else:
         body = full_response(kind, _response_id(kind, request_id), int(first.created), first.model, answers,
                              token_usage)
-    return _json(body, headers={REPLICA_HEADER: collected[0].ended().replica_id})  # X-Request-Id: request_id_middleware
+    return json_response(body, headers={REPLICA_HEADER: collected[0].ended().replica_id})  # X-Request-Id: request_id_middleware
 
 
 _RESPONSE_ID_PREFIXES: dict[Endpoint, str] = {"chat": "chatcmpl-", "completion": "cmpl-", "responses": "resp_"}

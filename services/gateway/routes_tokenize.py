@@ -24,12 +24,12 @@ from shoal.services.gateway.errors import (
     Unavailable,
     error_for_status,
 )
+from shoal.services.gateway.json_body import json_response
 from shoal.services.gateway.openai_api import (
     MAX_INT32,
     ChatCompletionRequest,
     CompletionRequest,
     decode_body,
-    encoder,
 )
 from shoal.services.gateway.request_ids import REQUEST_ID
 from shoal.services.gateway.routes_openai import inference_request
@@ -98,7 +98,7 @@ async def tokenize(request: web.Request) -> web.Response:
     replica = await _serving_replica(state, body.model, inference.deadline)
     reply = await _ask(state, replica, "tokenize", Tokenize(inference, bool(options.return_token_strs)),
                        tokenize_reply_decoder)
-    return _json(TokenizeResponse(len(reply.tokens), reply.max_model_len, reply.tokens, reply.token_strs))
+    return json_response(TokenizeResponse(len(reply.tokens), reply.max_model_len, reply.tokens, reply.token_strs))
 
 
 @routes.post("/detokenize")
@@ -108,7 +108,7 @@ async def detokenize(request: web.Request) -> web.Response:
     _check_model(state, body.model)
     replica = await _serving_replica(state, body.model, time.time() + state.config.request_timeout_s)
     reply = await _ask(state, replica, "detokenize", Detokenize(body.tokens), detokenize_reply_decoder)
-    return _json(DetokenizeResponse(reply.prompt))
+    return json_response(DetokenizeResponse(reply.prompt))
 
 
 def _check_model(state: GatewayState, model: str) -> None:
@@ -137,7 +137,3 @@ async def _ask(state: GatewayState, replica: ReplicaRecord, verb: str, command: 
         raise error_for_status(exc.code, exc.description) from exc
     except ServiceCallError as exc:  # the replica went away meanwhile: the client may retry at once
         raise Unavailable(f"replica {replica.replica_id} did not answer: {exc}", retry_after_s=1.0) from exc
-
-
-def _json(payload: Struct) -> web.Response:
-    return web.Response(body=encoder.encode(payload), content_type="application/json")
