@@ -16,7 +16,8 @@ import msgspec
 from aiohttp import web
 
 from shoal.services.gateway.errors import BadRequest, Unavailable, error_for_status
-from shoal.services.gateway.openai_api import decode_body, encoder, param_of
+from shoal.services.gateway.json_body import json_response
+from shoal.services.gateway.openai_api import decode_body, param_of
 from shoal.services.gateway.state import GATEWAY
 from shoal.shared import subjects
 from shoal.shared.config import ConfigError, ModelConfig, parse_byte_sizes
@@ -55,8 +56,7 @@ async def _command(request: web.Request, verb: str, command: SchedulerCommand) -
         raise error_for_status(exc.code, exc.description) from exc
     except ServiceCallError as exc:
         raise Unavailable(str(exc), retry_after_s=5.0) from exc
-    return web.Response(body=encoder.encode(reply), content_type="application/json",
-                        status=200 if reply.ok else 503)
+    return json_response(reply, status=200 if reply.ok else 503)
 
 
 @routes.post("/admin/models")
@@ -112,5 +112,5 @@ async def cluster(request: web.Request) -> web.Response:
         replicas=[v.value for v in (await bus.replicas.get_all()).values()],
         models=[v.value for v in (await bus.models.get_all()).values()],
     )
-    return web.Response(body=encoder.encode(report), content_type="application/json")
+    return json_response(report)
 

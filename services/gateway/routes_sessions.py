@@ -20,7 +20,7 @@ from aiohttp import web
 
 from shoal.services.gateway.cluster import ClusterView
 from shoal.services.gateway.errors import BadRequest, NotFound
-from shoal.services.gateway.openai_api import encoder
+from shoal.services.gateway.json_body import json_response
 from shoal.services.gateway.state import GATEWAY
 from shoal.shared import subjects
 from shoal.shared.bus import Bus
@@ -124,7 +124,7 @@ async def list_sessions(request: web.Request) -> web.Response:
                                           **msgspec.structs.asdict(summary)))
         answer.sessions = []
     report = SessionsReport(sessions=sessions, replicas=lists, unreachable=unreachable)
-    return web.Response(body=encoder.encode(report), content_type="application/json")
+    return json_response(report)
 
 
 @routes.delete("/admin/sessions/{session_id}")
@@ -150,7 +150,7 @@ async def drop_session(request: web.Request) -> web.Response:
                         unreachable=unreachable)
     if not (report.dropped or report.active or report.routes_removed or report.unreachable):
         raise NotFound(f"no replica holds session {session_id!r}", code="session_not_found", param="session_id")
-    return web.Response(body=encoder.encode(report), content_type="application/json")
+    return json_response(report)
 
 
 async def _list(bus: Bus, replica_id: str) -> SessionList:

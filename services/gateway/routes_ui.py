@@ -25,7 +25,7 @@ from aiohttp import web
 
 from shoal.services.gateway.auth import bearer_token, may_use_admin
 from shoal.services.gateway.errors import BadRequest
-from shoal.services.gateway.openai_api import encoder
+from shoal.services.gateway.json_body import json_response
 from shoal.services.gateway.sse import SseStream
 from shoal.services.gateway.state import GATEWAY
 from shoal.services.gateway.ui_state import build_state
@@ -79,8 +79,7 @@ async def state(request: web.Request) -> web.Response:
         admin=may_use_admin(gateway.config, bearer_token(request.headers.get("Authorization", ""))),
         at=time.time(),
     )
-    return web.Response(body=encoder.encode(document), content_type="application/json",
-                        headers={"Cache-Control": "no-store"})
+    return json_response(document, headers={"Cache-Control": "no-store"})
 
 
 def _after(request: web.Request) -> int:
