@@ -94,6 +94,14 @@ class SleepWakeCluster:
                 found.add(entry.value.model)
         return found
 
+    async def expect_serving(self, models: set[str], why: str = "", timeout_s: float = 10.0) -> None:
+        """The models serving are `models`, or become so soon: a worker fetches requests a
+        moment before its node agent records it ready, so a request may be answered first."""
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        while (found := await self.serving()) != models:
+            assert asyncio.get_running_loop().time() < deadline, f"serving {found}, not {models}. {why}"
+            await asyncio.sleep(0.05)
+
     async def wait_for(self, predicate: Any, what: str, timeout_s: float = 120.0) -> None:
         deadline = asyncio.get_running_loop().time() + timeout_s
         while not await predicate():

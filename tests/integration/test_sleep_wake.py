@@ -24,9 +24,9 @@ async def test_the_least_recently_used_model_sleeps(
         await asyncio.sleep(ACTIVITY_S)
         await cluster.complete("a")  # a is now the most recently used: b must be the victim
         await asyncio.sleep(ACTIVITY_S)
-        assert await cluster.serving() == {"a", "b"}
+        await cluster.expect_serving({"a", "b"})
         await cluster.complete("c")
-        assert await cluster.serving() == {"a", "c"}
+        await cluster.expect_serving({"a", "c"})
         (b,) = await cluster.replicas("b")
         assert (b.level, b.state) == ("WARM", "sleeping"), "b, the least recently used, sleeps"
         gpu = await cluster.gpu()
@@ -38,7 +38,7 @@ async def test_the_least_recently_used_model_sleeps(
         await cluster.complete("c")
         await asyncio.sleep(ACTIVITY_S)
         await cluster.complete("b")
-        assert await cluster.serving() == {"b", "c"}
+        await cluster.expect_serving({"b", "c"})
         assert cluster.max_reserved_seen[0] <= (await cluster.gpu()).total_bytes
 
 
@@ -57,7 +57,7 @@ async def test_a_wake_waits_for_a_model_about_to_sleep_and_resident_models_never
         await cluster.complete("a")
         assert not any(r.serving for r in await cluster.replicas("c")), "a answered while c waited"
         await waking
-        assert await cluster.serving() == {"a", "c"}
+        await cluster.expect_serving({"a", "c"})
         (b,) = await cluster.replicas("b")
         assert b.level == "WARM", "b went to sleep by itself"
         preempted = await cluster.metric_total("shoal_scheduler_preemptions_total")
@@ -83,10 +83,10 @@ async def test_a_popular_model_is_never_preempted(
         await cluster.complete("b")  # pop is the least recently used, yet stays
         await asyncio.sleep(ACTIVITY_S)
         await cluster.complete("c")
-        assert await cluster.serving() == {"pop", "c"}
+        await cluster.expect_serving({"pop", "c"})
         await asyncio.sleep(ACTIVITY_S)
         await cluster.complete("b")
-        assert await cluster.serving() == {"pop", "b"}
+        await cluster.expect_serving({"pop", "b"})
 
 
 async def test_no_eligible_victim_is_a_503_that_says_why(
@@ -100,7 +100,7 @@ async def test_no_eligible_victim_is_a_503_that_says_why(
         assert status == 503, body
         assert "inside their minimum runtime" in body["error"]["message"]
         assert 500 < float(headers["Retry-After"]) <= 600
-        assert await cluster.serving() == {"a", "b"}, "nobody inside its min runtime was preempted"
+        await cluster.expect_serving({"a", "b"}, "nobody inside its min runtime was preempted")
 
 
 async def test_requests_in_flight_when_the_barrier_rises_all_complete(
@@ -119,7 +119,7 @@ async def test_requests_in_flight_when_the_barrier_rises_all_complete(
         assert [r["usage"]["completion_tokens"] for r in finished] == [300, 300, 300]
         await waking
         # a was the victim although it was busy: it drained first, and nothing was cut short.
-        assert await cluster.serving() == {"b", "c"}
+        await cluster.expect_serving({"b", "c"})
 
 
 async def test_a_hundred_requests_that_force_swaps_are_all_answered(
@@ -154,10 +154,10 @@ async def test_an_idle_model_sleeps_after_its_timeout_and_wakes_on_the_next_requ
             return any(r.level == "WARM" for r in await cluster.replicas("a"))
 
         await cluster.wait_for(a_asleep, "a to sleep after 2 s idle", timeout_s=30)
-        assert await cluster.serving() == {"b"}
+        await cluster.expect_serving({"b"})
         body = await cluster.complete("a")
         assert body["usage"]["completion_tokens"] == 4
-        assert await cluster.serving() == {"a", "b"}
+        await cluster.expect_serving({"a", "b"})
 
 
 async def test_two_wakers_racing_for_one_gpu_never_both_claim_it(
