@@ -28,18 +28,22 @@ _Phase = Literal["opening", "reasoning", "content"]
 class ReasoningReader:
     """One choice's text in, (reasoning, content) out; `finish` when the choice ends."""
 
-    def __init__(self, parser: ReasoningParser) -> None:
+    def __init__(self, parser: ReasoningParser, continued: str | None = None) -> None:
+        """`continued`: the assistant message the answer goes on with (``continue_final_message``),
+        whose think tags say where the answer starts: after a closed block, in content; inside an
+        open one, in reasoning; with text and no tag, where the parser puts an answer's start."""
         self._parser = parser
-        self._phase: _Phase = "opening"
+        self._phase: _Phase = _phase_after(parser, continued) if continued else "opening"
         self._held = ""
         """Text not given out yet: a possible tag's start, or whitespace after a tag."""
-        self._skip_space = True
+        self._skip_space = not continued or continued.rstrip().endswith((THINK_START, THINK_END))
+        """Drop the blanks that come next (after a tag); not those that go on with words."""
         self.num_reasoning_tokens = 0
         """Tokens of the chunks that came while the model thought (the one closing its block
         included): exact to the chunk, and a chunk is most often one token."""
         self._undecided_tokens = 0
         """Tokens fed while the answer's start could not yet tell whether it thinks."""
-        self._thought = False
+        self._thought = self._phase == "reasoning"
 
     def feed(self, text: str, num_tokens: int = 0) -> tuple[str, str]:
         """The reasoning and content `text` gives out; `num_tokens`: the tokens it came in."""
@@ -120,6 +124,17 @@ class ReasoningReader:
             text = text.lstrip()
             self._skip_space = not text
         return text
+
+
+def _phase_after(parser: ReasoningParser, continued: str) -> _Phase:
+    opened, closed = continued.rfind(THINK_START), continued.rfind(THINK_END)
+    if closed > opened:
+        return "content"
+    if opened >= 0:
+        return "reasoning"
+    if not continued.strip():
+        return "opening"
+    return "reasoning" if parser == "deepseek_r1" else "content"
 
 
 def _partial_tag_length(text: str, tag: str) -> int:

@@ -250,10 +250,12 @@ class _Plan:
     """How answers are read for function calls; None: they are not."""
     reasoning: ReasoningParser | None = None
     """How a reasoning model's thinking is split out of its chat answers; None: it is not."""
+    continued: str | None = None
+    """The assistant message the answers go on with (``continue_final_message``), if any."""
 
     def answer_reader(self) -> AnswerReader:
         """A reader for one choice's text."""
-        return AnswerReader(ReasoningReader(self.reasoning) if self.reasoning is not None else None,
+        return AnswerReader(ReasoningReader(self.reasoning, self.continued) if self.reasoning is not None else None,
                             ToolCallReader(self.tools) if self.tools is not None and self.tools.reads_calls else None)
 
 
@@ -300,7 +302,10 @@ def _plan(state: GatewayState, body: ChatCompletionRequest | CompletionRequest, 
         created=created,
         session_id=session_id,
     )
-    return _Plan(expand(inference, prompts, n, state.router.reply_subject), stream, include_usage, tools, reasoning)
+    continued = (prompts[0]["messages"][-1].content if isinstance(body, ChatCompletionRequest)
+                 and body.continue_final_message else None)
+    return _Plan(expand(inference, prompts, n, state.router.reply_subject), stream, include_usage, tools, reasoning,
+                 continued)
 
 
 def _embedding_plan(state: GatewayState, body: EmbeddingRequest, request_id: str) -> _Plan:

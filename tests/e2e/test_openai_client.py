@@ -576,6 +576,22 @@ def test_a_reasoning_model_thinks_before_its_grammar_applies(client: openai.Open
     assert choice.message.reasoning and choice.message.reasoning != '"x"'
 
 
+def test_an_answer_that_goes_on_after_a_closed_think_block_is_content(client: openai.OpenAI,
+                                                                      shoal: ShoalUp) -> None:
+    """continue_final_message with the thinking done in the prefix: the worker sees the prompt
+    end with ``</think>`` and shapes the text from its first token, and the gateway reads it as
+    content, the two agreeing on where the thinking ended."""
+    code, payload = _post(shoal.base_url + "/admin/models", json.dumps(
+        {"key": "org/r1-continued", "path": SMALL, "reasoning_parser": "deepseek_r1"}).encode())
+    assert code == 200, payload
+    messages = [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "Easy.</think>"}]
+    answer = {"type": "json_schema", "json_schema": {"name": "a", "schema": {"const": "four"}}}
+    message = client.chat.completions.create(model="org/r1-continued", messages=messages, max_tokens=12,
+                                             response_format=answer,
+                                             extra_body={"continue_final_message": True}).choices[0].message
+    assert message.content == '"four"' and not getattr(message, "reasoning", None), message
+
+
 def test_chat_template_kwargs_reach_the_template(client: openai.OpenAI, demo_models_root: Path) -> None:
     messages = [{"role": "user", "content": "2+2?"}]
     thinking_off = client.chat.completions.create(model=SMALL, messages=messages, max_tokens=1, extra_body={

@@ -98,3 +98,23 @@ def test_reasoning_tokens_are_those_of_the_chunks_that_came_while_thinking(
         reader.feed(chunk, num_tokens=1)
     reader.finish()
     assert reader.num_reasoning_tokens == num_reasoning_tokens
+
+
+@pytest.mark.parametrize(
+    ("parser", "continued", "answer", "reasoning", "content"),
+    [
+        ("deepseek_r1", "Let me see.</think>", "It is 4.", "", "It is 4."),        # the block closed in the prefix
+        ("deepseek_r1", "Let me see", " more</think>4", " more", "4"),            # R1: a prefix is thinking
+        ("qwen3", "<think>Count", " 2+2</think>4", " 2+2", "4"),                   # an open block
+        ("qwen3", "<think>\nCount 2+2.</think>", "\n\n4", "", "4"),                # blanks after a tag dropped
+        ("qwen3", "The answer:", " 4", "", " 4"),                                  # qwen3: no block, content
+        ("qwen3", "", "<think>x</think>y", "x", "y"),                               # an empty prefix decides nothing
+    ],
+)
+def test_an_answer_that_goes_on_with_a_message_starts_where_the_message_left_off(
+        parser: ReasoningParser, continued: str, answer: str, reasoning: str, content: str) -> None:
+    reader = ReasoningReader(parser, continued)
+    r, c = reader.feed(answer, num_tokens=3)
+    r2, c2 = reader.finish()
+    assert (r + r2, c + c2) == (reasoning, content)
+    assert (reader.num_reasoning_tokens > 0) == bool(reasoning)
