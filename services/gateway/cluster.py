@@ -17,6 +17,7 @@ import nats.errors
 import structlog
 from nats.js.kv import KV_DEL, KV_PURGE
 
+from shoal.services.gateway.errors import NotFound
 from shoal.shared.bus import Bus, TypedBucket
 from shoal.shared.messages import GpuRecord, ModelSpec, NodeRecord, ReplicaRecord
 from shoal.shared.periodic import sleep_or_stop, stop_if_cancelled
@@ -72,6 +73,13 @@ class ClusterView:
 
     def get_model(self, model: str) -> ModelSpec | None:
         return self.models.get(model)
+
+    def require_model(self, model: str) -> ModelSpec:
+        """The registered model, or a 404 naming ``model``."""
+        spec = self.models.get(model)
+        if spec is None:
+            raise NotFound(f"model {model[:256]!r} does not exist", code="model_not_found", param="model")
+        return spec
 
     def has_active_replica(self, model: str) -> bool:
         return bool(self._active.get(model))

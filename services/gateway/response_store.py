@@ -34,11 +34,10 @@ from nats.js.api import StorageType
 
 from shoal.services.gateway.errors import NotFound
 from shoal.services.gateway.openai_api import InMessage
-from shoal.services.gateway.responses_api import MessageItem, ResponseObject, Turn, answer_turn
+from shoal.services.gateway.responses_api import MessageItem, ReasoningItem, ResponseObject, Turn, answer_turn
 from shoal.services.gateway.responses_items import (
     ITEM_ID,
     ContentPart,
-    FunctionCallItem,
     InputItem,
     InputMessageItem,
     ItemReference,
@@ -61,19 +60,20 @@ class StoredResponse(Struct, kw_only=True):
     input_items: list[InputItem] = msgspec.field(default_factory=list)
     """This response's own input (not its chain's), references resolved."""
 
-    def find_item(self, item_id: str) -> InputItem | None:
-        """An input or output item by id, as an input item (a reasoning item: None)."""
+    @property
+    def item_ids(self) -> set[str]:
+        return {*(item.id for item in self.input_items), *(item.id for item in self.response.output)}
+
+    def find_item(self, item_id: str) -> InputItem | ReasoningItem | None:
+        """An input or output item by id; an output message as the assistant's input message."""
         for item in self.input_items:
             if item.id == item_id:
                 return item
         for output in self.response.output:
-            if output.id != item_id:
-                continue
-            if isinstance(output, MessageItem):
-                return InputMessageItem(id=output.id, role="assistant",
-                                        content=[ContentPart("output_text", part.text) for part in output.content])
-            if isinstance(output, FunctionCallItem):
-                return output
+            if output.id == item_id:
+                return (InputMessageItem(id=output.id, role="assistant",
+                                         content=[ContentPart("output_text", part.text) for part in output.content])
+                        if isinstance(output, MessageItem) else output)
         return None
 
 
@@ -141,8 +141,7 @@ class ResponseStore:
         key = stored.response.id
         try:
             await self.kv.put(key, _encoder.encode(stored))
-            item_ids = {*(item.id for item in stored.input_items), *(item.id for item in stored.response.output)}
-            await asyncio.gather(*(self.kv.put(_item_key(item_id), key.encode()) for item_id in item_ids))
+            await asyncio.gather(*(self.kv.put(_item_key(item_id), key.encode()) for item_id in stored.item_ids))
         except (TimeoutError, nats.errors.Error) as exc:  # too large, bucket full, NATS away
             log.warning("response_not_stored", response_id=key, error=str(exc))
 
@@ -155,20 +154,20 @@ class ResponseStore:
             if not isinstance(item, ItemReference):
                 found.append(item)
                 continue
-            stored = await self._holder_of(item)
-            if stored is None:
+            referenced = await self._stored_item(item.id)
+            if referenced is None:
                 raise NotFound(f"input[{item.index}]: no stored item {item.id[:128]!r} (not stored, expired after "
                                f"{self.ttl_s:g} s, or deleted)", param="input")
-            if (referenced := stored.find_item(item.id)) is not None:
+            if not isinstance(referenced, ReasoningItem):
                 found.append(referenced)
         return found
 
-    async def _holder_of(self, reference: ItemReference) -> StoredResponse | None:
-        """The stored response that holds the referenced item, if any."""
-        if not ITEM_ID.fullmatch(reference.id):
+    async def _stored_item(self, item_id: str) -> InputItem | ReasoningItem | None:
+        """The item of that id in the stored response the index names, if any."""
+        if not ITEM_ID.fullmatch(item_id):
             return None
         try:
-            entry = await self.kv.get(_item_key(reference.id))
+            entry = await self.kv.get(_item_key(item_id))
         except nats.js.errors.KeyNotFoundError:
             return None
         if entry is None or not entry.value:
@@ -177,8 +176,7 @@ class ResponseStore:
             stored = await self.get(entry.value.decode(errors="replace"))
         except NotFound:
             return None
-        ids = {item.id for item in stored.input_items} | {item.id for item in stored.response.output}
-        return stored if reference.id in ids else None
+        return stored.find_item(item_id)
 
     async def delete(self, response_id: str) -> None:
         """Forget a stored response; a 404 when there is none."""

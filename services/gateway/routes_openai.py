@@ -32,7 +32,7 @@ from shoal.services.gateway.embeddings_api import (
     completion_request,
     embedding_list,
 )
-from shoal.services.gateway.errors import ApiError, BadRequest, NotFound, error_payload
+from shoal.services.gateway.errors import ApiError, BadRequest, error_payload
 from shoal.services.gateway.json_body import json_response
 from shoal.services.gateway.openai_api import (
     SESSION_HEADER,
@@ -107,10 +107,7 @@ async def list_models(request: web.Request) -> web.Response:
 @routes.get("/v1/models/{model:.+}")
 async def get_model(request: web.Request) -> web.Response:
     state = request.app[GATEWAY]
-    model = request.match_info["model"]
-    spec = state.cluster.get_model(model)
-    if spec is None:
-        raise NotFound(f"model {model!r} does not exist", code="model_not_found", param="model")
+    spec = state.cluster.require_model(request.match_info["model"])
     return json_response(_card(spec.key, spec.registered_at, spec.max_model_len))
 
 

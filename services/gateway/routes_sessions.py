@@ -100,8 +100,8 @@ async def _ask_all(replicas: list[ReplicaRecord], ask: Callable[[ReplicaRecord],
 
 def _model_filter(request: web.Request) -> str | None:
     model = request.query.get("model")
-    if model is not None and request.app[GATEWAY].cluster.get_model(model) is None:
-        raise NotFound(f"model {model!r} does not exist", code="model_not_found", param="model")
+    if model is not None:
+        request.app[GATEWAY].cluster.require_model(model)
     return model
 
 

@@ -20,7 +20,6 @@ from msgspec import Meta, Struct
 from shoal.services.gateway.errors import (
     BadRequest,
     DeadlineExceeded,
-    NotFound,
     Unavailable,
     error_for_status,
 )
@@ -93,7 +92,7 @@ async def tokenize(request: web.Request) -> web.Response:
             raise BadRequest(f"{name} other than generation's is not supported (its tokens are generation's)",
                              code="unsupported_parameter", param=name)
     body = decode_body(raw, ChatCompletionRequest if is_chat else CompletionRequest)
-    _check_model(state, body.model)
+    state.cluster.require_model(body.model)
     inference = inference_request(state, body, request[REQUEST_ID])
     replica = await _serving_replica(state, body.model, inference.deadline)
     reply = await _ask(state, replica, "tokenize", Tokenize(inference, bool(options.return_token_strs)),
@@ -105,15 +104,10 @@ async def tokenize(request: web.Request) -> web.Response:
 async def detokenize(request: web.Request) -> web.Response:
     state = request.app[GATEWAY]
     body = decode_body(await request.read(), DetokenizeBody)
-    _check_model(state, body.model)
+    state.cluster.require_model(body.model)
     replica = await _serving_replica(state, body.model, time.time() + state.config.request_timeout_s)
     reply = await _ask(state, replica, "detokenize", Detokenize(body.tokens), detokenize_reply_decoder)
     return json_response(DetokenizeResponse(reply.prompt))
-
-
-def _check_model(state: GatewayState, model: str) -> None:
-    if state.cluster.get_model(model) is None:
-        raise NotFound(f"model {model[:256]!r} does not exist", code="model_not_found", param="model")
 
 
 async def _serving_replica(state: GatewayState, model: str, deadline: float) -> ReplicaRecord:

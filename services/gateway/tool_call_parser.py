@@ -193,7 +193,8 @@ def _json_calls(text: str) -> list[FunctionCall] | None:
 
 
 def _json_array_calls(text: str) -> list[FunctionCall] | None:
-    """A JSON array of call objects (Mistral's); None unless the text is one."""
+    """A JSON array of call objects (Mistral's, and a ``required`` choice's grammar); None
+    unless the text is one."""
     try:
         items = json.loads(text)
     except ValueError:
@@ -242,17 +243,13 @@ class _Forced:
         return list(calls) if calls else [text]
 
     def _calls(self, text: str) -> list[FunctionCall] | None:
+        if self._function is None:
+            return _json_array_calls(text)
         try:
             answer = json.loads(text)
         except ValueError:
             return None
-        if self._function is not None:
-            return [FunctionCall(self._function, json.dumps(answer, ensure_ascii=False))] \
-                if isinstance(answer, dict) else None
-        if not isinstance(answer, list):
-            return None
-        calls = [_call_of(item) for item in answer]
-        return None if None in calls else [call for call in calls if call is not None]
+        return [FunctionCall(self._function, json.dumps(answer, ensure_ascii=False))] if isinstance(answer, dict) else None
 
 
 def _call_of(item: Any) -> FunctionCall | None:

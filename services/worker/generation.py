@@ -12,10 +12,13 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
-from typing import Literal, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Literal, Protocol, runtime_checkable
 
 from shoal.shared.errors import ShoalError
 from shoal.shared.messages import SamplingParams
+
+if TYPE_CHECKING:
+    import torch
 
 FinishReason = Literal["stop", "length", "cancelled", "error"]
 
@@ -59,6 +62,14 @@ class GenerationRequest:
     def ending_token_ids(self) -> frozenset[int]:
         """The tokens that end it: end-of-sequence (unless it ignores EOS) and its ``stop_token_ids``."""
         return (frozenset() if self.params.ignore_eos else self.eos_token_ids) | frozenset(self.params.stop_token_ids)
+
+
+def embedding_bytes(hidden: torch.Tensor) -> bytes:
+    """An embedding request's answer from its last token's final hidden state [H]: the vector
+    L2-normalized (vLLM's default pooling for a decoder model), as float32 little-endian bytes."""
+    vector = hidden.float()
+    vector = vector / vector.norm().clamp_min(1e-12)
+    return bytes(vector.cpu().numpy().astype("<f4").tobytes())
 
 
 @dataclass(frozen=True)

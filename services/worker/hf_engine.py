@@ -22,6 +22,7 @@ from shoal.services.worker.generation import (
     GenerationRequest,
     RequestRejected,
     TextStream,
+    embedding_bytes,
 )
 
 _DONE = object()
@@ -121,13 +122,12 @@ class HFGenerateEngine:
             self._stops.pop(request.request_id, None)
 
     def _embed(self, request: GenerationRequest) -> GenerationOutput:
-        """The prompt's last token's final hidden state, L2-normalized (as the paged engine's)."""
+        """The prompt's embedding (`embedding_bytes`), as the paged engine computes it."""
         input_ids = torch.tensor([request.prompt_token_ids], device=self._model.device)
         with torch.inference_mode():
             hidden = self._model.get_decoder()(input_ids).last_hidden_state[0, -1]
-        vector = torch.nn.functional.normalize(hidden.float(), dim=-1).cpu().numpy().astype("<f4")
         return GenerationOutput(request.request_id, "", 0, finished=True, finish_reason="stop",
-                                num_prompt_tokens=len(request.prompt_token_ids), embedding=vector.tobytes())
+                                num_prompt_tokens=len(request.prompt_token_ids), embedding=embedding_bytes(hidden))
 
     async def _run(self, request: GenerationRequest, max_new: int, flag: _StopFlag) -> AsyncIterator[GenerationOutput]:
         loop = asyncio.get_running_loop()

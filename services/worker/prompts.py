@@ -29,7 +29,7 @@ def prompt_token_ids(tokenizer: PreTrainedTokenizerBase, request: InferenceReque
     or when an id (of the prompt, ``logit_bias`` or ``stop_token_ids``) is not below `vocab_size` (the model's
     embedding rows; None: the tokenizer's size): an id past the embedding must never reach
     the model."""
-    limit = len(tokenizer) if vocab_size is None else min(vocab_size, len(tokenizer))
+    limit = vocabulary_limit(tokenizer, vocab_size)
     if request.messages is not None:
         text = chat_prompt(tokenizer, request)
         token_ids = list(tokenizer.encode(text, add_special_tokens=False))
@@ -37,9 +37,9 @@ def prompt_token_ids(tokenizer: PreTrainedTokenizerBase, request: InferenceReque
         token_ids = list(request.prompt_token_ids)
     else:
         token_ids = list(tokenizer.encode(request.prompt or "", add_special_tokens=True))
-    _check_in_vocabulary(token_ids, limit, "prompt", param=None)
-    _check_in_vocabulary(request.params.logit_bias, limit, "logit_bias", param="logit_bias")
-    _check_in_vocabulary(request.params.stop_token_ids, limit, "stop_token_ids", param="stop_token_ids")
+    check_in_vocabulary(token_ids, limit, "prompt", param=None)
+    check_in_vocabulary(request.params.logit_bias, limit, "logit_bias", param="logit_bias")
+    check_in_vocabulary(request.params.stop_token_ids, limit, "stop_token_ids", param="stop_token_ids")
     return token_ids
 
 
@@ -96,7 +96,13 @@ def _template_tool(tool: ToolSpec) -> dict[Any, Any]:
     return {"type": "function", "function": function}
 
 
-def _check_in_vocabulary(token_ids: Iterable[int], limit: int, what: str, param: str | None) -> None:
+def vocabulary_limit(tokenizer: PreTrainedTokenizerBase, vocab_size: int | None) -> int:
+    """One past the highest token id the model takes: its embedding rows (`vocab_size`; None:
+    unknown) and its tokenizer's size, the smaller."""
+    return len(tokenizer) if vocab_size is None else min(vocab_size, len(tokenizer))
+
+
+def check_in_vocabulary(token_ids: Iterable[int], limit: int, what: str, param: str | None) -> None:
     bad = [t for t in token_ids if not 0 <= t < limit]
     if bad:
         raise RequestRejected(f"{what} token ids out of the vocabulary (size {limit}): {bad[:5]}", param=param)

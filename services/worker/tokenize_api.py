@@ -17,7 +17,7 @@ from nats.micro.service import Service
 from transformers import PreTrainedTokenizerBase
 
 from shoal.services.worker.generation import RequestRejected
-from shoal.services.worker.prompts import prompt_token_ids
+from shoal.services.worker.prompts import check_in_vocabulary, prompt_token_ids, vocabulary_limit
 from shoal.services.worker.service import WorkerIdentity
 from shoal.shared.messages import (
     Detokenize,
@@ -43,10 +43,10 @@ def tokenize(tokenizer: PreTrainedTokenizerBase, command: Tokenize, vocab_size: 
 
 def detokenize(tokenizer: PreTrainedTokenizerBase, command: Detokenize, vocab_size: int | None) -> DetokenizeReply:
     """The tokens' text; a 400 for an id past the model's embedding rows (`vocab_size`) or its tokenizer."""
-    limit = len(tokenizer) if vocab_size is None else min(vocab_size, len(tokenizer))
-    outside = [t for t in command.tokens if not 0 <= t < limit]
-    if outside:
-        raise RequestError(400, f"token ids {outside[:8]} are not in the model's vocabulary (0..{limit - 1})")
+    try:
+        check_in_vocabulary(command.tokens, vocabulary_limit(tokenizer, vocab_size), "detokenize", param=None)
+    except RequestRejected as exc:
+        raise RequestError(exc.status, str(exc)) from exc
     text = tokenizer.decode(command.tokens)
     assert isinstance(text, str), "one sequence decodes to one text"
     return DetokenizeReply(text)

@@ -69,6 +69,7 @@ from shoal.services.worker.generation import (
     RequestRejected,
     TextStream,
     TokenLogprobs,
+    embedding_bytes,
 )
 from shoal.shared.kv_cache.block_pool import BlockPool
 from shoal.shared.kv_cache.cost_model import CostProfile
@@ -671,14 +672,13 @@ class PagedEngine:
         return scores
 
     def _embeddings(self, sampled: list[Sequence], rows: list[int]) -> dict[str, bytes]:
-        """The embedding requests' vectors, by sequence: their rows' final hidden states
-        (`ModelRunner.last_hidden`), L2-normalized, as float32 little-endian bytes."""
+        """The embedding requests' vectors, by sequence, from their rows' final hidden states
+        (`ModelRunner.last_hidden`)."""
         if not rows:
             return {}
         hidden = self._runner.last_hidden
         assert hidden is not None, "the pass kept its hidden states (want_hidden)"
-        vectors = torch.nn.functional.normalize(hidden[rows].float(), dim=-1).cpu()
-        return {sampled[row].seq_id: vectors[i].numpy().astype("<f4").tobytes() for i, row in enumerate(rows)}
+        return {sampled[row].seq_id: embedding_bytes(hidden[row]) for row in rows}
 
     def _prompt_ends_with(self, prompt_token_ids: list[int], marker: str) -> bool:
         """The prompt's text ends with `marker` (blanks after it aside): its reasoning is over
