@@ -61,6 +61,7 @@ from shoal.services.gateway.errors import (
     error_for_status,
 )
 from shoal.services.gateway.router import DeliveriesExhausted, InboxItem, ReplicaDied, ReplyInbox, ReplyRouter
+from shoal.services.gateway.service_calls import ask_scheduler
 from shoal.services.gateway.session_routes import SessionRoutes
 from shoal.services.gateway.worker_metrics import WorkerStatsStore
 from shoal.shared import subjects
@@ -76,11 +77,10 @@ from shoal.shared.messages import (
     ReplicaRecord,
     TokenChunk,
     encode_msgpack,
-    scheduler_reply_decoder,
     worker_reply_decoder,
 )
 from shoal.shared.metrics import Registry
-from shoal.shared.micro import ServiceCallError, ServiceError, ServiceUnavailable, request_json
+from shoal.shared.micro import ServiceCallError, request_json
 
 log = structlog.get_logger(__name__)
 
@@ -234,15 +234,7 @@ class Dispatcher:
         )
 
     async def _ask_scheduler(self, model: str) -> None:
-        try:
-            reply = await request_json(self._bus.nc, subjects.scheduler_subject("ensure"), EnsureModel(model),
-                                       scheduler_reply_decoder, timeout_s=60.0)
-        except ServiceUnavailable as exc:
-            raise Unavailable("no scheduler is running; the model cannot be placed", retry_after_s=5.0) from exc
-        except ServiceError as exc:
-            raise error_for_status(exc.code, exc.description) from exc
-        except ServiceCallError as exc:
-            raise Unavailable(f"the scheduler did not answer: {exc}", retry_after_s=5.0) from exc
+        reply = await ask_scheduler(self._bus, "ensure", EnsureModel(model), timeout_s=60.0)
         if not reply.ok:
             raise Unavailable(f"model {model!r} cannot be placed now: {reply.message}",
                               code=reply.status, retry_after_s=reply.retry_after_s or 5.0)

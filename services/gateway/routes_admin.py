@@ -15,11 +15,11 @@ from typing import Annotated
 import msgspec
 from aiohttp import web
 
-from shoal.services.gateway.errors import BadRequest, Unavailable, error_for_status
+from shoal.services.gateway.errors import BadRequest
 from shoal.services.gateway.json_body import json_response
 from shoal.services.gateway.openai_api import decode_body, param_of
+from shoal.services.gateway.service_calls import ask_scheduler
 from shoal.services.gateway.state import GATEWAY
-from shoal.shared import subjects
 from shoal.shared.config import ConfigError, ModelConfig, parse_byte_sizes
 from shoal.shared.messages import (
     EvictReplicas,
@@ -29,9 +29,7 @@ from shoal.shared.messages import (
     ReplicaId,
     ScaleModel,
     SchedulerCommand,
-    scheduler_reply_decoder,
 )
-from shoal.shared.micro import ServiceCallError, ServiceError, ServiceUnavailable, request_json
 from shoal.shared.model_settings import MAX_REPLICAS
 
 routes = web.RouteTableDef()
@@ -46,16 +44,7 @@ class EvictBody(msgspec.Struct, forbid_unknown_fields=True):
 
 
 async def _command(request: web.Request, verb: str, command: SchedulerCommand) -> web.Response:
-    state = request.app[GATEWAY]
-    try:
-        reply = await request_json(state.bus.nc, subjects.scheduler_subject(verb), command, scheduler_reply_decoder,
-                                   timeout_s=120.0)
-    except ServiceUnavailable as exc:
-        raise Unavailable("no scheduler is running", retry_after_s=5.0) from exc
-    except ServiceError as exc:
-        raise error_for_status(exc.code, exc.description) from exc
-    except ServiceCallError as exc:
-        raise Unavailable(str(exc), retry_after_s=5.0) from exc
+    reply = await ask_scheduler(request.app[GATEWAY].bus, verb, command, timeout_s=120.0)
     return json_response(reply, status=200 if reply.ok else 503)
 
 

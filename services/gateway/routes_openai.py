@@ -10,34 +10,23 @@ stream is typed events instead (responses_stream.py).
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import dataclasses
 import time
-from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
-import msgspec
 import structlog
 from aiohttp import web
 
-from shoal.services.gateway.answer_reader import AnswerReader, Read
-from shoal.services.gateway.choices import Choice, expand, merged
-from shoal.services.gateway.dispatch import DispatchEvent, Restart
+from shoal.services.gateway.answer_reader import Read
 from shoal.services.gateway.embeddings_api import (
-    EMBED_PARAMS,
     EmbeddingRequest,
     as_input_error,
-    completion_request,
     embedding_list,
 )
 from shoal.services.gateway.errors import ApiError, BadRequest, error_payload
 from shoal.services.gateway.json_body import json_response
 from shoal.services.gateway.openai_api import (
     SESSION_HEADER,
-    UNLIMITED_MAX_TOKENS,
-    Answer,
     ChatCompletionRequest,
     ChatLogprobs,
     CompletionRequest,
@@ -49,27 +38,25 @@ from shoal.services.gateway.openai_api import (
     ToolCallOut,
     Usage,
     chat_logprobs,
-    chat_messages,
-    check_fits_in_message,
-    check_num_choices,
-    completion_prompts,
     decode_body,
     echoed_logprobs,
     echoed_text,
     full_response,
     logprobs_end,
     model_named_in,
-    sampling_params,
-    session_id_of,
     stream_chunk,
-    stream_mode,
-    template_kwargs,
-    template_mode,
     text_logprobs,
-    usage,
+)
+from shoal.services.gateway.plans import (
+    Collected,
+    Plan,
+    admitted,
+    choices_usage,
+    embedding_plan,
+    generating,
+    plan_request,
 )
 from shoal.services.gateway.progress import WaitProgress
-from shoal.services.gateway.reasoning import THINK_END, ReasoningReader
 from shoal.services.gateway.request_ids import REQUEST_ID, REQUEST_ID_HEADER
 from shoal.services.gateway.response_store import ResponseStore
 from shoal.services.gateway.responses_api import (
@@ -84,11 +71,8 @@ from shoal.services.gateway.responses_items import read_input
 from shoal.services.gateway.responses_stream import StreamedResponse
 from shoal.services.gateway.sse import SseStream
 from shoal.services.gateway.state import GATEWAY, GatewayState
-from shoal.services.gateway.tool_call_parser import ToolCallReader
-from shoal.services.gateway.tools import ToolPlan, forced, tool_plan, tool_specs
-from shoal.shared.messages import FinalReply, InferenceRequest, PromptEcho, TokenChunk, TokenLogprob
-from shoal.shared.model_settings import ReasoningParser
-from shoal.shared.subjects import MAX_MODEL_KEY_CHARS
+from shoal.services.gateway.tally import tallied
+from shoal.shared.messages import FinalReply, PromptEcho, TokenChunk
 
 log = structlog.get_logger(__name__)
 
@@ -142,65 +126,36 @@ _BODIES: dict[Endpoint, type[Any]] = {
 
 
 async def _serve(request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
-    """Validate, admit, place, dispatch; every request counts in ``shoal_gateway_requests_total``
-    (``model`` is empty unless the request named a registered model)."""
+    """Validate, admit, place, dispatch (every request tallied: tally.py)."""
     state = request.app[GATEWAY]
-    model_label = ""
-    outcome = "500"
-    started: float | None = None
-    try:
+    with tallied(state, endpoint) as tally:
         raw = await request.read()
         try:
             body = decode_body(raw, _BODIES[endpoint])
         except ApiError:
-            model_label = _label_for(state, model_named_in(raw))
+            tally.name_model(model_named_in(raw))
             raise
-        model_label = _label_for(state, body.model)
+        tally.name_model(body.model)
         responding: _Responding | None = None
         if isinstance(body, ResponsesRequest):
             responding = await _responding(state, body, request[REQUEST_ID])
             body = responding.turn.chat
         kind: Kind = "completion" if endpoint == "completion" else "chat"
         if isinstance(body, EmbeddingRequest):
-            plan = _embedding_plan(state, body, request[REQUEST_ID])
+            plan = embedding_plan(state, body, request[REQUEST_ID])
         else:
-            plan = _plan(state, body, request[REQUEST_ID], request.headers.get(SESSION_HEADER),
-                         format_param="text" if responding is not None else "response_format")
-        choices = plan.choices
-        for choice in choices:
-            check_fits_in_message(choice.request, state.bus.nc.max_payload)
-        with contextlib.ExitStack() as admissions:
-            for _ in choices:  # each generation counts against the model's queue bound
-                admissions.enter_context(state.dispatcher.admitted(body.model))
-            started = time.monotonic()
+            plan = plan_request(state, body, request[REQUEST_ID], request.headers.get(SESSION_HEADER),
+                                format_param="text" if responding is not None else "response_format")
+        with admitted(state, plan):
+            tally.start()
             if plan.stream:
-                response, outcome = await _stream(request, state, plan, kind, responding)
+                response, tally.outcome = await _stream(request, state, plan, kind, responding)
             else:
-                await state.dispatcher.ensure_placed(body.model, choices[0].request.deadline)
+                await state.dispatcher.ensure_placed(body.model, plan.choices[0].request.deadline)
                 collected = (_collect_embeddings(state, plan, body) if isinstance(body, EmbeddingRequest)
                              else _collect(state, plan, kind, request[REQUEST_ID], responding))
-                response, outcome = await collected, "ok"
+                response, tally.outcome = await collected, "ok"
         return response
-    except ApiError as exc:
-        outcome = str(exc.status)
-        raise
-    except asyncio.CancelledError:
-        outcome = "cancelled"  # the client went away
-        raise
-    finally:
-        state.requests_total.inc(model=model_label, kind=endpoint, outcome=outcome)
-        if started is not None:
-            state.latency.observe(time.monotonic() - started, model=model_label)
-
-
-def inference_request(state: GatewayState, body: ChatCompletionRequest | CompletionRequest,
-                      request_id: str) -> InferenceRequest:
-    """The one request `body` makes, validated as it would be queued (``/tokenize`` renders its
-    prompt); a 400 for a batch of prompts or ``n`` choices."""
-    plan = _plan(state, body, request_id, None)
-    if len(plan.choices) > 1:
-        raise BadRequest("send one prompt (a batch or n > 1 has several)", param="prompt")
-    return plan.choices[0].request
 
 
 @dataclass(frozen=True)
@@ -227,99 +182,10 @@ async def _responding(state: GatewayState, body: ResponsesRequest, request_id: s
     return _Responding(turn, ResponseShell(response_id, int(time.time()), body), state.responses)
 
 
-def _label_for(state: GatewayState, model: str | None) -> str:
-    """Bind `model` for logging; return it as a metrics label only if it is registered (clients
-    must not be able to mint label values)."""
-    if model is None:
-        return ""
-    structlog.contextvars.bind_contextvars(model=model[:MAX_MODEL_KEY_CHARS])  # a body may send megabytes
-    return model if state.cluster.get_model(model) is not None else ""
-
-
-@dataclass(frozen=True)
-class _Plan:
-    """What one HTTP request makes: its generations (choices.py), how it answers."""
-
-    choices: list[Choice]
-    stream: bool
-    include_usage: bool
-    tools: ToolPlan | None = None
-    """How answers are read for function calls; None: they are not."""
-    reasoning: ReasoningParser | None = None
-    """How a reasoning model's thinking is split out of its chat answers; None: it is not."""
-    continued: str | None = None
-    """The assistant message the answers go on with (``continue_final_message``), if any."""
-
-    def answer_reader(self) -> AnswerReader:
-        """A reader for one choice's text."""
-        return AnswerReader(ReasoningReader(self.reasoning, self.continued) if self.reasoning is not None else None,
-                            ToolCallReader(self.tools) if self.tools is not None and self.tools.reads_calls else None)
-
-
-def _plan(state: GatewayState, body: ChatCompletionRequest | CompletionRequest, request_id: str,
-          session_header: str | None, format_param: str = "response_format") -> _Plan:
-    """Validate `body` (a 400 for what is invalid) into what it makes; a schema the model cannot
-    follow is blamed on `format_param` (the Responses API's answer format is ``text``)."""
-    prompts: list[dict[str, Any]]
-    tools: ToolPlan | None = None
-    reasoning: ReasoningParser | None = None
-    if isinstance(body, ChatCompletionRequest):
-        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        spec = state.cluster.get_model(body.model)
-        tools = tool_plan(body, spec.tool_call_parser if spec is not None else "hermes")
-        reasoning = spec.reasoning_parser if spec is not None else None
-        thinks_first = reasoning is not None and spec is not None and spec.grammar_after_reasoning
-        params = forced(sampling_params(body, max_tokens, UNLIMITED_MAX_TOKENS), tools, body)
-        if params.json_schema is not None and params.grammar_param == "response_format":
-            params = msgspec.structs.replace(params, grammar_param=format_param)
-        if thinks_first and params.has_grammar:  # the model thinks first, freely (as vLLM has it)
-            params = msgspec.structs.replace(params, grammar_after=THINK_END)
-        prompts = [{"messages": chat_messages(body, state.config.max_prompt_chars), "tools": tool_specs(body),
-                    "chat_template_kwargs": template_kwargs(body), **template_mode(body)}]
-    else:
-        params = sampling_params(body, body.max_tokens, 16)
-        prompts = completion_prompts(body, state.config.max_prompt_chars)
-    n = body.n or 1
-    check_num_choices(n, len(prompts))
-    stream, include_usage = stream_mode(body)
-    session_id = session_id_of(body, session_header)
-    if session_id is not None:
-        if len(prompts) > 1:
-            raise BadRequest("a session is one conversation: send one prompt with session_id", param="session_id")
-        structlog.contextvars.bind_contextvars(session_id=session_id)
-    created = time.time()
-    inference = InferenceRequest(
-        request_id=request_id,
-        model=body.model,
-        params=params,
-        deadline=created + state.config.request_timeout_s,
-        reply_to=state.router.reply_subject(request_id),
-        stream=stream,
-        gateway_id=state.router.gateway_id,
-        created=created,
-        session_id=session_id,
-    )
-    continued = (prompts[0]["messages"][-1].content if isinstance(body, ChatCompletionRequest)
-                 and body.continue_final_message else None)
-    return _Plan(expand(inference, prompts, n, state.router.reply_subject), stream, include_usage, tools, reasoning,
-                 continued)
-
-
-def _embedding_plan(state: GatewayState, body: EmbeddingRequest, request_id: str) -> _Plan:
-    """One request per input, each computing its prompt's embedding (embeddings_api.py)."""
-    try:
-        plan = _plan(state, completion_request(body), request_id, None)
-    except BadRequest as exc:
-        raise as_input_error(exc) from None
-    choices = [dataclasses.replace(choice, request=msgspec.structs.replace(choice.request, params=EMBED_PARAMS))
-               for choice in plan.choices]
-    return dataclasses.replace(plan, choices=choices)
-
-
-async def _collect_embeddings(state: GatewayState, plan: _Plan, body: EmbeddingRequest) -> web.Response:
+async def _collect_embeddings(state: GatewayState, plan: Plan, body: EmbeddingRequest) -> web.Response:
     finals: list[FinalReply | None] = [None] * len(plan.choices)
     try:
-        async with _generating(state, plan.choices, restartable=True) as events:
+        async with generating(state, plan.choices, restartable=True) as events:
             async for index, event in events:
                 if isinstance(event, FinalReply):
                     finals[index] = event
@@ -330,89 +196,16 @@ async def _collect_embeddings(state: GatewayState, plan: _Plan, body: EmbeddingR
     return json_response(embedding_list(body, ended), headers={REPLICA_HEADER: ended[0].replica_id})
 
 
-def _choices_usage(choices: list[Choice], finals: Sequence[FinalReply | None], num_reasoning_tokens: int) -> Usage:
-    """Each prompt's tokens once (as OpenAI counts ``n > 1``), every choice's completion tokens
-    (`num_reasoning_tokens` of them the model thought in)."""
-    ended = [final for final in finals if final is not None]
-    assert len(ended) == len(choices), "every choice ends with its final reply"
-    prompts = [final for choice, final in zip(choices, ended, strict=True) if choice.counts_prompt]
-    return usage(sum(final.prompt_tokens for final in prompts), sum(final.completion_tokens for final in ended),
-                 sum(final.cached_tokens for final in prompts), num_reasoning_tokens)
-
-
-@contextlib.asynccontextmanager
-async def _generating(state: GatewayState, choices: list[Choice], *, restartable: bool
-                      ) -> AsyncIterator[AsyncIterator[tuple[int, DispatchEvent]]]:
-    """Every choice's dispatcher events as they come, each with its choice's index; on
-    leaving, every choice still running is cancelled."""
-    runs = [state.dispatcher.run(choice.request, restartable=restartable) for choice in choices]
-    events = merged(runs)
-    async with contextlib.AsyncExitStack() as closing:
-        for run in runs:
-            closing.push_async_callback(run.aclose)
-        closing.push_async_callback(events.aclose)  # first: it stops the tasks reading the runs
-        yield events
-
-
-class _Collected:
-    """One choice's answer as its events come (a non-streamed response)."""
-
-    def __init__(self, choice: Choice, reader: AnswerReader) -> None:
-        self.parts: list[tuple[str, int]] = []
-        """The answer's text as it came: (text, the tokens it came in)."""
-        self.logprobs: list[TokenLogprob] | None = [] if choice.request.params.logprobs is not None else None
-        self.final: FinalReply | None = None
-        self.prompt: PromptEcho | None = None
-        self._own_prompt = choice.request.prompt
-        self._reader = reader
-
-    def add(self, event: DispatchEvent) -> None:
-        match event:
-            case Restart():
-                self.parts.clear()
-                self.prompt = None
-                if self.logprobs is not None:
-                    self.logprobs.clear()
-            case TokenChunk(text=text):
-                if event.prompt is not None:
-                    self.prompt = event.prompt
-                    self.parts.append((echoed_text(event.prompt, self._own_prompt), 0))
-                self.parts.append((text, event.num_tokens))
-                if self.logprobs is not None:
-                    self.logprobs += event.logprobs or ()
-            case FinalReply():
-                self.final = event
-
-    def ended(self) -> FinalReply:
-        assert self.final is not None, "dispatcher ended without a final reply or an error"
-        return self.final
-
-    @property
-    def num_reasoning_tokens(self) -> int:
-        return self._reader.num_reasoning_tokens
-
-    def answer(self) -> Answer:
-        finish_reason = self.ended().finish_reason
-        if self._reader.passes_through:
-            return Answer("".join(text for text, _ in self.parts), finish_reason, self.logprobs, prompt=self.prompt)
-        read = Read()
-        for text, num_tokens in self.parts:  # as they came: the reasoning's tokens are counted chunk by chunk
-            read += self._reader.feed(text, num_tokens)
-        rest, finish_reason = self._reader.finish(finish_reason)
-        read += rest
-        return Answer(read.content, finish_reason, self.logprobs, read.calls or None, reasoning=read.reasoning or None)
-
-
-async def _collect(state: GatewayState, plan: _Plan, kind: Kind, request_id: str,
+async def _collect(state: GatewayState, plan: Plan, kind: Kind, request_id: str,
                    responding: _Responding | None) -> web.Response:
     choices = plan.choices
     first = choices[0].request
-    collected = [_Collected(choice, plan.answer_reader()) for choice in choices]
-    async with _generating(state, choices, restartable=True) as events:
+    collected = [Collected(choice, plan.answer_reader()) for choice in choices]
+    async with generating(state, choices, restartable=True) as events:
         async for index, event in events:
             collected[index].add(event)
     answers = [c.answer() for c in collected]
-    token_usage = _choices_usage(choices, [c.ended() for c in collected],
+    token_usage = choices_usage(choices, [c.ended() for c in collected],
                                  sum(c.num_reasoning_tokens for c in collected))
     body: Any
     if responding is not None:
@@ -447,7 +240,7 @@ class _StreamWriter(Protocol):
     async def close(self) -> None: ...
 
 
-async def _stream(request: web.Request, state: GatewayState, plan: _Plan, kind: Kind,
+async def _stream(request: web.Request, state: GatewayState, plan: Plan, kind: Kind,
                   responding: _Responding | None) -> tuple[web.StreamResponse, str]:
     """The SSE response and its outcome: "ok", or the status of an error sent in the stream
     after the 200 (504 at the deadline, 503 when the replica died). Several choices stream
@@ -468,7 +261,7 @@ async def _stream(request: web.Request, state: GatewayState, plan: _Plan, kind: 
     else:
         out = _StreamedChoices(sse, kind, _response_id(kind, request_id), int(first.created), first.model, plan)
     outcome = "ok"
-    async with _generating(state, choices, restartable=False) as events, sse.keeping_alive():
+    async with generating(state, choices, restartable=False) as events, sse.keeping_alive():
         try:
             await state.dispatcher.ensure_placed(first.model, first.deadline)
             progress.stage = "queued"
@@ -485,7 +278,7 @@ async def _stream(request: web.Request, state: GatewayState, plan: _Plan, kind: 
                     index, event = await anext(events)
                 except StopAsyncIteration:
                     break
-            await out.finish(_choices_usage(choices, out.finals, out.num_reasoning_tokens))
+            await out.finish(choices_usage(choices, out.finals, out.num_reasoning_tokens))
         except ApiError as exc:
             # Errors before anything was sent (unknown model in the worker, prompt too long...)
             # keep their proper status; after that they become the stream's last event.
@@ -502,7 +295,7 @@ class _StreamedChoices:
     """The chunks of a streamed response, choice by choice: text (read for calls where the
     request has tools), log probabilities, calls, each choice's end."""
 
-    def __init__(self, sse: SseStream, kind: Kind, response_id: str, created: int, model: str, plan: _Plan) -> None:
+    def __init__(self, sse: SseStream, kind: Kind, response_id: str, created: int, model: str, plan: Plan) -> None:
         self._sse = sse
         self._head = (kind, response_id, created, model)
         self._kind = kind

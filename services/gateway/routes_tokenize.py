@@ -13,15 +13,12 @@ import asyncio
 import time
 from typing import Annotated, Any
 
-import msgspec
 from aiohttp import web
 from msgspec import Meta, Struct
 
 from shoal.services.gateway.errors import (
     BadRequest,
     DeadlineExceeded,
-    Unavailable,
-    error_for_status,
 )
 from shoal.services.gateway.json_body import json_response
 from shoal.services.gateway.openai_api import (
@@ -30,10 +27,10 @@ from shoal.services.gateway.openai_api import (
     CompletionRequest,
     decode_body,
 )
+from shoal.services.gateway.plans import inference_request
 from shoal.services.gateway.request_ids import REQUEST_ID
-from shoal.services.gateway.routes_openai import inference_request
+from shoal.services.gateway.service_calls import ask_worker
 from shoal.services.gateway.state import GATEWAY, GatewayState
-from shoal.shared import subjects
 from shoal.shared.messages import (
     Detokenize,
     ReplicaRecord,
@@ -41,7 +38,6 @@ from shoal.shared.messages import (
     detokenize_reply_decoder,
     tokenize_reply_decoder,
 )
-from shoal.shared.micro import ServiceCallError, ServiceError, request_json
 
 routes = web.RouteTableDef()
 _SERVING_STATES = ("ready", "draining")
@@ -95,8 +91,9 @@ async def tokenize(request: web.Request) -> web.Response:
     state.cluster.require_model(body.model)
     inference = inference_request(state, body, request[REQUEST_ID])
     replica = await _serving_replica(state, body.model, inference.deadline)
-    reply = await _ask(state, replica, "tokenize", Tokenize(inference, bool(options.return_token_strs)),
-                       tokenize_reply_decoder)
+    reply = await ask_worker(state.bus, replica.replica_id, "tokenize",
+                             Tokenize(inference, bool(options.return_token_strs)), tokenize_reply_decoder,
+                             timeout_s=WORKER_TIMEOUT_S)
     return json_response(TokenizeResponse(len(reply.tokens), reply.max_model_len, reply.tokens, reply.token_strs))
 
 
@@ -106,7 +103,8 @@ async def detokenize(request: web.Request) -> web.Response:
     body = decode_body(await request.read(), DetokenizeBody)
     state.cluster.require_model(body.model)
     replica = await _serving_replica(state, body.model, time.time() + state.config.request_timeout_s)
-    reply = await _ask(state, replica, "detokenize", Detokenize(body.tokens), detokenize_reply_decoder)
+    reply = await ask_worker(state.bus, replica.replica_id, "detokenize", Detokenize(body.tokens),
+                             detokenize_reply_decoder, timeout_s=WORKER_TIMEOUT_S)
     return json_response(DetokenizeResponse(reply.prompt))
 
 
@@ -120,14 +118,3 @@ async def _serving_replica(state: GatewayState, model: str, deadline: float) -> 
         if time.time() >= deadline:
             raise DeadlineExceeded(f"no replica of {model!r} was serving within the request's deadline")
         await asyncio.sleep(0.1)
-
-
-async def _ask(state: GatewayState, replica: ReplicaRecord, verb: str, command: Struct,
-               decoder: msgspec.json.Decoder[Any]) -> Any:
-    try:
-        return await request_json(state.bus.nc, subjects.worker_subject(replica.replica_id, verb), command, decoder,
-                                  timeout_s=WORKER_TIMEOUT_S)
-    except ServiceError as exc:
-        raise error_for_status(exc.code, exc.description) from exc
-    except ServiceCallError as exc:  # the replica went away meanwhile: the client may retry at once
-        raise Unavailable(f"replica {replica.replica_id} did not answer: {exc}", retry_after_s=1.0) from exc

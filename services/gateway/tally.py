@@ -1,0 +1,55 @@
+"""Every inference request's count in ``shoal_gateway_requests_total`` and its latency in
+``shoal_gateway_request_duration_seconds``, whichever API it came in by."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Iterator
+
+import structlog
+
+from shoal.services.gateway.errors import ApiError
+from shoal.services.gateway.state import GatewayState
+from shoal.shared.subjects import MAX_MODEL_KEY_CHARS
+
+
+class Tally:
+    """One request's labels as they become known: ``model`` is empty unless the request named a
+    registered model (clients must not be able to mint label values)."""
+
+    def __init__(self, state: GatewayState) -> None:
+        self._state = state
+        self.model = ""
+        self.outcome = "500"
+        """"ok", a status (of an error, or of one sent in a stream after its 200), or "cancelled"."""
+        self.started: float | None = None
+
+    def name_model(self, model: str | None) -> None:
+        """The model the request names (bound for logging whether or not it is served)."""
+        if model is None:
+            return
+        structlog.contextvars.bind_contextvars(model=model[:MAX_MODEL_KEY_CHARS])  # a body may send megabytes
+        self.model = model if self._state.cluster.get_model(model) is not None else ""
+
+    def start(self) -> None:
+        """Admitted: its latency counts from now."""
+        self.started = time.monotonic()
+
+
+@contextlib.contextmanager
+def tallied(state: GatewayState, kind: str) -> Iterator[Tally]:
+    tally = Tally(state)
+    try:
+        yield tally
+    except ApiError as exc:
+        tally.outcome = str(exc.status)
+        raise
+    except asyncio.CancelledError:
+        tally.outcome = "cancelled"  # the client went away
+        raise
+    finally:
+        state.requests_total.inc(model=tally.model, kind=kind, outcome=tally.outcome)
+        if tally.started is not None:
+            state.latency.observe(time.monotonic() - tally.started, model=tally.model)
