@@ -320,6 +320,8 @@ class ModelSpec(ModelSettings, kw_only=True, omit_defaults=True):
     weight_bytes: int | None = None
     """Raw checkpoint size: what a WARM replica holds in CPU RAM (filled in by inspection)."""
     num_parameters: int | None = None
+    architecture: str = ""
+    """The checkpoint's model class (``LlamaForCausalLM``), as inspection read it."""
     desired_replicas: NumReplicas = 0
     """The replicas the scheduler keeps placed (at least `min_replicas` at registration)."""
     lease_owner: str | None = None

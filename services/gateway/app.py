@@ -1,4 +1,4 @@
-"""The gateway's aiohttp application: OpenAI API, admin API, dashboard, health, metrics.
+"""The gateway's aiohttp application: OpenAI API, Ollama's API, admin API, dashboard, health, metrics.
 
 Stateless: run several behind a load balancer; each has its own gateway id,
 reply subscription and KV watchers. Every long-lived resource (the NATS
@@ -17,6 +17,8 @@ from aiohttp import web
 from shoal.services.gateway import (
     openapi,
     routes_admin,
+    routes_ollama,
+    routes_ollama_models,
     routes_openai,
     routes_responses,
     routes_sessions,
@@ -125,6 +127,8 @@ def create_app(config: GatewayConfig, nats_url: str, registry: Registry | None =
     app.cleanup_ctx.append(resources)
     app.on_shutdown.append(routes_ui.end_event_streams)  # before aiohttp waits for open handlers
     app.router.add_routes(routes_openai.routes)
+    app.router.add_routes(routes_ollama.routes)
+    app.router.add_routes(routes_ollama_models.routes)
     app.router.add_routes(routes_responses.routes)
     app.router.add_routes(routes_tokenize.routes)
     app.router.add_routes(routes_admin.routes)

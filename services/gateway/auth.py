@@ -18,8 +18,8 @@ from aiohttp import web
 from shoal.services.gateway.errors import Forbidden, Unauthorized
 from shoal.shared.config import ConfigError, GatewayConfig
 
-OPEN_PATHS = ("/healthz", "/health", "/version", "/metrics", "/ui", "/ui/", "/openapi.json")
-"""Open to all: probes, scrapers, the API's description, and the dashboard's page (it holds no
+OPEN_PATHS = ("/", "/healthz", "/health", "/version", "/api/version", "/metrics", "/ui", "/ui/", "/openapi.json")
+"""Open to all: probes (``/`` is Ollama clients'), scrapers, the API's description, and the dashboard's page (it holds no
 data: what it shows comes from /ui/api, which takes the keys of /v1)."""
 OPEN_PREFIXES = ("/ui/static/",)
 

@@ -223,6 +223,18 @@ class Dispatcher:
             raise self._deadline_exceeded()
         pending.result()
 
+    async def serving_replica(self, model: str, deadline: float) -> ReplicaRecord:
+        """A replica of `model` whose worker runs (ready, or draining), placed or woken first if
+        there is none; 504 if `deadline` (unix time) passes first."""
+        while True:
+            serving = [r for r in self._cluster.get_active_replicas(model) if r.state in ("ready", "draining")]
+            if serving:
+                return serving[0]
+            await self.ensure_placed(model, deadline)
+            if time.time() >= deadline:
+                raise DeadlineExceeded(f"no replica of {model!r} was serving within the request's deadline")
+            await asyncio.sleep(0.1)
+
     def _ensured(self, model: str, done: asyncio.Future[None]) -> None:
         self._ensuring.pop(model, None)
         if not done.cancelled():

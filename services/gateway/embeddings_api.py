@@ -72,7 +72,7 @@ def as_input_error(exc: BadRequest) -> BadRequest:
     return exc
 
 
-def _floats(little_endian: bytes) -> list[float]:
+def embedding_floats(little_endian: bytes) -> list[float]:
     values = array("f", little_endian)
     if sys.byteorder == "big":
         values.byteswap()
@@ -85,7 +85,7 @@ def embedding_list(req: EmbeddingRequest, finals: list[FinalReply]) -> Embedding
     for index, final in enumerate(finals):
         assert final.embedding is not None, "an embedding request's final reply carries its vector"
         vector: list[float] | str = (base64.b64encode(final.embedding).decode() if req.encoding_format == "base64"
-                                     else _floats(final.embedding))
+                                     else embedding_floats(final.embedding))
         data.append(Embedding(index=index, embedding=vector))
     num_tokens = sum(final.prompt_tokens for final in finals)
     return EmbeddingList(data=data, model=req.model, usage=EmbeddingUsage(prompt_tokens=num_tokens,

@@ -2,7 +2,8 @@
 
 Handlers raise `ApiError` subclasses; the error middleware turns them (and
 aiohttp's own HTTP errors, and anything unexpected) into
-``{"error": {"message", "type", "code", "param"}}`` with the right status.
+``{"error": {"message", "type", "code", "param"}}`` with the right status; under Ollama's
+``/api/`` into Ollama's ``{"error": "<message>"}``, which its clients read.
 No traceback ever reaches a client; every error is logged with the request id.
 """
 
@@ -67,6 +68,11 @@ class TooManyRequests(ApiError):
     error_type = "rate_limit_error"
 
 
+class NotImplementedHere(ApiError):
+    status = 501
+    error_type = "not_implemented"
+
+
 class Unavailable(ApiError):
     status = 503
     error_type = "service_unavailable"
@@ -80,7 +86,7 @@ class DeadlineExceeded(ApiError):
 _BY_STATUS: dict[int, type[ApiError]] = {
     cls.status: cls
     for cls in (BadRequest, Unauthorized, Forbidden, NotFound, MethodNotAllowed, PayloadTooLarge, TooManyRequests,
-                Unavailable, DeadlineExceeded)
+                NotImplementedHere, Unavailable, DeadlineExceeded)
 }
 
 
@@ -110,18 +116,29 @@ class ErrorEnvelope(msgspec.Struct):
 _encoder = msgspec.json.Encoder()
 
 
-def error_payload(error: ApiError) -> bytes:
+class OllamaError(msgspec.Struct):
+    """Every error response's body under Ollama's ``/api/``, and a stream's failing line."""
+
+    error: str
+
+
+OLLAMA_PREFIX = "/api/"
+
+
+def error_payload(error: ApiError, *, ollama: bool = False) -> bytes:
+    if ollama:
+        return _encoder.encode(OllamaError(error.message))
     body = ErrorBody(error.message, error.error_type, error.code, error.param)
     return _encoder.encode(ErrorEnvelope(body))
 
 
-def error_response(error: ApiError) -> web.Response:
+def error_response(error: ApiError, path: str = "") -> web.Response:
+    """`error` as the response to a request for `path` (Ollama's form under ``/api/``)."""
     headers = {}
     if error.retry_after_s is not None:
         headers["Retry-After"] = str(max(1, round(error.retry_after_s)))
-    return web.Response(
-        status=error.status, body=error_payload(error), content_type="application/json", headers=headers
-    )
+    return web.Response(status=error.status, body=error_payload(error, ollama=path.startswith(OLLAMA_PREFIX)),
+                        content_type="application/json", headers=headers)
 
 
 @web.middleware
@@ -132,14 +149,14 @@ async def error_middleware(
         return await handler(request)
     except ApiError as exc:
         log.info("request_error", status=exc.status, error=exc.message, path=request.path)
-        return error_response(exc)
+        return error_response(exc, request.path)
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
         message = {404: f"no route for {request.method} {request.path}", 405: f"{request.method} is not allowed on "
                    f"{request.path}", 413: "request body too large"}.get(exc.status, exc.reason)
         log.info("request_error", status=exc.status, error=message, path=request.path)
-        return error_response(error_for_status(exc.status, message))
+        return error_response(error_for_status(exc.status, message), request.path)
     except Exception:
         log.exception("request_crashed", path=request.path)
-        return error_response(ApiError("internal error; the gateway logged the details"))
+        return error_response(ApiError("internal error; the gateway logged the details"), request.path)

@@ -15,7 +15,17 @@ import msgspec
 from aiohttp import web
 
 from shoal.services.gateway.embeddings_api import EmbeddingList, EmbeddingRequest
-from shoal.services.gateway.errors import ErrorEnvelope
+from shoal.services.gateway.errors import ErrorEnvelope, OllamaError
+from shoal.services.gateway.ollama_api import (
+    ChatReply,
+    ChatRequest,
+    EmbeddingReply,
+    EmbeddingsRequest,
+    EmbedReply,
+    EmbedRequest,
+    GenerateReply,
+    GenerateRequest,
+)
 from shoal.services.gateway.openai_api import (
     ChatCompletion,
     ChatCompletionChunk,
@@ -28,6 +38,7 @@ from shoal.services.gateway.openai_api import (
 from shoal.services.gateway.responses_api import DeletedResponse, ResponseObject, ResponsesRequest
 from shoal.services.gateway.responses_items import ItemList
 from shoal.services.gateway.routes_admin import EvictBody, ScaleBody
+from shoal.services.gateway.routes_ollama_models import PsReply, ShowReply, ShowRequest, TagsReply
 from shoal.services.gateway.routes_tokenize import DetokenizeBody, DetokenizeResponse, TokenizeResponse
 from shoal.shared.config import ModelConfig
 from shoal.shared.messages import SchedulerReply
@@ -81,7 +92,8 @@ def get_document() -> bytes:
     """The OpenAPI document (JSON bytes)."""
     types = [ChatCompletionRequest, CompletionRequest, ChatCompletion, ChatCompletionChunk, Completion, ModelList,
              ModelCard, ErrorEnvelope, ModelConfig, ScaleBody, EvictBody, SchedulerReply, ResponsesRequest,
-             ResponseObject, DeletedResponse, ItemList, EmbeddingRequest, EmbeddingList, TokenizeResponse, DetokenizeBody, DetokenizeResponse]
+             ResponseObject, DeletedResponse, ItemList, EmbeddingRequest, EmbeddingList, TokenizeResponse, DetokenizeBody,
+             DetokenizeResponse, *_OLLAMA_TYPES]
     schemas, components = msgspec.json.schema_components(types, ref_template=_REF)
     refs = {t.__name__: schema for t, schema in zip(types, schemas, strict=True)}
     inference_errors = _errors(refs, 400, 401, 404, 413, 429, 503, 504)
@@ -110,7 +122,7 @@ def get_document() -> bytes:
             operation["requestBody"] = {"required": True, "content": _content(refs[body])}
         return {method: operation}
 
-    paths: dict[str, Any] = {
+    paths: dict[str, Any] = {**_ollama_paths(refs), **{
         "/v1/models": {"get": {"summary": "every registered model",
                                "responses": {"200": {"description": "the models",
                                                      "content": _content(refs["ModelList"])},
@@ -196,11 +208,11 @@ def get_document() -> bytes:
         "/metrics": {"get": {"summary": "Prometheus metrics (text format)",
                              "responses": {"200": {"description": "the exposition",
                                                    "content": {"text/plain": {"schema": {"type": "string"}}}}}}},
-    }
+    }}
     document = {
         "openapi": "3.1.0",
         "info": {"title": "Shoal gateway", "version": SHOAL_VERSION,
-                 "description": "OpenAI-compatible API and Shoal's admin API (docs/api.md)."},
+                 "description": "OpenAI-compatible API, Ollama's API (/api) and Shoal's admin API (docs/api.md)."},
         "paths": paths,
         "components": {
             "schemas": components,
@@ -211,6 +223,50 @@ def get_document() -> bytes:
         "security": [{}, {"bearer": []}],
     }
     return msgspec.json.encode(document)
+
+
+_OLLAMA_TYPES = [OllamaError, ChatRequest, ChatReply, GenerateRequest, GenerateReply, EmbedRequest, EmbedReply,
+                 EmbeddingsRequest, EmbeddingReply, TagsReply, PsReply, ShowRequest, ShowReply]
+_NDJSON = "application/x-ndjson"
+
+
+def _ollama_paths(refs: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Ollama's routes (routes_ollama.py, routes_ollama_models.py); their errors are ``{"error": "..."}``."""
+    reasons = {400: "invalid request (the message names the field)", 401: "a key is needed and none or a wrong "
+               "one was sent", 403: "this key may not unload models", 404: "unknown model or route",
+               413: "the request or its prompt is too large", 429: "the model's queue in this gateway is full",
+               503: "the model cannot be placed now, or NATS / the scheduler is unavailable",
+               504: "the request's deadline passed"}
+
+    def errors(*statuses: int) -> dict[str, Any]:
+        return {str(status): {"description": reasons[status], "content": _content(refs["OllamaError"])}
+                for status in statuses}
+
+    def post(summary: str, request: str, response: str, *, lines: bool = False) -> dict[str, Any]:
+        content = _content(refs[response])
+        if lines:  # streamed (the default): one reply per line, the last done, or an error line
+            content[_NDJSON] = {"schema": {"type": "string"}}
+        return {"post": {"summary": summary, "requestBody": {"required": True, "content": _content(refs[request])},
+                         "responses": {"200": {"description": f"a {response}" + (
+                             ", or with `\"stream\": true` (the default) JSON lines of them" if lines else ""),
+                             "content": content}, **errors(400, 401, 403, 404, 413, 429, 503, 504)}}}
+
+    def get(summary: str, response: str) -> dict[str, Any]:
+        return {"get": {"summary": summary, "responses": {"200": {"description": summary,
+                                                                  "content": _content(refs[response])},
+                                                          **errors(401)}}}
+
+    return {
+        "/api/chat": post("Ollama's chat (no messages: load the model; with keep_alive 0: unload it)",
+                          "ChatRequest", "ChatReply", lines=True),
+        "/api/generate": post("Ollama's generate (empty prompt: load the model; with keep_alive 0: unload it)",
+                              "GenerateRequest", "GenerateReply", lines=True),
+        "/api/embed": post("Ollama's embeddings of each input", "EmbedRequest", "EmbedReply"),
+        "/api/embeddings": post("Ollama's older embedding of one prompt", "EmbeddingsRequest", "EmbeddingReply"),
+        "/api/show": post("one model's details", "ShowRequest", "ShowReply"),
+        "/api/tags": get("the served models", "TagsReply"),
+        "/api/ps": get("the models with a replica on a GPU now", "PsReply"),
+    }
 
 
 async def openapi_json(_: web.Request) -> web.Response:

@@ -230,3 +230,18 @@ def admitted(state: GatewayState, plan: Plan) -> Iterator[None]:
         for choice in plan.choices:
             admissions.enter_context(state.dispatcher.admitted(choice.request.model))
         yield
+
+
+async def collect_embeddings(state: GatewayState, plan: Plan) -> list[FinalReply]:
+    """Each input's final reply (its vector), in order."""
+    finals: list[FinalReply | None] = [None] * len(plan.choices)
+    try:
+        async with generating(state, plan.choices, restartable=True) as events:
+            async for index, event in events:
+                if isinstance(event, FinalReply):
+                    finals[index] = event
+    except BadRequest as exc:  # the worker's, about a prompt: an input here
+        raise as_input_error(exc) from None
+    ended = [final for final in finals if final is not None]
+    assert len(ended) == len(finals), "every input ends with its final reply"
+    return ended

@@ -15,6 +15,8 @@ from aiohttp import web
 
 REQUEST_ID_HEADER = "X-Request-Id"
 REQUEST_ID = web.RequestKey("request_id", str)
+REPLICA_HEADER = "X-Shoal-Replica"
+"""Which replica answered a non-streamed request (debugging, and the replica-spread tests)."""
 
 
 @web.middleware

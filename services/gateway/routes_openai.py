@@ -20,10 +20,9 @@ from aiohttp import web
 from shoal.services.gateway.answer_reader import Read
 from shoal.services.gateway.embeddings_api import (
     EmbeddingRequest,
-    as_input_error,
     embedding_list,
 )
-from shoal.services.gateway.errors import ApiError, BadRequest, error_payload
+from shoal.services.gateway.errors import ApiError, error_payload
 from shoal.services.gateway.json_body import json_response
 from shoal.services.gateway.openai_api import (
     SESSION_HEADER,
@@ -38,12 +37,10 @@ from shoal.services.gateway.openai_api import (
     ToolCallOut,
     Usage,
     chat_logprobs,
-    decode_body,
     echoed_logprobs,
     echoed_text,
     full_response,
     logprobs_end,
-    model_named_in,
     stream_chunk,
     text_logprobs,
 )
@@ -52,12 +49,13 @@ from shoal.services.gateway.plans import (
     Plan,
     admitted,
     choices_usage,
+    collect_embeddings,
     embedding_plan,
     generating,
     plan_request,
 )
 from shoal.services.gateway.progress import WaitProgress
-from shoal.services.gateway.request_ids import REQUEST_ID, REQUEST_ID_HEADER
+from shoal.services.gateway.request_ids import REPLICA_HEADER, REQUEST_ID, REQUEST_ID_HEADER
 from shoal.services.gateway.response_store import ResponseStore
 from shoal.services.gateway.responses_api import (
     ResponseObject,
@@ -77,8 +75,6 @@ from shoal.shared.messages import FinalReply, PromptEcho, TokenChunk
 log = structlog.get_logger(__name__)
 
 routes = web.RouteTableDef()
-REPLICA_HEADER = "X-Shoal-Replica"
-"""Which replica answered a non-streamed request (debugging, and the replica-spread tests)."""
 
 
 @routes.get("/v1/models")
@@ -129,13 +125,7 @@ async def _serve(request: web.Request, endpoint: Endpoint) -> web.StreamResponse
     """Validate, admit, place, dispatch (every request tallied: tally.py)."""
     state = request.app[GATEWAY]
     with tallied(state, endpoint) as tally:
-        raw = await request.read()
-        try:
-            body = decode_body(raw, _BODIES[endpoint])
-        except ApiError:
-            tally.name_model(model_named_in(raw))
-            raise
-        tally.name_model(body.model)
+        body = tally.decode(await request.read(), _BODIES[endpoint])
         responding: _Responding | None = None
         if isinstance(body, ResponsesRequest):
             responding = await _responding(state, body, request[REQUEST_ID])
@@ -183,17 +173,8 @@ async def _responding(state: GatewayState, body: ResponsesRequest, request_id: s
 
 
 async def _collect_embeddings(state: GatewayState, plan: Plan, body: EmbeddingRequest) -> web.Response:
-    finals: list[FinalReply | None] = [None] * len(plan.choices)
-    try:
-        async with generating(state, plan.choices, restartable=True) as events:
-            async for index, event in events:
-                if isinstance(event, FinalReply):
-                    finals[index] = event
-    except BadRequest as exc:  # the worker's, about a prompt: an input here
-        raise as_input_error(exc) from None
-    ended = [final for final in finals if final is not None]
-    assert len(ended) == len(finals), "every input ends with its final reply"
-    return json_response(embedding_list(body, ended), headers={REPLICA_HEADER: ended[0].replica_id})
+    finals = await collect_embeddings(state, plan)
+    return json_response(embedding_list(body, finals), headers={REPLICA_HEADER: finals[0].replica_id})
 
 
 async def _collect(state: GatewayState, plan: Plan, kind: Kind, request_id: str,

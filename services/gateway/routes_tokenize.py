@@ -9,7 +9,6 @@ with no replica running gets one placed first, as an inference request would.
 
 from __future__ import annotations
 
-import asyncio
 import time
 from typing import Annotated, Any
 
@@ -18,7 +17,6 @@ from msgspec import Meta, Struct
 
 from shoal.services.gateway.errors import (
     BadRequest,
-    DeadlineExceeded,
 )
 from shoal.services.gateway.json_body import json_response
 from shoal.services.gateway.openai_api import (
@@ -30,18 +28,15 @@ from shoal.services.gateway.openai_api import (
 from shoal.services.gateway.plans import inference_request
 from shoal.services.gateway.request_ids import REQUEST_ID
 from shoal.services.gateway.service_calls import ask_worker
-from shoal.services.gateway.state import GATEWAY, GatewayState
+from shoal.services.gateway.state import GATEWAY
 from shoal.shared.messages import (
     Detokenize,
-    ReplicaRecord,
     Tokenize,
     detokenize_reply_decoder,
     tokenize_reply_decoder,
 )
 
 routes = web.RouteTableDef()
-_SERVING_STATES = ("ready", "draining")
-"""Replicas whose worker runs with its tokenizer loaded."""
 WORKER_TIMEOUT_S = 30.0
 MAX_DETOKENIZE_TOKENS = 1 << 20
 
@@ -90,7 +85,7 @@ async def tokenize(request: web.Request) -> web.Response:
     body = decode_body(raw, ChatCompletionRequest if is_chat else CompletionRequest)
     state.cluster.require_model(body.model)
     inference = inference_request(state, body, request[REQUEST_ID])
-    replica = await _serving_replica(state, body.model, inference.deadline)
+    replica = await state.dispatcher.serving_replica(body.model, inference.deadline)
     reply = await ask_worker(state.bus, replica.replica_id, "tokenize",
                              Tokenize(inference, bool(options.return_token_strs)), tokenize_reply_decoder,
                              timeout_s=WORKER_TIMEOUT_S)
@@ -102,19 +97,7 @@ async def detokenize(request: web.Request) -> web.Response:
     state = request.app[GATEWAY]
     body = decode_body(await request.read(), DetokenizeBody)
     state.cluster.require_model(body.model)
-    replica = await _serving_replica(state, body.model, time.time() + state.config.request_timeout_s)
+    replica = await state.dispatcher.serving_replica(body.model, time.time() + state.config.request_timeout_s)
     reply = await ask_worker(state.bus, replica.replica_id, "detokenize", Detokenize(body.tokens),
                              detokenize_reply_decoder, timeout_s=WORKER_TIMEOUT_S)
     return json_response(DetokenizeResponse(reply.prompt))
-
-
-async def _serving_replica(state: GatewayState, model: str, deadline: float) -> ReplicaRecord:
-    """A replica of `model` whose worker runs, placed first if there is none (504 at `deadline`)."""
-    while True:
-        serving = [r for r in state.cluster.get_active_replicas(model) if r.state in _SERVING_STATES]
-        if serving:
-            return serving[0]
-        await state.dispatcher.ensure_placed(model, deadline)
-        if time.time() >= deadline:
-            raise DeadlineExceeded(f"no replica of {model!r} was serving within the request's deadline")
-        await asyncio.sleep(0.1)

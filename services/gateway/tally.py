@@ -7,10 +7,12 @@ import asyncio
 import contextlib
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import structlog
 
 from shoal.services.gateway.errors import ApiError
+from shoal.services.gateway.openai_api import decode_body, model_named_in
 from shoal.services.gateway.state import GatewayState
 from shoal.shared.subjects import MAX_MODEL_KEY_CHARS
 
@@ -32,6 +34,16 @@ class Tally:
             return
         structlog.contextvars.bind_contextvars(model=model[:MAX_MODEL_KEY_CHARS])  # a body may send megabytes
         self.model = model if self._state.cluster.get_model(model) is not None else ""
+
+    def decode(self, raw: bytes, schema: type[Any]) -> Any:
+        """`raw` decoded as `schema` (a 400 if it is not one), its model named either way."""
+        try:
+            body = decode_body(raw, schema)
+        except ApiError:
+            self.name_model(model_named_in(raw))
+            raise
+        self.name_model(body.model)
+        return body
 
     def start(self) -> None:
         """Admitted: its latency counts from now."""

@@ -79,6 +79,7 @@ def merge_registration(current: ModelSpec | None, incoming: ModelSpec) -> ModelS
             "measured_at": current.measured_at,
             "weight_bytes": current.weight_bytes,
             "num_parameters": current.num_parameters,
+            "architecture": current.architecture,
             "estimated_bytes": current.estimated_bytes,
         }
     merged = msgspec.structs.replace(incoming, **learned)
@@ -89,7 +90,7 @@ def with_facts(spec: ModelSpec, facts: ModelFacts) -> ModelSpec:
     """`spec` with what a node agent learned from the model's files (a configured
     ``max_model_len`` wins over the model's own)."""
     return msgspec.structs.replace(spec, weight_bytes=facts.weight_bytes, num_parameters=facts.num_parameters,
-                                   estimated_bytes=facts.estimated_bytes,
+                                   estimated_bytes=facts.estimated_bytes, architecture=facts.architecture,
                                    max_model_len=spec.max_model_len or facts.max_model_len)
 
 

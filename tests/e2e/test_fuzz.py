@@ -40,16 +40,22 @@ INFERENCE_PATHS = ("/v1/chat/completions", "/v1/completions")
 RESPONSES_PATH = "/v1/responses"
 TOKENIZE_PATHS = ("/tokenize", "/detokenize")
 EMBEDDINGS_PATH = "/v1/embeddings"
+OLLAMA_PREFIX = "/api/"
+OLLAMA_GENERATING_PATHS = ("/api/chat", "/api/generate")
 
 schema = schemathesis.openapi.from_dict(json.loads(get_document()))
 
 
 def openai_error_body(ctx: Any, response: schemathesis.Response, case: schemathesis.Case) -> bool | None:
-    """Every 4xx is ``{"error": {"message", "type", ...}}`` (what OpenAI clients parse)."""
+    """Every 4xx is ``{"error": {"message", "type", ...}}`` (what OpenAI clients parse); under
+    Ollama's ``/api/``, ``{"error": "<message>"}`` (what Ollama's clients parse)."""
     if 400 <= response.status_code < 500:
         body = response.json()
         assert isinstance(body, dict) and set(body) == {"error"}, body
         error = body["error"]
+        if case.path.startswith(OLLAMA_PREFIX):
+            assert isinstance(error, str) and error, body
+            return None
         assert isinstance(error.get("message"), str) and error["message"], body
         assert isinstance(error.get("type"), str) and error["type"], body
     return None
@@ -61,12 +67,18 @@ CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance,
 
 def _aim_at_a_served_model(case: schemathesis.Case) -> None:
     """A deterministic third of the inference bodies name a served model and ask for few tokens."""
-    if case.path not in (*INFERENCE_PATHS, RESPONSES_PATH, *TOKENIZE_PATHS, EMBEDDINGS_PATH) \
-            or not isinstance(case.body, dict):
+    if not (case.path in (*INFERENCE_PATHS, RESPONSES_PATH, *TOKENIZE_PATHS, EMBEDDINGS_PATH)
+            or case.path.startswith(OLLAMA_PREFIX)) or not isinstance(case.body, dict):
         return
     digest = hashlib.sha256(json.dumps(case.body, sort_keys=True, default=str).encode()).digest()
     if digest[0] % 3 == 0:
         case.body["model"] = MODEL
+        if case.path.startswith(OLLAMA_PREFIX):
+            case.body.pop("keep_alive", None)  # 0 would put the module's model to sleep between cases
+            if case.path in OLLAMA_GENERATING_PATHS:
+                options = case.body.get("options")
+                case.body["options"] = {**(options if isinstance(options, dict) else {}), "num_predict": MAX_TOKENS}
+            return
         for field in (*UNSUPPORTED_FIELDS, *UNSERVED_FIELDS):  # accepted at their defaults only: a 400 says so
             case.body.pop(field, None)
         if case.path == RESPONSES_PATH:

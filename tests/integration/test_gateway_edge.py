@@ -51,6 +51,23 @@ async def test_api_keys_guard_v1_and_admin_keys_guard_admin(gateway: str) -> Non
     assert (await _call("GET", gateway + "/healthz"))[0] == 200
 
 
+async def test_ollamas_api_takes_the_same_keys_and_unloading_is_an_admin_action(gateway: str) -> None:
+    """``/api`` is guarded as /v1 is (Ollama's errors: ``{"error": "..."}``); its probes are open;
+    ``keep_alive: 0`` puts a model to sleep for everyone, so only an admin key may send it."""
+    status, body = await _call("GET", gateway + "/api/tags")
+    assert status == 401 and "API key" in body["error"]
+    status, body = await _call("GET", gateway + "/api/tags", "user-key")
+    assert status == 200 and [m["name"] for m in body["models"]] == ["org/m"]
+    assert (await _call("GET", gateway + "/api/version"))[0] == 200
+    async with aiohttp.ClientSession() as session, session.get(gateway + "/") as resp:
+        assert resp.status == 200
+    unload = {"model": "org/m", "keep_alive": 0}
+    status, body = await _call("POST", gateway + "/api/generate", "user-key", json=unload)
+    assert status == 403 and "admin key" in body["error"]
+    status, body = await _call("POST", gateway + "/api/generate", "admin-key", json=unload)
+    assert status == 503 and "scheduler" in body["error"]  # allowed: only the scheduler is missing here
+
+
 async def test_no_scheduler_means_503_with_retry_after(gateway: str) -> None:
     async with aiohttp.ClientSession() as session, session.post(
         gateway + "/v1/chat/completions", json=CHAT, headers={"Authorization": "Bearer user-key"}
