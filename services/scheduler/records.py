@@ -194,6 +194,7 @@ def _build_node(
                 parked_bytes=config.parked_process_bytes if replica.weights_dropped and not is_hot else None,
                 protected=protected,
                 last_accessed=last_accessed_by_id.get(replica.replica_id, replica.last_request_at),
+                loaded=replica.state == "ready" or not is_hot,
             )
         )
     return NodeSnapshot(

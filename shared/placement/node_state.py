@@ -48,6 +48,8 @@ class WorkReplica:
     """Placed by this plan: not evicted again by the same plan (no thrashing inside one plan)."""
     parked_bytes: int | None = None
     """WARM with its weights dropped: what it holds of the CPU cache (None: `cpu_bytes`)."""
+    loaded: bool = True
+    """HOT: loaded and serving (`ReplicaSnapshot.loaded`); only such a replica can be parked."""
 
     @property
     def held_cpu_bytes(self) -> int:
@@ -110,6 +112,7 @@ class NodeWork:
                 protected=replica.protected,
                 last_accessed=replica.last_accessed,
                 parked_bytes=replica.parked_bytes if replica.level == "WARM" else None,
+                loaded=replica.loaded,
             )
             if replica.level == "HOT":
                 self._add_hot(work)
@@ -198,7 +201,8 @@ class NodeWork:
         Args:
             replica_id: a HOT replica of this node.
             reason: recorded on the change.
-            park: False deletes the replica outright (scale down).
+            park: False deletes the replica outright (scale down); so does evicting one that
+                is not loaded yet (nothing to park).
             keep_warm_ids: WARM replicas that must not be dropped to make CPU room (a plan
                 is about to promote them).
             parked_bytes: park with its weights dropped (a cold sleep), holding this much of
@@ -208,6 +212,7 @@ class NodeWork:
             The evicted replica's change first, then any WARM replicas dropped for room.
         """
         replica = self.hot.pop(replica_id)
+        park = park and replica.loaded
         freed_gpu_bytes = dict(replica.gpu_bytes)
         for gpu_id in freed_gpu_bytes:
             self.hot_ids_by_gpu[gpu_id].discard(replica_id)

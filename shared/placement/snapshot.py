@@ -63,6 +63,9 @@ class ReplicaSnapshot:
     parked_bytes: int | None = None
     """WARM with its weights dropped (a cold sleep: the process stays, reloads from disk): the
     CPU cache bytes it holds instead of `cpu_bytes` (``parked_process_bytes``)."""
+    loaded: bool = True
+    """HOT: its worker has loaded it and serves. One still starting has nothing to park: an
+    eviction stops it instead of parking it WARM."""
 
     def __post_init__(self) -> None:
         assert self.level == "HOT" or not self.gpu_bytes, (

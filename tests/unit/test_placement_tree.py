@@ -340,6 +340,19 @@ def test_a_protected_warm_replica_promoted_and_demoted_in_one_plan_stays_protect
     ]
 
 
+def test_evicting_a_replica_still_loading_stops_it_instead_of_parking_it() -> None:
+    """A replica whose worker has not loaded the model has nothing to park: its eviction (an
+    operator's, or Ollama's ``keep_alive: 0``) deletes it, while a serving one is parked WARM."""
+    loading = ReplicaSnapshot("r-new", "m0", "HOT", {0: 1 * GiB}, 1 * GiB, loaded=False)
+    node = make_node([16], loading, hot("r-old", "m1", {0: 1}), cpu_cache_gib=8)
+    planner = ClusterPlanner(ClusterSnapshot((node,)), config=CONFIG, rng=random.Random(0), clock=lambda: 0.0)
+    planner.evict_model("m0")
+    planner.evict_model("m1")
+    plan = planner.finish()
+    assert [(e.replica_id, e.from_level, e.to_level) for e in plan.evictions] == [
+        ("r-new", "HOT", "COLD"), ("r-old", "HOT", "WARM")]
+
+
 def test_a_warm_replica_moved_then_parked_on_another_node_leaves_its_first_node() -> None:
     """Found by the property test: m0's WARM copy on n1 is placed on n2 (n1's GPU is too
     small), then parked there; m1's demotion on n1 takes the CPU cache it left. The plan must

@@ -89,6 +89,15 @@ def test_occupants_read_as_reservations_warm_copies_or_pinned_bytes() -> None:
     assert snapshot.desired_replicas == {"m": 2}
 
 
+def test_a_hot_replica_not_yet_serving_reads_as_not_loaded() -> None:
+    gpus = [gpu_record("n0", 0, occupant("new", "m", 10, state="loading"), occupant("up", "m", 10))]
+    replicas = [replica_record("new", "m", "n0", {0: 10}, state="loading"),
+                replica_record("up", "m", "n0", {0: 10}, state="ready")]
+    snapshot = build_snapshot([node_record("n0")], gpus, replicas, [], config=CONFIG, now=NOW)
+    assert [(r.replica_id, r.level, r.loaded) for r in snapshot.nodes[0].replicas] == [
+        ("new", "HOT", False), ("up", "HOT", True)]
+
+
 def test_a_hot_record_whose_occupants_all_sleep_reads_as_warm() -> None:
     gpus = [gpu_record("n0", 0, occupant("r", "m", 10, state="sleeping"))]
     replicas = [replica_record("r", "m", "n0", {0: 10}, state="ready", cpu_bytes=GiB)]
