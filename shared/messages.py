@@ -136,6 +136,12 @@ class SamplingParams(Struct, omit_defaults=True):
     embed: bool = False
     """``/v1/embeddings``: no text; the prompt's embedding (its last token's final hidden
     state, L2-normalized, as vLLM pools a decoder model by default) ends the request."""
+    truncate_prompt_tokens: int | None = None
+    """Cut a longer prompt to this many tokens (-1: as many as the model's context takes with
+    room for one more); None: a prompt too long for the context is a 400 (vLLM's)."""
+    truncation_side: Literal["left", "right"] = "left"
+    """Which end a cut prompt loses: ``left``, its start (vLLM's, for generation: the latest
+    words stay), or ``right``, its end (Ollama's for embeddings)."""
 
     @property
     def has_grammar(self) -> bool:

@@ -18,16 +18,25 @@ import sys
 from array import array
 from typing import Annotated, Any, Literal
 
+import msgspec
 from msgspec import Meta, Struct
 
 from shoal.services.gateway.choices import MAX_CHOICES
 from shoal.services.gateway.errors import BadRequest
-from shoal.services.gateway.openai_api import CompletionRequest
+from shoal.services.gateway.openai_api import CompletionRequest, TruncatePromptTokens
 from shoal.shared.messages import FinalReply, SamplingParams
 
 MAX_INPUTS = MAX_CHOICES
 """Inputs of one request: each is a request on the bus, as a choice is (OpenAI takes 2,048)."""
 EMBED_PARAMS = SamplingParams(max_tokens=1, temperature=0.0, embed=True)
+
+
+def embed_params(req: EmbeddingRequest) -> SamplingParams:
+    """What each input's request computes: its embedding, from the input cut as `req` asks."""
+    if req.truncate_prompt_tokens is None:
+        return EMBED_PARAMS
+    return msgspec.structs.replace(EMBED_PARAMS, truncate_prompt_tokens=req.truncate_prompt_tokens,
+                                   truncation_side=req.truncation_side)
 
 
 class EmbeddingRequest(Struct, kw_only=True):
@@ -37,6 +46,10 @@ class EmbeddingRequest(Struct, kw_only=True):
     encoding_format: Literal["float", "base64"] | None = None
     dimensions: Annotated[int, Meta(ge=1)] | None = None
     user: str | None = None
+    truncate_prompt_tokens: TruncatePromptTokens | None = None
+    """vLLM's: keep only each input's last this many tokens (-1: as many as the context takes)."""
+    truncation_side: Literal["left", "right"] = "left"
+    """Shoal's, for Ollama's ``truncate``: which end a cut input loses (``right``: its end)."""
 
 
 class Embedding(Struct, kw_only=True):
@@ -62,7 +75,8 @@ def completion_request(req: EmbeddingRequest) -> CompletionRequest:
     if req.dimensions is not None:
         raise BadRequest("dimensions is not supported: an embedding has the model's hidden size",
                          code="unsupported_parameter", param="dimensions")
-    return CompletionRequest(model=req.model, prompt=req.input, max_tokens=1, user=req.user)
+    return CompletionRequest(model=req.model, prompt=req.input, max_tokens=1, user=req.user,
+                             truncate_prompt_tokens=req.truncate_prompt_tokens)
 
 
 def as_input_error(exc: BadRequest) -> BadRequest:

@@ -276,13 +276,15 @@ def generate_request(req: GenerateRequest, reasoning: ReasoningParser | None
 
 def embed_request(req: EmbedRequest | EmbeddingsRequest) -> EmbeddingRequest:
     """The embeddings request of `req`'s inputs (``/api/embeddings``: a prompt, not empty). An
-    input longer than the model's context is a 400 whether or not ``truncate`` is set."""
+    input longer than the model's context loses its end (Ollama's ``truncate``, on unless
+    false: then it is a 400)."""
+    cut = {"truncate_prompt_tokens": -1, "truncation_side": "right"}
     if isinstance(req, EmbeddingsRequest):
-        return _convert({"model": req.model, "input": req.prompt}, EmbeddingRequest)
+        return _convert({"model": req.model, "input": req.prompt, **cut}, EmbeddingRequest)
     if req.dimensions is not None:
         raise BadRequest("dimensions is not supported: an embedding has the model's hidden size",
                          param="dimensions")
-    return _convert({"model": req.model, "input": req.input}, EmbeddingRequest)
+    return _convert({"model": req.model, "input": req.input, **(cut if req.truncate else {})}, EmbeddingRequest)
 
 
 # ---------------------------------------------------------------------------- responses

@@ -5,7 +5,7 @@ be ``null`` may be ``null``, meaning absent. Numbers are bounded where they are
 declared (`msgspec.Meta`), so an out-of-range value is a 400 naming the field,
 never an overflow further in. Besides OpenAI's sampling fields (with
 ``presence_penalty`` and ``frequency_penalty``), vLLM's ``top_k``, ``min_p``,
-``repetition_penalty``, ``ignore_eos``, ``min_tokens``, ``stop_token_ids`` and the
+``repetition_penalty``, ``ignore_eos``, ``min_tokens``, ``stop_token_ids``, ``truncate_prompt_tokens`` and the
 structured-output fields (guided.py) are honoured, and Shoal's ``session_id`` (a chat
 session whose KV replicas keep between turns; also the ``X-Session-Id`` header). Fields Shoal knows but
 cannot honour (``functions``, ``suffix``, ``best_of``...) are
@@ -60,6 +60,8 @@ Bias = Annotated[float, Meta(ge=-100.0, le=100.0)]
 MAX_LOGIT_BIAS_TOKENS = 1024
 TokenId = Annotated[int, Meta(ge=0, le=MAX_INT32)]
 MAX_STOP_TOKEN_IDS = 64
+TruncatePromptTokens = Annotated[int, Meta(ge=-1, le=MAX_INT32)]
+"""vLLM's: k >= 1 tokens, or -1 for the model's context; 0 is refused."""
 
 
 class TextPart(Struct):
@@ -150,6 +152,8 @@ class _Sampling(Struct, kw_only=True):
     top_k: TopK | None = None
     min_p: MinP | None = None
     repetition_penalty: RepetitionPenalty | None = None
+    truncate_prompt_tokens: TruncatePromptTokens | None = None
+    """Keep only the prompt's last this many tokens (-1: as many as the model's context takes)."""
     session_id: str | None = None
     """Shoal's: the chat session this request is a turn of (see `session_id_of`)."""
     user: str | None = None
@@ -320,6 +324,10 @@ def sampling_params(req: _Sampling, max_tokens: int | None, default_max_tokens: 
         guided_choice=req.guided_choice, guided_grammar=req.guided_grammar, structured=req.structured_outputs)
     if max_tokens is not None and min_tokens > max_tokens:
         raise BadRequest(f"min_tokens ({min_tokens}) is more than max_tokens ({max_tokens})", param="min_tokens")
+    check_truncation(req.truncate_prompt_tokens)
+    if echo and req.truncate_prompt_tokens is not None:
+        raise BadRequest("echo sends the prompt back as it was sent; truncate_prompt_tokens would cut it: send one",
+                         param="truncate_prompt_tokens")
     return SamplingParams(
         max_tokens=max_tokens if max_tokens is not None else default_max_tokens,
         temperature=1.0 if req.temperature is None else req.temperature,
@@ -341,7 +349,14 @@ def sampling_params(req: _Sampling, max_tokens: int | None, default_max_tokens: 
         grammar_param=grammar.param if grammar is not None else "response_format",
         echo=echo,
         prompt_logprobs=logprobs if echo else None,
+        truncate_prompt_tokens=req.truncate_prompt_tokens,
     )
+
+
+def check_truncation(truncate_prompt_tokens: int | None) -> None:
+    if truncate_prompt_tokens == 0:
+        raise BadRequest("truncate_prompt_tokens keeps at least one token (or -1: the model's context)",
+                         param="truncate_prompt_tokens")
 
 
 def json_schema_of(req: _Sampling) -> str | None:

@@ -22,10 +22,10 @@ from shoal.services.gateway.answer_reader import AnswerReader, Read
 from shoal.services.gateway.choices import Choice, expand, merged
 from shoal.services.gateway.dispatch import DispatchEvent, Restart
 from shoal.services.gateway.embeddings_api import (
-    EMBED_PARAMS,
     EmbeddingRequest,
     as_input_error,
     completion_request,
+    embed_params,
 )
 from shoal.services.gateway.errors import BadRequest
 from shoal.services.gateway.openai_api import (
@@ -139,7 +139,8 @@ def embedding_plan(state: GatewayState, body: EmbeddingRequest, request_id: str)
         plan = plan_request(state, completion_request(body), request_id, None)
     except BadRequest as exc:
         raise as_input_error(exc) from None
-    choices = [dataclasses.replace(choice, request=msgspec.structs.replace(choice.request, params=EMBED_PARAMS))
+    params = embed_params(body)
+    choices = [dataclasses.replace(choice, request=msgspec.structs.replace(choice.request, params=params))
                for choice in plan.choices]
     return dataclasses.replace(plan, choices=choices)
 

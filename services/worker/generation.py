@@ -109,6 +109,11 @@ class GenerationOutput:
 class Engine(Protocol):
     """A worker's generation engine (plain HF `generate`, or Shoal's paged engine)."""
 
+    @property
+    def max_model_len(self) -> int:
+        """The longest context it serves: prompt and completion together."""
+        ...
+
     def num_free_slots(self) -> int:
         """How many more requests the engine can admit now (the worker fetches this many)."""
         ...

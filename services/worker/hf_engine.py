@@ -68,6 +68,10 @@ class HFGenerateEngine:
         self.fatal_error: Exception | None = None
         """The CUDA error that poisoned the context (`device_errors`); None while it serves."""
 
+    @property
+    def max_model_len(self) -> int:
+        return self._max_model_len
+
     def num_free_slots(self) -> int:
         return 0 if self._num_waiting or self._lock.locked() else 1
 

@@ -9,7 +9,7 @@ from typing import Any
 from transformers import PreTrainedTokenizerBase
 
 from shoal.services.worker.generation import RequestRejected
-from shoal.shared.messages import ChatMessage, InferenceRequest, ToolCall, ToolSpec
+from shoal.shared.messages import ChatMessage, InferenceRequest, SamplingParams, ToolCall, ToolSpec
 
 
 def prompt_chars(request: InferenceRequest) -> int:
@@ -23,9 +23,10 @@ def prompt_chars(request: InferenceRequest) -> int:
 
 
 def prompt_token_ids(tokenizer: PreTrainedTokenizerBase, request: InferenceRequest,
-                     vocab_size: int | None = None) -> list[int]:
+                     vocab_size: int | None = None, max_model_len: int | None = None) -> list[int]:
     """Chat requests are rendered with the model's chat template (generation prompt added);
-    completions are encoded as given. Raises RequestRejected (400) when that is impossible,
+    completions are encoded as given; then cut as ``truncate_prompt_tokens`` asks (`truncated`,
+    -1 meaning `max_model_len`). Raises RequestRejected (400) when that is impossible,
     or when an id (of the prompt, ``logit_bias`` or ``stop_token_ids``) is not below `vocab_size` (the model's
     embedding rows; None: the tokenizer's size): an id past the embedding must never reach
     the model."""
@@ -40,7 +41,18 @@ def prompt_token_ids(tokenizer: PreTrainedTokenizerBase, request: InferenceReque
     check_in_vocabulary(token_ids, limit, "prompt", param=None)
     check_in_vocabulary(request.params.logit_bias, limit, "logit_bias", param="logit_bias")
     check_in_vocabulary(request.params.stop_token_ids, limit, "stop_token_ids", param="stop_token_ids")
-    return token_ids
+    return truncated(token_ids, request.params, max_model_len)
+
+
+def truncated(token_ids: list[int], params: SamplingParams, max_model_len: int | None) -> list[int]:
+    """`token_ids` cut to ``truncate_prompt_tokens`` at its `truncation_side`; -1 keeps what a
+    context of `max_model_len` takes with room for one more token (None: all)."""
+    keep = params.truncate_prompt_tokens
+    if keep == -1:
+        keep = None if max_model_len is None else max(1, max_model_len - 1)
+    if keep is None or len(token_ids) <= keep:
+        return token_ids
+    return token_ids[-keep:] if params.truncation_side == "left" else token_ids[:keep]
 
 
 def chat_prompt(tokenizer: PreTrainedTokenizerBase, request: InferenceRequest) -> str:

@@ -459,12 +459,14 @@ class WorkerService:
         return "ok"
 
     async def _tokenize(self, request: InferenceRequest) -> list[int]:
-        """The prompt's token ids; a long prompt is templated and tokenised off the event loop."""
+        """The prompt's token ids (cut to what the engine serves, if the request asks to be cut);
+        a long prompt is templated and tokenised off the event loop."""
+        max_model_len = min(self._max_model_len, self._engine.max_model_len)
         if prompt_chars(request) <= OFF_LOOP_PROMPT_CHARS:
-            return prompt_token_ids(self._tokenizer, request, self._vocab_size)  # type: ignore[arg-type]
+            return prompt_token_ids(self._tokenizer, request, self._vocab_size, max_model_len)  # type: ignore[arg-type]
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._tokenizing, prompt_token_ids,  # type: ignore[arg-type]
-                                          self._tokenizer, request, self._vocab_size)
+                                          self._tokenizer, request, self._vocab_size, max_model_len)
 
     @staticmethod
     async def _nak(msg: Msg, delay_s: float | None = None) -> None:

@@ -34,7 +34,7 @@ from shoal.shared.subjects import worker_subject
 def tokenize(tokenizer: PreTrainedTokenizerBase, command: Tokenize, vocab_size: int | None, max_model_len: int
              ) -> TokenizeReply:
     try:
-        tokens = prompt_token_ids(tokenizer, command.request, vocab_size)
+        tokens = prompt_token_ids(tokenizer, command.request, vocab_size, max_model_len)
     except RequestRejected as exc:
         raise RequestError(exc.status, str(exc)) from exc
     token_strs = list(tokenizer.convert_ids_to_tokens(tokens)) if command.token_strs else None

@@ -212,6 +212,23 @@ def test_embed_is_the_openai_apis_embedding(api: ollama.Client, client: openai.O
     assert list(api.embeddings(model=SMALL, prompt="").embedding) == []
 
 
+def test_an_input_longer_than_the_context_loses_its_end_unless_truncate_is_false(
+        api: ollama.Client, client: openai.OpenAI, demo_models_root: Path) -> None:
+    """Ollama's ``truncate`` (on by default): the input's first tokens that fit the context
+    (with room for one more) are embedded; ``truncate: false`` makes it an error."""
+    long_text = "The tide comes in over the sand. " * 400
+    ids = AutoTokenizer.from_pretrained(demo_models_root / SMALL).encode(long_text)
+    context = client.models.retrieve(SMALL).model_extra["max_model_len"]  # type: ignore[index]
+    assert len(ids) > context
+    embedded = api.embed(model=SMALL, input=long_text)
+    assert embedded.prompt_eval_count == context - 1
+    start = client.embeddings.create(model=SMALL, input=[ids[:context - 1]]).data[0].embedding
+    assert list(embedded.embeddings[0]) == pytest.approx(start, abs=1e-5)
+    with pytest.raises(ollama.ResponseError) as caught:
+        api.embed(model=SMALL, input=long_text, truncate=False)
+    assert caught.value.status_code == 413
+
+
 def test_load_ps_and_unload_follow_the_models_replicas(shoal: ShoalUp, api: ollama.Client) -> None:
     """An empty request loads a model (it answers once a replica serves), ``/api/ps`` lists it
     with its GPU bytes, ``keep_alive: 0`` puts it to sleep, and the next request wakes it."""

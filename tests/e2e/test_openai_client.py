@@ -704,6 +704,32 @@ def test_continue_final_message_goes_on_with_the_assistants_words(client: openai
         assert caught.value.body["param"] == "continue_final_message", caught.value.body
 
 
+def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(client: openai.OpenAI, demo_models_root: Path) -> None:
+    """vLLM's ``truncate_prompt_tokens``: the prompt's last k tokens are all the model reads
+    (the answer is the one those tokens alone get); -1 fits a prompt longer than the context."""
+    tokenizer = AutoTokenizer.from_pretrained(demo_models_root / SMALL)
+    text = "The sea is calm tonight and the tide is full"
+    greedy: dict[str, Any] = dict(model=SMALL, max_tokens=6, temperature=0)
+    cut = client.completions.create(prompt=text, **greedy, extra_body={"truncate_prompt_tokens": 5, "ignore_eos": True})
+    alone = client.completions.create(prompt=tokenizer.encode(text)[-5:], **greedy, extra_body={"ignore_eos": True})
+    assert cut.usage is not None and cut.usage.prompt_tokens == 5
+    assert cut.choices[0].text == alone.choices[0].text
+
+    too_long = "sea " * 3000
+    with pytest.raises(openai.APIStatusError) as caught:
+        client.completions.create(prompt=too_long, **greedy)
+    assert caught.value.status_code == 413
+    context = client.models.retrieve(SMALL).model_extra["max_model_len"]  # type: ignore[index]
+    fitted = client.completions.create(prompt=too_long, **greedy, extra_body={"truncate_prompt_tokens": -1})
+    assert fitted.usage is not None and fitted.usage.prompt_tokens == context - 1
+    chat = client.chat.completions.create(messages=[{"role": "user", "content": too_long}], **greedy,
+                                          extra_body={"truncate_prompt_tokens": -1})
+    assert chat.usage is not None and chat.usage.prompt_tokens == context - 1
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.completions.create(prompt=text, **greedy, echo=True, extra_body={"truncate_prompt_tokens": 5})
+    assert refused.value.body["param"] == "truncate_prompt_tokens"  # type: ignore[index]
+
+
 def test_embeddings_are_the_models_normalized_last_hidden_states(client: openai.OpenAI,
                                                                  demo_models_root: Path) -> None:
     """``client.embeddings.create``: each input's last token's final hidden state, L2-normalized

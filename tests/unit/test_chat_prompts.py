@@ -9,7 +9,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from shoal.services.worker.generation import RequestRejected
-from shoal.services.worker.prompts import chat_prompt, prompt_chars
+from shoal.services.worker.prompts import chat_prompt, prompt_chars, truncated
 from shoal.shared.messages import ChatMessage, InferenceRequest, SamplingParams, ToolCall, ToolSpec
 
 WEATHER = ToolSpec("get_weather", "Weather in a city",
@@ -67,3 +67,18 @@ def test_tools_for_a_template_that_ignores_them_are_400_naming_tools(tokenizer: 
         chat_prompt(plain, _request([ChatMessage("user", "hi")], [WEATHER]))
     assert raised.value.param == "tools"
     assert chat_prompt(plain, _request([ChatMessage("user", "hi")])) == "hi"
+
+
+@pytest.mark.parametrize(("keep", "side", "max_model_len", "expected"), [
+    (None, "left", 4, [1, 2, 3, 4, 5, 6]),           # no cut asked: the engine refuses what is too long
+    (3, "left", None, [4, 5, 6]),                    # vLLM's: the latest tokens stay
+    (3, "right", None, [1, 2, 3]),                   # Ollama's embeddings: the start stays
+    (-1, "left", 4, [4, 5, 6]),                      # the context, with room for one more token
+    (-1, "right", 4, [1, 2, 3]),
+    (-1, "left", None, [1, 2, 3, 4, 5, 6]),
+    (10, "left", 4, [1, 2, 3, 4, 5, 6]),             # shorter than asked: as it is
+])
+def test_a_prompt_is_cut_as_truncate_prompt_tokens_asks(keep: int | None, side: str, max_model_len: int | None,
+                                                        expected: list[int]) -> None:
+    params = SamplingParams(truncate_prompt_tokens=keep, truncation_side=side)  # type: ignore[arg-type]
+    assert truncated([1, 2, 3, 4, 5, 6], params, max_model_len) == expected

@@ -154,8 +154,13 @@ def test_what_generate_cannot_honour_is_a_400_naming_it(fields: dict[str, Any], 
 
 
 def test_embed_inputs_and_the_older_embeddings_prompt() -> None:
-    assert embed_request(_decode(EmbedRequest, input=["a", "b"])).input == ["a", "b"]
-    assert embed_request(_decode(EmbeddingsRequest, prompt="a")).input == "a"
+    embedded = embed_request(_decode(EmbedRequest, input=["a", "b"]))
+    assert embedded.input == ["a", "b"]
+    cut = (embedded.truncate_prompt_tokens, embedded.truncation_side)
+    assert cut == (-1, "right")  # Ollama truncates by default, keeping each input's start
+    assert embed_request(_decode(EmbedRequest, input="a", truncate=False)).truncate_prompt_tokens is None
+    older = embed_request(_decode(EmbeddingsRequest, prompt="a"))
+    assert older.input == "a" and (older.truncate_prompt_tokens, older.truncation_side) == (-1, "right")
     with pytest.raises(BadRequest) as caught:
         embed_request(_decode(EmbedRequest, input="a", dimensions=8))
     assert caught.value.param == "dimensions"
