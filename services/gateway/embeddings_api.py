@@ -1,6 +1,7 @@
 """OpenAI's embeddings API (``POST /v1/embeddings``), as completions underneath.
 
-Each input (a string, a list of token ids, or a list of either) is one request that computes
+Each input (a string, a list of token ids, or a list of either; up to 8,192, computed 128 at a
+time) is one request that computes
 its prompt and no text: the worker's engine answers with the prompt's last token's final
 hidden state, L2-normalized (``SamplingParams.embed``: vLLM's default pooling of a decoder
 model), as float32 bytes in its final reply. So an embedding is placed, queued, woken, fairly
@@ -26,8 +27,10 @@ from shoal.services.gateway.errors import BadRequest
 from shoal.services.gateway.openai_api import CompletionRequest, TruncatePromptTokens
 from shoal.shared.messages import FinalReply, SamplingParams
 
-MAX_INPUTS = MAX_CHOICES
-"""Inputs of one request: each is a request on the bus, as a choice is (OpenAI takes 2,048)."""
+MAX_INPUTS = 8192
+"""Inputs of one request (OpenAI takes 2,048; Ollama's clients send a whole corpus at once).
+Each is a request on the bus, as a choice is: they are computed `BATCH_INPUTS` at a time."""
+BATCH_INPUTS = MAX_CHOICES
 EMBED_PARAMS = SamplingParams(max_tokens=1, temperature=0.0, embed=True)
 
 
@@ -77,6 +80,16 @@ def completion_request(req: EmbeddingRequest) -> CompletionRequest:
                          code="unsupported_parameter", param="dimensions")
     return CompletionRequest(model=req.model, prompt=req.input, max_tokens=1, user=req.user,
                              truncate_prompt_tokens=req.truncate_prompt_tokens)
+
+
+def batches(req: EmbeddingRequest) -> list[EmbeddingRequest]:
+    """`req` as requests of at most `BATCH_INPUTS` inputs each, in order."""
+    inputs = req.input
+    if not isinstance(inputs, list) or len(inputs) <= BATCH_INPUTS or not all(isinstance(i, str | list)
+                                                                             for i in inputs):
+        return [req]
+    return [msgspec.structs.replace(req, input=inputs[start:start + BATCH_INPUTS])
+            for start in range(0, len(inputs), BATCH_INPUTS)]
 
 
 def as_input_error(exc: BadRequest) -> BadRequest:

@@ -5,14 +5,19 @@ A request becomes the chat, completion or embedding request of the same meaning
 (`chat_request`, `generate_request`, `embed_request`), so it is validated, sampled, placed,
 queued and read exactly as one sent to ``/v1``. What Ollama's options mean here:
 
-- sampling: ``temperature``, ``top_p``, ``top_k``, ``min_p``, ``seed``, ``stop``,
-  ``num_predict`` (-1 or -2: up to the model's context), ``repeat_penalty`` (vLLM's
-  ``repetition_penalty``: over the whole context), ``presence_penalty``, ``frequency_penalty``;
-- refused unless at their defaults (a 400 naming the option; Shoal's sampler has no such
-  step): ``mirostat``, ``tfs_z``, ``typical_p``;
-- ignored, because the operator decides them per model, not a request: the runner's
-  (``num_ctx``, ``num_batch``, ``num_gpu``, ``main_gpu``, ``num_thread``, ``use_mmap``...),
-  and ``repeat_last_n``, ``penalize_newline``. Unknown options are ignored, as Ollama does.
+- sampling: ``temperature``, ``top_p``, ``top_k``, ``min_p``, ``seed`` (negative: none),
+  ``stop``, ``num_predict`` (0 or less: up to the model's context), ``repeat_penalty``
+  (vLLM's ``repetition_penalty``: over the whole context; 0 or less: off),
+  ``presence_penalty``, ``frequency_penalty``. Ollama bounds none of them, so a value past
+  what Shoal's sampler takes is clamped to the nearest it does (``temperature`` 2, ``top_p``
+  just above 0: the likeliest token), and integers may come as floats (``top_k: 40.0``);
+- ignored, as current Ollama ignores them: ``mirostat``, ``tfs_z``, ``typical_p``; and those
+  the operator decides per model, not a request: the runner's (``num_ctx``, ``num_batch``,
+  ``num_gpu``, ``main_gpu``, ``num_thread``, ``use_mmap``...), ``repeat_last_n``,
+  ``penalize_newline``. Unknown options are ignored, as Ollama does.
+
+Fields may be ``null`` (absent), as Go reads them. A chat whose last message is the
+assistant's (without calls) goes on with it, as Ollama continues a prefilled answer.
 
 ``format`` is ``"json"`` (any JSON object) or a JSON schema; ``think`` splits a reasoning
 model's thinking out (``true``, or an effort ``"low"``/``"medium"``/``"high"``) or turns it
@@ -34,45 +39,33 @@ from msgspec import Meta, Struct
 from shoal.services.gateway.embeddings_api import EmbeddingRequest
 from shoal.services.gateway.errors import BadRequest
 from shoal.services.gateway.openai_api import (
+    MAX_INT32,
     MAX_STOP_SEQUENCES,
     UNLIMITED_MAX_TOKENS,
     ChatCompletionRequest,
     CompletionRequest,
-    MinP,
-    Penalty,
-    RepetitionPenalty,
-    Seed,
-    StopString,
-    Temperature,
-    TopK,
     TopLogprobs,
-    TopP,
 )
 from shoal.shared.model_settings import ReasoningParser
 
-NumPredict = Annotated[int, Meta(ge=-2, le=2**31 - 1)]
-"""Tokens to generate; -1 (Ollama's default) and -2: until the model's context is full."""
+Number = int | float
+"""An option's value: Go reads JSON numbers into the option's own type (``40.0`` for ``top_k``)."""
 
 
 class Options(Struct, kw_only=True):
     """The options Shoal reads (see the module doc for the others)."""
 
-    temperature: Temperature | None = None
-    top_p: TopP | None = None
-    top_k: TopK | None = None
-    min_p: MinP | None = None
-    seed: Seed | None = None
-    num_predict: NumPredict | None = None
-    stop: Annotated[list[StopString], Meta(max_length=MAX_STOP_SEQUENCES)] | None = None
-    repeat_penalty: RepetitionPenalty | None = None
-    presence_penalty: Penalty | None = None
-    frequency_penalty: Penalty | None = None
-    mirostat: int | None = None
-    tfs_z: float | None = None
-    typical_p: float | None = None
+    temperature: Number | None = None
+    top_p: Number | None = None
+    top_k: Number | None = None
+    min_p: Number | None = None
+    seed: Number | None = None
+    num_predict: Number | None = None
+    stop: list[str] | None = None
+    repeat_penalty: Number | None = None
+    presence_penalty: Number | None = None
+    frequency_penalty: Number | None = None
 
-
-_REFUSED_UNLESS_DEFAULT: dict[str, float] = {"mirostat": 0, "tfs_z": 1.0, "typical_p": 1.0}
 
 KeepAlive = float | str
 """Seconds, or a Go duration (``"5m"``, ``"1h30m"``); negative: for ever, 0: unload now."""
@@ -102,22 +95,25 @@ Think = bool | Literal["low", "medium", "high"]
 
 class CallFunction(Struct):
     name: str
-    arguments: dict[str, Any] = msgspec.field(default_factory=dict)
+    arguments: dict[str, Any] | None = None
 
 
 class ToolCall(Struct):
     function: CallFunction
+    id: str | None = None
 
 
 class Message(Struct, kw_only=True):
-    role: Literal["system", "user", "assistant", "tool"]
-    content: str = ""
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | None = None
     thinking: str | None = None
     """An earlier answer's thinking, as clients send it back: not shown to the model again
     (reasoning models' templates drop it)."""
     images: list[str] | None = None
     tool_calls: list[ToolCall] | None = None
     tool_name: str | None = None
+    tool_call_id: str | None = None
+    """The call a tool result answers (sent by OpenAI-minded clients such as LangChain)."""
 
 
 class _Request(Struct, kw_only=True):
@@ -127,8 +123,8 @@ class _Request(Struct, kw_only=True):
 
 
 class _Generating(_Request, kw_only=True):
-    stream: bool = True
-    """Ollama streams unless told not to."""
+    stream: bool | None = None
+    """Ollama streams unless told not to (None: true)."""
     format: Literal["", "json"] | dict[str, Any] | None = None
     think: Think | None = None
     logprobs: bool | None = None
@@ -136,49 +132,71 @@ class _Generating(_Request, kw_only=True):
 
 
 class ChatRequest(_Generating, kw_only=True):
-    messages: list[Message] = msgspec.field(default_factory=list)
+    messages: list[Message] | None = None
     tools: list[dict[str, Any]] | None = None
 
 
 class GenerateRequest(_Generating, kw_only=True):
-    prompt: str = ""
+    prompt: str | None = None
     system: str | None = None
     suffix: str | None = None
     template: str | None = None
     context: list[int] | None = None
-    raw: bool = False
+    raw: bool | None = None
     images: list[str] | None = None
 
 
 class EmbedRequest(_Request, kw_only=True):
-    input: Annotated[str, Meta(min_length=1)] | Annotated[list[Annotated[str, Meta(min_length=1)]],
-                                                            Meta(min_length=1)]
-    truncate: bool = True
-    dimensions: int | None = None
+    input: str | list[str] | None = None
+    """Missing or empty: nothing to embed (the model is loaded, the answer has no vector)."""
+    truncate: bool | None = None
+    """An input longer than the model's context loses its end (None: true, Ollama's default)."""
+    dimensions: Annotated[int, Meta(ge=1)] | None = None
+    """Keep each vector's first this many values, L2-normalized again (as Ollama does)."""
+
+    @property
+    def inputs(self) -> list[str]:
+        return [self.input] if isinstance(self.input, str) and self.input else list(self.input or [])
 
 
 class EmbeddingsRequest(_Request, kw_only=True):
-    """The older ``/api/embeddings``: one prompt."""
+    """The older ``/api/embeddings``: one prompt (its vector normalized, as ``/api/embed``'s;
+    Ollama's older route left it raw)."""
 
-    prompt: str = ""
+    prompt: str | None = None
+
+
+def _clamped(value: Number | None, low: float, high: float) -> float | None:
+    return None if value is None else min(max(float(value), low), high)
 
 
 def _sampling(options: Options | None) -> dict[str, Any]:
-    """`options` as the OpenAI (and vLLM) request fields they set."""
+    """`options` as the OpenAI (and vLLM) request fields they set, clamped to what those take;
+    the stop strings all come back from `stop_strings` (``/v1`` takes 4)."""
     if options is None:
         return {"max_tokens": UNLIMITED_MAX_TOKENS}
-    for name, default in _REFUSED_UNLESS_DEFAULT.items():
-        value = getattr(options, name)
-        if value is not None and value != default:
-            raise BadRequest(f"options.{name} is not supported (Shoal samples with temperature, top_p, top_k, "
-                             f"min_p and penalties); leave it at {default:g}", param="options")
-    fields = {"temperature": options.temperature, "top_p": options.top_p, "top_k": options.top_k,
-              "min_p": options.min_p, "seed": options.seed, "stop": options.stop,
-              "repetition_penalty": options.repeat_penalty, "presence_penalty": options.presence_penalty,
-              "frequency_penalty": options.frequency_penalty}
-    predict = options.num_predict
-    fields["max_tokens"] = UNLIMITED_MAX_TOKENS if predict is None or predict < 0 else predict
+    predict = None if options.num_predict is None else int(options.num_predict)
+    top_k = None if options.top_k is None else int(min(options.top_k, MAX_INT32))
+    seed = None if options.seed is None or options.seed < 0 else int(min(options.seed, 2**63 - 1))
+    repeat = options.repeat_penalty
+    fields = {
+        "temperature": _clamped(options.temperature, 0.0, 2.0),
+        "top_p": _clamped(options.top_p, 1e-9, 1.0),
+        "top_k": top_k if top_k is not None and top_k > 0 else None,
+        "min_p": _clamped(options.min_p, 0.0, 1.0),
+        "seed": seed,
+        "stop": stop_strings(options)[:MAX_STOP_SEQUENCES] or None,
+        "repetition_penalty": _clamped(repeat, 1e-9, 10.0) if repeat is not None and repeat > 0 else None,
+        "presence_penalty": _clamped(options.presence_penalty, -2.0, 2.0),
+        "frequency_penalty": _clamped(options.frequency_penalty, -2.0, 2.0),
+        "max_tokens": predict if predict is not None and predict > 0 else UNLIMITED_MAX_TOKENS,
+    }
     return {name: value for name, value in fields.items() if value is not None}
+
+
+def stop_strings(options: Options | None) -> list[str]:
+    """Every stop string of `options` (empty ones stop nothing: left out)."""
+    return [stop for stop in (options.stop if options is not None else None) or () if stop]
 
 
 def _format(value: Literal["", "json"] | dict[str, Any] | None) -> dict[str, Any] | None:
@@ -209,16 +227,18 @@ def _refuse_images(images: list[str] | None, where: str) -> None:
 
 def _openai_message(index: int, message: Message) -> dict[str, Any]:
     _refuse_images(message.images, f"messages[{index}]")
-    out: dict[str, Any] = {"role": message.role, "content": message.content}
+    out: dict[str, Any] = {"role": message.role, "content": message.content or ""}
     if message.tool_calls:
         if message.role != "assistant":
             raise BadRequest(f"messages[{index}]: only assistant messages hold tool_calls", param="messages")
-        out["tool_calls"] = [{"id": f"call_{index}_{n}", "type": "function",
+        out["tool_calls"] = [{"id": call.id or f"call_{index}_{n}", "type": "function",
                               "function": {"name": call.function.name,
-                                           "arguments": json.dumps(call.function.arguments)}}
+                                           "arguments": json.dumps(call.function.arguments or {})}}
                              for n, call in enumerate(message.tool_calls)]
     if message.tool_name is not None:
         out["name"] = message.tool_name
+    if message.tool_call_id is not None:
+        out["tool_call_id"] = message.tool_call_id
     return out
 
 
@@ -238,10 +258,14 @@ def _convert(fields: dict[str, Any], schema: type[Any]) -> Any:
 def chat_request(req: ChatRequest, reasoning: ReasoningParser | None) -> ChatCompletionRequest:
     """The chat completion `req` asks for (`req.messages` not empty: an empty one only loads the
     model). `reasoning`: the model's reasoning parser, if it has one."""
+    messages = req.messages or []
+    last = messages[-1] if messages else None
+    continued = last is not None and last.role == "assistant" and not last.tool_calls
     return _convert({
-        "model": req.model, "stream": req.stream,
-        "messages": [_openai_message(i, m) for i, m in enumerate(req.messages)],
+        "model": req.model, "stream": req.stream is not False,
+        "messages": [_openai_message(i, m) for i, m in enumerate(messages)],
         "tools": req.tools, "response_format": _format(req.format),
+        **({"continue_final_message": True} if continued else {}),
         **_sampling(req.options), **_thinking(req.think, reasoning, req.model), **_logprobs(req),
     }, ChatCompletionRequest)
 
@@ -256,9 +280,11 @@ def generate_request(req: GenerateRequest, reasoning: ReasoningParser | None
                                  ("context", req.context, "send the conversation to /api/chat instead")):
         if value:
             raise BadRequest(f"{name} is not supported: {instead}", param=name)
-    shared = {"model": req.model, "stream": req.stream, "response_format": _format(req.format),
+    shared = {"model": req.model, "stream": req.stream is not False, "response_format": _format(req.format),
               **_sampling(req.options), **_logprobs(req)}
     if req.raw:
+        if req.system:
+            raise BadRequest("raw prompts go as they are: send the system prompt inside the prompt", param="system")
         if req.think:
             raise BadRequest("think needs the model's chat template; raw prompts go as they are", param="think")
         if req.logprobs:
@@ -267,24 +293,22 @@ def generate_request(req: GenerateRequest, reasoning: ReasoningParser | None
         if req.format:
             raise BadRequest("format needs the model's chat template; raw prompts go as they are", param="format")
         shared.pop("response_format")
-        return _convert({**shared, "prompt": req.prompt}, CompletionRequest)
+        return _convert({**shared, "prompt": req.prompt or ""}, CompletionRequest)
     messages = ([{"role": "system", "content": req.system}] if req.system else []) + [
-        {"role": "user", "content": req.prompt}]
+        {"role": "user", "content": req.prompt or ""}]
     return _convert({**shared, "messages": messages, **_thinking(req.think, reasoning, req.model)},
                     ChatCompletionRequest)
 
 
 def embed_request(req: EmbedRequest | EmbeddingsRequest) -> EmbeddingRequest:
-    """The embeddings request of `req`'s inputs (``/api/embeddings``: a prompt, not empty). An
-    input longer than the model's context loses its end (Ollama's ``truncate``, on unless
-    false: then it is a 400)."""
+    """The embeddings request of `req`'s inputs (at least one; ``/api/embeddings``: a prompt, not
+    empty). An input longer than the model's context loses its end (Ollama's ``truncate``, on
+    unless false: then it is a 413). Any number of inputs: computed in batches (plans.py)."""
     cut = {"truncate_prompt_tokens": -1, "truncation_side": "right"}
     if isinstance(req, EmbeddingsRequest):
         return _convert({"model": req.model, "input": req.prompt, **cut}, EmbeddingRequest)
-    if req.dimensions is not None:
-        raise BadRequest("dimensions is not supported: an embedding has the model's hidden size",
-                         param="dimensions")
-    return _convert({"model": req.model, "input": req.input, **(cut if req.truncate else {})}, EmbeddingRequest)
+    return _convert({"model": req.model, "input": req.inputs, **(cut if req.truncate is not False else {})},
+                    EmbeddingRequest)
 
 
 # ---------------------------------------------------------------------------- responses
@@ -292,11 +316,14 @@ def embed_request(req: EmbedRequest | EmbeddingsRequest) -> EmbeddingRequest:
 
 class OutFunction(Struct):
     name: str
-    arguments: Any
+    arguments: dict[str, Any]
+    index: int
+    """The call's place among its answer's calls."""
 
 
 class OutToolCall(Struct):
     function: OutFunction
+    id: str
 
 
 class OutMessage(Struct, kw_only=True, omit_defaults=True):

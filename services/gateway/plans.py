@@ -24,6 +24,7 @@ from shoal.services.gateway.dispatch import DispatchEvent, Restart
 from shoal.services.gateway.embeddings_api import (
     EmbeddingRequest,
     as_input_error,
+    batches,
     completion_request,
     embed_params,
 )
@@ -231,6 +232,25 @@ def admitted(state: GatewayState, plan: Plan) -> Iterator[None]:
         for choice in plan.choices:
             admissions.enter_context(state.dispatcher.admitted(choice.request.model))
         yield
+
+
+def embedding_plans(state: GatewayState, body: EmbeddingRequest, request_id: str) -> list[Plan]:
+    """The plans of `body`'s inputs, a batch each (`embeddings_api.batches`), all validated
+    before any is computed."""
+    parts = batches(body)
+    if len(parts) == 1:
+        return [embedding_plan(state, body, request_id)]
+    return [embedding_plan(state, part, f"{request_id}-b{n}") for n, part in enumerate(parts)]
+
+
+async def embed_all(state: GatewayState, plans: list[Plan]) -> list[FinalReply]:
+    """Every input's final reply (its vector), in order; a batch at a time, each admitted to
+    its model's queue while it runs."""
+    finals: list[FinalReply] = []
+    for plan in plans:
+        with admitted(state, plan):
+            finals += await collect_embeddings(state, plan)
+    return finals
 
 
 async def collect_embeddings(state: GatewayState, plan: Plan) -> list[FinalReply]:

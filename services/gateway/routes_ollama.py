@@ -15,11 +15,14 @@ instead (every replica sleeps, as an idle one does; an admin action where keys a
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 import time
 from datetime import UTC, datetime
 from typing import Any, Literal
 
+import msgspec
 import structlog
 from aiohttp import web
 
@@ -45,14 +48,15 @@ from shoal.services.gateway.ollama_api import (
     embed_request,
     generate_request,
     keep_alive_s,
+    stop_strings,
 )
-from shoal.services.gateway.openai_api import Answer, ToolCallOut, chat_logprobs
+from shoal.services.gateway.openai_api import MAX_STOP_SEQUENCES, Answer, ToolCallOut, chat_logprobs
 from shoal.services.gateway.plans import (
     Collected,
     Plan,
     admitted,
-    collect_embeddings,
-    embedding_plan,
+    embed_all,
+    embedding_plans,
     generating,
     plan_request,
 )
@@ -60,12 +64,13 @@ from shoal.services.gateway.request_ids import REPLICA_HEADER, REQUEST_ID, REQUE
 from shoal.services.gateway.service_calls import ask_scheduler
 from shoal.services.gateway.state import GATEWAY, GatewayState
 from shoal.services.gateway.tally import tallied
-from shoal.shared.messages import EvictReplicas, FinalReply, TokenChunk, TokenLogprob
+from shoal.shared.messages import EvictReplicas, FinalReply, ModelSpec, TokenChunk, TokenLogprob
 
 log = structlog.get_logger(__name__)
 
 routes = web.RouteTableDef()
 Api = Literal["chat", "generate"]
+LATEST_TAG = ":latest"
 
 
 @routes.post("/api/chat")
@@ -131,15 +136,19 @@ def _done_reason(finish_reason: str) -> str:
     return "stop" if finish_reason == "tool_calls" else finish_reason  # Ollama's answer with calls "stops"
 
 
-def _calls(calls: list[ToolCallOut]) -> list[OutToolCall] | None:
-    """Calls with their arguments as JSON objects (Ollama's form), as the reader checked them."""
+def _calls(calls: list[ToolCallOut], first_index: int = 0) -> list[OutToolCall] | None:
+    """Calls in Ollama's form, numbered from `first_index` within their answer: arguments are
+    always a JSON object (Ollama's clients validate it as one); what a model wrote that is not
+    one is kept whole, as ``{"arguments": <its text>}``."""
     out = []
-    for call in calls:
+    for index, call in enumerate(calls, first_index):
         try:
-            arguments: Any = json.loads(call.function.arguments)
+            arguments: Any = json.loads(call.function.arguments or "{}")
         except json.JSONDecodeError:
-            arguments = call.function.arguments
-        out.append(OutToolCall(OutFunction(call.function.name, arguments)))
+            arguments = None
+        if not isinstance(arguments, dict):
+            arguments = {"arguments": call.function.arguments}
+        out.append(OutToolCall(OutFunction(call.function.name, arguments, index), call.id))
     return out or None
 
 
@@ -149,13 +158,15 @@ class _Replies:
     def __init__(self, api: Api, model: str) -> None:
         self._api = api
         self._model = model
+        self._num_calls = 0
 
     def _reply(self, read: Read, logprobs: list[TokenLogprob] | None, **fields: Any) -> ChatReply | GenerateReply:
         head = {"model": self._model, "created_at": _now(),
                 "logprobs": chat_logprobs(logprobs).content if logprobs is not None else None, **fields}
         if self._api == "chat":
             message = OutMessage(role="assistant", content=read.content, thinking=read.reasoning or None,
-                                 tool_calls=_calls(read.calls))
+                                 tool_calls=_calls(read.calls, self._num_calls))
+            self._num_calls += len(read.calls)
             return ChatReply(**head, message=message)
         return GenerateReply(**head, response=read.content, thinking=read.reasoning or None)
 
@@ -182,16 +193,18 @@ async def _generate(request: web.Request, api: Api) -> web.StreamResponse:
     with tallied(state, f"ollama_{api}") as tally:
         body: ChatRequest | GenerateRequest = tally.decode(await request.read(),
                                                           ChatRequest if api == "chat" else GenerateRequest)
-        spec = state.cluster.require_model(body.model)
-        keep_alive = keep_alive_s(body.keep_alive)
         replies = _Replies(api, body.model)
+        spec = served_model(state, body.model)
+        body = msgspec.structs.replace(body, model=spec.key)
+        keep_alive = keep_alive_s(body.keep_alive)
         if not (body.messages if isinstance(body, ChatRequest) else body.prompt):
             response = await _load_or_unload(request, state, body.model, keep_alive, replies)
             tally.outcome = "ok"
             return response
         openai_body = (chat_request(body, spec.reasoning_parser) if isinstance(body, ChatRequest)
                        else generate_request(body, spec.reasoning_parser))
-        plan = plan_request(state, openai_body, request[REQUEST_ID], None, format_param="format")
+        plan = _with_stops(plan_request(state, openai_body, request[REQUEST_ID], None, format_param="format"),
+                           stop_strings(body.options))
         with admitted(state, plan):
             tally.start()
             if plan.stream:
@@ -200,6 +213,15 @@ async def _generate(request: web.Request, api: Api) -> web.StreamResponse:
             whole = await _whole(state, plan, replies)
             tally.outcome = "ok"
             return whole
+
+
+def _with_stops(plan: Plan, stops: list[str]) -> Plan:
+    """`plan` stopping at every one of `stops` (Ollama bounds them not; ``/v1`` takes 4)."""
+    if len(stops) <= MAX_STOP_SEQUENCES:
+        return plan
+    choices = [dataclasses.replace(choice, request=msgspec.structs.replace(
+        choice.request, params=msgspec.structs.replace(choice.request.params, stop=stops))) for choice in plan.choices]
+    return dataclasses.replace(plan, choices=choices)
 
 
 async def _load_or_unload(request: web.Request, state: GatewayState, model: str, keep_alive: float | None,
@@ -275,24 +297,50 @@ async def _embed(request: web.Request, schema: type[EmbedRequest] | type[Embeddi
     state = request.app[GATEWAY]
     with tallied(state, "ollama_embed") as tally:
         body: EmbedRequest | EmbeddingsRequest = tally.decode(await request.read(), schema)
-        state.cluster.require_model(body.model)
+        name = body.model
+        body = msgspec.structs.replace(body, model=served_model(state, body.model).key)
         keep_alive_s(body.keep_alive)
+        clock = _Clock()
+        deadline = time.time() + state.config.request_timeout_s
         if isinstance(body, EmbeddingsRequest) and not body.prompt:
             tally.outcome = "ok"
             return json_response(EmbeddingReply([]))  # Ollama's answer to an empty prompt
-        plan = embedding_plan(state, embed_request(body), request[REQUEST_ID])
-        with admitted(state, plan):
-            tally.start()
-            clock = _Clock()
-            await state.dispatcher.ensure_placed(body.model, plan.choices[0].request.deadline)
-            clock.placed()
-            finals = await collect_embeddings(state, plan)
-        vectors = [embedding_floats(final.embedding or b"") for final in finals]
+        if isinstance(body, EmbedRequest) and not body.inputs:  # Ollama loads the model and answers no vector
+            await state.dispatcher.serving_replica(body.model, deadline)
+            tally.outcome = "ok"
+            return json_response(EmbedReply(model=name, embeddings=[], total_duration=clock.total_ns(),
+                                            load_duration=clock.total_ns(), prompt_eval_count=0))
+        plans = embedding_plans(state, embed_request(body), request[REQUEST_ID])
+        tally.start()
+        await state.dispatcher.ensure_placed(body.model, deadline)
+        clock.placed()
+        finals = await embed_all(state, plans)
+        vectors = [_shortened(embedding_floats(final.embedding or b""), body) for final in finals]
         tally.outcome = "ok"
         headers = {REPLICA_HEADER: finals[0].replica_id}
         if isinstance(body, EmbeddingsRequest):
             return json_response(EmbeddingReply(vectors[0]), headers=headers)
-        return json_response(EmbedReply(model=body.model, embeddings=vectors, total_duration=clock.total_ns(),
+        return json_response(EmbedReply(model=name, embeddings=vectors, total_duration=clock.total_ns(),
                                         load_duration=clock.load_ns(),
                                         prompt_eval_count=sum(final.prompt_tokens for final in finals)),
                              headers=headers)
+
+
+def _shortened(vector: list[float], body: EmbedRequest | EmbeddingsRequest) -> list[float]:
+    """`vector`'s first ``dimensions`` values, L2-normalized again (as Ollama shortens one)."""
+    size = body.dimensions if isinstance(body, EmbedRequest) else None
+    if size is None or size >= len(vector):
+        return vector
+    kept = vector[:size]
+    norm = math.sqrt(sum(value * value for value in kept)) or 1.0
+    return [value / norm for value in kept]
+
+
+def served_model(state: GatewayState, name: str) -> ModelSpec:
+    """The model `name` means: a registered key, or one with Ollama's default tag (``:latest``)
+    added; a 404 naming it otherwise."""
+    if state.cluster.get_model(name) is None and name.endswith(LATEST_TAG):
+        spec = state.cluster.get_model(name.removesuffix(LATEST_TAG))
+        if spec is not None:
+            return spec
+    return state.cluster.require_model(name)

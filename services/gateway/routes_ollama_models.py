@@ -1,6 +1,6 @@
 """Ollama's model listing: ``/api/tags`` (the served models), ``/api/ps`` (those with a replica
-on a GPU now), ``/api/show`` (one model's details), ``/api/version``; and ``GET /``, which
-Ollama's clients probe to see a server is up.
+on a GPU now), ``/api/show`` (one model's details), ``/api/version`` (the Ollama API version
+matched, and Shoal's); and ``GET /``, which Ollama's clients probe to see a server is up.
 
 Models are registered by the operator (shoal.toml, ``POST /admin/models``), not pulled:
 ``/api/pull``, ``/api/push``, ``/api/create``, ``/api/copy`` and ``/api/delete`` answer 501
@@ -18,9 +18,10 @@ from typing import Any
 from aiohttp import web
 from msgspec import Struct
 
-from shoal.services.gateway.errors import NotImplementedHere
+from shoal.services.gateway.errors import BadRequest, NotImplementedHere
 from shoal.services.gateway.json_body import json_response
 from shoal.services.gateway.openai_api import decode_body
+from shoal.services.gateway.routes_ollama import served_model
 from shoal.services.gateway.state import GATEWAY
 from shoal.shared.messages import ModelSpec, ReplicaRecord
 from shoal.shared.version import SHOAL_VERSION
@@ -164,7 +165,9 @@ async def ps(request: web.Request) -> web.Response:
 async def show(request: web.Request) -> web.Response:
     state = request.app[GATEWAY]
     body = decode_body(await request.read(), ShowRequest)
-    spec = state.cluster.require_model(body.model or body.name or "")
+    if not (body.model or body.name):
+        raise BadRequest("model is required", param="model")
+    spec = served_model(state, body.model or body.name or "")
     info: dict[str, Any] = {"general.architecture": _family(spec.architecture),
                             "general.parameter_count": spec.num_parameters}
     if spec.max_model_len is not None:
@@ -174,9 +177,14 @@ async def show(request: web.Request) -> web.Response:
                                    modified_at=_rfc3339(spec.registered_at)))
 
 
+OLLAMA_API_VERSION = "0.13.0"
+"""The Ollama release whose API this one matches: clients check it (VS Code's and Raycast's
+refuse servers older than 0.6.4), so it is Ollama's numbering, not Shoal's."""
+
+
 @routes.get("/api/version")
 async def version(request: web.Request) -> web.Response:
-    return json_response({"version": SHOAL_VERSION})
+    return json_response({"version": OLLAMA_API_VERSION, "shoal_version": SHOAL_VERSION})
 
 
 @routes.get("/")

@@ -49,8 +49,8 @@ from shoal.services.gateway.plans import (
     Plan,
     admitted,
     choices_usage,
-    collect_embeddings,
-    embedding_plan,
+    embed_all,
+    embedding_plans,
     generating,
     plan_request,
 )
@@ -130,21 +130,24 @@ async def _serve(request: web.Request, endpoint: Endpoint) -> web.StreamResponse
         if isinstance(body, ResponsesRequest):
             responding = await _responding(state, body, request[REQUEST_ID])
             body = responding.turn.chat
-        kind: Kind = "completion" if endpoint == "completion" else "chat"
         if isinstance(body, EmbeddingRequest):
-            plan = embedding_plan(state, body, request[REQUEST_ID])
-        else:
-            plan = plan_request(state, body, request[REQUEST_ID], request.headers.get(SESSION_HEADER),
-                                format_param="text" if responding is not None else "response_format")
+            plans = embedding_plans(state, body, request[REQUEST_ID])
+            state.cluster.require_model(body.model)
+            tally.start()
+            await state.dispatcher.ensure_placed(body.model, plans[0].choices[0].request.deadline)
+            finals = await embed_all(state, plans)
+            tally.outcome = "ok"
+            return json_response(embedding_list(body, finals), headers={REPLICA_HEADER: finals[0].replica_id})
+        kind: Kind = "completion" if endpoint == "completion" else "chat"
+        plan = plan_request(state, body, request[REQUEST_ID], request.headers.get(SESSION_HEADER),
+                            format_param="text" if responding is not None else "response_format")
         with admitted(state, plan):
             tally.start()
             if plan.stream:
                 response, tally.outcome = await _stream(request, state, plan, kind, responding)
             else:
                 await state.dispatcher.ensure_placed(body.model, plan.choices[0].request.deadline)
-                collected = (_collect_embeddings(state, plan, body) if isinstance(body, EmbeddingRequest)
-                             else _collect(state, plan, kind, request[REQUEST_ID], responding))
-                response, tally.outcome = await collected, "ok"
+                response, tally.outcome = await _collect(state, plan, kind, request[REQUEST_ID], responding), "ok"
         return response
 
 
@@ -170,11 +173,6 @@ async def _responding(state: GatewayState, body: ResponsesRequest, request_id: s
     turn = responses_turn(body, response_id, previous.conversation if previous else None,
                           previous.session_id if previous else None, items)
     return _Responding(turn, ResponseShell(response_id, int(time.time()), body), state.responses)
-
-
-async def _collect_embeddings(state: GatewayState, plan: Plan, body: EmbeddingRequest) -> web.Response:
-    finals = await collect_embeddings(state, plan)
-    return json_response(embedding_list(body, finals), headers={REPLICA_HEADER: finals[0].replica_id})
 
 
 async def _collect(state: GatewayState, plan: Plan, kind: Kind, request_id: str,

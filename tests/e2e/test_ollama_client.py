@@ -56,7 +56,10 @@ def test_the_server_answers_ollamas_probes(shoal: ShoalUp, api: ollama.Client) -
     status, _, body = _http(shoal, "GET", "/")
     assert status == 200 and b"Shoal is running" in body
     status, _, body = _http(shoal, "GET", "/api/version")
-    assert status == 200 and json.loads(body)["version"]
+    version = json.loads(body)
+    assert status == 200 and version["shoal_version"]
+    # Ollama's numbering (clients refuse servers older than 0.6.4), not Shoal's
+    assert tuple(int(part) for part in version["version"].split(".")) >= (0, 6, 4)
 
 
 def test_tags_list_the_served_models_with_their_details(shoal: ShoalUp, api: ollama.Client,
@@ -96,6 +99,14 @@ def test_chat_answers_as_the_openai_api_does(api: ollama.Client, client: openai.
     assert [part.done for part in parts] == [False] * (len(parts) - 1) + [True]
     assert (parts[-1].eval_count, parts[-1].done_reason) == (reply.eval_count, reply.done_reason)
 
+    prefilled = [*messages, {"role": "assistant", "content": "The Bal"}]  # Ollama continues a last answer
+    continued = api.chat(model=SMALL, messages=prefilled, options=GREEDY)
+    expected_continued = client.chat.completions.create(model=SMALL, messages=prefilled, max_tokens=8, temperature=0,
+                                                        extra_body={"continue_final_message": True})
+    assert continued.message.content == expected_continued.choices[0].message.content
+    assert expected_continued.usage is not None
+    assert continued.prompt_eval_count == expected_continued.usage.prompt_tokens
+
     scored = api.chat(model=SMALL, messages=messages, options=GREEDY, logprobs=True, top_logprobs=2)
     expected_scores = client.chat.completions.create(model=SMALL, messages=messages, max_tokens=8, temperature=0,
                                                      logprobs=True, top_logprobs=2).choices[0].logprobs
@@ -133,9 +144,12 @@ def test_options_reach_the_sampler(api: ollama.Client) -> None:
     assert api.chat(model=SMALL, messages=messages, options=seeded).message.content == first
     capped = api.chat(model=SMALL, messages=messages, options={"num_predict": 3, "num_ctx": 8192})
     assert capped.eval_count == 3 and capped.done_reason == "length"  # num_ctx: the operator's, ignored
-    with pytest.raises(ollama.ResponseError) as caught:
-        api.chat(model=SMALL, messages=messages, options={"mirostat": 2})
-    assert caught.value.status_code == 400 and "options.mirostat" in caught.value.error
+    # Steps Shoal's sampler lacks are ignored (as current Ollama does); values it bounds are clamped.
+    lenient = api.chat(model=SMALL, messages=messages,
+                       options={"mirostat": 2, "typical_p": 0.7, "temperature": 5, "top_k": 40.0, "num_predict": 3.0})
+    assert lenient.eval_count == 3 and lenient.done
+    tagged = api.chat(model=SMALL + ":latest", messages=messages, options=GREEDY)  # Ollama's default tag
+    assert tagged.model == SMALL + ":latest" and tagged.eval_count
 
 
 def test_a_format_schema_shapes_the_answer(api: ollama.Client) -> None:
@@ -162,6 +176,9 @@ def test_calls_come_as_ollama_tool_calls_with_object_arguments(shoal: ShoalUp, a
     (call,) = reply.message.tool_calls or []
     assert call.function.name == "get_time" and call.function.arguments["zone"] in ("UTC", "CET")
     assert reply.message.content == "" and reply.done_reason == "stop"
+    status, _, raw = _http(shoal, "POST", "/api/chat", {**kwargs, "stream": False})
+    (wire_call,) = json.loads(raw)["message"]["tool_calls"]  # Ollama's current shape: an id, an index
+    assert status == 200 and wire_call["id"].startswith("call_") and wire_call["function"]["index"] == 0
     streamed = [c for part in api.chat(**kwargs, stream=True) for c in part.message.tool_calls or ()]
     assert [(c.function.name, dict(c.function.arguments)) for c in streamed] == [
         (call.function.name, dict(call.function.arguments))]
@@ -210,6 +227,24 @@ def test_embed_is_the_openai_apis_embedding(api: ollama.Client, client: openai.O
     older = api.embeddings(model=SMALL, prompt=texts[0])
     assert list(older.embedding) == pytest.approx(expected.data[0].embedding, abs=1e-6)
     assert list(api.embeddings(model=SMALL, prompt="").embedding) == []
+    assert list(api.embed(model=SMALL, input=[]).embeddings) == []  # loads the model, embeds nothing
+
+    short = api.embed(model=SMALL, input=texts[0], dimensions=8).embeddings[0]  # as Ollama shortens one
+    first = expected.data[0].embedding[:8]
+    norm = sum(value * value for value in first) ** 0.5
+    assert list(short) == pytest.approx([value / norm for value in first], abs=1e-6)
+
+
+def test_a_corpus_at_once_is_embedded_in_batches(api: ollama.Client, client: openai.OpenAI) -> None:
+    """LangChain's `OllamaEmbeddings` sends every document in one request; OpenAI takes 2,048
+    inputs: both are computed 128 at a time, in order."""
+    corpus = [f"Document {i} is about the sea." for i in range(300)]
+    embedded = api.embed(model=SMALL, input=corpus).embeddings
+    listed = client.embeddings.create(model=SMALL, input=corpus)
+    assert len(embedded) == len(listed.data) == 300 and [item.index for item in listed.data] == list(range(300))
+    one = client.embeddings.create(model=SMALL, input=corpus[257]).data[0].embedding
+    assert list(embedded[257]) == pytest.approx(one, abs=1e-5)
+    assert listed.data[257].embedding == pytest.approx(one, abs=1e-5)
 
 
 def test_an_input_longer_than_the_context_loses_its_end_unless_truncate_is_false(
@@ -258,8 +293,9 @@ def test_load_ps_and_unload_follow_the_models_replicas(shoal: ShoalUp, api: olla
                                                          "images": ["aGVsbG8="]}]}, 400, "images"),
     ("POST", "/api/generate", {"model": SMALL, "prompt": "x", "keep_alive": "soon"}, 400, "keep_alive"),
     ("POST", "/api/generate", {"model": SMALL, "prompt": "x", "suffix": "y"}, 400, "suffix"),
-    ("POST", "/api/embed", {"model": SMALL, "input": "x", "dimensions": 3}, 400, "dimensions"),
     ("POST", "/api/show", {"model": "org/none"}, 404, "does not exist"),
+    ("POST", "/api/show", {}, 400, "model is required"),
+    ("POST", "/api/generate", {"model": SMALL, "prompt": "x", "raw": True, "system": "y"}, 400, "system"),
     ("POST", "/api/pull", {"model": "llama3"}, 501, "POST /admin/models"),
     ("DELETE", "/api/delete", {"model": SMALL}, 501, "does not pull or create"),
     ("GET", "/api/nothing", None, 404, "no route"),

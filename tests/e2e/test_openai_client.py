@@ -757,7 +757,7 @@ def test_embeddings_are_the_models_normalized_last_hidden_states(client: openai.
     assert unpacked == pytest.approx(answer.data[1].embedding, abs=1e-6)
 
     for extra, param in [({"input": ""}, "input"), ({"input": [[5, 10**6]]}, "input"), ({"dimensions": 8}, "dimensions"),
-                         ({"input": ["x"] * 129}, "input"), ({"encoding_format": "hex"}, "encoding_format")]:
+                         ({"input": ["x"] * 8193}, "input"), ({"encoding_format": "hex"}, "encoding_format")]:
         with pytest.raises(openai.BadRequestError) as caught:
             client.embeddings.create(model=SMALL, **{"input": "x", **extra})
         assert caught.value.body["param"] == param, (extra, caught.value.body)

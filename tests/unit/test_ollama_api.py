@@ -19,6 +19,7 @@ from shoal.services.gateway.ollama_api import (
     embed_request,
     generate_request,
     keep_alive_s,
+    stop_strings,
 )
 from shoal.services.gateway.openai_api import (
     UNLIMITED_MAX_TOKENS,
@@ -72,18 +73,55 @@ def test_no_num_predict_generates_until_the_context_is_full(num_predict: int | N
     assert generate_request(body, None).max_tokens == UNLIMITED_MAX_TOKENS
 
 
-@pytest.mark.parametrize(("option", "value"), [("mirostat", 2), ("tfs_z", 0.9), ("typical_p", 0.5)])
-def test_a_sampling_step_shoal_lacks_is_refused_unless_at_its_default(option: str, value: float) -> None:
-    body = _decode(ChatRequest, messages=[{"role": "user", "content": "hi"}], options={option: value})
-    with pytest.raises(BadRequest) as caught:
-        chat_request(body, None)
-    assert f"options.{option}" in caught.value.message and caught.value.param == "options"
+@pytest.mark.parametrize("options", [{"mirostat": 2}, {"tfs_z": 0.9}, {"typical_p": 0.5, "mirostat_eta": 0.2}])
+def test_sampling_steps_shoal_lacks_are_ignored_as_current_ollama_ignores_them(options: dict[str, Any]) -> None:
+    messages = [{"role": "user", "content": "hi"}]
+    plain = sampling_params(chat_request(_decode(ChatRequest, messages=messages), None), None, 16)
+    assert sampling_params(chat_request(_decode(ChatRequest, messages=messages, options=options), None),
+                           None, 16) == plain
 
 
-def test_an_option_out_of_range_is_a_400_naming_it() -> None:
-    with pytest.raises(BadRequest) as caught:
-        _decode(ChatRequest, messages=[], options={"temperature": 7})
-    assert "options.temperature" in caught.value.message
+def test_option_values_ollama_takes_are_clamped_to_what_the_sampler_takes() -> None:
+    """Ollama bounds no option: a value past Shoal's bounds samples as the nearest it takes,
+    integers may come as floats, and -1 seeds, 0 predictions and 0 penalties mean "none"."""
+    body = _decode(ChatRequest, messages=[{"role": "user", "content": "hi"}], options={
+        "temperature": 7, "top_k": 40.0, "seed": -1, "num_predict": 0, "repeat_penalty": 0,
+        "presence_penalty": 3.5, "min_p": 1.5, "stop": ["", "a", "b", "c", "d", "e"]})
+    chat = chat_request(body, None)
+    params = sampling_params(chat, chat.max_tokens, 16)
+    assert (params.temperature, params.top_k, params.seed, params.max_tokens) == (2.0, 40, None, UNLIMITED_MAX_TOKENS)
+    assert params.repetition_penalty == 1.0
+    assert (params.presence_penalty, params.min_p) == (2.0, 1.0)
+    assert params.stop == ["a", "b", "c", "d"] and stop_strings(body.options) == ["a", "b", "c", "d", "e"]
+    top_p_zero = chat_request(_decode(ChatRequest, messages=[{"role": "user", "content": "hi"}],
+                                      options={"top_p": 0}), None)
+    assert sampling_params(top_p_zero, None, 16).temperature == 0.0  # only the likeliest token: greedy
+
+
+def test_nulls_are_absent_fields_as_go_reads_them() -> None:
+    body = _decode(ChatRequest, stream=None, options=None, messages=[
+        {"role": "developer", "content": "Be brief."}, {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": None, "tool_calls": [{"function": {"name": "f", "arguments": None}}]},
+        {"role": "tool", "content": "42", "tool_call_id": "call_7"}])
+    chat = chat_request(body, None)
+    assert chat.stream is True
+    messages = chat_messages(chat, 10_000)
+    assert [(m.role, m.content) for m in messages] == [
+        ("system", "Be brief."), ("user", "hi"), ("assistant", ""), ("tool", "42")]
+    assert messages[2].tool_calls is not None and messages[2].tool_calls[0].arguments == "{}"
+    assert messages[3].tool_call_id == "call_7"
+    generate = _decode(GenerateRequest, prompt=None, raw=None, stream=None)
+    assert generate.prompt is None and generate.raw is None  # nothing to generate: the route loads the model
+
+
+def test_a_last_assistant_message_is_continued() -> None:
+    prefilled = [{"role": "user", "content": "Name a sea."}, {"role": "assistant", "content": "The Bal"}]
+    assert chat_request(_decode(ChatRequest, messages=prefilled), None).continue_final_message is True
+    called = [{"role": "user", "content": "x"}, {"role": "assistant", "tool_calls": [
+        {"id": "call_1", "function": {"name": "f", "arguments": {"a": 1}}}]}]
+    chat = chat_request(_decode(ChatRequest, messages=called), None)
+    assert chat.continue_final_message is None and chat.messages[1].tool_calls is not None
+    assert chat.messages[1].tool_calls[0].id == "call_1"  # the client's id, kept
 
 
 def test_past_calls_and_tool_results_become_openai_turns() -> None:
@@ -145,7 +183,7 @@ def test_generate_is_a_templated_chat_turn_or_with_raw_the_prompt_as_it_is() -> 
 @pytest.mark.parametrize(("fields", "param"), [
     ({"suffix": "end"}, "suffix"), ({"template": "{{ .Prompt }}"}, "template"), ({"context": [1, 2]}, "context"),
     ({"images": ["aGVsbG8="]}, "images"), ({"raw": True, "think": True}, "think"),
-    ({"raw": True, "format": "json"}, "format"),
+    ({"raw": True, "format": "json"}, "format"), ({"raw": True, "system": "Be brief."}, "system"),
 ])
 def test_what_generate_cannot_honour_is_a_400_naming_it(fields: dict[str, Any], param: str) -> None:
     with pytest.raises(BadRequest) as caught:
@@ -161,13 +199,9 @@ def test_embed_inputs_and_the_older_embeddings_prompt() -> None:
     assert embed_request(_decode(EmbedRequest, input="a", truncate=False)).truncate_prompt_tokens is None
     older = embed_request(_decode(EmbeddingsRequest, prompt="a"))
     assert older.input == "a" and (older.truncate_prompt_tokens, older.truncation_side) == (-1, "right")
-    with pytest.raises(BadRequest) as caught:
-        embed_request(_decode(EmbedRequest, input="a", dimensions=8))
-    assert caught.value.param == "dimensions"
-    with pytest.raises(BadRequest):
-        embed_request(_decode(EmbedRequest, input=["x"] * 129))  # each input is a request: bounded as /v1's
-    with pytest.raises(BadRequest):
-        _decode(EmbedRequest, input=[""])
+    assert len(embed_request(_decode(EmbedRequest, input=["x"] * 1000)).input) == 1000  # computed in batches
+    for nothing in ("", [], None):
+        assert _decode(EmbedRequest, input=nothing).inputs == []  # the route loads the model, embeds nothing
 
 
 @pytest.mark.parametrize(("num_parameters", "size"), [
