@@ -171,6 +171,10 @@ class NatsConfig(NatsCredentials, forbid_unknown_fields=True, kw_only=True):
             workers=NatsCredentials())
 
 
+_ORIGIN = re.compile(r"https?://[A-Za-z0-9.\-\[\]:]+")
+"""A web origin: scheme, host, optional port; no path."""
+
+
 class GatewayConfig(Struct, forbid_unknown_fields=True, kw_only=True):
     host: str = "127.0.0.1"
     port: int = 8000
@@ -195,8 +199,14 @@ class GatewayConfig(Struct, forbid_unknown_fields=True, kw_only=True):
     insecure_open_admin: bool = False
     """Serve /admin with no key on a non-loopback address (anyone who reaches the gateway may
     register, remove and scale models). Without it such a gateway refuses to start."""
+    cors_origins: list[str] = field(default_factory=list)
+    """Web pages (``scheme://host[:port]``, or ``*`` for any) whose scripts may call the
+    gateway from a browser (CORS; Ollama's ``OLLAMA_ORIGINS``). Empty: none."""
 
     def __post_init__(self) -> None:
+        for origin in self.cors_origins:
+            if origin != "*" and not _ORIGIN.fullmatch(origin):
+                raise ValueError(f"gateway.cors_origins: {origin!r} is not an origin (scheme://host[:port], or *)")
         if not 0 < self.port < 65536:
             raise ValueError(f"gateway.port must be in 1..65535, got {self.port}")
         if self.request_timeout_s <= 0:
@@ -421,7 +431,7 @@ def _env_overrides(environ: Mapping[str, str]) -> dict[str, Any]:
         for section in path[:-2]:
             target = target.setdefault(section, {})
         section, key = path[-2], path[-1]
-        if key in ("api_keys", "admin_api_keys"):
+        if key in ("api_keys", "admin_api_keys", "cors_origins"):
             target.setdefault(section, {})[key] = [k for k in value.split(",") if k]
         else:
             target.setdefault(section, {})[key] = value

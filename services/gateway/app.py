@@ -27,6 +27,7 @@ from shoal.services.gateway import (
 )
 from shoal.services.gateway.auth import auth_middleware, check_admin_exposure
 from shoal.services.gateway.cluster import ClusterView
+from shoal.services.gateway.cors import CorsPolicy
 from shoal.services.gateway.dispatch import Dispatcher
 from shoal.services.gateway.errors import error_middleware
 from shoal.services.gateway.live import LiveFeeds
@@ -72,10 +73,12 @@ def create_app(config: GatewayConfig, nats_url: str, registry: Registry | None =
     a session's route outlives its last turn (the workers' ``[worker.sessions] idle_timeout_s``:
     they forget its KV then)."""
     exposure_warning = check_admin_exposure(config)
+    cors = CorsPolicy(config.cors_origins)
     app = web.Application(
         client_max_size=config.max_body_bytes,
-        middlewares=[request_id_middleware, error_middleware, auth_middleware(config)],
+        middlewares=[request_id_middleware, error_middleware, cors.middleware(), auth_middleware(config)],
     )
+    app.on_response_prepare.append(cors.on_prepare)
     registry = registry or Registry()
 
     async def resources(app: web.Application) -> AsyncIterator[None]:

@@ -68,6 +68,36 @@ async def test_ollamas_api_takes_the_same_keys_and_unloading_is_an_admin_action(
     assert status == 503 and "scheduler" in body["error"]  # allowed: only the scheduler is missing here
 
 
+async def test_browsers_of_listed_origins_may_call_the_gateway(bus: Bus, nats_server: EmbeddedNatsServer) -> None:
+    """CORS: a listed origin's preflight is answered without a key (browsers send none), its
+    requests' answers name it, errors and key checks included; another origin gets nothing."""
+    await bus.models.put(subjects.model_token("org/m"), ModelSpec(key="org/m", path="m", registered_at=1.0))
+    config = GatewayConfig(port=free_port(), api_keys=["user-key"], cors_origins=["http://localhost:3000"])
+    runner = await start_gateway(config, nats_server.url)
+    url = f"http://127.0.0.1:{config.port}"
+    page, stranger = {"Origin": "http://localhost:3000"}, {"Origin": "http://evil.example"}
+    asks = {"Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "authorization, content-type"}
+    try:
+        async with aiohttp.ClientSession() as session:
+            async with session.options(url + "/v1/chat/completions", headers=page | asks) as resp:
+                assert resp.status == 204
+                assert resp.headers["Access-Control-Allow-Origin"] == "http://localhost:3000"
+                assert "POST" in resp.headers["Access-Control-Allow-Methods"]
+                assert resp.headers["Access-Control-Allow-Headers"] == "authorization, content-type"
+            async with session.options(url + "/v1/chat/completions", headers=stranger | asks) as resp:
+                assert resp.status == 401 and "Access-Control-Allow-Origin" not in resp.headers  # not answered as one
+            auth = {"Authorization": "Bearer user-key"}
+            async with session.get(url + "/api/tags", headers=page | auth) as resp:
+                assert resp.status == 200 and resp.headers["Access-Control-Allow-Origin"] == "http://localhost:3000"
+                assert "X-Request-Id" in resp.headers["Access-Control-Expose-Headers"]
+            async with session.get(url + "/v1/models", headers=page) as resp:  # no key: the 401 is readable
+                assert resp.status == 401 and resp.headers["Access-Control-Allow-Origin"] == "http://localhost:3000"
+            async with session.get(url + "/v1/models", headers=stranger | auth) as resp:
+                assert resp.status == 200 and "Access-Control-Allow-Origin" not in resp.headers
+    finally:
+        await runner.cleanup()
+
+
 async def test_no_scheduler_means_503_with_retry_after(gateway: str) -> None:
     async with aiohttp.ClientSession() as session, session.post(
         gateway + "/v1/chat/completions", json=CHAT, headers={"Authorization": "Bearer user-key"}

@@ -62,6 +62,8 @@ def test_file_then_env_then_overrides(tmp_path: Path) -> None:
         ("[[models]]\nkey = \"m\"\npath = \"m\"\nreasoning_parser = \"think\"\n",
          "models[0].reasoning_parser"),
         ("[gateway]\nresponses_ttl_s = 0\n", "responses_ttl_s"),
+        ("[gateway]\ncors_origins = [\"localhost:3000\"]\n", "gateway.cors_origins: 'localhost:3000' is not an origin"),
+        ("[gateway]\ncors_origins = [\"http://a.example/app\"]\n", "is not an origin"),
         ("not toml = = 1", "not valid TOML"),
     ],
 )
@@ -112,11 +114,13 @@ def test_env_overrides_reach_nested_sections() -> None:
             "SHOAL_SCHEDULER_PLACEMENT_FRACTION_THRESHOLD": "0.7",
             "SHOAL_SCHEDULER_RECONCILE_INTERVAL_S": "2.5",
             "SHOAL_GATEWAY_ADMIN_API_KEYS": "a,b",
+            "SHOAL_GATEWAY_CORS_ORIGINS": "http://localhost:3000,https://chat.example.com",
         },
     )
     assert config.scheduler.placement.fraction_threshold == 0.7
     assert config.scheduler.reconcile_interval_s == 2.5
     assert config.gateway.admin_api_keys == ["a", "b"]
+    assert config.gateway.cors_origins == ["http://localhost:3000", "https://chat.example.com"]
 
 
 def test_unknown_nested_env_override_names_the_key() -> None:
