@@ -196,6 +196,7 @@ async def _generate(request: web.Request, api: Api) -> web.StreamResponse:
         replies = _Replies(api, body.model)
         spec = served_model(state, body.model)
         body = msgspec.structs.replace(body, model=spec.key)
+        tally.name_model(spec.key)  # "name:latest" counts as its model
         keep_alive = keep_alive_s(body.keep_alive)
         if not (body.messages if isinstance(body, ChatRequest) else body.prompt):
             response = await _load_or_unload(request, state, body.model, keep_alive, replies)
@@ -299,6 +300,7 @@ async def _embed(request: web.Request, schema: type[EmbedRequest] | type[Embeddi
         body: EmbedRequest | EmbeddingsRequest = tally.decode(await request.read(), schema)
         name = body.model
         body = msgspec.structs.replace(body, model=served_model(state, body.model).key)
+        tally.name_model(body.model)
         keep_alive_s(body.keep_alive)
         clock = _Clock()
         deadline = time.time() + state.config.request_timeout_s
