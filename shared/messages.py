@@ -142,6 +142,9 @@ class SamplingParams(Struct, omit_defaults=True):
     truncation_side: Literal["left", "right"] = "left"
     """Which end a cut prompt loses: ``left``, its start (vLLM's, for generation: the latest
     words stay), or ``right``, its end (Ollama's for embeddings)."""
+    drop_old_messages: bool = False
+    """A chat too long for the context loses its oldest messages (system messages and the last
+    one kept) until it fits, as Ollama truncates a conversation; False: a 413."""
 
     @property
     def has_grammar(self) -> bool:

@@ -134,6 +134,9 @@ class _Generating(_Request, kw_only=True):
 class ChatRequest(_Generating, kw_only=True):
     messages: list[Message] | None = None
     tools: list[dict[str, Any]] | None = None
+    truncate: bool | None = None
+    """A conversation too long for the model's context loses its oldest messages (system
+    messages and the last one kept) until it fits (None: true, Ollama's default); false: a 413."""
 
 
 class GenerateRequest(_Generating, kw_only=True):

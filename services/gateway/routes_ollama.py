@@ -50,7 +50,7 @@ from shoal.services.gateway.ollama_api import (
     keep_alive_s,
     stop_strings,
 )
-from shoal.services.gateway.openai_api import MAX_STOP_SEQUENCES, Answer, ToolCallOut, chat_logprobs
+from shoal.services.gateway.openai_api import Answer, ToolCallOut, chat_logprobs
 from shoal.services.gateway.plans import (
     Collected,
     Plan,
@@ -204,8 +204,9 @@ async def _generate(request: web.Request, api: Api) -> web.StreamResponse:
             return response
         openai_body = (chat_request(body, spec.reasoning_parser) if isinstance(body, ChatRequest)
                        else generate_request(body, spec.reasoning_parser))
-        plan = _with_stops(plan_request(state, openai_body, request[REQUEST_ID], None, format_param="format"),
-                           stop_strings(body.options))
+        plan = _with_params(plan_request(state, openai_body, request[REQUEST_ID], None, format_param="format"),
+                            stop=stop_strings(body.options),
+                            drop_old_messages=isinstance(body, ChatRequest) and body.truncate is not False)
         with admitted(state, plan):
             tally.start()
             if plan.stream:
@@ -216,12 +217,11 @@ async def _generate(request: web.Request, api: Api) -> web.StreamResponse:
             return whole
 
 
-def _with_stops(plan: Plan, stops: list[str]) -> Plan:
-    """`plan` stopping at every one of `stops` (Ollama bounds them not; ``/v1`` takes 4)."""
-    if len(stops) <= MAX_STOP_SEQUENCES:
-        return plan
+def _with_params(plan: Plan, **changes: Any) -> Plan:
+    """`plan` with sampling parameters ``/v1`` has no field for: every stop string (it takes 4),
+    a conversation's oldest messages dropped to fit (Ollama's ``truncate``)."""
     choices = [dataclasses.replace(choice, request=msgspec.structs.replace(
-        choice.request, params=msgspec.structs.replace(choice.request.params, stop=stops))) for choice in plan.choices]
+        choice.request, params=msgspec.structs.replace(choice.request.params, **changes))) for choice in plan.choices]
     return dataclasses.replace(plan, choices=choices)
 
 

@@ -6,6 +6,7 @@ import json
 from collections.abc import Iterable
 from typing import Any
 
+import msgspec
 from transformers import PreTrainedTokenizerBase
 
 from shoal.services.worker.generation import RequestRejected
@@ -32,8 +33,9 @@ def prompt_token_ids(tokenizer: PreTrainedTokenizerBase, request: InferenceReque
     the model."""
     limit = vocabulary_limit(tokenizer, vocab_size)
     if request.messages is not None:
-        text = chat_prompt(tokenizer, request)
-        token_ids = list(tokenizer.encode(text, add_special_tokens=False))
+        token_ids = _chat_ids(tokenizer, request)
+        if request.params.drop_old_messages and max_model_len is not None and len(token_ids) >= max_model_len:
+            token_ids = _fitting_chat_ids(tokenizer, request, max_model_len)
     elif request.prompt_token_ids is not None:
         token_ids = list(request.prompt_token_ids)
     else:
@@ -42,6 +44,35 @@ def prompt_token_ids(tokenizer: PreTrainedTokenizerBase, request: InferenceReque
     check_in_vocabulary(request.params.logit_bias, limit, "logit_bias", param="logit_bias")
     check_in_vocabulary(request.params.stop_token_ids, limit, "stop_token_ids", param="stop_token_ids")
     return truncated(token_ids, request.params, max_model_len)
+
+
+def _chat_ids(tokenizer: PreTrainedTokenizerBase, request: InferenceRequest) -> list[int]:
+    return list(tokenizer.encode(chat_prompt(tokenizer, request), add_special_tokens=False))
+
+
+def _fitting_chat_ids(tokenizer: PreTrainedTokenizerBase, request: InferenceRequest, max_model_len: int) -> list[int]:
+    """The chat's tokens without as few of its oldest messages as make it fit `max_model_len`
+    with room for one more token (system messages and the last one are never dropped): found
+    by bisection, a few renders for any length of conversation. Without every droppable one
+    it may still not fit: the engine then refuses it (413)."""
+    messages = request.messages or []
+    droppable = [i for i, message in enumerate(messages[:-1]) if message.role != "system"]
+
+    def without_oldest(count: int) -> list[int]:
+        gone = set(droppable[:count])
+        kept = [message for i, message in enumerate(messages) if i not in gone]
+        return _chat_ids(tokenizer, msgspec.structs.replace(request, messages=kept))
+
+    low, high = 1, len(droppable)
+    fitting = without_oldest(high)
+    while low < high:
+        middle = (low + high) // 2
+        candidate = without_oldest(middle)
+        if len(candidate) < max_model_len:
+            high, fitting = middle, candidate
+        else:
+            low = middle + 1
+    return fitting
 
 
 def truncated(token_ids: list[int], params: SamplingParams, max_model_len: int | None) -> list[int]:

@@ -47,6 +47,15 @@ def _http(shoal: ShoalUp, method: str, path: str, body: dict[str, Any] | bytes |
         return exc.code, exc.headers.get("Content-Type", ""), exc.read()
 
 
+def _context_length(client: openai.OpenAI, model: str = SMALL) -> int:
+    """The model's context, known once a node agent has inspected it (just after startup)."""
+    deadline = time.monotonic() + 60
+    while (length := (client.models.retrieve(model).model_extra or {}).get("max_model_len")) is None:
+        assert time.monotonic() < deadline, "the model was never inspected"
+        time.sleep(0.2)
+    return int(length)
+
+
 def _register(shoal: ShoalUp, **model: Any) -> None:
     status, _, body = _http(shoal, "POST", "/admin/models", model)
     assert status == 200, body
@@ -235,6 +244,27 @@ def test_embed_is_the_openai_apis_embedding(api: ollama.Client, client: openai.O
     assert list(short) == pytest.approx([value / norm for value in first], abs=1e-6)
 
 
+def test_a_conversation_longer_than_the_context_loses_its_oldest_messages(
+        shoal: ShoalUp, api: ollama.Client, client: openai.OpenAI, demo_models_root: Path) -> None:
+    """Ollama's truncation of a chat: the system message and the latest turns that fit are
+    read (with room to answer); ``truncate: false`` makes it a 413, as ``/v1`` answers."""
+    turns = [{"role": "user" if i % 2 == 0 else "assistant", "content": f"Turn {i}. " + "The tide comes in. " * 40}
+             for i in range(41)]
+    messages = [{"role": "system", "content": "Be brief."}, *turns]
+    context = _context_length(client)
+    tokenizer = AutoTokenizer.from_pretrained(demo_models_root / SMALL)
+    whole = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert len(tokenizer.encode(whole, add_special_tokens=False)) > context
+    reply = api.chat(model=SMALL, messages=messages, options=GREEDY)
+    assert reply.done and reply.prompt_eval_count is not None and reply.prompt_eval_count < context
+    kept = {len(tokenizer.encode(tokenizer.apply_chat_template([messages[0], *turns[n:]], tokenize=False,
+                                                               add_generation_prompt=True),
+                                 add_special_tokens=False)): n for n in range(len(turns))}
+    assert reply.prompt_eval_count in kept and kept[reply.prompt_eval_count] > 0
+    status, _, raw = _http(shoal, "POST", "/api/chat", {"model": SMALL, "messages": messages, "truncate": False})
+    assert status == 413 and "error" in json.loads(raw)
+
+
 def test_a_corpus_at_once_is_embedded_in_batches(api: ollama.Client, client: openai.OpenAI) -> None:
     """LangChain's `OllamaEmbeddings` sends every document in one request; OpenAI takes 2,048
     inputs: both are computed 128 at a time, in order."""
@@ -253,7 +283,7 @@ def test_an_input_longer_than_the_context_loses_its_end_unless_truncate_is_false
     (with room for one more) are embedded; ``truncate: false`` makes it an error."""
     long_text = "The tide comes in over the sand. " * 400
     ids = AutoTokenizer.from_pretrained(demo_models_root / SMALL).encode(long_text)
-    context = client.models.retrieve(SMALL).model_extra["max_model_len"]  # type: ignore[index]
+    context = _context_length(client)
     assert len(ids) > context
     embedded = api.embed(model=SMALL, input=long_text)
     assert embedded.prompt_eval_count == context - 1

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import msgspec
 import pytest
 from transformers import AutoTokenizer
 
 from shoal.services.worker.generation import RequestRejected
-from shoal.services.worker.prompts import chat_prompt, prompt_chars, truncated
+from shoal.services.worker.prompts import chat_prompt, prompt_chars, prompt_token_ids, truncated
 from shoal.shared.messages import ChatMessage, InferenceRequest, SamplingParams, ToolCall, ToolSpec
 
 WEATHER = ToolSpec("get_weather", "Weather in a city",
@@ -82,3 +83,27 @@ def test_a_prompt_is_cut_as_truncate_prompt_tokens_asks(keep: int | None, side: 
                                                         expected: list[int]) -> None:
     params = SamplingParams(truncate_prompt_tokens=keep, truncation_side=side)  # type: ignore[arg-type]
     assert truncated([1, 2, 3, 4, 5, 6], params, max_model_len) == expected
+
+
+def test_a_conversation_too_long_loses_as_few_of_its_oldest_messages_as_make_it_fit(tokenizer: object) -> None:
+    """Ollama's truncation (``drop_old_messages``): system messages and the last one stay; the
+    oldest others go, no more than needed to leave room for one token."""
+    turns = [ChatMessage("user" if i % 2 == 0 else "assistant", f"turn {i}: " + "the tide comes in " * 3)
+             for i in range(21)]
+    messages = [ChatMessage("system", "Be brief."), *turns]
+    params = SamplingParams(drop_old_messages=True)
+    request = InferenceRequest("r1", "demo/qwen2-25m", params, 0.0, "reply", messages=messages)
+    whole = prompt_token_ids(tokenizer, request)  # type: ignore[arg-type]
+    limit = len(whole) // 2
+    fitted = prompt_token_ids(tokenizer, request, max_model_len=limit)  # type: ignore[arg-type]
+    assert len(fitted) < limit
+
+    def rendered(kept: list[ChatMessage]) -> list[int]:
+        text = chat_prompt(tokenizer, _request(kept))
+        return list(tokenizer.encode(text, add_special_tokens=False))  # type: ignore[attr-defined]
+
+    dropped = next(n for n in range(len(turns)) if rendered([messages[0], *turns[n:]]) == fitted)
+    assert 0 < dropped < len(turns) - 1  # the system message and the last turn kept
+    assert len(rendered([messages[0], *turns[dropped - 1:]])) >= limit  # one fewer dropped would not fit
+    unfitted = msgspec.structs.replace(request, params=SamplingParams())
+    assert prompt_token_ids(tokenizer, unfitted, max_model_len=limit) == whole  # type: ignore[arg-type]
