@@ -171,8 +171,9 @@ class NatsConfig(NatsCredentials, forbid_unknown_fields=True, kw_only=True):
             workers=NatsCredentials())
 
 
-_ORIGIN = re.compile(r"https?://[A-Za-z0-9.\-\[\]:]+")
-"""A web origin: scheme, host, optional port; no path."""
+_ORIGIN = re.compile(r"[a-z][a-z0-9+.\-]*://[a-z0-9.\-\[\]:]+(?::\*)?")
+"""A web origin (lower case, as browsers send it): scheme (``http``, ``https``, an app's or an
+extension's), host, optional port or ``:*`` for any port; no path."""
 
 
 class GatewayConfig(Struct, forbid_unknown_fields=True, kw_only=True):
@@ -204,9 +205,11 @@ class GatewayConfig(Struct, forbid_unknown_fields=True, kw_only=True):
     gateway from a browser (CORS; Ollama's ``OLLAMA_ORIGINS``). Empty: none."""
 
     def __post_init__(self) -> None:
+        self.cors_origins = [origin.lower() for origin in self.cors_origins]
         for origin in self.cors_origins:
             if origin != "*" and not _ORIGIN.fullmatch(origin):
-                raise ValueError(f"gateway.cors_origins: {origin!r} is not an origin (scheme://host[:port], or *)")
+                raise ValueError(f"gateway.cors_origins: {origin!r} is not an origin (scheme://host[:port], "
+                                 f"scheme://host:* or *)")
         if not 0 < self.port < 65536:
             raise ValueError(f"gateway.port must be in 1..65535, got {self.port}")
         if self.request_timeout_s <= 0:
@@ -432,7 +435,7 @@ def _env_overrides(environ: Mapping[str, str]) -> dict[str, Any]:
             target = target.setdefault(section, {})
         section, key = path[-2], path[-1]
         if key in ("api_keys", "admin_api_keys", "cors_origins"):
-            target.setdefault(section, {})[key] = [k for k in value.split(",") if k]
+            target.setdefault(section, {})[key] = [k.strip() for k in value.split(",") if k.strip()]
         else:
             target.setdefault(section, {})[key] = value
     return overrides

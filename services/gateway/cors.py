@@ -23,11 +23,19 @@ PREFLIGHT_MAX_AGE_S = 600
 
 class CorsPolicy:
     def __init__(self, origins: list[str]) -> None:
+        """`origins`: lower-case origins (`GatewayConfig.cors_origins`); ``scheme://host:*`` takes
+        any port, ``*`` any origin."""
         self._any = "*" in origins
-        self._origins = frozenset(origin.rstrip("/") for origin in origins)
+        self._exact = frozenset(origin for origin in origins if not origin.endswith(":*"))
+        self._any_port = tuple(origin.removesuffix("*") for origin in origins if origin.endswith(":*"))
+        self._configured = bool(origins)
 
     def allows(self, origin: str | None) -> bool:
-        return origin is not None and (self._any or origin in self._origins)
+        if origin is None:
+            return False
+        origin = origin.lower()
+        return (self._any or origin in self._exact
+                or any(origin.startswith(prefix) and origin[len(prefix):].isdigit() for prefix in self._any_port))
 
     def middleware(self) -> Callable[..., Awaitable[web.StreamResponse]]:
         """Answers preflights of listed origins; everything else goes on."""
@@ -49,12 +57,13 @@ class CorsPolicy:
         return preflight
 
     async def on_prepare(self, request: web.Request, response: web.StreamResponse) -> None:
-        """Name a listed origin on every response to it (aiohttp's ``on_response_prepare``)."""
+        """Name a listed origin on every response to it (aiohttp's ``on_response_prepare``);
+        with origins listed one by one, every response varies by ``Origin`` (for caches)."""
+        if self._configured and not self._any:
+            response.headers.add(hdrs.VARY, hdrs.ORIGIN)
         origin = request.headers.get(hdrs.ORIGIN)
         if not self.allows(origin):
             return
         assert origin is not None
         response.headers[hdrs.ACCESS_CONTROL_ALLOW_ORIGIN] = "*" if self._any else origin
         response.headers[hdrs.ACCESS_CONTROL_EXPOSE_HEADERS] = EXPOSED_HEADERS
-        if not self._any:
-            response.headers.add(hdrs.VARY, hdrs.ORIGIN)

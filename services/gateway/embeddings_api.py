@@ -82,14 +82,14 @@ def completion_request(req: EmbeddingRequest) -> CompletionRequest:
                              truncate_prompt_tokens=req.truncate_prompt_tokens)
 
 
-def batches(req: EmbeddingRequest) -> list[EmbeddingRequest]:
-    """`req` as requests of at most `BATCH_INPUTS` inputs each, in order."""
+def batches(req: EmbeddingRequest, max_queue: int) -> list[EmbeddingRequest]:
+    """`req` as requests of at most `BATCH_INPUTS` inputs each (fewer if the model's queue
+    bound `max_queue` is lower: a batch must fit in it), in order."""
+    size = max(1, min(BATCH_INPUTS, max_queue))
     inputs = req.input
-    if not isinstance(inputs, list) or len(inputs) <= BATCH_INPUTS or not all(isinstance(i, str | list)
-                                                                             for i in inputs):
+    if not isinstance(inputs, list) or len(inputs) <= size or not all(isinstance(i, str | list) for i in inputs):
         return [req]
-    return [msgspec.structs.replace(req, input=inputs[start:start + BATCH_INPUTS])
-            for start in range(0, len(inputs), BATCH_INPUTS)]
+    return [msgspec.structs.replace(req, input=inputs[start:start + size]) for start in range(0, len(inputs), size)]
 
 
 def as_input_error(exc: BadRequest) -> BadRequest:

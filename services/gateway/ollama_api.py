@@ -170,7 +170,7 @@ class EmbeddingsRequest(_Request, kw_only=True):
 
 
 def _clamped(value: Number | None, low: float, high: float) -> float | None:
-    return None if value is None else min(max(float(value), low), high)
+    return None if value is None else float(min(max(value, low), high))  # clamped first: ints of any size
 
 
 def _sampling(options: Options | None) -> dict[str, Any]:
@@ -178,7 +178,7 @@ def _sampling(options: Options | None) -> dict[str, Any]:
     the stop strings all come back from `stop_strings` (``/v1`` takes 4)."""
     if options is None:
         return {"max_tokens": UNLIMITED_MAX_TOKENS}
-    predict = None if options.num_predict is None else int(options.num_predict)
+    predict = None if options.num_predict is None else int(min(options.num_predict, UNLIMITED_MAX_TOKENS))
     top_k = None if options.top_k is None else int(min(options.top_k, MAX_INT32))
     seed = None if options.seed is None or options.seed < 0 else int(min(options.seed, 2**63 - 1))
     repeat = options.repeat_penalty

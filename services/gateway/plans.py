@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,6 +40,7 @@ from shoal.services.gateway.openai_api import (
     check_num_choices,
     completion_prompts,
     echoed_text,
+    raise_prompt_too_large,
     sampling_params,
     session_id_of,
     stream_mode,
@@ -221,13 +222,18 @@ class Collected:
 
 
 
+def check_fits(state: GatewayState, plan: Plan) -> None:
+    """A 413 for a generation of `plan` too large for a NATS message."""
+    for choice in plan.choices:
+        check_fits_in_message(choice.request, state.bus.nc.max_payload)
+
+
 @contextlib.contextmanager
 def admitted(state: GatewayState, plan: Plan) -> Iterator[None]:
     """`plan`'s generations admitted to their model's queue for the whole block: a 413 for one
     too large for a NATS message, a 404 for an unknown model, a 429 when the queue is full
     (each generation counts against its bound)."""
-    for choice in plan.choices:
-        check_fits_in_message(choice.request, state.bus.nc.max_payload)
+    check_fits(state, plan)
     with contextlib.ExitStack() as admissions:
         for choice in plan.choices:
             admissions.enter_context(state.dispatcher.admitted(choice.request.model))
@@ -235,20 +241,32 @@ def admitted(state: GatewayState, plan: Plan) -> Iterator[None]:
 
 
 def embedding_plans(state: GatewayState, body: EmbeddingRequest, request_id: str) -> list[Plan]:
-    """The plans of `body`'s inputs, a batch each (`embeddings_api.batches`), all validated
-    before any is computed."""
-    parts = batches(body)
+    """The plans of `body`'s inputs, a batch each (`embeddings_api.batches`, no larger than the
+    model's queue bound), all validated before any is computed: the character bound is on all
+    the inputs together, as on a batch of prompts."""
+    spec = state.cluster.require_model(body.model)
+    parts = batches(body, spec.max_queue or state.config.max_queue_per_model)
     if len(parts) == 1:
         return [embedding_plan(state, body, request_id)]
+    total_chars = sum(len(text) for text in body.input)
+    if total_chars > state.config.max_prompt_chars:
+        raise_prompt_too_large(total_chars, state.config.max_prompt_chars, param="input")
     return [embedding_plan(state, part, f"{request_id}-b{n}") for n, part in enumerate(parts)]
 
 
-async def embed_all(state: GatewayState, plans: list[Plan]) -> list[FinalReply]:
-    """Every input's final reply (its vector), in order; a batch at a time, each admitted to
-    its model's queue while it runs."""
-    finals: list[FinalReply] = []
+async def embed_all(state: GatewayState, plans: list[Plan], on_placed: Callable[[], None] = lambda: None
+                    ) -> list[FinalReply]:
+    """Every input's final reply (its vector), in order: the model placed first (`on_placed`
+    then), a batch at a time, each admitted to its model's queue while it waits and runs."""
     for plan in plans:
+        check_fits(state, plan)
+    first = plans[0].choices[0].request
+    finals: list[FinalReply] = []
+    for n, plan in enumerate(plans):
         with admitted(state, plan):
+            if n == 0:
+                await state.dispatcher.ensure_placed(first.model, first.deadline)
+                on_placed()
             finals += await collect_embeddings(state, plan)
     return finals
 

@@ -314,9 +314,7 @@ async def _embed(request: web.Request, schema: type[EmbedRequest] | type[Embeddi
                                             load_duration=clock.total_ns(), prompt_eval_count=0))
         plans = embedding_plans(state, embed_request(body), request[REQUEST_ID])
         tally.start()
-        await state.dispatcher.ensure_placed(body.model, deadline)
-        clock.placed()
-        finals = await embed_all(state, plans)
+        finals = await embed_all(state, plans, on_placed=clock.placed)
         vectors = [_shortened(embedding_floats(final.embedding or b""), body) for final in finals]
         tally.outcome = "ok"
         headers = {REPLICA_HEADER: finals[0].replica_id}
@@ -339,10 +337,11 @@ def _shortened(vector: list[float], body: EmbedRequest | EmbeddingsRequest) -> l
 
 
 def served_model(state: GatewayState, name: str) -> ModelSpec:
-    """The model `name` means: a registered key, or one with Ollama's default tag (``:latest``)
-    added; a 404 naming it otherwise."""
-    if state.cluster.get_model(name) is None and name.endswith(LATEST_TAG):
-        spec = state.cluster.get_model(name.removesuffix(LATEST_TAG))
+    """The model `name` means: a registered key, or the same with Ollama's default tag
+    (``:latest``) removed or added; a 404 naming it otherwise."""
+    if state.cluster.get_model(name) is None:
+        tagged = name.removesuffix(LATEST_TAG) if name.endswith(LATEST_TAG) else name + LATEST_TAG
+        spec = state.cluster.get_model(tagged)
         if spec is not None:
             return spec
     return state.cluster.require_model(name)

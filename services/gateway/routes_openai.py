@@ -132,9 +132,7 @@ async def _serve(request: web.Request, endpoint: Endpoint) -> web.StreamResponse
             body = responding.turn.chat
         if isinstance(body, EmbeddingRequest):
             plans = embedding_plans(state, body, request[REQUEST_ID])
-            state.cluster.require_model(body.model)
             tally.start()
-            await state.dispatcher.ensure_placed(body.model, plans[0].choices[0].request.deadline)
             finals = await embed_all(state, plans)
             tally.outcome = "ok"
             return json_response(embedding_list(body, finals), headers={REPLICA_HEADER: finals[0].replica_id})

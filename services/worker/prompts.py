@@ -52,22 +52,28 @@ def _chat_ids(tokenizer: PreTrainedTokenizerBase, request: InferenceRequest) -> 
 
 def _fitting_chat_ids(tokenizer: PreTrainedTokenizerBase, request: InferenceRequest, max_model_len: int) -> list[int]:
     """The chat's tokens without as few of its oldest messages as make it fit `max_model_len`
-    with room for one more token (system messages and the last one are never dropped): found
-    by bisection, a few renders for any length of conversation. Without every droppable one
-    it may still not fit: the engine then refuses it (413)."""
+    with room for one more token: system messages and the last one are never dropped, and what
+    is kept starts with a user's message (templates that want turns to alternate refuse
+    anything else). Found by bisection: a few renders for any length of conversation. Without
+    every droppable one it may still not fit: the engine then refuses it (413)."""
     messages = request.messages or []
     droppable = [i for i, message in enumerate(messages[:-1]) if message.role != "system"]
+    # Counts of oldest droppable messages that may go: what is left starts at a user's turn.
+    counts = [n for n in range(1, len(droppable) + 1)
+              if n == len(droppable) or messages[droppable[n]].role == "user"]
 
     def without_oldest(count: int) -> list[int]:
         gone = set(droppable[:count])
         kept = [message for i, message in enumerate(messages) if i not in gone]
         return _chat_ids(tokenizer, msgspec.structs.replace(request, messages=kept))
 
-    low, high = 1, len(droppable)
-    fitting = without_oldest(high)
+    if not counts:
+        return _chat_ids(tokenizer, request)
+    low, high = 0, len(counts) - 1
+    fitting = without_oldest(counts[high])
     while low < high:
         middle = (low + high) // 2
-        candidate = without_oldest(middle)
+        candidate = without_oldest(counts[middle])
         if len(candidate) < max_model_len:
             high, fitting = middle, candidate
         else:

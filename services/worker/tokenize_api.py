@@ -12,6 +12,7 @@ the count is the ``prompt_tokens`` a request with it would report.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 from nats.micro.service import Service
 from transformers import PreTrainedTokenizerBase
@@ -53,9 +54,12 @@ def detokenize(tokenizer: PreTrainedTokenizerBase, command: Detokenize, vocab_si
 
 
 async def add_tokenize_endpoints(service: Service, identity: WorkerIdentity, tokenizer: PreTrainedTokenizerBase,
-                                 vocab_size: int | None, max_model_len: int) -> None:
+                                 vocab_size: int | None, max_model_len: Callable[[], int]) -> None:
+    """`max_model_len`: the context the replica serves now (its engine's may be smaller than the
+    model's, and change when the engine is rebuilt), as generation cuts prompts to it."""
+
     async def on_tokenize(command: Tokenize) -> TokenizeReply:
-        return await asyncio.to_thread(tokenize, tokenizer, command, vocab_size, max_model_len)
+        return await asyncio.to_thread(tokenize, tokenizer, command, vocab_size, max_model_len())
 
     async def on_detokenize(command: Detokenize) -> DetokenizeReply:
         return await asyncio.to_thread(detokenize, tokenizer, command, vocab_size)

@@ -104,6 +104,7 @@ def test_a_conversation_too_long_loses_as_few_of_its_oldest_messages_as_make_it_
 
     dropped = next(n for n in range(len(turns)) if rendered([messages[0], *turns[n:]]) == fitted)
     assert 0 < dropped < len(turns) - 1  # the system message and the last turn kept
-    assert len(rendered([messages[0], *turns[dropped - 1:]])) >= limit  # one fewer dropped would not fit
+    assert turns[dropped].role == "user"  # what is kept starts with a user's turn (alternating templates)
+    assert len(rendered([messages[0], *turns[dropped - 2:]])) >= limit  # one turn fewer dropped would not fit
     unfitted = msgspec.structs.replace(request, params=SamplingParams())
     assert prompt_token_ids(tokenizer, unfitted, max_model_len=limit) == whole  # type: ignore[arg-type]

@@ -98,6 +98,15 @@ def test_option_values_ollama_takes_are_clamped_to_what_the_sampler_takes() -> N
     assert sampling_params(top_p_zero, None, 16).temperature == 0.0  # only the likeliest token: greedy
 
 
+def test_numbers_of_any_size_are_clamped_not_a_crash() -> None:
+    body = _decode(ChatRequest, messages=[{"role": "user", "content": "hi"}], options={
+        "temperature": 10**340, "presence_penalty": -(10**400), "num_predict": 5e9, "top_k": 1e300, "seed": 10**30})
+    chat = chat_request(body, None)
+    params = sampling_params(chat, chat.max_tokens, 16)
+    assert (params.temperature, params.presence_penalty, params.max_tokens) == (2.0, -2.0, UNLIMITED_MAX_TOKENS)
+    assert params.top_k == 2**31 - 1 and params.seed == 2**63 - 1
+
+
 def test_nulls_are_absent_fields_as_go_reads_them() -> None:
     body = _decode(ChatRequest, stream=None, options=None, messages=[
         {"role": "developer", "content": "Be brief."}, {"role": "user", "content": "hi"},

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from shoal.services.gateway.embeddings_api import EMBED_PARAMS, EmbeddingRequest, embed_params
+from shoal.services.gateway.embeddings_api import EMBED_PARAMS, EmbeddingRequest, batches, embed_params
 from shoal.services.gateway.errors import BadRequest
 from shoal.services.gateway.openai_api import CompletionRequest, decode_body, sampling_params
 
@@ -38,6 +38,14 @@ def test_below_minus_one_is_refused_at_decoding() -> None:
     with pytest.raises(BadRequest) as caught:
         _completion(truncate_prompt_tokens=-2)
     assert caught.value.param == "truncate_prompt_tokens"
+
+
+def test_many_inputs_are_batches_no_larger_than_the_models_queue() -> None:
+    body = EmbeddingRequest(model="m", input=[f"text {i}" for i in range(300)])
+    assert [len(part.input) for part in batches(body, max_queue=256)] == [128, 128, 44]
+    assert [len(part.input) for part in batches(body, max_queue=100)] == [100, 100, 100]
+    assert batches(EmbeddingRequest(model="m", input=list(range(300))), 256)[0].input == list(range(300))  # one prompt of ids
+    assert [p for part in batches(body, 128) for p in part.input] == body.input
 
 
 def test_an_embedding_request_carries_its_cut() -> None:
