@@ -87,9 +87,10 @@ class Plan:
 
 
 def plan_request(state: GatewayState, body: ChatCompletionRequest | CompletionRequest, request_id: str,
-          session_header: str | None, format_param: str = "response_format") -> Plan:
-    """Validate `body` (a 400 for what is invalid) into what it makes; a schema the model cannot
-    follow is blamed on `format_param` (the Responses API's answer format is ``text``)."""
+                 session_header: str | None, format_param: str = "response_format") -> Plan:
+    """Validate `body` (a 400 for what is invalid, a 413 for a generation too large for a NATS
+    message) into what it makes; a schema the model cannot follow is blamed on `format_param`
+    (the Responses API's answer format is ``text``)."""
     prompts: list[dict[str, Any]]
     tools: ToolPlan | None = None
     reasoning: ReasoningParser | None = None
@@ -131,8 +132,10 @@ def plan_request(state: GatewayState, body: ChatCompletionRequest | CompletionRe
     )
     continued = (prompts[0]["messages"][-1].content if isinstance(body, ChatCompletionRequest)
                  and body.continue_final_message else None)
-    return Plan(expand(inference, prompts, n, state.router.reply_subject), stream, include_usage, tools, reasoning,
-                 continued)
+    choices = expand(inference, prompts, n, state.router.reply_subject)
+    for choice in choices:
+        check_fits_in_message(choice.request, state.bus.nc.max_payload)
+    return Plan(choices, stream, include_usage, tools, reasoning, continued)
 
 
 def embedding_plan(state: GatewayState, body: EmbeddingRequest, request_id: str) -> Plan:
@@ -159,7 +162,7 @@ def choices_usage(choices: list[Choice], finals: Sequence[FinalReply | None], nu
 
 @contextlib.asynccontextmanager
 async def generating(state: GatewayState, choices: list[Choice], *, restartable: bool
-                      ) -> AsyncIterator[AsyncIterator[tuple[int, DispatchEvent]]]:
+                     ) -> AsyncIterator[AsyncIterator[tuple[int, DispatchEvent]]]:
     """Every choice's dispatcher events as they come, each with its choice's index; on
     leaving, every choice still running is cancelled."""
     runs = [state.dispatcher.run(choice.request, restartable=restartable) for choice in choices]
@@ -220,20 +223,10 @@ class Collected:
         return Answer(read.content, finish_reason, self.logprobs, read.calls or None, reasoning=read.reasoning or None)
 
 
-
-
-def check_fits(state: GatewayState, plan: Plan) -> None:
-    """A 413 for a generation of `plan` too large for a NATS message."""
-    for choice in plan.choices:
-        check_fits_in_message(choice.request, state.bus.nc.max_payload)
-
-
 @contextlib.contextmanager
 def admitted(state: GatewayState, plan: Plan) -> Iterator[None]:
-    """`plan`'s generations admitted to their model's queue for the whole block: a 413 for one
-    too large for a NATS message, a 404 for an unknown model, a 429 when the queue is full
-    (each generation counts against its bound)."""
-    check_fits(state, plan)
+    """`plan`'s generations admitted to their model's queue for the whole block: a 404 for an
+    unknown model, a 429 when the queue is full (each generation counts against its bound)."""
     with contextlib.ExitStack() as admissions:
         for choice in plan.choices:
             admissions.enter_context(state.dispatcher.admitted(choice.request.model))
@@ -258,8 +251,6 @@ async def embed_all(state: GatewayState, plans: list[Plan], on_placed: Callable[
                     ) -> list[FinalReply]:
     """Every input's final reply (its vector), in order: the model placed first (`on_placed`
     then), a batch at a time, each admitted to its model's queue while it waits and runs."""
-    for plan in plans:
-        check_fits(state, plan)
     first = plans[0].choices[0].request
     finals: list[FinalReply] = []
     for n, plan in enumerate(plans):

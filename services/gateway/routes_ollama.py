@@ -271,8 +271,7 @@ async def _stream(request: web.Request, state: GatewayState, plan: Plan, replies
             async for _, event in events:
                 if isinstance(event, TokenChunk):
                     clock.token()
-                    read = Read(content=event.text) if reader.passes_through else reader.feed(event.text,
-                                                                                              event.num_tokens)
+                    read = reader.feed(event.text, event.num_tokens)
                     line = replies.line(read, event.logprobs if first.params.logprobs is not None else None)
                     if line is not None:
                         await lines.send(line)

@@ -199,12 +199,8 @@ async def serve(launch: WorkerLaunch) -> int:
                                  min_engine_bytes=get_min_engine_bytes(launch))
         control = await serve_control(bus, runtime)
         await add_session_endpoints(control, identity, lambda: runtime.engine)
-        def served_context() -> int:  # the engine's may be smaller; none while the replica sleeps
-            engine = runtime.engine
-            return loaded.max_model_len if engine is None else min(loaded.max_model_len, engine.max_model_len)
-
         await add_tokenize_endpoints(control, identity, loaded.tokenizer, embedding_rows(loaded.model),
-                                     served_context)
+                                     service.served_context)
         run_task = asyncio.create_task(service.run())
         stats = StatsPublisher(bus, identity, service, lambda: runtime.engine, engine_kind=launch.worker.engine,
                                interval_s=launch.worker.stats_interval_s)

@@ -458,10 +458,15 @@ class WorkerService:
         )
         return "ok"
 
+    def served_context(self) -> int:
+        """The longest context served now: the model's, or its engine's if smaller (a KV pool or
+        attention window can bound it; a rebuilt engine may change it)."""
+        return min(self._max_model_len, self._engine.max_model_len)
+
     async def _tokenize(self, request: InferenceRequest) -> list[int]:
         """The prompt's token ids (cut to what the engine serves, if the request asks to be cut);
         a long prompt is templated and tokenised off the event loop."""
-        max_model_len = min(self._max_model_len, self._engine.max_model_len)
+        max_model_len = self.served_context()
         if prompt_chars(request) <= OFF_LOOP_PROMPT_CHARS:
             return prompt_token_ids(self._tokenizer, request, self._vocab_size, max_model_len)  # type: ignore[arg-type]
         loop = asyncio.get_running_loop()
