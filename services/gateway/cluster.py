@@ -74,6 +74,16 @@ class ClusterView:
     def get_model(self, model: str) -> ModelSpec | None:
         return self.models.get(model)
 
+    async def wait_for_model(self, model: str, timeout_s: float) -> bool:
+        """Whether `model` is in this view, waiting up to `timeout_s` for the ``shoal_models``
+        watch to bring it (a registration's write reaches the watch a moment later)."""
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        while model not in self.models:
+            if asyncio.get_running_loop().time() >= deadline:
+                return False
+            await asyncio.sleep(0.02)
+        return True
+
     def require_model(self, model: str) -> ModelSpec:
         """The registered model, or a 404 naming ``model``."""
         spec = self.models.get(model)

@@ -33,6 +33,8 @@ from shoal.shared.messages import (
 from shoal.shared.model_settings import MAX_REPLICAS
 
 routes = web.RouteTableDef()
+REGISTERED_VISIBLE_S = 5.0
+"""How long a registration waits for this gateway's view of ``shoal_models`` to show it."""
 
 
 class ScaleBody(msgspec.Struct, forbid_unknown_fields=True):
@@ -54,7 +56,10 @@ async def register_model(request: web.Request) -> web.Response:
     checkpoint a node agent can read (checked by the scheduler, which asks one: 400 if not)."""
     model = decode_model_config(await request.read())  # min_replicas <= MAX_REPLICAS: ModelSettings
     spec = ModelSpec.from_settings(model, source="admin", registered_at=time.time())
-    return await _command(request, "register", RegisterModel(spec))
+    response = await _command(request, "register", RegisterModel(spec))
+    if response.status == 200:  # this gateway serves it once answered: a request right after finds it
+        await request.app[GATEWAY].cluster.wait_for_model(spec.key, timeout_s=REGISTERED_VISIBLE_S)
+    return response
 
 
 def decode_model_config(body: bytes) -> ModelConfig:
