@@ -257,6 +257,9 @@ class FinalReply(Struct, tag="final", tag_field="type", omit_defaults=True):
     """Prompt tokens whose K/V the replica had (prefix cache, the session), not computed."""
     embedding: bytes | None = None
     """An embedding request's vector: float32, little-endian (`SamplingParams.embed`)."""
+    stop_reason: str | None = None
+    """The stop string that ended the answer (vLLM's ``stop_reason``); None when it ended
+    otherwise (end of sequence, ``max_tokens``)."""
 
 
 ErrorType = Literal["invalid_request_error", "timeout", "unavailable", "server_error"]

@@ -17,6 +17,7 @@ from aiohttp import web
 from shoal.services.gateway import (
     openapi,
     routes_admin,
+    routes_anthropic,
     routes_ollama,
     routes_ollama_models,
     routes_openai,
@@ -130,6 +131,7 @@ def create_app(config: GatewayConfig, nats_url: str, registry: Registry | None =
     app.cleanup_ctx.append(resources)
     app.on_shutdown.append(routes_ui.end_event_streams)  # before aiohttp waits for open handlers
     app.router.add_routes(routes_openai.routes)
+    app.router.add_routes(routes_anthropic.routes)
     app.router.add_routes(routes_ollama.routes)
     app.router.add_routes(routes_ollama_models.routes)
     app.router.add_routes(routes_responses.routes)

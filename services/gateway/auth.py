@@ -1,5 +1,6 @@
 """API keys at the gateway's edge: who may use /v1, the dashboard's data, and /admin.
 
+A key comes as ``Authorization: Bearer <key>`` or (Anthropic's clients) ``x-api-key: <key>``.
 ``gateway.api_keys`` guard /v1 and /ui/api (the dashboard's data); ``gateway.admin_api_keys``
 guard /admin and also work wherever an API key does. With no keys at all everything is
 open; a gateway whose open admin API would listen beyond loopback refuses to start unless
@@ -11,7 +12,7 @@ from __future__ import annotations
 
 import hmac
 import ipaddress
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 
 from aiohttp import web
 
@@ -35,6 +36,12 @@ def bearer_token(header: str) -> str:
     case-insensitive (RFC 9110), so ``bearer`` works too."""
     scheme, _, token = header.strip().partition(" ")
     return token.strip() if scheme.lower() == "bearer" else ""
+
+
+def presented_key(headers: Mapping[str, str]) -> str:
+    """The API key a request presents ("" if none): ``Authorization: Bearer <key>``, or
+    ``x-api-key: <key>`` as Anthropic's clients send it."""
+    return bearer_token(headers.get("Authorization", "")) or headers.get("x-api-key", "").strip()
 
 
 def is_loopback(host: str) -> bool:
@@ -96,11 +103,11 @@ def auth_middleware(config: GatewayConfig) -> Callable[..., Awaitable[web.Stream
                          ) -> web.StreamResponse:
         if request.path in OPEN_PATHS or request.path.startswith(OPEN_PREFIXES):
             return await handler(request)
-        presented = bearer_token(request.headers.get("Authorization", ""))
+        presented = presented_key(request.headers)
         if request.path.startswith("/admin"):
             check_admin(config, presented)
         elif config.api_keys and not _key_matches(presented, config.api_keys + config.admin_api_keys):
-            raise Unauthorized("missing or invalid API key: send Authorization: Bearer <key>",
+            raise Unauthorized("missing or invalid API key: send Authorization: Bearer <key> (or x-api-key: <key>)",
                                code="invalid_api_key")
         return await handler(request)
 

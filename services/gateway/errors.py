@@ -3,7 +3,8 @@
 Handlers raise `ApiError` subclasses; the error middleware turns them (and
 aiohttp's own HTTP errors, and anything unexpected) into
 ``{"error": {"message", "type", "code", "param"}}`` with the right status; under Ollama's
-``/api/`` into Ollama's ``{"error": "<message>"}``, which its clients read.
+``/api/`` into Ollama's ``{"error": "<message>"}``, under Anthropic's ``/v1/messages`` into
+``{"type": "error", "error": {"type", "message"}}``: the form each API's clients read.
 No traceback ever reaches a client; every error is logged with the request id.
 """
 
@@ -122,22 +123,46 @@ class OllamaError(msgspec.Struct):
     error: str
 
 
+class AnthropicErrorBody(msgspec.Struct):
+    type: str
+    message: str
+
+
+class AnthropicError(msgspec.Struct, tag="error", tag_field="type"):
+    """Every error response's body under Anthropic's ``/v1/messages``, and a stream's ``error`` event."""
+
+    error: AnthropicErrorBody
+
+
 OLLAMA_PREFIX = "/api/"
+ANTHROPIC_PREFIX = "/v1/messages"
+_ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                    404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
+                    503: "overloaded_error", 504: "timeout_error"}
+"""Anthropic's error types by status (other 4xx: invalid request; other 5xx: ``api_error``)."""
 
 
-def error_payload(error: ApiError, *, ollama: bool = False) -> bytes:
-    if ollama:
+def anthropic_error(error: ApiError) -> AnthropicError:
+    kind = _ANTHROPIC_TYPES.get(error.status, "invalid_request_error" if error.status < 500 else "api_error")
+    return AnthropicError(AnthropicErrorBody(kind, error.message))
+
+
+def error_payload(error: ApiError, path: str = "") -> bytes:
+    """`error`'s body in the form of the API `path` belongs to: Ollama's, Anthropic's or OpenAI's."""
+    if path.startswith(OLLAMA_PREFIX):
         return _encoder.encode(OllamaError(error.message))
+    if path.startswith(ANTHROPIC_PREFIX):
+        return _encoder.encode(anthropic_error(error))
     body = ErrorBody(error.message, error.error_type, error.code, error.param)
     return _encoder.encode(ErrorEnvelope(body))
 
 
 def error_response(error: ApiError, path: str = "") -> web.Response:
-    """`error` as the response to a request for `path` (Ollama's form under ``/api/``)."""
+    """`error` as the response to a request for `path` (see `error_payload`)."""
     headers = {}
     if error.retry_after_s is not None:
         headers["Retry-After"] = str(max(1, round(error.retry_after_s)))
-    return web.Response(status=error.status, body=error_payload(error, ollama=path.startswith(OLLAMA_PREFIX)),
+    return web.Response(status=error.status, body=error_payload(error, path),
                         content_type="application/json", headers=headers)
 
 

@@ -597,6 +597,8 @@ class ChatChoice(Struct):
     message: AssistantMessage
     finish_reason: str | None
     logprobs: ChatLogprobs | None = None
+    stop_reason: str | None = None
+    """vLLM's: the stop string that ended the answer (null: it ended otherwise)."""
 
 
 class ChatCompletion(Struct):
@@ -622,6 +624,7 @@ class ChatChunkChoice(Struct):
     delta: Delta
     finish_reason: str | None = None
     logprobs: ChatLogprobs | None = None
+    stop_reason: str | None = None
 
 
 class ChatCompletionChunk(Struct):
@@ -639,6 +642,7 @@ class CompletionChoice(Struct):
     text: str
     finish_reason: str | None
     logprobs: TextLogprobs | None = None
+    stop_reason: str | None = None
 
 
 class Completion(Struct):
@@ -729,6 +733,8 @@ class Answer:
     """An echoed prompt (completions' ``echo``; `text` starts with it), for its log probabilities."""
     reasoning: str | None = None
     """A reasoning model's thinking, read out of the text (None: none, or not read for)."""
+    stop_reason: str | None = None
+    """The stop string that ended it (`FinalReply.stop_reason`)."""
 
 
 def full_response(kind: Kind, response_id: str, created: int, model: str, answers: list[Answer],
@@ -737,10 +743,11 @@ def full_response(kind: Kind, response_id: str, created: int, model: str, answer
     if kind == "chat":
         choices = [ChatChoice(i, AssistantMessage("assistant", (a.text or None) if a.tool_calls else a.text,
                                                   a.tool_calls, a.reasoning, a.reasoning), a.finish_reason,
-                              None if a.logprobs is None else chat_logprobs(a.logprobs))
+                              None if a.logprobs is None else chat_logprobs(a.logprobs), a.stop_reason)
                    for i, a in enumerate(answers)]
         return ChatCompletion(response_id, created, model, choices, token_usage)
-    completions = [CompletionChoice(i, a.text, a.finish_reason, _answer_logprobs(a)) for i, a in enumerate(answers)]
+    completions = [CompletionChoice(i, a.text, a.finish_reason, _answer_logprobs(a), a.stop_reason)
+                   for i, a in enumerate(answers)]
     return Completion(response_id, created, model, completions, usage=token_usage)
 
 
@@ -757,16 +764,17 @@ def stream_chunk(kind: Kind, response_id: str, created: int, model: str, *, inde
                  text: str | None = None, finish_reason: str | None = None, role: bool = False,
                  token_usage: Usage | None = None, usage_only: bool = False,
                  logprobs: ChatLogprobs | TextLogprobs | None = None,
-                 tool_calls: list[ToolCallDelta] | None = None, reasoning: str | None = None) -> bytes:
+                 tool_calls: list[ToolCallDelta] | None = None, reasoning: str | None = None,
+                 stop_reason: str | None = None) -> bytes:
     """One SSE ``data:`` payload of a streamed response: choice `index`'s delta, or the usage."""
     if kind == "chat":
         assert logprobs is None or isinstance(logprobs, ChatLogprobs), "a chat chunk's logprobs"
         delta = Delta(role="assistant" if role else None, content=text, tool_calls=tool_calls, reasoning=reasoning,
                       reasoning_content=reasoning)
-        choices = [] if usage_only else [ChatChunkChoice(index, delta, finish_reason, logprobs)]
+        choices = [] if usage_only else [ChatChunkChoice(index, delta, finish_reason, logprobs, stop_reason)]
         chunk: Struct = ChatCompletionChunk(response_id, created, model, choices, usage=token_usage)
     else:
         assert logprobs is None or isinstance(logprobs, TextLogprobs), "a completion chunk's logprobs"
-        choices_c = [] if usage_only else [CompletionChoice(index, text or "", finish_reason, logprobs)]
+        choices_c = [] if usage_only else [CompletionChoice(index, text or "", finish_reason, logprobs, stop_reason)]
         chunk = Completion(response_id, created, model, choices_c, usage=token_usage)
     return encoder.encode(chunk)

@@ -14,8 +14,9 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
+from shoal.services.gateway.anthropic_api import CountTokensRequest, MessageOut, MessagesRequest, TokenCount
 from shoal.services.gateway.embeddings_api import EmbeddingList, EmbeddingRequest
-from shoal.services.gateway.errors import ErrorEnvelope, OllamaError
+from shoal.services.gateway.errors import AnthropicError, ErrorEnvelope, OllamaError
 from shoal.services.gateway.ollama_api import (
     ChatReply,
     ChatRequest,
@@ -93,7 +94,7 @@ def get_document() -> bytes:
     types = [ChatCompletionRequest, CompletionRequest, ChatCompletion, ChatCompletionChunk, Completion, ModelList,
              ModelCard, ErrorEnvelope, ModelConfig, ScaleBody, EvictBody, SchedulerReply, ResponsesRequest,
              ResponseObject, DeletedResponse, ItemList, EmbeddingRequest, EmbeddingList, TokenizeResponse, DetokenizeBody,
-             DetokenizeResponse, *_OLLAMA_TYPES]
+             DetokenizeResponse, *_OLLAMA_TYPES, *_ANTHROPIC_TYPES]
     schemas, components = msgspec.json.schema_components(types, ref_template=_REF)
     refs = {t.__name__: schema for t, schema in zip(types, schemas, strict=True)}
     inference_errors = _errors(refs, 400, 401, 404, 413, 429, 503, 504)
@@ -122,7 +123,7 @@ def get_document() -> bytes:
             operation["requestBody"] = {"required": True, "content": _content(refs[body])}
         return {method: operation}
 
-    paths: dict[str, Any] = {**_ollama_paths(refs), **{
+    paths: dict[str, Any] = {**_ollama_paths(refs), **_anthropic_paths(refs), **{
         "/v1/models": {"get": {"summary": "every registered model",
                                "responses": {"200": {"description": "the models",
                                                      "content": _content(refs["ModelList"])},
@@ -212,7 +213,8 @@ def get_document() -> bytes:
     document = {
         "openapi": "3.1.0",
         "info": {"title": "Shoal gateway", "version": SHOAL_VERSION,
-                 "description": "OpenAI-compatible API, Ollama's API (/api) and Shoal's admin API (docs/api.md)."},
+                 "description": "OpenAI-compatible API, Ollama's API (/api), Anthropic's Messages API "
+                                "(/v1/messages) and Shoal's admin API (docs/api.md)."},
         "paths": paths,
         "components": {
             "schemas": components,
@@ -266,6 +268,41 @@ def _ollama_paths(refs: dict[str, dict[str, Any]]) -> dict[str, Any]:
         "/api/show": post("one model's details", "ShowRequest", "ShowReply"),
         "/api/tags": get("the served models", "TagsReply"),
         "/api/ps": get("the models with a replica on a GPU now", "PsReply"),
+    }
+
+
+_ANTHROPIC_TYPES = [AnthropicError, MessagesRequest, MessageOut, CountTokensRequest, TokenCount]
+_ANTHROPIC_EVENT = {"type": "object", "required": ["event", "data"], "properties": {
+    "event": {"type": "string"},
+    "data": {"type": "string", "contentMediaType": _JSON, "contentSchema": {"type": "object", "required": ["type"]}},
+}}
+"""One event of a streamed message (routes_anthropic.py lists them); its name is its data's ``type``."""
+
+
+def _anthropic_paths(refs: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Anthropic's routes (routes_anthropic.py); their errors are ``{"type": "error", "error": {...}}``."""
+    reasons = {400: "invalid request (the message names the field)", 401: "a key is needed and none or a wrong "
+               "one was sent (x-api-key or Authorization: Bearer)", 404: "unknown model",
+               413: "the request or its prompt is too large", 429: "the model's queue in this gateway is full",
+               503: "the model cannot be placed now, or NATS / the scheduler is unavailable",
+               504: "the request's deadline passed"}
+    errors = {str(status): {"description": reason, "content": _content(refs["AnthropicError"])}
+              for status, reason in reasons.items()}
+    return {
+        "/v1/messages": {"post": {
+            "summary": "Anthropic's Messages API: a chat request underneath",
+            "requestBody": {"required": True, "content": _content(refs["MessagesRequest"])},
+            "responses": {"200": {"description": "a message, or with `\"stream\": true` server-sent events named "
+                                                 "by their type: message_start ... message_stop (or error)",
+                                  "content": {**_content(refs["MessageOut"]),
+                                              "text/event-stream": {"schema": _ANTHROPIC_EVENT}}},
+                          **errors},
+        }},
+        "/v1/messages/count_tokens": {"post": {
+            "summary": "the input tokens a message request's prompt is, by the model's template and tokenizer",
+            "requestBody": {"required": True, "content": _content(refs["CountTokensRequest"])},
+            "responses": {"200": {"description": "the count", "content": _content(refs["TokenCount"])}, **errors},
+        }},
     }
 
 

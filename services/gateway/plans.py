@@ -138,6 +138,14 @@ def plan_request(state: GatewayState, body: ChatCompletionRequest | CompletionRe
     return Plan(choices, stream, include_usage, tools, reasoning, continued)
 
 
+def with_params(plan: Plan, **changes: Any) -> Plan:
+    """`plan` with sampling parameters ``/v1`` has no field for (every stop string: ``/v1``
+    takes 4; a conversation's oldest messages dropped to fit, Ollama's ``truncate``)."""
+    choices = [dataclasses.replace(choice, request=msgspec.structs.replace(
+        choice.request, params=msgspec.structs.replace(choice.request.params, **changes))) for choice in plan.choices]
+    return dataclasses.replace(plan, choices=choices)
+
+
 def embedding_plan(state: GatewayState, body: EmbeddingRequest, request_id: str) -> Plan:
     """One request per input, each computing its prompt's embedding (embeddings_api.py)."""
     try:
@@ -212,15 +220,17 @@ class Collected:
         return self._reader.num_reasoning_tokens
 
     def answer(self) -> Answer:
-        finish_reason = self.ended().finish_reason
+        finish_reason, stop_reason = self.ended().finish_reason, self.ended().stop_reason
         if self._reader.passes_through:
-            return Answer("".join(text for text, _ in self.parts), finish_reason, self.logprobs, prompt=self.prompt)
+            return Answer("".join(text for text, _ in self.parts), finish_reason, self.logprobs, prompt=self.prompt,
+                          stop_reason=stop_reason)
         read = Read()
         for text, num_tokens in self.parts:  # as they came: the reasoning's tokens are counted chunk by chunk
             read += self._reader.feed(text, num_tokens)
         rest, finish_reason = self._reader.finish(finish_reason)
         read += rest
-        return Answer(read.content, finish_reason, self.logprobs, read.calls or None, reasoning=read.reasoning or None)
+        return Answer(read.content, finish_reason, self.logprobs, read.calls or None, reasoning=read.reasoning or None,
+                      stop_reason=stop_reason)
 
 
 @contextlib.contextmanager

@@ -15,7 +15,6 @@ instead (every replica sleeps, as an idle one does; an admin action where keys a
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import time
@@ -27,7 +26,7 @@ import structlog
 from aiohttp import web
 
 from shoal.services.gateway.answer_reader import Read
-from shoal.services.gateway.auth import bearer_token, may_use_admin
+from shoal.services.gateway.auth import may_use_admin, presented_key
 from shoal.services.gateway.embeddings_api import embedding_floats
 from shoal.services.gateway.errors import ApiError, Forbidden, OllamaError, Unavailable
 from shoal.services.gateway.json_body import json_response
@@ -59,6 +58,7 @@ from shoal.services.gateway.plans import (
     embedding_plans,
     generating,
     plan_request,
+    with_params,
 )
 from shoal.services.gateway.request_ids import REPLICA_HEADER, REQUEST_ID, REQUEST_ID_HEADER
 from shoal.services.gateway.service_calls import ask_scheduler
@@ -204,7 +204,7 @@ async def _generate(request: web.Request, api: Api) -> web.StreamResponse:
             return response
         openai_body = (chat_request(body, spec.reasoning_parser) if isinstance(body, ChatRequest)
                        else generate_request(body, spec.reasoning_parser))
-        plan = _with_params(plan_request(state, openai_body, request[REQUEST_ID], None, format_param="format"),
+        plan = with_params(plan_request(state, openai_body, request[REQUEST_ID], None, format_param="format"),
                             stop=stop_strings(body.options),
                             drop_old_messages=isinstance(body, ChatRequest) and body.truncate is not False)
         with admitted(state, plan):
@@ -217,18 +217,10 @@ async def _generate(request: web.Request, api: Api) -> web.StreamResponse:
             return whole
 
 
-def _with_params(plan: Plan, **changes: Any) -> Plan:
-    """`plan` with sampling parameters ``/v1`` has no field for: every stop string (it takes 4),
-    a conversation's oldest messages dropped to fit (Ollama's ``truncate``)."""
-    choices = [dataclasses.replace(choice, request=msgspec.structs.replace(
-        choice.request, params=msgspec.structs.replace(choice.request.params, **changes))) for choice in plan.choices]
-    return dataclasses.replace(plan, choices=choices)
-
-
 async def _load_or_unload(request: web.Request, state: GatewayState, model: str, keep_alive: float | None,
                           replies: _Replies) -> web.Response:
     if keep_alive == 0:
-        if not may_use_admin(state.config, bearer_token(request.headers.get("Authorization", ""))):
+        if not may_use_admin(state.config, presented_key(request.headers)):
             raise Forbidden("unloading a model (keep_alive 0) puts it to sleep for everyone: it needs an admin key")
         reply = await ask_scheduler(state.bus, "evict", EvictReplicas(model), timeout_s=120.0)
         if not reply.ok:

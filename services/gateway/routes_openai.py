@@ -12,12 +12,19 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol
+from datetime import UTC, datetime
+from typing import Any, Literal
 
 import structlog
 from aiohttp import web
 
 from shoal.services.gateway.answer_reader import Read
+from shoal.services.gateway.anthropic_api import (
+    ANTHROPIC_VERSION_HEADER,
+    ModelInfo,
+    ModelPageQuery,
+    model_page,
+)
 from shoal.services.gateway.embeddings_api import (
     EmbeddingRequest,
     embedding_list,
@@ -37,6 +44,7 @@ from shoal.services.gateway.openai_api import (
     ToolCallOut,
     Usage,
     chat_logprobs,
+    decode_query,
     echoed_logprobs,
     echoed_text,
     full_response,
@@ -54,8 +62,7 @@ from shoal.services.gateway.plans import (
     generating,
     plan_request,
 )
-from shoal.services.gateway.progress import WaitProgress
-from shoal.services.gateway.request_ids import REPLICA_HEADER, REQUEST_ID, REQUEST_ID_HEADER
+from shoal.services.gateway.request_ids import REPLICA_HEADER, REQUEST_ID
 from shoal.services.gateway.response_store import ResponseStore
 from shoal.services.gateway.responses_api import (
     ResponseObject,
@@ -69,8 +76,9 @@ from shoal.services.gateway.responses_items import read_input
 from shoal.services.gateway.responses_stream import StreamedResponse
 from shoal.services.gateway.sse import SseStream
 from shoal.services.gateway.state import GATEWAY, GatewayState
+from shoal.services.gateway.streams import StreamWriter, stream_answer
 from shoal.services.gateway.tally import tallied
-from shoal.shared.messages import FinalReply, PromptEcho, TokenChunk
+from shoal.shared.messages import FinalReply, ModelSpec, PromptEcho, TokenChunk
 
 log = structlog.get_logger(__name__)
 
@@ -79,16 +87,27 @@ routes = web.RouteTableDef()
 
 @routes.get("/v1/models")
 async def list_models(request: web.Request) -> web.Response:
+    """The served models; in Anthropic's form (a page of them) for Anthropic's clients."""
     state = request.app[GATEWAY]
-    cards = [_card(spec.key, spec.registered_at, spec.max_model_len) for spec in state.cluster.models.values()]
-    return json_response(ModelList(sorted(cards, key=lambda c: c.id)))
+    specs = sorted(state.cluster.models.values(), key=lambda spec: spec.key)
+    if ANTHROPIC_VERSION_HEADER in request.headers:
+        query = decode_query(request.query, ModelPageQuery)
+        return json_response(model_page([_model_info(spec) for spec in specs], query))
+    return json_response(ModelList([_card(spec.key, spec.registered_at, spec.max_model_len) for spec in specs]))
 
 
 @routes.get("/v1/models/{model:.+}")
 async def get_model(request: web.Request) -> web.Response:
     state = request.app[GATEWAY]
     spec = state.cluster.require_model(request.match_info["model"])
+    if ANTHROPIC_VERSION_HEADER in request.headers:
+        return json_response(_model_info(spec))
     return json_response(_card(spec.key, spec.registered_at, spec.max_model_len))
+
+
+def _model_info(spec: ModelSpec) -> ModelInfo:
+    registered = datetime.fromtimestamp(spec.registered_at, UTC).isoformat().replace("+00:00", "Z")
+    return ModelInfo(spec.key, spec.key, registered)
 
 
 def _card(key: str, registered_at: float, max_model_len: int | None) -> ModelCard:
@@ -142,7 +161,8 @@ async def _serve(request: web.Request, endpoint: Endpoint) -> web.StreamResponse
         with admitted(state, plan):
             tally.start()
             if plan.stream:
-                response, tally.outcome = await _stream(request, state, plan, kind, responding)
+                response, tally.outcome = await stream_answer(
+                    request, state, plan, lambda sse: _writer(sse, plan, kind, request[REQUEST_ID], responding))
             else:
                 await state.dispatcher.ensure_placed(body.model, plan.choices[0].request.deadline)
                 response, tally.outcome = await _collect(state, plan, kind, request[REQUEST_ID], responding), "ok"
@@ -201,71 +221,14 @@ def _response_id(endpoint: Endpoint, request_id: str) -> str:
     return _RESPONSE_ID_PREFIXES[endpoint] + request_id
 
 
-class _StreamWriter(Protocol):
-    """How a stream's events are written (chat and completion chunks, or Responses events)."""
-
-    finals: list[FinalReply | None]
-
-    @property
-    def num_reasoning_tokens(self) -> int: ...
-
-    async def start(self) -> None: ...
-    async def tokens(self, index: int, chunk: TokenChunk) -> None: ...
-    async def ended(self, index: int, final: FinalReply) -> None: ...
-    async def finish(self, token_usage: Usage) -> None: ...
-    async def fail(self, error: ApiError) -> None: ...
-    async def close(self) -> None: ...
-
-
-async def _stream(request: web.Request, state: GatewayState, plan: Plan, kind: Kind,
-                  responding: _Responding | None) -> tuple[web.StreamResponse, str]:
-    """The SSE response and its outcome: "ok", or the status of an error sent in the stream
-    after the 200 (504 at the deadline, 503 when the replica died). Several choices stream
-    interleaved, each chunk naming its choice's index.
-
-    While it waits (placement, a cold start, a replica restarting) the stream gets a comment
-    line every `gateway.stream_keepalive_s` saying what it waits for (sse.py)."""
-    request_id = request[REQUEST_ID]
-    choices = plan.choices
-    first = choices[0].request
-    progress = WaitProgress(state.cluster, first.model)
-    sse = SseStream(request, keepalive_s=state.config.stream_keepalive_s, describe=progress.describe,
-                    headers={REQUEST_ID_HEADER: request_id})
-    out: _StreamWriter
+def _writer(sse: SseStream, plan: Plan, kind: Kind, request_id: str, responding: _Responding | None
+            ) -> StreamWriter:
+    """How a stream's events are written: a Responses stream's typed events, or chunks."""
+    first = plan.choices[0].request
     if responding is not None:
-        out = StreamedResponse(sse, responding.shell, plan.answer_reader(), first.params.logprobs is not None,
-                               on_final=responding.keep)
-    else:
-        out = _StreamedChoices(sse, kind, _response_id(kind, request_id), int(first.created), first.model, plan)
-    outcome = "ok"
-    async with generating(state, choices, restartable=False) as events, sse.keeping_alive():
-        try:
-            await state.dispatcher.ensure_placed(first.model, first.deadline)
-            progress.stage = "queued"
-            index, event = await anext(events)
-            progress.stage = "generating"
-            await out.start()
-            while True:
-                match event:
-                    case TokenChunk():
-                        await out.tokens(index, event)
-                    case FinalReply():
-                        await out.ended(index, event)
-                try:
-                    index, event = await anext(events)
-                except StopAsyncIteration:
-                    break
-            await out.finish(choices_usage(choices, out.finals, out.num_reasoning_tokens))
-        except ApiError as exc:
-            # Errors before anything was sent (unknown model in the worker, prompt too long...)
-            # keep their proper status; after that they become the stream's last event.
-            if not await sse.commit_or_give_up():
-                raise
-            log.info("stream_error", status=exc.status, error=exc.message)
-            outcome = str(exc.status)
-            await out.fail(exc)
-        await out.close()
-    return sse.response, outcome
+        return StreamedResponse(sse, responding.shell, plan.answer_reader(), first.params.logprobs is not None,
+                                on_final=responding.keep)
+    return _StreamedChoices(sse, kind, _response_id(kind, request_id), int(first.created), first.model, plan)
 
 
 class _StreamedChoices:
@@ -322,7 +285,8 @@ class _StreamedChoices:
         self.finals[index] = final
         read, finish_reason = self._readers[index].finish(final.finish_reason)
         await self._send_read(index, read)
-        await self.send(index, finish_reason=finish_reason, text="" if self._kind == "completion" else None)
+        await self.send(index, finish_reason=finish_reason, text="" if self._kind == "completion" else None,
+                        stop_reason=final.stop_reason)
 
     async def _send_read(self, index: int, read: Read, logprobs: ChatLogprobs | TextLogprobs | None = None) -> None:
         """A delta with the reasoning and content read (content absent beside reasoning alone), then the calls."""

@@ -28,10 +28,11 @@ from shoal.services.gateway.openai_api import (
 from shoal.services.gateway.plans import inference_request
 from shoal.services.gateway.request_ids import REQUEST_ID
 from shoal.services.gateway.service_calls import ask_worker
-from shoal.services.gateway.state import GATEWAY
+from shoal.services.gateway.state import GATEWAY, GatewayState
 from shoal.shared.messages import (
     Detokenize,
     Tokenize,
+    TokenizeReply,
     detokenize_reply_decoder,
     tokenize_reply_decoder,
 )
@@ -83,13 +84,19 @@ async def tokenize(request: web.Request) -> web.Response:
             raise BadRequest(f"{name} other than generation's is not supported (its tokens are generation's)",
                              code="unsupported_parameter", param=name)
     body = decode_body(raw, ChatCompletionRequest if is_chat else CompletionRequest)
-    state.cluster.require_model(body.model)
-    inference = inference_request(state, body, request[REQUEST_ID])
-    replica = await state.dispatcher.serving_replica(body.model, inference.deadline)
-    reply = await ask_worker(state.bus, replica.replica_id, "tokenize",
-                             Tokenize(inference, bool(options.return_token_strs)), tokenize_reply_decoder,
-                             timeout_s=WORKER_TIMEOUT_S)
+    reply = await prompt_tokens(state, body, request[REQUEST_ID], with_strings=bool(options.return_token_strs))
     return json_response(TokenizeResponse(len(reply.tokens), reply.max_model_len, reply.tokens, reply.token_strs))
+
+
+async def prompt_tokens(state: GatewayState, body: ChatCompletionRequest | CompletionRequest, request_id: str, *,
+                        with_strings: bool = False) -> TokenizeReply:
+    """The tokens `body`'s prompt is generated from, as a serving replica of its model
+    tokenizes it (one placed first if none runs)."""
+    state.cluster.require_model(body.model)
+    inference = inference_request(state, body, request_id)
+    replica = await state.dispatcher.serving_replica(body.model, inference.deadline)
+    return await ask_worker(state.bus, replica.replica_id, "tokenize", Tokenize(inference, with_strings),
+                            tokenize_reply_decoder, timeout_s=WORKER_TIMEOUT_S)
 
 
 @routes.post("/detokenize")

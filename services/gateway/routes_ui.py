@@ -23,7 +23,7 @@ from pathlib import Path
 
 from aiohttp import web
 
-from shoal.services.gateway.auth import bearer_token, may_use_admin
+from shoal.services.gateway.auth import may_use_admin, presented_key
 from shoal.services.gateway.errors import BadRequest
 from shoal.services.gateway.json_body import json_response
 from shoal.services.gateway.sse import SseStream
@@ -76,7 +76,7 @@ async def state(request: web.Request) -> web.Response:
         history=live.history.get_since(since),
         history_window_s=live.history.window_s,
         gateway_id=gateway.router.gateway_id,
-        admin=may_use_admin(gateway.config, bearer_token(request.headers.get("Authorization", ""))),
+        admin=may_use_admin(gateway.config, presented_key(request.headers)),
         at=time.time(),
     )
     return json_response(document, headers={"Cache-Control": "no-store"})

@@ -96,6 +96,8 @@ class GenerationOutput:
     """Prompt tokens whose K/V the request found (prefix cache, its session), not computed."""
     embedding: bytes | None = None
     """An embedding request's vector (`SamplingParams.embed`), float32 little-endian."""
+    stop_reason: str | None = None
+    """The stop string that ended the text (finish reason ``stop``), if one did."""
     error: str | None = None
     token_hash: int = 0
     """`next_token_hash` over every token generated so far (`TextStream.token_hash`)."""
@@ -187,6 +189,8 @@ class TextStream:
     _stop_floor: int = 0
     """Characters of text before the `min_tokens`-th token: no stop string may end in them."""
     stopped: bool = False
+    stopped_by: str | None = None
+    """The stop string that ended the text, once one has."""
     token_hash: int = 0
     """`next_token_hash` over every token pushed so far."""
 
@@ -202,9 +206,8 @@ class TextStream:
         if len(self._token_ids) < self.min_tokens:
             self._stop_floor = len(self._text)
             return self._take_sendable(hold_back=self._max_stop_prefix())
-        if self.stop and (cut := self._find_stop()) is not None:
-            self._text = self._text[:cut]
-            self.stopped = True
+        if self.stop and (found := self._find_stop()) is not None:
+            self._cut_at(*found)
             return ""
         return self._take_sendable(hold_back=self._max_stop_prefix())
 
@@ -220,9 +223,8 @@ class TextStream:
                 self._text += tail[len(prefix) :]
                 self._read_offset = len(self._token_ids)
                 self._prefix_offset = self._read_offset
-            if self.stop and (cut := self._find_stop()) is not None:
-                self._text = self._text[:cut]
-                self.stopped = True
+            if self.stop and (found := self._find_stop()) is not None:
+                self._cut_at(*found)
         return self._take_sendable(hold_back=0)
 
     @property
@@ -243,15 +245,21 @@ class TextStream:
     def _max_stop_prefix(self) -> int:
         return max((len(s) for s in self.stop), default=1) - 1
 
-    def _find_stop(self) -> int | None:
+    def _find_stop(self) -> tuple[int, str] | None:
+        """Where the first stop string in the text starts, and which it is."""
         # Only the unsent tail plus one stop length can hold a new match.
         window_start = max(0, self._num_emitted_chars - self._max_stop_prefix())
-        best: int | None = None
+        best: tuple[int, str] | None = None
         for stop in self.stop:
             index = self._text.find(stop, max(window_start, self._stop_floor - len(stop) + 1))
-            if index != -1 and (best is None or index < best):
-                best = index
+            if index != -1 and (best is None or index < best[0]):
+                best = (index, stop)
         return best
+
+    def _cut_at(self, index: int, stop: str) -> None:
+        self._text = self._text[:index]
+        self.stopped = True
+        self.stopped_by = stop
 
     def _take_sendable(self, hold_back: int) -> str:
         end = max(self._num_emitted_chars, len(self._text) - hold_back)

@@ -195,14 +195,18 @@ class HFGenerateEngine:
         await asyncio.to_thread(thread.join)
         if flag.event.is_set() and finish_reason == "length" and num_generated < max_new:
             finish_reason = "cancelled"
+        tail = text.finish()
+        if text.stopped and finish_reason == "length":  # the stop string was in the last bytes flushed
+            finish_reason = "stop"
         yield GenerationOutput(
             request.request_id,
-            text.finish(),
+            tail,
             0,
             finished=True,
             finish_reason=finish_reason,  # type: ignore[arg-type]
             num_prompt_tokens=len(request.prompt_token_ids),
             num_completion_tokens=num_generated,
+            stop_reason=text.stopped_by,
             error=error,
             token_hash=text.token_hash,
         )

@@ -448,7 +448,7 @@ class WorkerService:
                 return "expired"
             return "cancelled"
         await replier.final(output.finish_reason or "stop", output.num_prompt_tokens, output.num_completion_tokens,
-                            output.num_cached_tokens, output.embedding)
+                            output.num_cached_tokens, output.embedding, output.stop_reason)
         logger.info(
             "request_done",
             prompt_tokens=output.num_prompt_tokens,
@@ -551,9 +551,9 @@ class _Replier:
         await self._publish(encode_msgpack(message))
 
     async def final(self, finish_reason: str, num_prompt: int, num_completion: int, num_cached: int,
-                    embedding: bytes | None = None) -> None:
+                    embedding: bytes | None = None, stop_reason: str | None = None) -> None:
         message = FinalReply(self.request_id, self.attempt, self.seq, finish_reason, num_prompt, num_completion,
-                             self.replica_id, num_cached, embedding)
+                             self.replica_id, num_cached, embedding, stop_reason)
         await self._publish_confirmed(encode_msgpack(message))
 
     async def error(self, status: int, message: str, error_type: ErrorType, *, param: str | None = None) -> None:

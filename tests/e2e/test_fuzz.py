@@ -42,15 +42,21 @@ TOKENIZE_PATHS = ("/tokenize", "/detokenize")
 EMBEDDINGS_PATH = "/v1/embeddings"
 OLLAMA_PREFIX = "/api/"
 OLLAMA_GENERATING_PATHS = ("/api/chat", "/api/generate")
+ANTHROPIC_PREFIX = "/v1/messages"
 
 schema = schemathesis.openapi.from_dict(json.loads(get_document()))
 
 
 def openai_error_body(ctx: Any, response: schemathesis.Response, case: schemathesis.Case) -> bool | None:
     """Every 4xx is ``{"error": {"message", "type", ...}}`` (what OpenAI clients parse); under
-    Ollama's ``/api/``, ``{"error": "<message>"}`` (what Ollama's clients parse)."""
+    Ollama's ``/api/``, ``{"error": "<message>"}`` (what Ollama's clients parse); under
+    Anthropic's ``/v1/messages``, ``{"type": "error", "error": {"type", "message"}}``."""
     if 400 <= response.status_code < 500:
         body = response.json()
+        if case.path.startswith(ANTHROPIC_PREFIX):
+            assert isinstance(body, dict) and body.get("type") == "error" and set(body) == {"type", "error"}, body
+            assert body["error"]["type"] and body["error"]["message"], body
+            return None
         assert isinstance(body, dict) and set(body) == {"error"}, body
         error = body["error"]
         if case.path.startswith(OLLAMA_PREFIX):
@@ -68,7 +74,7 @@ CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance,
 def _aim_at_a_served_model(case: schemathesis.Case) -> None:
     """A deterministic third of the inference bodies name a served model and ask for few tokens."""
     if not (case.path in (*INFERENCE_PATHS, RESPONSES_PATH, *TOKENIZE_PATHS, EMBEDDINGS_PATH)
-            or case.path.startswith(OLLAMA_PREFIX)) or not isinstance(case.body, dict):
+            or case.path.startswith((OLLAMA_PREFIX, ANTHROPIC_PREFIX))) or not isinstance(case.body, dict):
         return
     digest = hashlib.sha256(json.dumps(case.body, sort_keys=True, default=str).encode()).digest()
     if digest[0] % 3 == 0:
@@ -78,6 +84,10 @@ def _aim_at_a_served_model(case: schemathesis.Case) -> None:
             if case.path in OLLAMA_GENERATING_PATHS:
                 options = case.body.get("options")
                 case.body["options"] = {**(options if isinstance(options, dict) else {}), "num_predict": MAX_TOKENS}
+            return
+        if case.path.startswith(ANTHROPIC_PREFIX):
+            if "max_tokens" in case.body:
+                case.body["max_tokens"] = MAX_TOKENS
             return
         for field in (*UNSUPPORTED_FIELDS, *UNSERVED_FIELDS):  # accepted at their defaults only: a 400 says so
             case.body.pop(field, None)

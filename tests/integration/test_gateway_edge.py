@@ -68,6 +68,29 @@ async def test_ollamas_api_takes_the_same_keys_and_unloading_is_an_admin_action(
     assert status == 503 and "scheduler" in body["error"]  # allowed: only the scheduler is missing here
 
 
+async def test_anthropics_api_takes_keys_as_x_api_key_and_answers_anthropics_errors(gateway: str) -> None:
+    """Anthropic's clients send ``x-api-key``; errors under ``/v1/messages`` are Anthropic's
+    ``{"type": "error", "error": {"type", "message"}}``, whatever their cause."""
+    message = {"model": "org/m", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
+    status, body = await _call("POST", gateway + "/v1/messages", json=message)
+    assert status == 401 and body == {"type": "error", "error": {
+        "type": "authentication_error",
+        "message": "missing or invalid API key: send Authorization: Bearer <key> (or x-api-key: <key>)"}}
+    async with aiohttp.ClientSession() as session:
+        async with session.get(gateway + "/v1/models", headers={"x-api-key": "user-key"}) as resp:
+            assert resp.status == 200
+        async with session.get(gateway + "/v1/models", headers={"x-api-key": "wrong"}) as resp:
+            assert resp.status == 401
+        async with session.post(gateway + "/v1/messages", headers={"x-api-key": "user-key"}, json=message) as resp:
+            body = await resp.json()  # allowed: only the scheduler is missing here
+            assert resp.status == 503 and body["type"] == "error" and body["error"]["type"] == "overloaded_error"
+    status, body = await _call("POST", gateway + "/v1/messages", "user-key", json={**message, "max_tokens": 0})
+    assert status == 400 and body["error"]["type"] == "invalid_request_error" and "max_tokens" in body["error"]["message"]
+    status, body = await _call("POST", gateway + "/v1/messages/count_tokens", "user-key", json={
+        "model": "org/nope", "messages": message["messages"]})
+    assert status == 404 and body["error"]["type"] == "not_found_error"
+
+
 async def test_browsers_of_listed_origins_may_call_the_gateway(bus: Bus, nats_server: EmbeddedNatsServer) -> None:
     """CORS: a listed origin's preflight is answered without a key (browsers send none), its
     requests' answers name it, errors and key checks included; another origin gets nothing."""

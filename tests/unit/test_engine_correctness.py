@@ -340,11 +340,11 @@ async def test_stop_strings_and_max_tokens(models: Models) -> None:
     engine = _engine(model, tokenizer)
     try:
         text, final = await _collect(engine.generate(_request("stop", prompt, max_tokens=20, stop=[stop])))
-        assert (final.finish_reason, text) == ("stop", full_text[: full_text.index(stop)])
+        assert (final.finish_reason, final.stop_reason, text) == ("stop", stop, full_text[: full_text.index(stop)])
         assert final.num_completion_tokens < 20
         assert engine.get_stats().pool.num_used_blocks == 0
         text, final = await _collect(engine.generate(_request("length", prompt, max_tokens=5)))
-        assert (final.finish_reason, final.num_completion_tokens) == ("length", 5)
+        assert (final.finish_reason, final.num_completion_tokens, final.stop_reason) == ("length", 5, None)
         assert full_text.startswith(text)
     finally:
         await engine.close()

@@ -33,6 +33,11 @@ async def test_the_hf_engine_takes_stop_token_ids_and_min_tokens(demo_models_roo
         assert await _ending(engine, stopping) == (1, "stop")
         stopping.min_tokens = 3
         assert await _ending(engine, stopping) == (4, "stop")
+        token_text = AutoTokenizer.from_pretrained(path).decode([300])  # a stop string names what ended the text
+        stop_string = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logit_bias={300: 100.0},
+                                     stop=[token_text])
+        outputs = [output async for output in engine.generate(GenerationRequest("r", [5, 6, 7, 8], stop_string))]
+        assert (outputs[-1].finish_reason, outputs[-1].stop_reason) == ("stop", token_text)
     finally:
         await engine.close()
 

@@ -73,6 +73,23 @@ def test_the_stop_string_and_what_follows_are_not_returned(tokenizer: PreTrained
     assert (text, stopped) == ("the quick brown ", True)
 
 
+def test_the_stop_string_met_first_in_the_text_is_named(tokenizer: PreTrainedTokenizerFast) -> None:
+    """vLLM's ``stop_reason`` (and Anthropic's ``stop_sequence``): the string that ended the
+    text, the one that starts first when several are in it; None when none did."""
+    token_ids = tokenizer("the quick brown fox jumps over the lazy dog").input_ids
+    stream = TextStream(tokenizer, ["lazy", "jumps", "brown fox"])
+    for token_id in token_ids:
+        stream.push(token_id)
+        if stream.stopped:
+            break
+    assert (stream.text, stream.stopped_by) == ("the quick ", "brown fox")
+    unstopped = TextStream(tokenizer, ["zzz"])
+    for token_id in token_ids:
+        unstopped.push(token_id)
+    unstopped.finish()
+    assert unstopped.stopped_by is None
+
+
 def test_text_that_may_start_a_stop_string_is_held_back(tokenizer: PreTrainedTokenizerFast) -> None:
     stream = TextStream(tokenizer, ["brown fox"])
     sent = "".join(stream.push(token_id) for token_id in tokenizer("the quick brown").input_ids)

@@ -773,7 +773,8 @@ class PagedEngine:
             outbox.put(state, Tokens(token_ids, final, self._take_logprobs(state)))
             return
         text = delta + (state.text.finish() if finish_reason != "cancelled" else "")
-        outbox.put(state, dataclasses.replace(final, text=text, logprobs=self._take_logprobs(state)))
+        outbox.put(state, dataclasses.replace(final, text=text, logprobs=self._take_logprobs(state),
+                                              stop_reason=state.text.stopped_by))
 
     def _send_pending(self) -> None:
         """Sends the last step's outputs if not yet sent (call under the lock)."""

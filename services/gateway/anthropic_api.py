@@ -1,0 +1,354 @@
+"""Anthropic's Messages API bodies (``POST /v1/messages``, ``/v1/messages/count_tokens``),
+validated with msgspec, what they mean as the OpenAI chat request Shoal serves, and the
+message Shoal answers.
+
+A request becomes the chat request of the same meaning (`chat_request`), so it is validated,
+sampled, placed, queued and read exactly as one sent to ``/v1/chat/completions``:
+
+- ``system`` (text, or text blocks) is the system message; each message's blocks keep their
+  order: ``text`` blocks are the turn's text, an assistant's ``tool_use`` blocks its calls, a
+  user's ``tool_result`` blocks tool messages (their text, ``is_error`` said in it), and
+  ``thinking`` / ``redacted_thinking`` blocks, sent back as clients keep them, are dropped
+  (reasoning models' templates drop earlier thinking). ``image`` and ``document`` blocks are
+  refused (Shoal serves text models). A conversation that ends with the assistant's turn is
+  continued (Anthropic's prefill): the answer is what comes after it.
+- ``max_tokens`` (required), ``stop_sequences`` (any number), ``metadata.user_id``;
+  ``temperature`` (0 to 1), ``top_p`` and ``top_k``, which Anthropic's current SDKs no longer
+  send but other clients (and ``extra_body``) do; ``output_config``: ``format`` (a JSON
+  schema the answer follows, as ``response_format`` does on ``/v1``) and ``effort`` (the chat
+  template's ``reasoning_effort``).
+- ``tools`` (client tools: ``name``, ``description``, ``input_schema``) and ``tool_choice``
+  (``auto``, ``any``, ``tool`` with a name, ``none``; ``disable_parallel_tool_use``). Server
+  tools (web search, code execution...) are refused: Shoal runs no tool itself.
+- ``thinking``: a reasoning model's thinking comes as ``thinking`` blocks unless
+  ``{"type": "disabled"}`` (then the template's ``enable_thinking`` is false);
+  ``budget_tokens`` is accepted, not enforced (``max_tokens`` bounds thinking and answer
+  together). A model without a ``reasoning_parser`` answers without thinking blocks.
+- Accepted and ignored, as a local server has no use for them: ``cache_control`` on blocks
+  (Shoal's prefix cache needs no marks: ``usage.cache_read_input_tokens`` reports its hits),
+  ``service_tier``, ``container``, ``context_management``.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any, Literal
+
+import msgspec
+from msgspec import Meta, Struct
+
+from shoal.services.gateway.errors import BadRequest
+from shoal.services.gateway.openai_api import MAX_INT32, MAX_TOOLS, ChatCompletionRequest, ToolCallOut
+from shoal.shared.model_settings import ReasoningParser
+
+
+class Block(Struct, kw_only=True):
+    """One content block of any type; `chat_request` reads the fields its type has."""
+
+    type: str
+    text: str | None = None
+    id: str | None = None
+    name: str | None = None
+    input: Any = None
+    tool_use_id: str | None = None
+    content: str | list[Block] | None = None
+    is_error: bool | None = None
+
+
+class Message(Struct):
+    role: Literal["user", "assistant"]
+    content: str | list[Block]
+
+
+class Tool(Struct, kw_only=True):
+    name: Annotated[str, Meta(pattern=r"^[a-zA-Z0-9_-]{1,128}$")]
+    description: str | None = None
+    input_schema: dict[str, Any] | None = None
+    type: str | None = None
+    """``custom`` (or absent) for a client tool; anything else names a server tool."""
+
+
+class ToolChoice(Struct, kw_only=True):
+    type: Literal["auto", "any", "tool", "none"]
+    name: str | None = None
+    disable_parallel_tool_use: bool | None = None
+
+
+class Thinking(Struct, kw_only=True):
+    type: str
+    """``disabled``, or a way to think (``enabled``, ``adaptive``...: all mean think here)."""
+    budget_tokens: Annotated[int, Meta(ge=0, le=MAX_INT32)] | None = None
+
+
+class OutputFormat(Struct, kw_only=True):
+    type: Literal["json_schema"]
+    schema: dict[str, Any]
+
+
+class OutputConfig(Struct, kw_only=True):
+    effort: Literal["low", "medium", "high", "xhigh", "max"] | None = None
+    format: OutputFormat | None = None
+
+
+class Metadata(Struct, kw_only=True):
+    user_id: str | None = None
+
+
+class CountTokensRequest(Struct, kw_only=True):
+    """``/v1/messages/count_tokens``: a request's prompt, without ``max_tokens``."""
+
+    model: Annotated[str, Meta(min_length=1)]
+    messages: Annotated[list[Message], Meta(min_length=1)]
+    system: str | list[Block] | None = None
+    tools: Annotated[list[Tool], Meta(max_length=MAX_TOOLS)] | None = None
+    tool_choice: ToolChoice | None = None
+    thinking: Thinking | None = None
+
+
+class MessagesRequest(CountTokensRequest, kw_only=True):
+    max_tokens: Annotated[int, Meta(ge=1, le=MAX_INT32)]
+    stop_sequences: list[str] | None = None
+    stream: bool | None = None
+    temperature: Annotated[float, Meta(ge=0.0, le=1.0)] | None = None
+    top_p: Annotated[float, Meta(gt=0.0, le=1.0)] | None = None
+    top_k: Annotated[int, Meta(ge=0, le=MAX_INT32)] | None = None
+    metadata: Metadata | None = None
+    output_config: OutputConfig | None = None
+
+
+def _text_of(content: str | list[Block] | None, where: str) -> str:
+    """The text of a system prompt or a tool result: a string, or text blocks joined."""
+    if content is None or isinstance(content, str):
+        return content or ""
+    texts = []
+    for index, block in enumerate(content):
+        if block.type != "text":
+            raise BadRequest(f"{where}[{index}]: only text blocks are supported here, not {block.type!r}"
+                             + (" (Shoal serves text models)" if block.type in ("image", "document") else ""),
+                             param=where.split("[")[0].split(".")[0])
+        texts.append(block.text or "")
+    return "\n\n".join(texts)
+
+
+def _messages(req: CountTokensRequest) -> list[dict[str, Any]]:
+    """The conversation as OpenAI chat messages (see the module doc)."""
+    out: list[dict[str, Any]] = []
+    system = _text_of(req.system, "system")
+    if system:
+        out.append({"role": "system", "content": system})
+    for index, message in enumerate(req.messages):
+        blocks = [Block(type="text", text=message.content)] if isinstance(message.content, str) else message.content
+        turn: dict[str, Any] | None = None  # the message being written, text and calls
+        for number, block in enumerate(blocks):
+            where = f"messages[{index}].content[{number}]"
+            if block.type == "text":
+                if turn is None:
+                    turn = {"role": message.role, "content": ""}
+                    out.append(turn)
+                turn["content"] += block.text or ""
+            elif block.type == "tool_use" and message.role == "assistant":
+                if turn is None:
+                    turn = {"role": "assistant", "content": ""}
+                    out.append(turn)
+                if not block.id or not block.name:
+                    raise BadRequest(f"{where}: a tool_use block needs its id and name", param="messages")
+                arguments = block.input if block.input is not None else {}
+                turn.setdefault("tool_calls", []).append(
+                    {"id": block.id, "type": "function",
+                     "function": {"name": block.name, "arguments": json.dumps(arguments, ensure_ascii=False)}})
+            elif block.type == "tool_result" and message.role == "user":
+                if not block.tool_use_id:
+                    raise BadRequest(f"{where}: a tool_result block needs its tool_use_id", param="messages")
+                result = _text_of(block.content, f"{where}.content")
+                out.append({"role": "tool", "tool_call_id": block.tool_use_id,
+                            "content": f"Error: {result}" if block.is_error else result})
+                turn = None  # text after a result is a new user message
+            elif block.type in ("thinking", "redacted_thinking") and message.role == "assistant":
+                continue
+            elif block.type in ("image", "document"):
+                raise BadRequest(f"{where}: {block.type} blocks are not supported (Shoal serves text models)",
+                                 param="messages")
+            else:
+                raise BadRequest(f"{where}: {'an' if message.role == 'assistant' else 'a'} {message.role} message "
+                                 f"cannot hold a {block.type!r} block",
+                                 param="messages")
+        if turn is None and not blocks:
+            out.append({"role": message.role, "content": ""})
+    return out
+
+
+def _tools(req: CountTokensRequest) -> dict[str, Any]:
+    """The chat fields `req`'s tools and tool choice make."""
+    fields: dict[str, Any] = {}
+    for tool in req.tools or ():
+        if tool.type not in (None, "custom"):
+            raise BadRequest(f"tool {tool.name!r} is a server tool ({tool.type}); Shoal runs no tool itself: "
+                             f"declare it with an input_schema and run it in the client", param="tools")
+    if req.tools:
+        fields["tools"] = [{"type": "function", "function": {
+            "name": tool.name, "description": tool.description,
+            "parameters": tool.input_schema or {"type": "object", "properties": {}}}} for tool in req.tools]
+    choice = req.tool_choice
+    if choice is None:
+        return fields
+    if choice.type == "tool":
+        if not choice.name:
+            raise BadRequest("tool_choice of type 'tool' names the tool: add its name", param="tool_choice")
+        fields["tool_choice"] = {"type": "function", "function": {"name": choice.name}}
+    else:
+        fields["tool_choice"] = {"auto": "auto", "any": "required", "none": "none"}[choice.type]
+    if choice.disable_parallel_tool_use:
+        fields["parallel_tool_calls"] = False
+    return fields
+
+
+def _thinking(thinking: Thinking | None, reasoning: ReasoningParser | None) -> dict[str, Any]:
+    if thinking is not None and thinking.type == "disabled" and reasoning is not None:
+        return {"chat_template_kwargs": {"enable_thinking": False}}
+    return {}
+
+
+def _output(config: OutputConfig | None) -> dict[str, Any]:
+    """The chat fields ``output_config`` sets: the answer's JSON schema, the reasoning effort
+    (the chat template's ``reasoning_effort``; ``xhigh`` and ``max`` are ``high``)."""
+    if config is None:
+        return {}
+    fields: dict[str, Any] = {}
+    if config.format is not None:
+        fields["response_format"] = {"type": "json_schema", "json_schema": {"name": "output",
+                                                                            "schema": config.format.schema}}
+    if config.effort is not None:
+        fields["reasoning_effort"] = {"xhigh": "high", "max": "high"}.get(config.effort, config.effort)
+    return fields
+
+
+def chat_request(req: CountTokensRequest, reasoning: ReasoningParser | None) -> ChatCompletionRequest:
+    """The chat completion `req` asks for; `reasoning` is the model's reasoning parser, if any."""
+    fields: dict[str, Any] = {"model": req.model, "messages": _messages(req), **_tools(req),
+                              **_thinking(req.thinking, reasoning)}
+    if fields["messages"][-1]["role"] == "assistant" and not fields["messages"][-1].get("tool_calls"):
+        fields["continue_final_message"] = True
+    if isinstance(req, MessagesRequest):
+        fields.update(stream=bool(req.stream), max_tokens=req.max_tokens, temperature=req.temperature,
+                      top_p=req.top_p, top_k=req.top_k,
+                      user=req.metadata.user_id if req.metadata is not None else None,
+                      **_output(req.output_config))
+    try:
+        return msgspec.convert(fields, ChatCompletionRequest)
+    except msgspec.ValidationError as exc:
+        raise BadRequest(f"invalid request: {exc}") from exc
+
+
+def stop_sequences(req: MessagesRequest) -> list[str]:
+    """Every stop sequence (an empty one stops nothing: left out)."""
+    return [stop for stop in req.stop_sequences or () if stop]
+
+
+StopReason = Literal["end_turn", "max_tokens", "stop_sequence", "tool_use"]
+
+
+def stop_reason(finish_reason: str, stop_sequence: str | None) -> StopReason:
+    """Anthropic's ``stop_reason`` for a choice's finish reason and the stop string (if any) that ended it."""
+    if finish_reason == "tool_calls":
+        return "tool_use"
+    if finish_reason == "length":
+        return "max_tokens"
+    return "stop_sequence" if stop_sequence is not None else "end_turn"
+
+
+def tool_use_id(call: ToolCallOut) -> str:
+    """A call's id as Anthropic writes them (``toolu_...``)."""
+    return "toolu_" + call.id.removeprefix("call_")
+
+
+def tool_input(call: ToolCallOut) -> dict[str, Any]:
+    """A call's arguments as the object a ``tool_use`` block holds (what a model wrote that is
+    not an object kept whole, as ``{"arguments": <its text>}``)."""
+    try:
+        arguments = json.loads(call.function.arguments or "{}")
+    except json.JSONDecodeError:
+        arguments = None
+    return arguments if isinstance(arguments, dict) else {"arguments": call.function.arguments}
+
+
+class TextOut(Struct, tag="text", tag_field="type"):
+    text: str
+
+
+class ThinkingOut(Struct, tag="thinking", tag_field="type"):
+    thinking: str
+    signature: str = ""
+    """Anthropic signs its own thinking; Shoal's is not signed (clients send it back as is)."""
+
+
+class ToolUseOut(Struct, tag="tool_use", tag_field="type"):
+    id: str
+    name: str
+    input: dict[str, Any]
+
+
+BlockOut = TextOut | ThinkingOut | ToolUseOut
+
+
+class Usage(Struct):
+    input_tokens: int
+    """Prompt tokens computed: those the prefix cache held are `cache_read_input_tokens`."""
+    output_tokens: int
+    cache_read_input_tokens: int = 0
+    cache_creation_input_tokens: int = 0
+
+
+class MessageOut(Struct, tag="message", tag_field="type"):
+    id: str
+    model: str
+    content: list[BlockOut]
+    stop_reason: StopReason | None
+    stop_sequence: str | None
+    usage: Usage
+    role: str = "assistant"
+
+
+def usage_of(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> Usage:
+    return Usage(prompt_tokens - cached_tokens, completion_tokens, cached_tokens)
+
+
+class TokenCount(Struct):
+    input_tokens: int
+
+
+ANTHROPIC_VERSION_HEADER = "anthropic-version"
+"""Sent by Anthropic's clients on every request: ``/v1/models`` answers them in Anthropic's form."""
+
+
+class ModelInfo(Struct, tag="model", tag_field="type"):
+    id: str
+    display_name: str
+    created_at: str
+    """RFC 3339: when the model was registered."""
+
+
+class ModelPage(Struct):
+    data: list[ModelInfo]
+    has_more: bool
+    first_id: str | None
+    last_id: str | None
+
+
+class ModelPageQuery(Struct, kw_only=True):
+    limit: Annotated[int, Meta(ge=1, le=1000)] = 20
+    after_id: str | None = None
+    before_id: str | None = None
+
+
+def model_page(models: list[ModelInfo], query: ModelPageQuery) -> ModelPage:
+    """One page of `models` (in their order): after ``after_id`` or before ``before_id``."""
+    ids = [model.id for model in models]
+    start, end = 0, len(models)
+    if query.after_id is not None:
+        start = ids.index(query.after_id) + 1 if query.after_id in ids else len(ids)
+    if query.before_id is not None:
+        end = ids.index(query.before_id) if query.before_id in ids else 0
+        start = max(start, end - query.limit)
+    page = models[start:min(end, start + query.limit)]
+    has_more = start > 0 if query.before_id is not None else start + len(page) < end
+    return ModelPage(page, has_more, page[0].id if page else None, page[-1].id if page else None)

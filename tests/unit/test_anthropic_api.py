@@ -1,0 +1,133 @@
+"""Anthropic's Messages requests read as the OpenAI chat requests of the same meaning."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+import pytest
+
+from shoal.services.gateway.anthropic_api import (
+    CountTokensRequest,
+    MessagesRequest,
+    ModelInfo,
+    ModelPageQuery,
+    chat_request,
+    model_page,
+    stop_reason,
+    stop_sequences,
+    tool_input,
+    tool_use_id,
+)
+from shoal.services.gateway.errors import ApiError, BadRequest, Unavailable, anthropic_error
+from shoal.services.gateway.openai_api import FunctionCall, ToolCallOut
+
+TOOL = {"name": "get_time", "description": "The time", "input_schema": {"type": "object", "properties": {}}}
+
+
+def _chat(**fields: Any) -> dict[str, Any]:
+    body = msgspec.convert({"model": "m", "max_tokens": 5, **fields}, MessagesRequest)
+    return msgspec.to_builtins(chat_request(body, None))
+
+
+def test_blocks_keep_their_order_as_messages() -> None:
+    chat = _chat(system=[{"type": "text", "text": "Be brief."}, {"type": "text", "text": "Be kind."}], messages=[
+        {"role": "user", "content": "Time?"},
+        {"role": "assistant", "content": [
+            {"type": "thinking", "thinking": "they want the time", "signature": "x"},
+            {"type": "text", "text": "Let me look."},
+            {"type": "tool_use", "id": "toolu_1", "name": "get_time", "input": {"zone": "UTC"}}]},
+        {"role": "user", "content": [
+            {"type": "tool_result", "tool_use_id": "toolu_1", "content": [{"type": "text", "text": "12:00"}]},
+            {"type": "tool_result", "tool_use_id": "toolu_2", "content": "no zone", "is_error": True},
+            {"type": "text", "text": "And in Paris?", "cache_control": {"type": "ephemeral"}}]}])
+    assert [(m["role"], m.get("content")) for m in chat["messages"]] == [
+        ("system", "Be brief.\n\nBe kind."), ("user", "Time?"), ("assistant", "Let me look."),
+        ("tool", "12:00"), ("tool", "Error: no zone"), ("user", "And in Paris?")]
+    call = chat["messages"][2]["tool_calls"][0]
+    assert (call["id"], call["function"]) == ("toolu_1", {"name": "get_time", "arguments": '{"zone": "UTC"}'})
+    assert [m.get("tool_call_id") for m in chat["messages"][3:5]] == ["toolu_1", "toolu_2"]
+    assert chat["max_tokens"] == 5 and chat["stream"] is False and not chat["continue_final_message"]
+
+
+def test_a_last_assistant_turn_is_continued() -> None:
+    chat = _chat(messages=[{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hel"}])
+    assert chat["continue_final_message"] is True and chat["messages"][-1] == {"role": "assistant", "content": "Hel",
+                                                                               "name": None, "tool_calls": None,
+                                                                               "tool_call_id": None}
+
+
+@pytest.mark.parametrize(("choice", "expected"), [
+    ({"type": "auto"}, ("auto", None)),
+    ({"type": "any"}, ("required", None)),
+    ({"type": "none"}, ("none", None)),
+    ({"type": "tool", "name": "get_time", "disable_parallel_tool_use": True},
+     ({"type": "function", "function": {"name": "get_time"}}, False)),
+])
+def test_tool_choices(choice: dict[str, Any], expected: tuple[Any, bool | None]) -> None:
+    chat = _chat(messages=[{"role": "user", "content": "Time?"}], tools=[TOOL], tool_choice=choice)
+    assert (chat["tool_choice"], chat["parallel_tool_calls"]) == expected
+    assert chat["tools"] == [{"type": "function", "function": {
+        "name": "get_time", "description": "The time", "parameters": TOOL["input_schema"], "strict": None}}]
+
+
+def test_sampling_thinking_and_output_config() -> None:
+    chat = _chat(messages=[{"role": "user", "content": "Hi"}], temperature=0.5, top_k=3, top_p=0.9, stream=True,
+                 metadata={"user_id": "u1"}, output_config={"effort": "xhigh", "format": {
+                     "type": "json_schema", "schema": {"type": "object"}}})
+    assert (chat["temperature"], chat["top_k"], chat["top_p"], chat["stream"], chat["user"]) == (0.5, 3, 0.9, True, "u1")
+    assert chat["reasoning_effort"] == "high"
+    assert chat["response_format"] == {"type": "json_schema", "json_schema": {"name": "output",
+                                                                             "schema": {"type": "object"}}}
+    body = msgspec.convert({"model": "m", "messages": [{"role": "user", "content": "Hi"}],
+                            "thinking": {"type": "disabled"}}, CountTokensRequest)
+    assert chat_request(body, "deepseek_r1").chat_template_kwargs == {"enable_thinking": False}
+    assert chat_request(body, None).chat_template_kwargs is None  # a model that does not think: nothing to turn off
+    stops = msgspec.convert({"model": "m", "max_tokens": 1, "messages": [{"role": "user", "content": "x"}],
+                             "stop_sequences": ["a", "", "b", "c", "d", "e"]}, MessagesRequest)
+    assert stop_sequences(stops) == ["a", "b", "c", "d", "e"]  # more than /v1's 4
+
+
+@pytest.mark.parametrize(("messages", "tools", "says"), [
+    ([{"role": "user", "content": [{"type": "image", "source": {}}]}], None, "image blocks are not supported"),
+    ([{"role": "user", "content": [{"type": "tool_use", "id": "t", "name": "f", "input": {}}]}], None,
+     "a user message cannot hold a 'tool_use' block"),
+    ([{"role": "assistant", "content": [{"type": "tool_result", "tool_use_id": "t"}]}], None,
+     "an assistant message cannot hold a 'tool_result' block"),
+    ([{"role": "assistant", "content": [{"type": "tool_use", "name": "f", "input": {}}]}], None, "needs its id"),
+    ([{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t", "content": [
+        {"type": "document", "source": {}}]}]}], None, "only text blocks"),
+    ([{"role": "user", "content": "x"}], [{"type": "bash_20250124", "name": "bash"}], "server tool"),
+])
+def test_what_cannot_be_served_is_a_400_naming_it(messages: list[Any], tools: list[Any] | None, says: str) -> None:
+    with pytest.raises(BadRequest) as caught:
+        _chat(messages=messages, **({"tools": tools} if tools else {}))
+    assert says in caught.value.message
+
+
+def test_answers_in_anthropics_terms() -> None:
+    assert [stop_reason(f, s) for f, s in [("stop", None), ("stop", "END"), ("length", None), ("tool_calls", None)]
+            ] == ["end_turn", "stop_sequence", "max_tokens", "tool_use"]
+    call = ToolCallOut("call_abc", FunctionCall("f", '{"a": 1}'))
+    assert (tool_use_id(call), tool_input(call)) == ("toolu_abc", {"a": 1})
+    assert tool_input(ToolCallOut("call_x", FunctionCall("f", "[1]"))) == {"arguments": "[1]"}
+    assert msgspec.to_builtins(anthropic_error(Unavailable("busy"))) == {
+        "type": "error", "error": {"type": "overloaded_error", "message": "busy"}}
+    assert anthropic_error(ApiError("boom")).error.type == "api_error"
+
+
+def test_model_pages_go_after_and_before_an_id() -> None:
+    models = [ModelInfo(f"m{i}", f"m{i}", "2026-01-01T00:00:00Z") for i in range(5)]
+
+    def ids(**query: Any) -> tuple[list[str], bool]:
+        page = model_page(models, msgspec.convert(query, ModelPageQuery))
+        assert (page.first_id, page.last_id) == ((page.data[0].id, page.data[-1].id) if page.data else (None, None))
+        return [model.id for model in page.data], page.has_more
+
+    assert ids() == (["m0", "m1", "m2", "m3", "m4"], False)
+    assert ids(limit=2) == (["m0", "m1"], True)
+    assert ids(limit=2, after_id="m1") == (["m2", "m3"], True)
+    assert ids(limit=2, after_id="m3") == (["m4"], False)
+    assert ids(limit=2, before_id="m3") == (["m1", "m2"], True)
+    assert ids(limit=2, before_id="m1") == (["m0"], False)
+    assert ids(after_id="gone") == ([], False)
