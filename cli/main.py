@@ -78,6 +78,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_worker_arguments(commands.add_parser("worker", help="run one replica (normally spawned by a node agent)"))
 
+    check = commands.add_parser("check", help="check a configuration and its models before starting (exit 1 on "
+                                              "an error)")
+    _common(check)
+    _gateway_flags(check)
+    _node_flags(check)
+    check.add_argument("--no-demo-models", action="store_true", help="check only the models in the config")
+
     demo = commands.add_parser("demo-models", help="write the demo models")
     demo.add_argument("--models-root", default="./models")
     demo.add_argument("--force", action="store_true", help="rewrite models that exist")
@@ -219,6 +226,10 @@ def main(argv: list[str] | None = None) -> int:
     from shoal.shared.bus import BusError
     from shoal.shared.micro import ServiceCallError
 
+    if args.command == "check":
+        from shoal.cli.check import check, report
+
+        return report(check(config, launcher.model_specs(config)), sys.stdout)
     try:
         if args.command == "up":
             launcher.ensure_demo_models(config)

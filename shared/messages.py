@@ -241,6 +241,9 @@ class TokenChunk(Struct, tag="chunk", tag_field="type", omit_defaults=True):
     """The chunk's tokens' log probabilities, in order (requests that ask for them)."""
     prompt: PromptEcho | None = None
     """On an attempt's first chunk, for a request with ``params.echo``."""
+    prompt_tokens: int = 0
+    """On an attempt's first chunk: the prompt's tokens (the final reply counts them too; a
+    stream that reports them first, Anthropic's ``message_start``, reads them here)."""
 
 
 class FinalReply(Struct, tag="final", tag_field="type", omit_defaults=True):

@@ -53,6 +53,9 @@ class Block(Struct, kw_only=True):
     tool_use_id: str | None = None
     content: str | list[Block] | None = None
     is_error: bool | None = None
+    source: Any = None
+    """A document's (an object: ``text``, ``content``, ``base64``, ``url``...) or a search result's (its URL)."""
+    title: str | None = None
 
 
 class Message(Struct):
@@ -78,6 +81,18 @@ class Thinking(Struct, kw_only=True):
     type: str
     """``disabled``, or a way to think (``enabled``, ``adaptive``...: all mean think here)."""
     budget_tokens: Annotated[int, Meta(ge=0, le=MAX_INT32)] | None = None
+    display: str | None = None
+    """``omitted``: think, but answer no thinking blocks."""
+
+    @property
+    def on(self) -> bool:
+        return self.type != "disabled"
+
+
+def shows_thinking(thinking: Thinking | None) -> bool:
+    """Whether the answer holds thinking blocks: only when asked for, as Anthropic answers
+    (a reasoning model's thinking is left out otherwise)."""
+    return thinking is not None and thinking.on and thinking.display != "omitted"
 
 
 class OutputFormat(Struct, kw_only=True):
@@ -114,66 +129,127 @@ class MessagesRequest(CountTokensRequest, kw_only=True):
     top_k: Annotated[int, Meta(ge=0, le=MAX_INT32)] | None = None
     metadata: Metadata | None = None
     output_config: OutputConfig | None = None
+    output_format: OutputFormat | None = None
+    """The structured-outputs beta's place for ``output_config.format`` (still sent by clients)."""
 
 
-def _text_of(content: str | list[Block] | None, where: str) -> str:
-    """The text of a system prompt or a tool result: a string, or text blocks joined."""
+NO_TEXT_BLOCKS = ("image", "document")
+"""Blocks a text model cannot read (a document unless its source is text)."""
+
+
+def _document_text(block: Block) -> str | None:
+    """A document's text when its source is text (``text`` data, or ``content`` text blocks)."""
+    source = block.source if isinstance(block.source, dict) else {}
+    if source.get("type") == "text" and isinstance(source.get("data"), str):
+        text = source["data"]
+    elif source.get("type") == "content" and isinstance(source.get("content"), str | list):
+        parts = source["content"] if isinstance(source["content"], list) else [{"text": source["content"]}]
+        text = "\n\n".join(part.get("text") or "" for part in parts if isinstance(part, dict))
+    else:
+        return None
+    return f"{block.title}\n\n{text}" if block.title else text
+
+
+def _block_text(block: Block, where: str, *, in_result: bool) -> str | None:
+    """The text a content block gives a text model: a text block's, a text document's, a search
+    result's; None for a block of another kind. A block with no text (an image, a PDF) is a
+    400 naming it, or inside a tool result (a tool that read an image) a line saying it was left out."""
+    if block.type == "text":
+        return block.text or ""
+    if block.type == "search_result":
+        texts = [block.title or "", block.source if isinstance(block.source, str) else "",
+                 _text_of(block.content, f"{where}.content", in_result=in_result)]
+        return "\n".join(text for text in texts if text)
+    if block.type == "document" and (text := _document_text(block)) is not None:
+        return text
+    if block.type in NO_TEXT_BLOCKS:
+        if in_result:
+            return f"[{block.type} left out: this model reads text only]"
+        raise BadRequest(f"{where}: {block.type} blocks are not supported (Shoal serves text models)",
+                         param=where.split("[")[0])
+    return None
+
+
+def _text_of(content: str | list[Block] | None, where: str, *, in_result: bool = False) -> str:
+    """The text of a system prompt, a tool result or a search result: a string, or its blocks'
+    texts joined (blocks with nothing for a text model, such as a tool search's
+    ``tool_reference``, left out)."""
     if content is None or isinstance(content, str):
         return content or ""
-    texts = []
-    for index, block in enumerate(content):
-        if block.type != "text":
-            raise BadRequest(f"{where}[{index}]: only text blocks are supported here, not {block.type!r}"
-                             + (" (Shoal serves text models)" if block.type in ("image", "document") else ""),
-                             param=where.split("[")[0].split(".")[0])
-        texts.append(block.text or "")
-    return "\n\n".join(texts)
+    texts = [_block_text(block, f"{where}[{index}]", in_result=in_result) for index, block in enumerate(content)]
+    return "\n\n".join(text for text in texts if text is not None)
+
+
+class _Turn:
+    """One chat message being written from a message's blocks: its texts, its calls."""
+
+    def __init__(self, role: str) -> None:
+        self.role = role
+        self.texts: list[str] = []
+        self.calls: list[dict[str, Any]] = []
+
+    def message(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"role": self.role, "content": "\n\n".join(self.texts)}
+        if self.calls:
+            out["tool_calls"] = self.calls
+        return out
 
 
 def _messages(req: CountTokensRequest) -> list[dict[str, Any]]:
-    """The conversation as OpenAI chat messages (see the module doc)."""
+    """The conversation as OpenAI chat messages (see the module doc); a 400 when nothing in it
+    is a turn to answer."""
     out: list[dict[str, Any]] = []
     system = _text_of(req.system, "system")
     if system:
         out.append({"role": "system", "content": system})
     for index, message in enumerate(req.messages):
         blocks = [Block(type="text", text=message.content)] if isinstance(message.content, str) else message.content
-        turn: dict[str, Any] | None = None  # the message being written, text and calls
+        turn: _Turn | None = None
         for number, block in enumerate(blocks):
             where = f"messages[{index}].content[{number}]"
-            if block.type == "text":
-                if turn is None:
-                    turn = {"role": message.role, "content": ""}
-                    out.append(turn)
-                turn["content"] += block.text or ""
-            elif block.type == "tool_use" and message.role == "assistant":
-                if turn is None:
-                    turn = {"role": "assistant", "content": ""}
-                    out.append(turn)
+            if block.type == "tool_result" and message.role == "user":
+                if not block.tool_use_id:
+                    raise BadRequest(f"{where}: a tool_result block needs its tool_use_id", param="messages")
+                if turn is not None:
+                    out.append(turn.message())
+                    turn = None
+                result = _text_of(block.content, f"{where}.content", in_result=True)
+                out.append({"role": "tool", "tool_call_id": block.tool_use_id,
+                            "content": f"Error: {result}" if block.is_error else result})
+                continue
+            if block.type in ("thinking", "redacted_thinking", "tool_reference") and message.role == "assistant":
+                continue  # earlier thinking: reasoning templates drop it
+            turn = turn or _Turn(message.role)
+            if block.type == "tool_use" and message.role == "assistant":
                 if not block.id or not block.name:
                     raise BadRequest(f"{where}: a tool_use block needs its id and name", param="messages")
                 arguments = block.input if block.input is not None else {}
-                turn.setdefault("tool_calls", []).append(
-                    {"id": block.id, "type": "function",
-                     "function": {"name": block.name, "arguments": json.dumps(arguments, ensure_ascii=False)}})
-            elif block.type == "tool_result" and message.role == "user":
-                if not block.tool_use_id:
-                    raise BadRequest(f"{where}: a tool_result block needs its tool_use_id", param="messages")
-                result = _text_of(block.content, f"{where}.content")
-                out.append({"role": "tool", "tool_call_id": block.tool_use_id,
-                            "content": f"Error: {result}" if block.is_error else result})
-                turn = None  # text after a result is a new user message
-            elif block.type in ("thinking", "redacted_thinking") and message.role == "assistant":
-                continue
-            elif block.type in ("image", "document"):
-                raise BadRequest(f"{where}: {block.type} blocks are not supported (Shoal serves text models)",
-                                 param="messages")
+                turn.calls.append({"id": block.id, "type": "function", "function": {
+                    "name": block.name, "arguments": json.dumps(arguments, ensure_ascii=False)}})
+            elif (text := _block_text(block, where, in_result=False)) is not None:
+                turn.texts.append(text)
             else:
                 raise BadRequest(f"{where}: {'an' if message.role == 'assistant' else 'a'} {message.role} message "
-                                 f"cannot hold a {block.type!r} block",
-                                 param="messages")
-        if turn is None and not blocks:
-            out.append({"role": message.role, "content": ""})
+                                 f"cannot hold a {block.type!r} block", param="messages")
+        if turn is not None or not blocks:
+            out.append((turn or _Turn(message.role)).message())
+    merged = _merged(out)
+    if not any(message["role"] != "system" for message in merged):
+        raise BadRequest("messages hold nothing to answer (only thinking blocks?)", param="messages")
+    return merged
+
+
+def _merged(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """`messages` with neighbouring plain turns of one role made one (as Anthropic combines
+    them; templates that want turns to alternate refuse anything else)."""
+    out: list[dict[str, Any]] = []
+    for message in messages:
+        previous = out[-1] if out else None
+        if (previous is not None and previous["role"] == message["role"] in ("user", "assistant")
+                and "tool_calls" not in previous and "tool_calls" not in message):
+            previous["content"] = "\n\n".join(text for text in (previous["content"], message["content"]) if text)
+        else:
+            out.append(dict(message))
     return out
 
 
@@ -182,8 +258,9 @@ def _tools(req: CountTokensRequest) -> dict[str, Any]:
     fields: dict[str, Any] = {}
     for tool in req.tools or ():
         if tool.type not in (None, "custom"):
-            raise BadRequest(f"tool {tool.name!r} is a server tool ({tool.type}); Shoal runs no tool itself: "
-                             f"declare it with an input_schema and run it in the client", param="tools")
+            raise BadRequest(f"tool {tool.name!r} is one of Anthropic's own ({tool.type}), which only Claude "
+                             f"knows or Anthropic runs: declare it with an input_schema (and run it in the client)",
+                             param="tools")
     if req.tools:
         fields["tools"] = [{"type": "function", "function": {
             "name": tool.name, "description": tool.description,
@@ -203,21 +280,23 @@ def _tools(req: CountTokensRequest) -> dict[str, Any]:
 
 
 def _thinking(thinking: Thinking | None, reasoning: ReasoningParser | None) -> dict[str, Any]:
-    if thinking is not None and thinking.type == "disabled" and reasoning is not None:
-        return {"chat_template_kwargs": {"enable_thinking": False}}
-    return {}
-
-
-def _output(config: OutputConfig | None) -> dict[str, Any]:
-    """The chat fields ``output_config`` sets: the answer's JSON schema, the reasoning effort
-    (the chat template's ``reasoning_effort``; ``xhigh`` and ``max`` are ``high``)."""
-    if config is None:
+    """A reasoning model thinks when asked to (the template's ``enable_thinking``), not
+    otherwise: Anthropic's models think only when ``thinking`` says so."""
+    if reasoning is None:
         return {}
+    return {"chat_template_kwargs": {"enable_thinking": thinking is not None and thinking.on}}
+
+
+def _output(config: OutputConfig | None, beta_format: OutputFormat | None) -> dict[str, Any]:
+    """The chat fields ``output_config`` (or the beta's ``output_format``) sets: the answer's
+    JSON schema, the reasoning effort (the chat template's ``reasoning_effort``; ``xhigh`` and
+    ``max`` are ``high``)."""
     fields: dict[str, Any] = {}
-    if config.format is not None:
+    output_format = config.format if config is not None and config.format is not None else beta_format
+    if output_format is not None:
         fields["response_format"] = {"type": "json_schema", "json_schema": {"name": "output",
-                                                                            "schema": config.format.schema}}
-    if config.effort is not None:
+                                                                            "schema": output_format.schema}}
+    if config is not None and config.effort is not None:
         fields["reasoning_effort"] = {"xhigh": "high", "max": "high"}.get(config.effort, config.effort)
     return fields
 
@@ -232,7 +311,7 @@ def chat_request(req: CountTokensRequest, reasoning: ReasoningParser | None) -> 
         fields.update(stream=bool(req.stream), max_tokens=req.max_tokens, temperature=req.temperature,
                       top_p=req.top_p, top_k=req.top_k,
                       user=req.metadata.user_id if req.metadata is not None else None,
-                      **_output(req.output_config))
+                      **_output(req.output_config, req.output_format))
     try:
         return msgspec.convert(fields, ChatCompletionRequest)
     except msgspec.ValidationError as exc:
@@ -325,6 +404,10 @@ class ModelInfo(Struct, tag="model", tag_field="type"):
     display_name: str
     created_at: str
     """RFC 3339: when the model was registered."""
+    max_input_tokens: int | None = None
+    """The model's context (known once a node agent has inspected it)."""
+    max_tokens: int | None = None
+    lifecycle: Literal["active"] = "active"
 
 
 class ModelPage(Struct):

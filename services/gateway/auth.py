@@ -38,10 +38,15 @@ def bearer_token(header: str) -> str:
     return token.strip() if scheme.lower() == "bearer" else ""
 
 
-def presented_key(headers: Mapping[str, str]) -> str:
+def presented_key(headers: Mapping[str, str], keys: list[str] | None = None) -> str:
     """The API key a request presents ("" if none): ``Authorization: Bearer <key>``, or
-    ``x-api-key: <key>`` as Anthropic's clients send it."""
-    return bearer_token(headers.get("Authorization", "")) or headers.get("x-api-key", "").strip()
+    ``x-api-key: <key>`` as Anthropic's clients send it. A request may send both (a client
+    with a token of its own for a proxy): the one among `keys`, if either is."""
+    bearer = bearer_token(headers.get("Authorization", ""))
+    header_key = headers.get("x-api-key", "").strip()
+    if bearer and header_key and keys is not None and not _key_matches(bearer, keys):
+        return header_key
+    return bearer or header_key
 
 
 def is_loopback(host: str) -> bool:
@@ -103,10 +108,10 @@ def auth_middleware(config: GatewayConfig) -> Callable[..., Awaitable[web.Stream
                          ) -> web.StreamResponse:
         if request.path in OPEN_PATHS or request.path.startswith(OPEN_PREFIXES):
             return await handler(request)
-        presented = presented_key(request.headers)
+        keys = config.api_keys + config.admin_api_keys
         if request.path.startswith("/admin"):
-            check_admin(config, presented)
-        elif config.api_keys and not _key_matches(presented, config.api_keys + config.admin_api_keys):
+            check_admin(config, presented_key(request.headers, config.admin_api_keys))
+        elif config.api_keys and not _key_matches(presented_key(request.headers, keys), keys):
             raise Unauthorized("missing or invalid API key: send Authorization: Bearer <key> (or x-api-key: <key>)",
                                code="invalid_api_key")
         return await handler(request)

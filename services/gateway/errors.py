@@ -128,31 +128,43 @@ class AnthropicErrorBody(msgspec.Struct):
     message: str
 
 
-class AnthropicError(msgspec.Struct, tag="error", tag_field="type"):
+class AnthropicError(msgspec.Struct, tag="error", tag_field="type", omit_defaults=True):
     """Every error response's body under Anthropic's ``/v1/messages``, and a stream's ``error`` event."""
 
     error: AnthropicErrorBody
+    request_id: str | None = None
 
 
 OLLAMA_PREFIX = "/api/"
 ANTHROPIC_PREFIX = "/v1/messages"
+ANTHROPIC_REQUEST_ID_HEADER = "request-id"
+"""Where Anthropic's clients read a response's request id (the SDK's ``_request_id``)."""
+CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
+"""The code of a prompt longer than the model takes (OpenAI's name for it)."""
 _ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                     404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
                     503: "overloaded_error", 504: "timeout_error"}
 """Anthropic's error types by status (other 4xx: invalid request; other 5xx: ``api_error``)."""
 
 
-def anthropic_error(error: ApiError) -> AnthropicError:
-    kind = _ANTHROPIC_TYPES.get(error.status, "invalid_request_error" if error.status < 500 else "api_error")
-    return AnthropicError(AnthropicErrorBody(kind, error.message))
+def _anthropic_status(error: ApiError) -> int:
+    """A prompt too long for the model is Anthropic's 400 (clients such as Claude Code read its
+    "prompt is too long" to compact a conversation); a body too large stays a 413."""
+    return 400 if error.code == CONTEXT_LENGTH_EXCEEDED else error.status
 
 
-def error_payload(error: ApiError, path: str = "") -> bytes:
+def anthropic_error(error: ApiError, request_id: str | None = None) -> AnthropicError:
+    status = _anthropic_status(error)
+    kind = _ANTHROPIC_TYPES.get(status, "invalid_request_error" if status < 500 else "api_error")
+    return AnthropicError(AnthropicErrorBody(kind, error.message), request_id)
+
+
+def error_payload(error: ApiError, path: str = "", request_id: str | None = None) -> bytes:
     """`error`'s body in the form of the API `path` belongs to: Ollama's, Anthropic's or OpenAI's."""
     if path.startswith(OLLAMA_PREFIX):
         return _encoder.encode(OllamaError(error.message))
     if path.startswith(ANTHROPIC_PREFIX):
-        return _encoder.encode(anthropic_error(error))
+        return _encoder.encode(anthropic_error(error, request_id))
     body = ErrorBody(error.message, error.error_type, error.code, error.param)
     return _encoder.encode(ErrorEnvelope(body))
 
@@ -162,8 +174,11 @@ def error_response(error: ApiError, path: str = "") -> web.Response:
     headers = {}
     if error.retry_after_s is not None:
         headers["Retry-After"] = str(max(1, round(error.retry_after_s)))
-    return web.Response(status=error.status, body=error_payload(error, path),
-                        content_type="application/json", headers=headers)
+    anthropic = path.startswith(ANTHROPIC_PREFIX)
+    request_id = structlog.contextvars.get_contextvars().get("request_id") if anthropic else None
+    return web.Response(status=_anthropic_status(error) if anthropic else error.status,
+                        body=error_payload(error, path, request_id), content_type="application/json",
+                        headers=headers)
 
 
 @web.middleware

@@ -97,10 +97,11 @@ class InMessage(Struct):
     """A tool turn: the call it answers."""
 
 
-FunctionName = Annotated[str, Meta(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]
-"""OpenAI's rule for function names (letters, digits, ``_``, ``-``; vLLM adds ``.``), at most 64."""
-MAX_TOOLS = 128
-"""Functions per request, as OpenAI bounds ``tools``."""
+FunctionName = Annotated[str, Meta(pattern=r"^[A-Za-z0-9_.-]{1,128}$")]
+"""Function names: letters, digits, ``_``, ``-`` (OpenAI's rule; vLLM adds ``.``), at most 128
+(Anthropic's bound; OpenAI's is 64, and MCP tools' prefixed names pass it)."""
+MAX_TOOLS = 1024
+"""Functions per request (OpenAI takes 128; a client with several MCP servers sends more)."""
 
 
 class FunctionDefinition(Struct):

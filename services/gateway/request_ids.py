@@ -13,6 +13,8 @@ from collections.abc import Awaitable, Callable
 import structlog
 from aiohttp import web
 
+from shoal.services.gateway.errors import ANTHROPIC_PREFIX, ANTHROPIC_REQUEST_ID_HEADER
+
 REQUEST_ID_HEADER = "X-Request-Id"
 REQUEST_ID = web.RequestKey("request_id", str)
 REPLICA_HEADER = "X-Shoal-Replica"
@@ -24,7 +26,8 @@ async def request_id_middleware(
     request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
 ) -> web.StreamResponse:
     """Outermost middleware: every log line of the request carries `request_id`, every
-    response (errors included) the ``X-Request-Id`` header. Streams set the header
+    response (errors included) the ``X-Request-Id`` header (and Anthropic's ``request-id``
+    under ``/v1/messages``). Streams set the header
     themselves before they start."""
     request_id = uuid.uuid4().hex
     structlog.contextvars.clear_contextvars()  # keep-alive: a connection serves many requests
@@ -33,4 +36,6 @@ async def request_id_middleware(
     response = await handler(request)
     if not response.prepared:
         response.headers[REQUEST_ID_HEADER] = request_id
+        if request.path.startswith(ANTHROPIC_PREFIX):
+            response.headers[ANTHROPIC_REQUEST_ID_HEADER] = request_id
     return response

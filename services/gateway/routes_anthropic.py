@@ -8,8 +8,9 @@ planned, admitted, placed and generated exactly as one sent to ``/v1/chat/comple
 An answer is a message of content blocks (``thinking``, ``text``, ``tool_use``); a streamed
 one is Anthropic's events: ``message_start``, each block's ``content_block_start``, deltas
 and ``content_block_stop``, then ``message_delta`` (stop reason, usage) and ``message_stop``;
-an error after the stream started is an ``error`` event. ``message_start`` reports 0 input
-tokens (the prompt is counted by the replica that runs it); ``message_delta`` reports them.
+an error after the stream started is an ``error`` event. ``message_start`` counts the prompt's
+tokens as its first chunk reports them (all of them: what the prefix cache held is known at
+the end); ``message_delta`` has the usage split as Anthropic reports it.
 Keys come as ``x-api-key`` or ``Authorization: Bearer`` (auth.py); ``anthropic-version``
 and ``anthropic-beta`` headers are accepted and not read.
 """
@@ -33,13 +34,14 @@ from shoal.services.gateway.anthropic_api import (
     ToolUseOut,
     Usage,
     chat_request,
+    shows_thinking,
     stop_reason,
     stop_sequences,
     tool_input,
     tool_use_id,
     usage_of,
 )
-from shoal.services.gateway.errors import ApiError, anthropic_error
+from shoal.services.gateway.errors import ANTHROPIC_REQUEST_ID_HEADER, ApiError, anthropic_error
 from shoal.services.gateway.json_body import json_response
 from shoal.services.gateway.openai_api import Answer
 from shoal.services.gateway.openai_api import Usage as ChatUsage
@@ -78,10 +80,12 @@ async def messages(request: web.Request) -> web.StreamResponse:
             tally.start()
             if plan.stream:
                 response, tally.outcome = await stream_answer(
-                    request, state, plan, lambda sse: _MessageEvents(sse, message_id, body.model, plan.answer_reader()))
+                    request, state, plan, lambda sse: _MessageEvents(sse, message_id, body.model, plan.answer_reader(),
+                                                                     shows_thinking(body.thinking)),
+                    headers={ANTHROPIC_REQUEST_ID_HEADER: request[REQUEST_ID]})
                 return response
             await state.dispatcher.ensure_placed(body.model, plan.choices[0].request.deadline)
-            whole = await _whole(state, plan, message_id, body.model)
+            whole = await _whole(state, plan, message_id, body.model, shows_thinking(body.thinking))
             tally.outcome = "ok"
             return whole
 
@@ -97,7 +101,7 @@ async def count_tokens(request: web.Request) -> web.Response:
         return json_response(TokenCount(len(reply.tokens)))
 
 
-async def _whole(state: GatewayState, plan: Plan, message_id: str, model: str) -> web.Response:
+async def _whole(state: GatewayState, plan: Plan, message_id: str, model: str, thinking: bool) -> web.Response:
     collected = Collected(plan.choices[0], plan.answer_reader())
     async with generating(state, plan.choices, restartable=True) as events:
         async for _, event in events:
@@ -105,14 +109,16 @@ async def _whole(state: GatewayState, plan: Plan, message_id: str, model: str) -
     final = collected.ended()
     answer = collected.answer()
     token_usage = choices_usage(plan.choices, [final], collected.num_reasoning_tokens)
-    message = MessageOut(message_id, model, _blocks(answer), stop_reason(answer.finish_reason, final.stop_reason),
+    message = MessageOut(message_id, model, _blocks(answer, thinking),
+                         stop_reason(answer.finish_reason, final.stop_reason),
                          final.stop_reason, _usage(token_usage))
-    return json_response(message, headers={REPLICA_HEADER: final.replica_id})
+    return json_response(message, headers={REPLICA_HEADER: final.replica_id})  # request-id: errors.py
 
 
-def _blocks(answer: Answer) -> list[BlockOut]:
-    """An answer's content: its thinking, its text, its calls (a text block, empty, for none)."""
-    blocks: list[BlockOut] = [ThinkingOut(answer.reasoning)] if answer.reasoning else []
+def _blocks(answer: Answer, thinking: bool) -> list[BlockOut]:
+    """An answer's content: its thinking (when asked for), its text, its calls (a text block,
+    empty, for none)."""
+    blocks: list[BlockOut] = [ThinkingOut(answer.reasoning)] if answer.reasoning and thinking else []
     if answer.text:
         blocks.append(TextOut(answer.text))
     blocks += [ToolUseOut(tool_use_id(call), call.function.name, tool_input(call)) for call in answer.tool_calls or ()]
@@ -131,8 +137,9 @@ class _MessageEvents:
     """One answer's stream events (a `StreamWriter`): a block is opened when the text read
     changes kind (thinking, text), each call is a ``tool_use`` block of its own."""
 
-    def __init__(self, sse: SseStream, message_id: str, model: str, reader: AnswerReader) -> None:
+    def __init__(self, sse: SseStream, message_id: str, model: str, reader: AnswerReader, thinking: bool) -> None:
         self._sse = sse
+        self._thinking = thinking
         self._message_id = message_id
         self._model = model
         self._reader = reader
@@ -140,6 +147,7 @@ class _MessageEvents:
         self._open: Streamed | None = None
         self._num_blocks = 0
         self._stop: tuple[Any, str | None] = ("end_turn", None)
+        self._begun = False
 
     @property
     def num_reasoning_tokens(self) -> int:
@@ -149,13 +157,20 @@ class _MessageEvents:
         await self._sse.send(_encoder.encode({"type": event, **payload}), event=event)
 
     async def start(self) -> None:
-        message = MessageOut(self._message_id, self._model, [], None, None, Usage(0, 0))
-        await self._send("message_start", {"message": message})
+        """Nothing yet: ``message_start`` goes with the first event, which counts the prompt."""
+
+    async def _begin(self, prompt_tokens: int) -> None:
+        if not self._begun:
+            self._begun = True
+            message = MessageOut(self._message_id, self._model, [], None, None, Usage(prompt_tokens, 0))
+            await self._send("message_start", {"message": message})
 
     async def tokens(self, index: int, chunk: TokenChunk) -> None:
+        await self._begin(chunk.prompt_tokens)
         await self._send_read(self._reader.feed(chunk.text, chunk.num_tokens))
 
     async def ended(self, index: int, final: FinalReply) -> None:
+        await self._begin(final.prompt_tokens)
         self.finals[index] = final
         read, finish_reason = self._reader.finish(final.finish_reason)
         await self._send_read(read)
@@ -171,13 +186,14 @@ class _MessageEvents:
         await self._send("message_stop", {})
 
     async def fail(self, error: ApiError) -> None:
-        await self._sse.send(_encoder.encode(anthropic_error(error)), event="error")
+        await self._sse.send(_encoder.encode(anthropic_error(error, self._message_id.removeprefix("msg_"))),
+                             event="error")
 
     async def close(self) -> None:
         await self._sse.close()
 
     async def _send_read(self, read: Read) -> None:
-        if read.reasoning:
+        if read.reasoning and self._thinking:
             await self._delta("thinking", read.reasoning)
         if read.content:
             await self._delta("text", read.content)

@@ -220,7 +220,7 @@ async def _generate(request: web.Request, api: Api) -> web.StreamResponse:
 async def _load_or_unload(request: web.Request, state: GatewayState, model: str, keep_alive: float | None,
                           replies: _Replies) -> web.Response:
     if keep_alive == 0:
-        if not may_use_admin(state.config, presented_key(request.headers)):
+        if not may_use_admin(state.config, presented_key(request.headers, state.config.admin_api_keys)):
             raise Forbidden("unloading a model (keep_alive 0) puts it to sleep for everyone: it needs an admin key")
         reply = await ask_scheduler(state.bus, "evict", EvictReplicas(model), timeout_s=120.0)
         if not reply.ok:

@@ -107,7 +107,7 @@ async def get_model(request: web.Request) -> web.Response:
 
 def _model_info(spec: ModelSpec) -> ModelInfo:
     registered = datetime.fromtimestamp(spec.registered_at, UTC).isoformat().replace("+00:00", "Z")
-    return ModelInfo(spec.key, spec.key, registered)
+    return ModelInfo(spec.key, spec.key, registered, spec.max_model_len, spec.max_model_len)
 
 
 def _card(key: str, registered_at: float, max_model_len: int | None) -> ModelCard:

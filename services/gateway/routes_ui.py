@@ -76,7 +76,7 @@ async def state(request: web.Request) -> web.Response:
         history=live.history.get_since(since),
         history_window_s=live.history.window_s,
         gateway_id=gateway.router.gateway_id,
-        admin=may_use_admin(gateway.config, presented_key(request.headers)),
+        admin=may_use_admin(gateway.config, presented_key(request.headers, gateway.config.admin_api_keys)),
         at=time.time(),
     )
     return json_response(document, headers={"Cache-Control": "no-store"})

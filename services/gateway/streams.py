@@ -39,18 +39,20 @@ class StreamWriter(Protocol):
 
 
 async def stream_answer(request: web.Request, state: GatewayState, plan: Plan,
-                        make_writer: Callable[[SseStream], StreamWriter]) -> tuple[web.StreamResponse, str]:
+                        make_writer: Callable[[SseStream], StreamWriter], *, headers: dict[str, str] | None = None
+                        ) -> tuple[web.StreamResponse, str]:
     """The SSE response and its outcome: "ok", or the status of an error sent in the stream
     after the 200 (504 at the deadline, 503 when the replica died). Several choices stream
     interleaved, each event naming its choice's index.
 
     While it waits (placement, a cold start, a replica restarting) the stream gets a comment
-    line every `gateway.stream_keepalive_s` saying what it waits for (sse.py)."""
+    line every `gateway.stream_keepalive_s` saying what it waits for (sse.py). `headers`: the
+    API's own, besides ``X-Request-Id``."""
     choices = plan.choices
     first = choices[0].request
     progress = WaitProgress(state.cluster, first.model)
     sse = SseStream(request, keepalive_s=state.config.stream_keepalive_s, describe=progress.describe,
-                    headers={REQUEST_ID_HEADER: request[REQUEST_ID]})
+                    headers={REQUEST_ID_HEADER: request[REQUEST_ID], **(headers or {})})
     out = make_writer(sse)
     outcome = "ok"
     async with generating(state, choices, restartable=False) as events, sse.keeping_alive():

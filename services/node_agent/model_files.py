@@ -32,7 +32,12 @@ def inspect_model(
 
     try:
         model_dir = resolve_model_dir(models_root, command.path)
+        if not model_dir.is_dir():  # else transformers reads the path as a Hub repo id, and says so
+            raise ModelInspectionError(f"cannot read model {command.path!r}: {model_dir} is not a directory "
+                                       f"(the models root is {models_root})")
         config = AutoConfig.from_pretrained(model_dir, trust_remote_code=False)
+    except ModelInspectionError:
+        raise
     except (OSError, ValueError) as exc:
         raise ModelInspectionError(f"cannot read model {command.path!r}: {exc}") from exc
     dtype = None if command.dtype == "auto" else command.dtype

@@ -23,6 +23,16 @@ if TYPE_CHECKING:
 FinishReason = Literal["stop", "length", "cancelled", "error"]
 
 
+CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
+
+
+def prompt_too_long(num_prompt_tokens: int, max_prompt_tokens: int, what_bounds: str) -> RequestRejected:
+    """A 413 for a prompt longer than `what_bounds` takes, worded as Anthropic's (clients such
+    as Claude Code compact a conversation on "prompt is too long")."""
+    return RequestRejected(f"prompt is too long: {num_prompt_tokens} tokens > {max_prompt_tokens} maximum "
+                           f"({what_bounds})", 413, code=CONTEXT_LENGTH_EXCEEDED)
+
+
 class RequestRejected(ShoalError, ValueError):
     """The engine cannot run this request at all (raised by `Engine.generate` before any output).
 
@@ -30,9 +40,11 @@ class RequestRejected(ShoalError, ValueError):
     for the model or the KV pool; 400: invalid for this model).
     """
 
-    def __init__(self, message: str, status: int = 400, *, param: str | None = None) -> None:
+    def __init__(self, message: str, status: int = 400, *, param: str | None = None, code: str | None = None) -> None:
         super().__init__(message)
         self.status = status
+        self.code = code
+        """The error's ``code`` (``context_length_exceeded``: the prompt is longer than the model takes)."""
         self.param = param
         """The request field at fault; None: the prompt (or messages), which is what the
         engine validates unless it says otherwise."""

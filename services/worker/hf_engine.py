@@ -23,6 +23,7 @@ from shoal.services.worker.generation import (
     RequestRejected,
     TextStream,
     embedding_bytes,
+    prompt_too_long,
 )
 
 _DONE = object()
@@ -90,7 +91,7 @@ class HFGenerateEngine:
         num_prompt = len(request.prompt_token_ids)
         max_len = min(self._max_model_len, request.max_model_len or self._max_model_len)
         if num_prompt >= max_len:
-            raise RequestRejected(f"prompt has {num_prompt} tokens; this model takes at most {max_len - 1}", 413)
+            raise prompt_too_long(num_prompt, max_len - 1, "the model's context, less one token to answer")
         if request.params.presence_penalty or request.params.frequency_penalty:
             raise RequestRejected(
                 "presence_penalty and frequency_penalty need the paged engine; this model runs on the hf engine",

@@ -395,7 +395,8 @@ class WorkerService:
                         if echo is not None and output.prompt_logprobs is not None:
                             echo.logprobs = self._token_bytes.to_wire(output.prompt_logprobs) or []
                         await replier.chunk(output.text, output.num_new_tokens, output.token_hash,
-                                            self._token_bytes.to_wire(output.logprobs), echo)
+                                            self._token_bytes.to_wire(output.logprobs), echo,
+                                            prompt_tokens=len(token_ids) if replier.seq == 0 else 0)
                         echo = None
                     if output.finished:
                         return await self._finish(request, replier, output, logger)
@@ -407,7 +408,7 @@ class WorkerService:
             return "handed_back"
         except RequestRejected as exc:
             logger.info("request_rejected", status=exc.status, error=str(exc))
-            await replier.error(exc.status, str(exc), "invalid_request_error", param=exc.param)
+            await replier.error(exc.status, str(exc), "invalid_request_error", param=exc.param, code=exc.code)
             return "rejected"
         except asyncio.CancelledError:
             self._engine.cancel(request.request_id)  # handed back by `_handle`
@@ -544,9 +545,10 @@ class _Replier:
         await self._publish(encode_msgpack(message))
 
     async def chunk(self, text: str, num_tokens: int, token_hash: int = 0,
-                    logprobs: list[TokenLogprob] | None = None, prompt: PromptEcho | None = None) -> None:
+                    logprobs: list[TokenLogprob] | None = None, prompt: PromptEcho | None = None,
+                    prompt_tokens: int = 0) -> None:
         message = TokenChunk(self.request_id, self.attempt, self.seq, text, num_tokens, self.replica_id, token_hash,
-                             logprobs, prompt)
+                             logprobs, prompt, prompt_tokens)
         self.seq += 1
         await self._publish(encode_msgpack(message))
 
@@ -556,8 +558,7 @@ class _Replier:
                              self.replica_id, num_cached, embedding, stop_reason)
         await self._publish_confirmed(encode_msgpack(message))
 
-    async def error(self, status: int, message: str, error_type: ErrorType, *, param: str | None = None) -> None:
-        reply = ErrorReply(
-            self.request_id, self.attempt, status, message, error_type, None, self.replica_id, param
-        )
+    async def error(self, status: int, message: str, error_type: ErrorType, *, param: str | None = None,
+                    code: str | None = None) -> None:
+        reply = ErrorReply(self.request_id, self.attempt, status, message, error_type, code, self.replica_id, param)
         await self._publish_confirmed(encode_msgpack(reply))

@@ -51,6 +51,7 @@ def test_a_message_is_the_chat_completions_answer(api: anthropic.Anthropic, clie
     message = api.messages.create(model=SMALL, max_tokens=8, extra_body=GREEDY, messages=QUESTION)  # type: ignore[arg-type]
     expected = _greedy_chat(client, QUESTION)
     assert message.id.startswith("msg_") and message.role == "assistant" and message.model == SMALL
+    assert message._request_id == message.id.removeprefix("msg_")  # the `request-id` header the SDK reads
     (block,) = message.content
     assert block.type == "text" and block.text == expected.choices[0].message.content
     assert message.stop_reason == "max_tokens" and message.stop_sequence is None
@@ -63,6 +64,7 @@ def test_a_message_is_the_chat_completions_answer(api: anthropic.Anthropic, clie
         events = list(stream)
         streamed = stream.get_final_message()
     assert [events[0].type, events[-1].type] == ["message_start", "message_stop"]
+    assert events[0].message.usage.input_tokens == usage.prompt_tokens  # older clients read it only there
     assert "".join(e.delta.text for e in events if e.type == "content_block_delta" and e.delta.type == "text_delta"
                    ) == block.text
     assert [b.model_dump() for b in streamed.content] == [b.model_dump() for b in message.content]
@@ -144,17 +146,23 @@ def test_a_reasoning_models_thinking_is_a_thinking_block(shoal: ShoalUp, api: an
                                                   "reasoning_parser": "deepseek_r1"})
     assert status == 200, body
     kwargs: dict[str, Any] = dict(model="org/anthropic-thinker", max_tokens=8, extra_body=GREEDY, messages=QUESTION)
-    message = api.messages.create(**kwargs, thinking={"type": "enabled", "budget_tokens": 1024})
+    thinks = {"type": "enabled", "budget_tokens": 1024}
+    message = api.messages.create(**kwargs, thinking=thinks)
     expected = client.chat.completions.create(model="org/anthropic-thinker", messages=QUESTION, max_tokens=8,
                                               temperature=0)
     reasoning = expected.choices[0].message.model_extra["reasoning_content"]  # random weights never close it
     assert reasoning and [(b.type, getattr(b, "thinking", None)) for b in message.content] == [("thinking", reasoning)]
-    with api.messages.stream(**kwargs) as stream:
+    with api.messages.stream(**kwargs, thinking=thinks) as stream:
         events = list(stream)
         streamed = stream.get_final_message()
     assert "".join(e.delta.thinking for e in events if e.type == "content_block_delta"
                    and e.delta.type == "thinking_delta") == reasoning
     assert [b.type for b in streamed.content] == ["thinking"]
+    # Without `thinking`, an answer has no thinking blocks, as Anthropic's models answer (this
+    # model, of random weights, thinks to the end: its answer is empty)
+    unasked = api.messages.create(**kwargs)
+    assert [b.model_dump(include={"type", "text"}) for b in unasked.content] == [{"type": "text", "text": ""}]
+    assert unasked.usage.output_tokens == 8
 
 
 def test_output_config_format_shapes_the_answer(api: anthropic.Anthropic) -> None:
@@ -186,7 +194,12 @@ def test_errors_come_in_anthropics_form(shoal: ShoalUp, api: anthropic.Anthropic
     assert status == 400 and "image blocks are not supported" in body["error"]["message"]
     status, body = _post(shoal, "/v1/messages", {"model": SMALL, "max_tokens": 8, "messages": QUESTION,
                                                  "tools": [{"type": "web_search_20250305", "name": "web_search"}]})
-    assert status == 400 and "server tool" in body["error"]["message"]
+    assert status == 400 and "one of Anthropic's own" in body["error"]["message"]
+    long_prompt = [{"role": "user", "content": "The tide comes in. " * 2000}]  # past the model's context
+    with pytest.raises(anthropic.BadRequestError) as too_long:  # Anthropic's 400, which clients compact on
+        api.messages.create(model=SMALL, max_tokens=8, messages=long_prompt)  # type: ignore[arg-type]
+    assert too_long.value.body["error"]["message"].startswith("prompt is too long: ")  # type: ignore[index]
+    assert too_long.value.body["request_id"] == too_long.value.response.headers["request-id"]  # type: ignore[index]
     status, body = _post(shoal, "/v1/messages", {"model": SMALL, "max_tokens": 8, "messages": QUESTION,
                                                  "temperature": 1.5})
     assert status == 400 and body["error"]["type"] == "invalid_request_error"

@@ -73,7 +73,7 @@ async def test_anthropics_api_takes_keys_as_x_api_key_and_answers_anthropics_err
     ``{"type": "error", "error": {"type", "message"}}``, whatever their cause."""
     message = {"model": "org/m", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
     status, body = await _call("POST", gateway + "/v1/messages", json=message)
-    assert status == 401 and body == {"type": "error", "error": {
+    assert status == 401 and body.pop("request_id") and body == {"type": "error", "error": {
         "type": "authentication_error",
         "message": "missing or invalid API key: send Authorization: Bearer <key> (or x-api-key: <key>)"}}
     async with aiohttp.ClientSession() as session:
@@ -81,9 +81,13 @@ async def test_anthropics_api_takes_keys_as_x_api_key_and_answers_anthropics_err
             assert resp.status == 200
         async with session.get(gateway + "/v1/models", headers={"x-api-key": "wrong"}) as resp:
             assert resp.status == 401
+        both = {"x-api-key": "user-key", "Authorization": "Bearer a-proxy-token"}  # either may hold the key
+        async with session.get(gateway + "/v1/models", headers=both) as resp:
+            assert resp.status == 200
         async with session.post(gateway + "/v1/messages", headers={"x-api-key": "user-key"}, json=message) as resp:
             body = await resp.json()  # allowed: only the scheduler is missing here
             assert resp.status == 503 and body["type"] == "error" and body["error"]["type"] == "overloaded_error"
+            assert body["request_id"] == resp.headers["request-id"] == resp.headers["X-Request-Id"]
     status, body = await _call("POST", gateway + "/v1/messages", "user-key", json={**message, "max_tokens": 0})
     assert status == 400 and body["error"]["type"] == "invalid_request_error" and "max_tokens" in body["error"]["message"]
     status, body = await _call("POST", gateway + "/v1/messages/count_tokens", "user-key", json={

@@ -14,6 +14,7 @@ from shoal.services.gateway.anthropic_api import (
     ModelPageQuery,
     chat_request,
     model_page,
+    shows_thinking,
     stop_reason,
     stop_sequences,
     tool_input,
@@ -50,6 +51,40 @@ def test_blocks_keep_their_order_as_messages() -> None:
     assert chat["max_tokens"] == 5 and chat["stream"] is False and not chat["continue_final_message"]
 
 
+def test_blocks_a_text_model_can_read_are_read_and_those_in_tool_results_it_cannot_are_named() -> None:
+    """A tool that read an image stays in the history: its result says the image was left
+    out (a 400 would fail every later turn); documents and search results given as text are text."""
+    chat = _chat(messages=[
+        {"role": "user", "content": [
+            {"type": "document", "title": "Notes", "source": {"type": "text", "media_type": "text/plain",
+                                                              "data": "The tide is high."}},
+            {"type": "document", "source": {"type": "content", "content": [{"type": "text", "text": "Part A."},
+                                                                           {"type": "text", "text": "Part B."}]}},
+            {"type": "search_result", "title": "Tides", "source": "https://example.org/tides",
+             "content": [{"type": "text", "text": "Twice a day."}]},
+            {"type": "text", "text": "Summarize."}]},
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "read", "input": {"p": "a.png"}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": [
+            {"type": "text", "text": "Read a.png:"}, {"type": "image", "source": {"type": "base64", "data": "iVBO"}},
+            {"type": "tool_reference", "tool_name": "read"}]}]}])
+    assert chat["messages"][0]["content"] == ("Notes\n\nThe tide is high.\n\nPart A.\n\nPart B.\n\n"
+                                              "Tides\nhttps://example.org/tides\nTwice a day.\n\nSummarize.")
+    assert chat["messages"][2] == {"role": "tool", "tool_call_id": "t1", "name": None, "tool_calls": None,
+                                   "content": "Read a.png:\n\n[image left out: this model reads text only]"}
+
+
+def test_neighbouring_turns_of_one_role_are_one_message() -> None:
+    """As Anthropic combines them; a turn whose thinking alone was dropped leaves none behind."""
+    chat = _chat(messages=[
+        {"role": "user", "content": [{"type": "text", "text": "<system-reminder>be brief</system-reminder>"},
+                                     {"type": "text", "text": "Hi"}]},
+        {"role": "assistant", "content": [{"type": "thinking", "thinking": "hmm", "signature": ""}]},
+        {"role": "user", "content": "Still there?"},
+        {"role": "assistant", "content": []}, {"role": "assistant", "content": "Yes."}])
+    assert [(m["role"], m["content"]) for m in chat["messages"]] == [
+        ("user", "<system-reminder>be brief</system-reminder>\n\nHi\n\nStill there?"), ("assistant", "Yes.")]
+
+
 def test_a_last_assistant_turn_is_continued() -> None:
     chat = _chat(messages=[{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hel"}])
     assert chat["continue_final_message"] is True and chat["messages"][-1] == {"role": "assistant", "content": "Hel",
@@ -65,6 +100,9 @@ def test_a_last_assistant_turn_is_continued() -> None:
      ({"type": "function", "function": {"name": "get_time"}}, False)),
 ])
 def test_tool_choices(choice: dict[str, Any], expected: tuple[Any, bool | None]) -> None:
+    long_name = {**TOOL, "name": "mcp__filesystem_server__" + "x" * 90}  # Anthropic takes names of 128
+    assert _chat(messages=[{"role": "user", "content": "x"}], tools=[long_name] * 200)["tools"][0]["function"][
+        "name"] == long_name["name"]
     chat = _chat(messages=[{"role": "user", "content": "Time?"}], tools=[TOOL], tool_choice=choice)
     assert (chat["tool_choice"], chat["parallel_tool_calls"]) == expected
     assert chat["tools"] == [{"type": "function", "function": {
@@ -79,10 +117,21 @@ def test_sampling_thinking_and_output_config() -> None:
     assert chat["reasoning_effort"] == "high"
     assert chat["response_format"] == {"type": "json_schema", "json_schema": {"name": "output",
                                                                              "schema": {"type": "object"}}}
-    body = msgspec.convert({"model": "m", "messages": [{"role": "user", "content": "Hi"}],
-                            "thinking": {"type": "disabled"}}, CountTokensRequest)
-    assert chat_request(body, "deepseek_r1").chat_template_kwargs == {"enable_thinking": False}
-    assert chat_request(body, None).chat_template_kwargs is None  # a model that does not think: nothing to turn off
+
+    def thinking(value: dict[str, Any] | None, reasoning: Any = "qwen3") -> tuple[dict[str, Any] | None, bool]:
+        body = msgspec.convert({"model": "m", "messages": [{"role": "user", "content": "Hi"}],
+                                **({"thinking": value} if value else {})}, CountTokensRequest)
+        return chat_request(body, reasoning).chat_template_kwargs, shows_thinking(body.thinking)
+
+    # As Anthropic's models: no thinking unless asked for, and no thinking blocks then
+    assert thinking(None) == ({"enable_thinking": False}, False)
+    assert thinking({"type": "disabled"}) == ({"enable_thinking": False}, False)
+    assert thinking({"type": "enabled", "budget_tokens": 2048}) == ({"enable_thinking": True}, True)
+    assert thinking({"type": "adaptive", "display": "omitted"}) == ({"enable_thinking": True}, False)
+    assert thinking({"type": "enabled"}, reasoning=None) == (None, True)  # a model that does not think: nothing to set
+    beta = _chat(messages=[{"role": "user", "content": "Hi"}],
+                 output_format={"type": "json_schema", "schema": {"type": "array"}})
+    assert beta["response_format"]["json_schema"]["schema"] == {"type": "array"}
     stops = msgspec.convert({"model": "m", "max_tokens": 1, "messages": [{"role": "user", "content": "x"}],
                              "stop_sequences": ["a", "", "b", "c", "d", "e"]}, MessagesRequest)
     assert stop_sequences(stops) == ["a", "b", "c", "d", "e"]  # more than /v1's 4
@@ -95,9 +144,11 @@ def test_sampling_thinking_and_output_config() -> None:
     ([{"role": "assistant", "content": [{"type": "tool_result", "tool_use_id": "t"}]}], None,
      "an assistant message cannot hold a 'tool_result' block"),
     ([{"role": "assistant", "content": [{"type": "tool_use", "name": "f", "input": {}}]}], None, "needs its id"),
-    ([{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t", "content": [
-        {"type": "document", "source": {}}]}]}], None, "only text blocks"),
-    ([{"role": "user", "content": "x"}], [{"type": "bash_20250124", "name": "bash"}], "server tool"),
+    ([{"role": "user", "content": [{"type": "document", "source": {"type": "base64", "data": "JVBER"}}]}], None,
+     "document blocks are not supported"),
+    ([{"role": "user", "content": [{"type": "server_tool_use", "id": "s"}]}], None, "cannot hold a 'server_tool_use'"),
+    ([{"role": "assistant", "content": [{"type": "thinking", "thinking": "hm"}]}], None, "nothing to answer"),
+    ([{"role": "user", "content": "x"}], [{"type": "bash_20250124", "name": "bash"}], "one of Anthropic's own"),
 ])
 def test_what_cannot_be_served_is_a_400_naming_it(messages: list[Any], tools: list[Any] | None, says: str) -> None:
     with pytest.raises(BadRequest) as caught:

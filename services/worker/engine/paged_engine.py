@@ -70,6 +70,7 @@ from shoal.services.worker.generation import (
     TextStream,
     TokenLogprobs,
     embedding_bytes,
+    prompt_too_long,
 )
 from shoal.shared.kv_cache.block_pool import BlockPool
 from shoal.shared.kv_cache.cost_model import CostProfile
@@ -491,11 +492,8 @@ class PagedEngine:
         if num_prompt_tokens == 0:
             raise RequestRejected("the prompt is empty", 400)
         if num_prompt_tokens >= max_model_len:
-            raise RequestRejected(
-                f"prompt has {num_prompt_tokens} tokens; this model and KV pool take at most "
-                f"{max_model_len - 1}",
-                413,
-            )
+            raise prompt_too_long(num_prompt_tokens, max_model_len - 1,
+                                  "the model's context or its KV pool, less one token to answer")
         params = request.params
         if params.min_tokens and params.has_grammar:
             raise RequestRejected(f"min_tokens cannot be combined with {params.grammar_param}: the grammar's end "

@@ -1,0 +1,65 @@
+"""``shoal check``: a configuration's faults found before anything starts, on the demo
+models' real files."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from shoal.cli.check import check
+from shoal.cli.launcher import model_specs
+from shoal.cli.main import main
+from shoal.shared.config import load_config
+
+
+def _config_file(tmp_path: Path, models_root: Path, body: str) -> Path:
+    path = tmp_path / "shoal.toml"
+    path.write_text(f'demo_models = false\n[node]\nmodels_root = "{models_root}"\ngpus = "virtual:2x1GiB"\n{body}')
+    return path
+
+
+def test_a_sound_configuration_passes(tmp_path: Path, demo_models_root: Path, capsys: pytest.CaptureFixture[str]
+                                      ) -> None:
+    path = _config_file(tmp_path, demo_models_root, '[[models]]\nkey = "org/small"\npath = "demo/llama-5m"\n'
+                                                    'min_replicas = 2\n')
+    assert main(["check", "--config", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "org/small     LlamaForCausalLM, 5.0M parameters" in out
+    assert "2 replica(s) kept up fit this node's GPUs" in out and out.endswith("0 error(s), 0 warning(s)\n")
+
+
+def test_each_fault_is_named_worst_first(tmp_path: Path, demo_models_root: Path,
+                                         capsys: pytest.CaptureFixture[str]) -> None:
+    path = _config_file(tmp_path, demo_models_root, '''
+[gateway]
+host = "0.0.0.0"
+[[models]]
+key = "org/big"
+path = "demo/llama-100m"
+memory_override_bytes = "3GiB"
+[[models]]
+key = "org/missing"
+path = "nowhere/model"
+[[models]]
+key = "org/kept"
+path = "demo/llama-5m"
+min_replicas = 3
+''')
+    findings = check(load_config(path), model_specs(load_config(path)))
+    by_subject = {finding.subject: finding for finding in findings}
+    assert [finding.level for finding in findings][:4] == ["error"] * 3 + ["warning"]
+    assert "open to anyone who can reach 0.0.0.0:8000" in by_subject["gateway"].message
+    assert "it never fits: one replica needs a GPU with 3.00 GiB" in by_subject["org/big"].message
+    assert "nowhere/model is not a directory" in by_subject["org/missing"].message
+    kept = by_subject["min_replicas"]  # three replicas of 0.8 GiB on two GPUs of 1 GiB
+    assert kept.level == "warning" and "org/kept is left out" in kept.message
+    assert main(["check", "--config", str(path)]) == 1
+    assert capsys.readouterr().out.endswith("3 error(s), 1 warning(s)\n")
+
+
+def test_an_invalid_file_is_exit_status_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "shoal.toml"
+    path.write_text('[[models]]\nkey = "x"\npath = "../etc"\n')
+    assert main(["check", "--config", str(path)]) == 2
+    assert "must be relative to the models root" in capsys.readouterr().err
