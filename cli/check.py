@@ -3,13 +3,13 @@
 An operator runs it before a restart (as ``nginx -t`` or ``promtool check config``): the
 config file parses and validates (load_config), the admin API is not left open to the
 network, each model's files are readable under the models root, and each model fits this
-node's GPUs: one replica at all, and the replicas kept up (``min_replicas``) all together.
+node's GPUs by the scheduler's own placement rules (shared/placement): one replica at all,
+and the replicas kept up (``min_replicas``) all together.
 It reads model configs only (no weights, no NATS) and exits 1 when something is wrong.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Literal, TextIO
 
@@ -18,7 +18,10 @@ from shoal.services.node_agent.gpus import GpuDiscoveryError, discover_gpus
 from shoal.services.node_agent.model_files import ModelInspectionError, inspect_model
 from shoal.shared.config import ConfigError, ShoalConfig
 from shoal.shared.messages import InspectModel, ModelSpec
-from shoal.shared.placement.memory_figure import get_memory_figure
+from shoal.shared.placement.config import PlacementConfig
+from shoal.shared.placement.memory_figure import UnknownModelMemory, get_memory_figure
+from shoal.shared.placement.node_eval import count_whole_gpus, get_multi_gpu_need, get_single_gpu_allocation
+from shoal.shared.placement.snapshot import ModelDemand
 
 Level = Literal["ok", "warning", "error"]
 GIB = 1 << 30
@@ -31,45 +34,30 @@ class Finding:
     message: str
 
 
-@dataclass(frozen=True)
-class _Sized:
-    spec: ModelSpec
-    required_bytes: int
-    """One replica's GPU bytes, all its GPUs together."""
-
-    @property
-    def per_gpu_bytes(self) -> int:
-        return math.ceil(self.required_bytes / self.spec.num_gpus)
-
-
 def check(config: ShoalConfig, specs: list[ModelSpec]) -> list[Finding]:
     """Every finding on `config` and the models it serves (`specs`), worst first."""
     findings = [_admin_exposure(config)]
     try:
         gpus = discover_gpus(config.node.gpus)
     except (GpuDiscoveryError, ConfigError) as exc:
-        findings.append(Finding("warning", "gpus", f"{exc}; model fit not checked"))
-        gpu_bytes: list[int] = []
+        findings.append(Finding("error", "gpus", f"{exc}: the node agent cannot start; model fit not checked"))
+        totals: list[int] = []
+        virtual = config.node.gpus.startswith("virtual:")
     else:
-        gpu_bytes = [gpu.total_bytes for gpu in gpus.gpus]
-        kind = "virtual" if gpus.virtual else "NVIDIA"
-        findings.append(Finding("ok", "gpus", f"{len(gpu_bytes)} {kind} GPU(s): "
-                                f"{', '.join(f'{size / GIB:.1f} GiB' for size in gpu_bytes)}"))
-    usable = [int(size * config.scheduler.placement.max_gpu_memory_fraction) for size in gpu_bytes]
-    sized: list[_Sized] = []
+        totals = sorted((gpu.total_bytes for gpu in gpus.gpus), reverse=True)
+        virtual = gpus.virtual
+        findings.append(Finding("ok", "gpus", f"{len(totals)} {'virtual' if virtual else 'NVIDIA'} GPU(s): "
+                                f"{', '.join(f'{size / GIB:.1f} GiB' for size in totals)}"))
+    demands: list[ModelDemand] = []
     for spec in specs:
-        finding, size = _model(config, spec, usable, on_cpu=not gpu_bytes or _virtual(config))
+        finding, demand = _model(config, spec, totals, on_cpu=virtual)
         findings.append(finding)
-        if size is not None:
-            sized.append(size)
-    if usable:
-        findings.append(_kept_up(sized, usable))
+        if demand is not None:
+            demands.append(demand)
+    if totals:
+        findings.append(_kept_up(demands, totals, config.scheduler.placement))
     order = {"error": 0, "warning": 1, "ok": 2}
     return sorted(findings, key=lambda finding: order[finding.level])
-
-
-def _virtual(config: ShoalConfig) -> bool:
-    return config.node.gpus.startswith("virtual:")
 
 
 def _admin_exposure(config: ShoalConfig) -> Finding:
@@ -80,48 +68,62 @@ def _admin_exposure(config: ShoalConfig) -> Finding:
     return Finding("warning", "gateway", warning) if warning else Finding("ok", "gateway", "the admin API is guarded")
 
 
-def _model(config: ShoalConfig, spec: ModelSpec, usable: list[int], *, on_cpu: bool
-           ) -> tuple[Finding, _Sized | None]:
-    """A model's finding: its files read, and whether one replica fits a GPU of `usable` bytes."""
+def _model(config: ShoalConfig, spec: ModelSpec, totals: list[int], *, on_cpu: bool
+           ) -> tuple[Finding, ModelDemand | None]:
+    """A model's finding: its files read, and whether one replica can be placed on GPUs of
+    `totals` bytes (largest first), by the scheduler's own rules."""
     command = InspectModel(spec.path, spec.dtype, spec.kv_cache_tokens)
     try:
         facts = inspect_model(config.node.models_root, command, config.worker.runtime_overhead_bytes, on_cpu=on_cpu)
-    except (ModelInspectionError, ValueError) as exc:
+        figure = get_memory_figure(weight_bytes=facts.weight_bytes, config=config.scheduler.placement,
+                                   override_bytes=spec.memory_override_bytes, estimated_bytes=facts.estimated_bytes)
+    except (ModelInspectionError, UnknownModelMemory, ValueError) as exc:
         return Finding("error", spec.key, str(exc)), None
-    figure = get_memory_figure(weight_bytes=facts.weight_bytes, config=config.scheduler.placement,
-                               override_bytes=spec.memory_override_bytes, estimated_bytes=facts.estimated_bytes)
-    size = _Sized(spec, figure.required_bytes)
+    demand = ModelDemand(spec.key, figure, spec.min_replicas, spec.fairness.popular, spec.num_gpus)
     what = (f"{facts.architecture}, {facts.num_parameters / 1e6:.1f}M parameters, needs "
             f"{figure.required_bytes / GIB:.2f} GiB ({figure.source})")
-    if not usable:
-        return Finding("ok", spec.key, what), size
-    fitting = sorted((room for room in usable if room >= size.per_gpu_bytes), reverse=True)
-    if len(fitting) < spec.num_gpus:
-        gpus = f"{spec.num_gpus} GPUs with {size.per_gpu_bytes / GIB:.2f} GiB each" if spec.num_gpus > 1 else \
-            f"a GPU with {size.per_gpu_bytes / GIB:.2f} GiB"
-        return Finding("error", spec.key, f"{what}: it never fits: one replica needs {gpus}; this node has "
-                       f"{len(usable)} GPU(s) taking at most {max(usable) / GIB:.2f} GiB "
-                       "(placement.max_gpu_memory_fraction of each)"), size
-    return Finding("ok", spec.key, what), size
+    if totals and _reserve(demand, [(total, total) for total in totals], config.scheduler.placement) is None:
+        return Finding("error", spec.key, f"{what}: it never fits: this node's {len(totals)} GPU(s) of "
+                       f"{totals[0] / GIB:.2f} GiB at most cannot hold one replica"
+                       + (f" on {spec.num_gpus} GPUs" if spec.num_gpus > 1 else "")), demand
+    return Finding("ok", spec.key, what), demand
 
 
-def _kept_up(sized: list[_Sized], usable: list[int]) -> Finding:
-    """Whether the replicas of every model's ``min_replicas`` fit this node's GPUs together
-    (first fit, largest first: the scheduler packs no worse); the rest sleep and wake in turn."""
-    replicas = sorted(((size.spec.key, size.per_gpu_bytes, size.spec.num_gpus)
-                       for size in sized for _ in range(size.spec.min_replicas)), key=lambda r: -r[1])
-    room = list(usable)
-    for key, per_gpu, num_gpus in replicas:
-        chosen = [index for index in sorted(range(len(room)), key=lambda i: -room[i]) if room[index] >= per_gpu]
-        if len(chosen) < num_gpus:
-            need = sum(per_gpu * n for _, per_gpu, n in replicas) / GIB
+def _reserve(demand: ModelDemand, gpus: list[tuple[int, int]], config: PlacementConfig) -> list[tuple[int, int]] | None:
+    """`gpus` ((total, free) bytes each, largest first) after placing one replica of `demand`
+    as the scheduler reserves it — a share of one GPU, one whole GPU, or several whole
+    GPUs — first fit; None when it fits nowhere."""
+    for index, (total, free) in enumerate(gpus):
+        allocation = get_single_gpu_allocation(demand, total, config)
+        if allocation is not None and allocation[1] <= free and (allocation[0] != "full_gpu" or free == total):
+            return [*gpus[:index], (total, free - allocation[1]), *gpus[index + 1:]]
+    whole = [index for index, (total, free) in enumerate(gpus) if free == total]
+    need_bytes, num_extra = get_multi_gpu_need(demand, config)
+    num_gpus = count_whole_gpus([gpus[index][0] for index in whole], need_bytes, num_extra, demand.min_num_gpus)
+    if num_gpus is None:
+        return None
+    taken = set(whole[:num_gpus])
+    return [(total, 0 if index in taken else free) for index, (total, free) in enumerate(gpus)]
+
+
+def _kept_up(demands: list[ModelDemand], totals: list[int], config: PlacementConfig) -> Finding:
+    """Whether the replicas every model keeps up (``min_replicas``) fit this node's GPUs
+    together, largest first, first fit (the scheduler's search may do better: a warning);
+    the other models sleep and wake in turn."""
+    replicas = sorted((demand for demand in demands for _ in range(demand.desired_replicas)),
+                      key=lambda demand: -demand.figure.required_bytes)
+    gpus: list[tuple[int, int]] = [(total, total) for total in totals]
+    for demand in replicas:
+        placed = _reserve(demand, gpus, config)
+        if placed is None:
+            need = sum(replica.figure.required_bytes for replica in replicas) / GIB
             return Finding("warning", "min_replicas", f"the replicas kept up ({len(replicas)}, {need:.2f} GiB) do "
-                           f"not all fit this node's GPUs ({sum(usable) / GIB:.2f} GiB usable): {key} is left out "
-                           "unless other nodes take some")
-        for index in chosen[:num_gpus]:
-            room[index] -= per_gpu
+                           f"not all fit this node's GPUs ({sum(totals) / GIB:.2f} GiB): {demand.model} is left "
+                           "out unless other nodes take some")
+        gpus = placed
+    used = sum(total - free for total, free in gpus)
     return Finding("ok", "min_replicas", f"{len(replicas)} replica(s) kept up fit this node's GPUs"
-                   + (f" ({(sum(usable) - sum(room)) / GIB:.2f} GiB of {sum(usable) / GIB:.2f})" if replicas else ""))
+                   + (f" ({used / GIB:.2f} GiB of {sum(totals) / GIB:.2f} reserved)" if replicas else ""))
 
 
 def report(findings: list[Finding], out: TextIO) -> int:

@@ -220,16 +220,17 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"shoal: {exc}", file=sys.stderr)
         return 2
+    if args.command == "check":  # a report on stdout, no logging set up
+        from shoal.cli.check import check, report
+        from shoal.cli.launcher import model_specs
+
+        return report(check(config, model_specs(config)), sys.stdout)  # demo models: those written
     configure_logging(config.logging.format, config.logging.level, service=args.command)
     from shoal.cli import launcher
     from shoal.cli.inspection import inspect, status
     from shoal.shared.bus import BusError
     from shoal.shared.micro import ServiceCallError
 
-    if args.command == "check":
-        from shoal.cli.check import check, report
-
-        return report(check(config, launcher.model_specs(config)), sys.stdout)
     try:
         if args.command == "up":
             launcher.ensure_demo_models(config)

@@ -266,6 +266,8 @@ class FinalReply(Struct, tag="final", tag_field="type", omit_defaults=True):
 
 
 ErrorType = Literal["invalid_request_error", "timeout", "unavailable", "server_error"]
+CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
+"""The ``code`` of an error for a prompt longer than the model (or the gateway) takes (OpenAI's name)."""
 """OpenAI's ``error.type`` of a worker's error (the gateway maps `status` to its own types)."""
 
 

@@ -20,8 +20,8 @@ sampled, placed, queued and read exactly as one sent to ``/v1/chat/completions``
 - ``tools`` (client tools: ``name``, ``description``, ``input_schema``) and ``tool_choice``
   (``auto``, ``any``, ``tool`` with a name, ``none``; ``disable_parallel_tool_use``). Server
   tools (web search, code execution...) are refused: Shoal runs no tool itself.
-- ``thinking``: a reasoning model's thinking comes as ``thinking`` blocks unless
-  ``{"type": "disabled"}`` (then the template's ``enable_thinking`` is false);
+- ``thinking``: a reasoning model thinks, and its thinking comes as ``thinking`` blocks, only
+  when ``thinking`` asks (any type but ``disabled``; ``display: "omitted"`` hides the blocks);
   ``budget_tokens`` is accepted, not enforced (``max_tokens`` bounds thinking and answer
   together). A model without a ``reasoning_parser`` answers without thinking blocks.
 - Accepted and ignored, as a local server has no use for them: ``cache_control`` on blocks
@@ -144,7 +144,7 @@ def _document_text(block: Block) -> str | None:
         text = source["data"]
     elif source.get("type") == "content" and isinstance(source.get("content"), str | list):
         parts = source["content"] if isinstance(source["content"], list) else [{"text": source["content"]}]
-        text = "\n\n".join(part.get("text") or "" for part in parts if isinstance(part, dict))
+        text = "\n\n".join(part["text"] for part in parts if isinstance(part, dict) and isinstance(part.get("text"), str))
     else:
         return None
     return f"{block.title}\n\n{text}" if block.title else text
@@ -172,12 +172,17 @@ def _block_text(block: Block, where: str, *, in_result: bool) -> str | None:
 
 def _text_of(content: str | list[Block] | None, where: str, *, in_result: bool = False) -> str:
     """The text of a system prompt, a tool result or a search result: a string, or its blocks'
-    texts joined (blocks with nothing for a text model, such as a tool search's
-    ``tool_reference``, left out)."""
+    texts joined (a tool search's ``tool_reference``, nothing for a model, left out)."""
     if content is None or isinstance(content, str):
         return content or ""
-    texts = [_block_text(block, f"{where}[{index}]", in_result=in_result) for index, block in enumerate(content)]
-    return "\n\n".join(text for text in texts if text is not None)
+    texts = []
+    for index, block in enumerate(content):
+        text = _block_text(block, f"{where}[{index}]", in_result=in_result)
+        if text is None and block.type != "tool_reference":
+            raise BadRequest(f"{where}[{index}]: a {block.type!r} block cannot be here", param=where.split("[")[0])
+        if text:
+            texts.append(text)
+    return "\n\n".join(texts)
 
 
 class _Turn:
@@ -217,7 +222,7 @@ def _messages(req: CountTokensRequest) -> list[dict[str, Any]]:
                 out.append({"role": "tool", "tool_call_id": block.tool_use_id,
                             "content": f"Error: {result}" if block.is_error else result})
                 continue
-            if block.type in ("thinking", "redacted_thinking", "tool_reference") and message.role == "assistant":
+            if block.type in ("thinking", "redacted_thinking") and message.role == "assistant":
                 continue  # earlier thinking: reasoning templates drop it
             turn = turn or _Turn(message.role)
             if block.type == "tool_use" and message.role == "assistant":
@@ -240,14 +245,17 @@ def _messages(req: CountTokensRequest) -> list[dict[str, Any]]:
 
 
 def _merged(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """`messages` with neighbouring plain turns of one role made one (as Anthropic combines
-    them; templates that want turns to alternate refuse anything else)."""
+    """`messages` with neighbouring turns of one role (user, assistant) made one, as Anthropic
+    combines them (templates that want turns to alternate refuse anything else); an earlier
+    turn's calls end it (what comes after them answers them)."""
     out: list[dict[str, Any]] = []
     for message in messages:
         previous = out[-1] if out else None
         if (previous is not None and previous["role"] == message["role"] in ("user", "assistant")
-                and "tool_calls" not in previous and "tool_calls" not in message):
+                and "tool_calls" not in previous):
             previous["content"] = "\n\n".join(text for text in (previous["content"], message["content"]) if text)
+            if "tool_calls" in message:
+                previous["tool_calls"] = message["tool_calls"]
         else:
             out.append(dict(message))
     return out
@@ -281,10 +289,13 @@ def _tools(req: CountTokensRequest) -> dict[str, Any]:
 
 def _thinking(thinking: Thinking | None, reasoning: ReasoningParser | None) -> dict[str, Any]:
     """A reasoning model thinks when asked to (the template's ``enable_thinking``), not
-    otherwise: Anthropic's models think only when ``thinking`` says so."""
-    if reasoning is None:
+    otherwise, as Anthropic's models do. A ``deepseek_r1`` model always thinks (its reader
+    takes all before ``</think>`` as thinking, so its template must open the block): it is
+    never told not to, its thinking is left out of the answer instead."""
+    asked = thinking is not None and thinking.on
+    if reasoning is None or (reasoning == "deepseek_r1" and not asked):
         return {}
-    return {"chat_template_kwargs": {"enable_thinking": thinking is not None and thinking.on}}
+    return {"chat_template_kwargs": {"enable_thinking": asked}}
 
 
 def _output(config: OutputConfig | None, beta_format: OutputFormat | None) -> dict[str, Any]:

@@ -17,6 +17,7 @@ import structlog
 from aiohttp import web
 
 from shoal.shared.errors import ShoalError
+from shoal.shared.messages import CONTEXT_LENGTH_EXCEEDED
 
 log = structlog.get_logger(__name__)
 
@@ -139,8 +140,6 @@ OLLAMA_PREFIX = "/api/"
 ANTHROPIC_PREFIX = "/v1/messages"
 ANTHROPIC_REQUEST_ID_HEADER = "request-id"
 """Where Anthropic's clients read a response's request id (the SDK's ``_request_id``)."""
-CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
-"""The code of a prompt longer than the model takes (OpenAI's name for it)."""
 _ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                     404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
                     503: "overloaded_error", 504: "timeout_error"}

@@ -26,6 +26,7 @@ from shoal.services.gateway.choices import MAX_CHOICES
 from shoal.services.gateway.errors import BadRequest, PayloadTooLarge
 from shoal.services.gateway.guided import Choices, Regex, StructuredOutputs, request_grammar
 from shoal.shared.messages import (
+    CONTEXT_LENGTH_EXCEEDED,
     ChatMessage,
     InferenceRequest,
     PromptEcho,
@@ -510,8 +511,8 @@ def check_fits_in_message(request: InferenceRequest, max_payload_bytes: int) -> 
 
 
 def raise_prompt_too_large(num_chars: int, max_chars: int, param: str = "prompt") -> None:
-    raise PayloadTooLarge(f"prompt has {num_chars} characters; this gateway takes at most {max_chars}",
-                          param=param)
+    raise PayloadTooLarge(f"prompt is too long: {num_chars} characters > {max_chars} maximum "
+                          "(gateway.max_prompt_chars)", param=param, code=CONTEXT_LENGTH_EXCEEDED)
 
 
 # --------------------------------------------------------------------------- responses

@@ -281,9 +281,10 @@ _ANTHROPIC_EVENT = {"type": "object", "required": ["event", "data"], "properties
 
 def _anthropic_paths(refs: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """Anthropic's routes (routes_anthropic.py); their errors are ``{"type": "error", "error": {...}}``."""
-    reasons = {400: "invalid request (the message names the field)", 401: "a key is needed and none or a wrong "
+    reasons = {400: "invalid request (the message names the field), or a prompt longer than the model's context "
+               "(\"prompt is too long: ...\")", 401: "a key is needed and none or a wrong "
                "one was sent (x-api-key or Authorization: Bearer)", 404: "unknown model",
-               413: "the request or its prompt is too large", 429: "the model's queue in this gateway is full",
+               413: "the request body is too large", 429: "the model's queue in this gateway is full",
                503: "the model cannot be placed now, or NATS / the scheduler is unavailable",
                504: "the request's deadline passed"}
     errors = {str(status): {"description": reason, "content": _content(refs["AnthropicError"])}

@@ -73,7 +73,7 @@ async def messages(request: web.Request) -> web.StreamResponse:
         body: MessagesRequest = tally.decode(await request.read(), MessagesRequest)
         spec = state.cluster.require_model(body.model)
         plan = with_params(plan_request(state, chat_request(body, spec.reasoning_parser), request[REQUEST_ID], None,
-                                        format_param="output_config"),
+                                        format_param="output_format" if body.output_format else "output_config"),
                            stop=stop_sequences(body))
         message_id = "msg_" + request[REQUEST_ID]
         with admitted(state, plan):

@@ -33,8 +33,7 @@ def inspect_model(
     try:
         model_dir = resolve_model_dir(models_root, command.path)
         if not model_dir.is_dir():  # else transformers reads the path as a Hub repo id, and says so
-            raise ModelInspectionError(f"cannot read model {command.path!r}: {model_dir} is not a directory "
-                                       f"(the models root is {models_root})")
+            raise ModelInspectionError(f"cannot read model {command.path!r}: no such directory under the models root")
         config = AutoConfig.from_pretrained(model_dir, trust_remote_code=False)
     except ModelInspectionError:
         raise

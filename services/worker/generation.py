@@ -15,15 +15,12 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal, Protocol, runtime_checkable
 
 from shoal.shared.errors import ShoalError
-from shoal.shared.messages import SamplingParams
+from shoal.shared.messages import CONTEXT_LENGTH_EXCEEDED, SamplingParams
 
 if TYPE_CHECKING:
     import torch
 
 FinishReason = Literal["stop", "length", "cancelled", "error"]
-
-
-CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
 
 
 def prompt_too_long(num_prompt_tokens: int, max_prompt_tokens: int, what_bounds: str) -> RequestRejected:

@@ -80,9 +80,14 @@ def test_neighbouring_turns_of_one_role_are_one_message() -> None:
                                      {"type": "text", "text": "Hi"}]},
         {"role": "assistant", "content": [{"type": "thinking", "thinking": "hmm", "signature": ""}]},
         {"role": "user", "content": "Still there?"},
-        {"role": "assistant", "content": []}, {"role": "assistant", "content": "Yes."}])
+        {"role": "assistant", "content": []}, {"role": "assistant", "content": "Yes."},
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "t", "name": "f", "input": {}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t", "content": "done"}]},
+        {"role": "user", "content": "Thanks"}])
     assert [(m["role"], m["content"]) for m in chat["messages"]] == [
-        ("user", "<system-reminder>be brief</system-reminder>\n\nHi\n\nStill there?"), ("assistant", "Yes.")]
+        ("user", "<system-reminder>be brief</system-reminder>\n\nHi\n\nStill there?"), ("assistant", "Yes."),
+        ("tool", "done"), ("user", "Thanks")]  # a tool result is never merged into a user's turn
+    assert chat["messages"][1]["tool_calls"][0]["id"] == "t"  # text, then its calls: one assistant turn
 
 
 def test_a_last_assistant_turn_is_continued() -> None:
@@ -129,6 +134,9 @@ def test_sampling_thinking_and_output_config() -> None:
     assert thinking({"type": "enabled", "budget_tokens": 2048}) == ({"enable_thinking": True}, True)
     assert thinking({"type": "adaptive", "display": "omitted"}) == ({"enable_thinking": True}, False)
     assert thinking({"type": "enabled"}, reasoning=None) == (None, True)  # a model that does not think: nothing to set
+    # DeepSeek-R1's reader wants the block opened: it is never told not to think, its thinking is hidden
+    assert thinking(None, reasoning="deepseek_r1") == (None, False)
+    assert thinking({"type": "enabled"}, reasoning="deepseek_r1") == ({"enable_thinking": True}, True)
     beta = _chat(messages=[{"role": "user", "content": "Hi"}],
                  output_format={"type": "json_schema", "schema": {"type": "array"}})
     assert beta["response_format"]["json_schema"]["schema"] == {"type": "array"}
@@ -148,6 +156,8 @@ def test_sampling_thinking_and_output_config() -> None:
      "document blocks are not supported"),
     ([{"role": "user", "content": [{"type": "server_tool_use", "id": "s"}]}], None, "cannot hold a 'server_tool_use'"),
     ([{"role": "assistant", "content": [{"type": "thinking", "thinking": "hm"}]}], None, "nothing to answer"),
+    ([{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t", "content": [
+        {"type": "tool_use", "id": "x"}]}]}], None, "a 'tool_use' block cannot be here"),
     ([{"role": "user", "content": "x"}], [{"type": "bash_20250124", "name": "bash"}], "one of Anthropic's own"),
 ])
 def test_what_cannot_be_served_is_a_400_naming_it(messages: list[Any], tools: list[Any] | None, says: str) -> None:

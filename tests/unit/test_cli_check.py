@@ -50,12 +50,51 @@ min_replicas = 3
     by_subject = {finding.subject: finding for finding in findings}
     assert [finding.level for finding in findings][:4] == ["error"] * 3 + ["warning"]
     assert "open to anyone who can reach 0.0.0.0:8000" in by_subject["gateway"].message
-    assert "it never fits: one replica needs a GPU with 3.00 GiB" in by_subject["org/big"].message
-    assert "nowhere/model is not a directory" in by_subject["org/missing"].message
+    assert "it never fits: this node's 2 GPU(s) of 1.00 GiB at most" in by_subject["org/big"].message
+    assert "'nowhere/model': no such directory under the models root" in by_subject["org/missing"].message
     kept = by_subject["min_replicas"]  # three replicas of 0.8 GiB on two GPUs of 1 GiB
     assert kept.level == "warning" and "org/kept is left out" in kept.message
     assert main(["check", "--config", str(path)]) == 1
     assert capsys.readouterr().out.endswith("3 error(s), 1 warning(s)\n")
+
+
+def test_fit_follows_the_schedulers_rules(tmp_path: Path, demo_models_root: Path) -> None:
+    """A replica larger than one GPU takes whole GPUs (as the scheduler places it); a share
+    of at least `fraction_threshold` of a GPU reserves all of it."""
+    path = _config_file(tmp_path, demo_models_root, '''
+[[models]]
+key = "org/spread"
+path = "demo/llama-5m"
+memory_override_bytes = "1.5GiB"
+[[models]]
+key = "org/share"
+path = "demo/llama-5m"
+memory_override_bytes = "0.3GiB"
+min_replicas = 2
+''')
+    findings = {finding.subject: finding for finding in check(load_config(path), model_specs(load_config(path)))}
+    assert findings["org/spread"].level == "ok"
+    assert findings["min_replicas"].level == "ok" and "0.60 GiB of 2.00 reserved" in findings["min_replicas"].message
+    spread_kept = _config_file(tmp_path, demo_models_root, '''
+[[models]]
+key = "org/spread"
+path = "demo/llama-5m"
+memory_override_bytes = "1.5GiB"
+min_replicas = 1
+[[models]]
+key = "org/share"
+path = "demo/llama-5m"
+memory_override_bytes = "0.3GiB"
+min_replicas = 1
+''')  # the spread replica takes both GPUs whole: nothing is left for the other
+    kept = {f.subject: f for f in check(load_config(spread_kept), model_specs(load_config(spread_kept)))}
+    assert kept["min_replicas"].level == "warning" and "org/share is left out" in kept["min_replicas"].message
+
+
+def test_demo_models_shoal_up_has_not_written_yet_are_not_faults(tmp_path: Path,
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["check", "--models-root", str(tmp_path / "empty")]) == 0
+    assert capsys.readouterr().out.endswith("0 error(s), 0 warning(s)\n")
 
 
 def test_an_invalid_file_is_exit_status_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
