@@ -17,7 +17,7 @@ and ``anthropic-beta`` headers are accepted and not read.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import msgspec
 from aiohttp import web
@@ -43,7 +43,7 @@ from shoal.services.gateway.anthropic_api import (
 )
 from shoal.services.gateway.errors import ANTHROPIC_REQUEST_ID_HEADER, ApiError, anthropic_error
 from shoal.services.gateway.json_body import json_response
-from shoal.services.gateway.openai_api import Answer
+from shoal.services.gateway.openai_api import Answer, ChatCompletionRequest
 from shoal.services.gateway.openai_api import Usage as ChatUsage
 from shoal.services.gateway.plans import (
     Collected,
@@ -59,7 +59,7 @@ from shoal.services.gateway.routes_tokenize import prompt_tokens
 from shoal.services.gateway.sse import SseStream
 from shoal.services.gateway.state import GATEWAY, GatewayState
 from shoal.services.gateway.streams import stream_answer
-from shoal.services.gateway.tally import tallied
+from shoal.services.gateway.tally import Tally, tallied
 from shoal.shared.messages import FinalReply, TokenChunk
 
 routes = web.RouteTableDef()
@@ -70,9 +70,8 @@ _encoder = msgspec.json.Encoder()
 async def messages(request: web.Request) -> web.StreamResponse:
     state = request.app[GATEWAY]
     with tallied(state, "anthropic_messages") as tally:
-        body: MessagesRequest = tally.decode(await request.read(), MessagesRequest)
-        spec = state.cluster.require_model(body.model)
-        plan = with_params(plan_request(state, chat_request(body, spec.reasoning_parser), request[REQUEST_ID], None,
+        body, chat = await _read(request, tally, MessagesRequest)
+        plan = with_params(plan_request(state, chat, request[REQUEST_ID], None,
                                         format_param="output_format" if body.output_format else "output_config"),
                            stop=stop_sequences(body))
         message_id = "msg_" + request[REQUEST_ID]
@@ -94,11 +93,20 @@ async def messages(request: web.Request) -> web.StreamResponse:
 async def count_tokens(request: web.Request) -> web.Response:
     state = request.app[GATEWAY]
     with tallied(state, "anthropic_count_tokens") as tally:
-        body: CountTokensRequest = tally.decode(await request.read(), CountTokensRequest)
-        spec = state.cluster.require_model(body.model)
-        reply = await prompt_tokens(state, chat_request(body, spec.reasoning_parser), request[REQUEST_ID])
+        _, chat = await _read(request, tally, CountTokensRequest)
+        reply = await prompt_tokens(state, chat, request[REQUEST_ID])
         tally.outcome = "ok"
         return json_response(TokenCount(len(reply.tokens)))
+
+
+Body = TypeVar("Body", bound=CountTokensRequest)
+
+
+async def _read(request: web.Request, tally: Tally, schema: type[Body]) -> tuple[Body, ChatCompletionRequest]:
+    """The request's body, and the chat request it means (a 404 for an unknown model)."""
+    body: Body = tally.decode(await request.read(), schema)
+    spec = request.app[GATEWAY].cluster.require_model(body.model)
+    return body, chat_request(body, spec.reasoning_parser)
 
 
 async def _whole(state: GatewayState, plan: Plan, message_id: str, model: str, thinking: bool) -> web.Response:

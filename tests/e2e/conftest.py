@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import queue
 import signal
@@ -10,9 +11,12 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import openai
 import pytest
@@ -24,6 +28,19 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def http_json(base_url: str, method: str, path: str, body: dict[str, Any] | None = None, timeout_s: float = 300
+              ) -> tuple[int, Any]:
+    """(status, decoded JSON body) of one request, errors included."""
+    data = json.dumps(body).encode() if body is not None else None
+    request = urllib.request.Request(base_url + path, data=data, method=method,
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout_s) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
 
 
 def processes_mentioning(*needles: str) -> list[tuple[int, str]]:

@@ -5,15 +5,13 @@ against what the OpenAI API answers to the same request, so the two APIs cannot 
 from __future__ import annotations
 
 import json
-import urllib.error
-import urllib.request
 from typing import Any
 
 import anthropic
 import openai
 import pytest
 
-from tests.e2e.conftest import ShoalUp
+from tests.e2e.conftest import ShoalUp, http_json
 
 pytestmark = pytest.mark.e2e
 
@@ -33,13 +31,7 @@ def api(shoal: ShoalUp) -> anthropic.Anthropic:
 
 
 def _post(shoal: ShoalUp, path: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
-    request = urllib.request.Request(shoal.base_url + path, data=json.dumps(body).encode(), method="POST",
-                                     headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(request, timeout=120) as response:
-            return response.status, json.loads(response.read())
-    except urllib.error.HTTPError as exc:
-        return exc.code, json.loads(exc.read())
+    return http_json(shoal.base_url, "POST", path, body, timeout_s=120)
 
 
 def _greedy_chat(client: openai.OpenAI, messages: list[dict[str, Any]], max_tokens: int = 8, **extra: Any) -> Any:

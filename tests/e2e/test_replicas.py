@@ -20,7 +20,7 @@ from nats.js.api import DeliverPolicy
 from shoal.shared import subjects
 from shoal.shared.bus import connect
 from shoal.shared.messages import Event
-from tests.e2e.conftest import ShoalUp
+from tests.e2e.conftest import ShoalUp, http_json
 
 pytestmark = pytest.mark.e2e
 
@@ -28,14 +28,7 @@ MODEL = "demo/llama-5m"
 
 
 def _admin(shoal: ShoalUp, method: str, path: str, body: dict[str, Any] | None = None) -> tuple[int, dict]:
-    data = json.dumps(body).encode() if body is not None else None
-    request = urllib.request.Request(shoal.base_url + path, data=data, method=method,
-                                     headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(request, timeout=300) as response:
-            return response.status, json.loads(response.read())
-    except urllib.error.HTTPError as exc:
-        return exc.code, json.loads(exc.read())
+    return http_json(shoal.base_url, method, path, body)
 
 
 def _replicas(shoal: ShoalUp, model: str) -> list[dict[str, Any]]:
