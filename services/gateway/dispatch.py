@@ -229,7 +229,7 @@ class Dispatcher:
         while True:
             serving = [r for r in self._cluster.get_active_replicas(model) if r.state in ("ready", "draining")]
             if serving:
-                return serving[0]
+                return min(serving, key=lambda r: r.state != "ready")  # a draining one is about to go
             await self.ensure_placed(model, deadline)
             if time.time() >= deadline:
                 raise DeadlineExceeded(f"no replica of {model!r} was serving within the request's deadline")

@@ -9,15 +9,16 @@ with no replica running gets one placed first, as an inference request would.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import Annotated, Any
 
+import msgspec
+import structlog
 from aiohttp import web
 from msgspec import Meta, Struct
 
-from shoal.services.gateway.errors import (
-    BadRequest,
-)
+from shoal.services.gateway.errors import BadRequest, Unavailable
 from shoal.services.gateway.json_body import json_response
 from shoal.services.gateway.openai_api import (
     MAX_INT32,
@@ -37,8 +38,11 @@ from shoal.shared.messages import (
     tokenize_reply_decoder,
 )
 
+log = structlog.get_logger(__name__)
 routes = web.RouteTableDef()
 WORKER_TIMEOUT_S = 30.0
+REASK_AFTER_S = 0.25
+"""How long the gateway's view of the replicas gets to catch up before a replica is chosen again."""
 MAX_DETOKENIZE_TOKENS = 1 << 20
 
 
@@ -94,9 +98,8 @@ async def prompt_tokens(state: GatewayState, body: ChatCompletionRequest | Compl
     tokenizes it (one placed first if none runs)."""
     state.cluster.require_model(body.model)
     inference = inference_request(state, body, request_id)
-    replica = await state.dispatcher.serving_replica(body.model, inference.deadline)
-    return await ask_worker(state.bus, replica.replica_id, "tokenize", Tokenize(inference, with_strings),
-                            tokenize_reply_decoder, timeout_s=WORKER_TIMEOUT_S)
+    return await _ask_serving_worker(state, body.model, inference.deadline, "tokenize",
+                                     Tokenize(inference, with_strings), tokenize_reply_decoder)
 
 
 @routes.post("/detokenize")
@@ -104,7 +107,22 @@ async def detokenize(request: web.Request) -> web.Response:
     state = request.app[GATEWAY]
     body = decode_body(await request.read(), DetokenizeBody)
     state.cluster.require_model(body.model)
-    replica = await state.dispatcher.serving_replica(body.model, time.time() + state.config.request_timeout_s)
-    reply = await ask_worker(state.bus, replica.replica_id, "detokenize", Detokenize(body.tokens),
-                             detokenize_reply_decoder, timeout_s=WORKER_TIMEOUT_S)
+    reply = await _ask_serving_worker(state, body.model, time.time() + state.config.request_timeout_s, "detokenize",
+                                      Detokenize(body.tokens), detokenize_reply_decoder)
     return json_response(DetokenizeResponse(reply.prompt))
+
+
+async def _ask_serving_worker(state: GatewayState, model: str, deadline: float, verb: str, command: Struct,
+                              decoder: msgspec.json.Decoder[Any]) -> Any:
+    """A serving replica's answer to `command`. A replica that goes away between being chosen
+    and answering (put to sleep, stopped: the gateway's view lags a moment) is not the
+    client's fault: another serving replica (or the same, woken) is asked, until `deadline`."""
+    while True:
+        replica = await state.dispatcher.serving_replica(model, deadline)
+        try:
+            return await ask_worker(state.bus, replica.replica_id, verb, command, decoder, timeout_s=WORKER_TIMEOUT_S)
+        except Unavailable:
+            if time.time() + REASK_AFTER_S >= deadline:
+                raise
+            log.info("replica_gone_asking_again", replica=replica.replica_id, verb=verb)
+            await asyncio.sleep(REASK_AFTER_S)
