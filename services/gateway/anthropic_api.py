@@ -352,13 +352,8 @@ def tool_use_id(call: ToolCallOut) -> str:
 
 
 def tool_input(call: ToolCallOut) -> dict[str, Any]:
-    """A call's arguments as the object a ``tool_use`` block holds (what a model wrote that is
-    not an object kept whole, as ``{"arguments": <its text>}``)."""
-    try:
-        arguments = json.loads(call.function.arguments or "{}")
-    except json.JSONDecodeError:
-        arguments = None
-    return arguments if isinstance(arguments, dict) else {"arguments": call.function.arguments}
+    """A call's arguments as the object a ``tool_use`` block holds."""
+    return call.arguments_object()
 
 
 class TextOut(Struct, tag="text", tag_field="type"):

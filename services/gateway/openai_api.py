@@ -15,6 +15,7 @@ never silently dropped.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
@@ -540,6 +541,15 @@ class ToolCallOut(Struct):
     id: str
     function: FunctionCall
     type: str = "function"
+
+    def arguments_object(self) -> dict[str, Any]:
+        """The arguments as a JSON object, as Ollama's and Anthropic's clients want them: what
+        a model wrote that is not one is kept whole, as ``{"arguments": <its text>}``."""
+        try:
+            arguments = json.loads(self.function.arguments or "{}")
+        except json.JSONDecodeError:
+            arguments = None
+        return arguments if isinstance(arguments, dict) else {"arguments": self.function.arguments}
 
 
 class AssistantMessage(Struct, omit_defaults=True):

@@ -15,7 +15,6 @@ instead (every replica sleeps, as an idle one does; an admin action where keys a
 
 from __future__ import annotations
 
-import json
 import math
 import time
 from datetime import UTC, datetime
@@ -140,15 +139,8 @@ def _calls(calls: list[ToolCallOut], first_index: int = 0) -> list[OutToolCall] 
     """Calls in Ollama's form, numbered from `first_index` within their answer: arguments are
     always a JSON object (Ollama's clients validate it as one); what a model wrote that is not
     one is kept whole, as ``{"arguments": <its text>}``."""
-    out = []
-    for index, call in enumerate(calls, first_index):
-        try:
-            arguments: Any = json.loads(call.function.arguments or "{}")
-        except json.JSONDecodeError:
-            arguments = None
-        if not isinstance(arguments, dict):
-            arguments = {"arguments": call.function.arguments}
-        out.append(OutToolCall(OutFunction(call.function.name, arguments, index), call.id))
+    out = [OutToolCall(OutFunction(call.function.name, call.arguments_object(), index), call.id)
+           for index, call in enumerate(calls, first_index)]
     return out or None
 
 
