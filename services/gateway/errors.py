@@ -136,6 +136,8 @@ class AnthropicError(msgspec.Struct, tag="error", tag_field="type", omit_default
     request_id: str | None = None
 
 
+SHOULD_RETRY_HEADER = "x-should-retry"
+"""Read by the openai and anthropic clients before their automatic retries."""
 OLLAMA_PREFIX = "/api/"
 ANTHROPIC_PREFIX = "/v1/messages"
 ANTHROPIC_REQUEST_ID_HEADER = "request-id"
@@ -173,6 +175,10 @@ def error_response(error: ApiError, path: str = "") -> web.Response:
     headers = {}
     if error.retry_after_s is not None:
         headers["Retry-After"] = str(max(1, round(error.retry_after_s)))
+    if error.status == DeadlineExceeded.status:
+        # The openai and anthropic clients retry every 5xx (twice, by default) unless told not
+        # to: a request that ran out its deadline would only queue again on a server already behind.
+        headers[SHOULD_RETRY_HEADER] = "false"
     anthropic = path.startswith(ANTHROPIC_PREFIX)
     request_id = structlog.contextvars.get_contextvars().get("request_id") if anthropic else None
     return web.Response(status=_anthropic_status(error) if anthropic else error.status,
