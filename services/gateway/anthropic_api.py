@@ -32,6 +32,7 @@ sampled, placed, queued and read exactly as one sent to ``/v1/chat/completions``
 from __future__ import annotations
 
 import json
+from datetime import UTC, datetime
 from typing import Annotated, Any, Literal
 
 import msgspec
@@ -39,6 +40,8 @@ from msgspec import Meta, Struct
 
 from shoal.services.gateway.errors import BadRequest
 from shoal.services.gateway.openai_api import MAX_INT32, MAX_TOOLS, ChatCompletionRequest, ToolCallOut
+from shoal.services.gateway.openai_api import Usage as ChatUsage
+from shoal.shared.messages import ModelSpec
 from shoal.shared.model_settings import ReasoningParser
 
 
@@ -351,11 +354,6 @@ def tool_use_id(call: ToolCallOut) -> str:
     return "toolu_" + call.id.removeprefix("call_")
 
 
-def tool_input(call: ToolCallOut) -> dict[str, Any]:
-    """A call's arguments as the object a ``tool_use`` block holds."""
-    return call.arguments_object()
-
-
 class TextOut(Struct, tag="text", tag_field="type"):
     text: str
 
@@ -393,8 +391,10 @@ class MessageOut(Struct, tag="message", tag_field="type"):
     role: str = "assistant"
 
 
-def usage_of(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> Usage:
-    return Usage(prompt_tokens - cached_tokens, completion_tokens, cached_tokens)
+def usage_of(token_usage: ChatUsage) -> Usage:
+    """An answer's usage as Anthropic reports it: the prompt's tokens the prefix cache held apart."""
+    cached = token_usage.prompt_tokens_details.cached_tokens
+    return Usage(token_usage.prompt_tokens - cached, token_usage.completion_tokens, cached)
 
 
 class TokenCount(Struct):
@@ -414,6 +414,11 @@ class ModelInfo(Struct, tag="model", tag_field="type"):
     """The model's context (known once a node agent has inspected it)."""
     max_tokens: int | None = None
     lifecycle: Literal["active"] = "active"
+
+
+def model_info(spec: ModelSpec) -> ModelInfo:
+    registered = datetime.fromtimestamp(spec.registered_at, UTC).isoformat().replace("+00:00", "Z")
+    return ModelInfo(spec.key, spec.key, registered, spec.max_model_len, spec.max_model_len)
 
 
 class ModelPage(Struct):

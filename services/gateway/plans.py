@@ -220,7 +220,8 @@ class Collected:
         return self._reader.num_reasoning_tokens
 
     def answer(self) -> Answer:
-        finish_reason, stop_reason = self.ended().finish_reason, self.ended().stop_reason
+        final = self.ended()
+        finish_reason, stop_reason = final.finish_reason, final.stop_reason
         if self._reader.passes_through:
             return Answer("".join(text for text, _ in self.parts), finish_reason, self.logprobs, prompt=self.prompt,
                           stop_reason=stop_reason)
@@ -231,6 +232,15 @@ class Collected:
         read += rest
         return Answer(read.content, finish_reason, self.logprobs, read.calls or None, reasoning=read.reasoning or None,
                       stop_reason=stop_reason)
+
+
+async def collect(state: GatewayState, plan: Plan) -> list[Collected]:
+    """Every choice's answer, collected as its events come (a response that is not streamed)."""
+    collected = [Collected(choice, plan.answer_reader()) for choice in plan.choices]
+    async with generating(state, plan.choices, restartable=True) as events:
+        async for index, event in events:
+            collected[index].add(event)
+    return collected
 
 
 @contextlib.contextmanager

@@ -28,6 +28,7 @@ from shoal.services.gateway.anthropic_api import (
     CountTokensRequest,
     MessageOut,
     MessagesRequest,
+    StopReason,
     TextOut,
     ThinkingOut,
     TokenCount,
@@ -37,7 +38,6 @@ from shoal.services.gateway.anthropic_api import (
     shows_thinking,
     stop_reason,
     stop_sequences,
-    tool_input,
     tool_use_id,
     usage_of,
 )
@@ -46,11 +46,10 @@ from shoal.services.gateway.json_body import json_response
 from shoal.services.gateway.openai_api import Answer, ChatCompletionRequest
 from shoal.services.gateway.openai_api import Usage as ChatUsage
 from shoal.services.gateway.plans import (
-    Collected,
     Plan,
     admitted,
     choices_usage,
-    generating,
+    collect,
     plan_request,
     with_params,
 )
@@ -110,16 +109,13 @@ async def _read(request: web.Request, tally: Tally, schema: type[Body]) -> tuple
 
 
 async def _whole(state: GatewayState, plan: Plan, message_id: str, model: str, thinking: bool) -> web.Response:
-    collected = Collected(plan.choices[0], plan.answer_reader())
-    async with generating(state, plan.choices, restartable=True) as events:
-        async for _, event in events:
-            collected.add(event)
+    (collected,) = await collect(state, plan)
     final = collected.ended()
     answer = collected.answer()
     token_usage = choices_usage(plan.choices, [final], collected.num_reasoning_tokens)
     message = MessageOut(message_id, model, _blocks(answer, thinking),
                          stop_reason(answer.finish_reason, final.stop_reason),
-                         final.stop_reason, _usage(token_usage))
+                         final.stop_reason, usage_of(token_usage))
     return json_response(message, headers={REPLICA_HEADER: final.replica_id})  # request-id: errors.py
 
 
@@ -129,13 +125,9 @@ def _blocks(answer: Answer, thinking: bool) -> list[BlockOut]:
     blocks: list[BlockOut] = [ThinkingOut(answer.reasoning)] if answer.reasoning and thinking else []
     if answer.text:
         blocks.append(TextOut(answer.text))
-    blocks += [ToolUseOut(tool_use_id(call), call.function.name, tool_input(call)) for call in answer.tool_calls or ()]
+    blocks += [ToolUseOut(tool_use_id(call), call.function.name, call.arguments_object())
+               for call in answer.tool_calls or ()]
     return blocks or [TextOut("")]
-
-
-def _usage(token_usage: ChatUsage) -> Usage:
-    cached = token_usage.prompt_tokens_details.cached_tokens if token_usage.prompt_tokens_details else 0
-    return usage_of(token_usage.prompt_tokens, token_usage.completion_tokens, cached)
 
 
 Streamed = Literal["text", "thinking"]
@@ -154,7 +146,7 @@ class _MessageEvents:
         self.finals: list[FinalReply | None] = [None]
         self._open: Streamed | None = None
         self._num_blocks = 0
-        self._stop: tuple[Any, str | None] = ("end_turn", None)
+        self._stop: tuple[StopReason, str | None] = ("end_turn", None)
         self._begun = False
 
     @property
@@ -190,7 +182,7 @@ class _MessageEvents:
     async def finish(self, token_usage: ChatUsage) -> None:
         reason, sequence = self._stop
         await self._send("message_delta", {"delta": {"stop_reason": reason, "stop_sequence": sequence},
-                                           "usage": _usage(token_usage)})
+                                           "usage": usage_of(token_usage)})
         await self._send("message_stop", {})
 
     async def fail(self, error: ApiError) -> None:
@@ -210,7 +202,7 @@ class _MessageEvents:
             block = ToolUseOut(tool_use_id(call), call.function.name, {})
             await self._send("content_block_start", {"index": self._num_blocks, "content_block": block})
             await self._send("content_block_delta", {"index": self._num_blocks, "delta": {
-                "type": "input_json_delta", "partial_json": _encoder.encode(tool_input(call)).decode()}})
+                "type": "input_json_delta", "partial_json": _encoder.encode(call.arguments_object()).decode()}})
             await self._send("content_block_stop", {"index": self._num_blocks})
             self._num_blocks += 1
 

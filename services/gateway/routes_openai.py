@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from datetime import UTC, datetime
 from typing import Any, Literal
 
 import structlog
@@ -21,8 +20,8 @@ from aiohttp import web
 from shoal.services.gateway.answer_reader import Read
 from shoal.services.gateway.anthropic_api import (
     ANTHROPIC_VERSION_HEADER,
-    ModelInfo,
     ModelPageQuery,
+    model_info,
     model_page,
 )
 from shoal.services.gateway.embeddings_api import (
@@ -53,13 +52,12 @@ from shoal.services.gateway.openai_api import (
     text_logprobs,
 )
 from shoal.services.gateway.plans import (
-    Collected,
     Plan,
     admitted,
     choices_usage,
+    collect,
     embed_all,
     embedding_plans,
-    generating,
     plan_request,
 )
 from shoal.services.gateway.request_ids import REPLICA_HEADER, REQUEST_ID
@@ -78,7 +76,7 @@ from shoal.services.gateway.sse import SseStream
 from shoal.services.gateway.state import GATEWAY, GatewayState
 from shoal.services.gateway.streams import StreamWriter, stream_answer
 from shoal.services.gateway.tally import tallied
-from shoal.shared.messages import FinalReply, ModelSpec, PromptEcho, TokenChunk
+from shoal.shared.messages import FinalReply, PromptEcho, TokenChunk
 
 log = structlog.get_logger(__name__)
 
@@ -92,7 +90,7 @@ async def list_models(request: web.Request) -> web.Response:
     specs = sorted(state.cluster.models.values(), key=lambda spec: spec.key)
     if ANTHROPIC_VERSION_HEADER in request.headers:
         query = decode_query(request.query, ModelPageQuery)
-        return json_response(model_page([_model_info(spec) for spec in specs], query))
+        return json_response(model_page([model_info(spec) for spec in specs], query))
     return json_response(ModelList([_card(spec.key, spec.registered_at, spec.max_model_len) for spec in specs]))
 
 
@@ -101,13 +99,8 @@ async def get_model(request: web.Request) -> web.Response:
     state = request.app[GATEWAY]
     spec = state.cluster.require_model(request.match_info["model"])
     if ANTHROPIC_VERSION_HEADER in request.headers:
-        return json_response(_model_info(spec))
+        return json_response(model_info(spec))
     return json_response(_card(spec.key, spec.registered_at, spec.max_model_len))
-
-
-def _model_info(spec: ModelSpec) -> ModelInfo:
-    registered = datetime.fromtimestamp(spec.registered_at, UTC).isoformat().replace("+00:00", "Z")
-    return ModelInfo(spec.key, spec.key, registered, spec.max_model_len, spec.max_model_len)
 
 
 def _card(key: str, registered_at: float, max_model_len: int | None) -> ModelCard:
@@ -197,10 +190,7 @@ async def _collect(state: GatewayState, plan: Plan, kind: Kind, request_id: str,
                    responding: _Responding | None) -> web.Response:
     choices = plan.choices
     first = choices[0].request
-    collected = [Collected(choice, plan.answer_reader()) for choice in choices]
-    async with generating(state, choices, restartable=True) as events:
-        async for index, event in events:
-            collected[index].add(event)
+    collected = await collect(state, plan)
     answers = [c.answer() for c in collected]
     token_usage = choices_usage(choices, [c.ended() for c in collected],
                                  sum(c.num_reasoning_tokens for c in collected))

@@ -17,7 +17,6 @@ from shoal.services.gateway.anthropic_api import (
     shows_thinking,
     stop_reason,
     stop_sequences,
-    tool_input,
     tool_use_id,
 )
 from shoal.services.gateway.errors import ApiError, BadRequest, Unavailable, anthropic_error
@@ -170,8 +169,8 @@ def test_answers_in_anthropics_terms() -> None:
     assert [stop_reason(f, s) for f, s in [("stop", None), ("stop", "END"), ("length", None), ("tool_calls", None)]
             ] == ["end_turn", "stop_sequence", "max_tokens", "tool_use"]
     call = ToolCallOut("call_abc", FunctionCall("f", '{"a": 1}'))
-    assert (tool_use_id(call), tool_input(call)) == ("toolu_abc", {"a": 1})
-    assert tool_input(ToolCallOut("call_x", FunctionCall("f", "[1]"))) == {"arguments": "[1]"}
+    assert (tool_use_id(call), call.arguments_object()) == ("toolu_abc", {"a": 1})
+    assert ToolCallOut("call_x", FunctionCall("f", "[1]")).arguments_object() == {"arguments": "[1]"}
     assert msgspec.to_builtins(anthropic_error(Unavailable("busy"))) == {
         "type": "error", "error": {"type": "overloaded_error", "message": "busy"}}
     assert anthropic_error(ApiError("boom")).error.type == "api_error"
