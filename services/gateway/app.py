@@ -21,6 +21,7 @@ from shoal.services.gateway import (
     routes_ollama,
     routes_ollama_models,
     routes_openai,
+    routes_rerank,
     routes_responses,
     routes_sessions,
     routes_tokenize,
@@ -136,6 +137,7 @@ def create_app(config: GatewayConfig, nats_url: str, registry: Registry | None =
     app.router.add_routes(routes_ollama_models.routes)
     app.router.add_routes(routes_responses.routes)
     app.router.add_routes(routes_tokenize.routes)
+    app.router.add_routes(routes_rerank.routes)
     app.router.add_routes(routes_admin.routes)
     app.router.add_routes(routes_sessions.routes)
     routes_ui.add_routes(app)

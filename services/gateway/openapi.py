@@ -36,6 +36,7 @@ from shoal.services.gateway.openai_api import (
     ModelCard,
     ModelList,
 )
+from shoal.services.gateway.rerank_api import RerankRequest, RerankResponse, ScoreRequest, ScoreResponse
 from shoal.services.gateway.responses_api import DeletedResponse, ResponseObject, ResponsesRequest
 from shoal.services.gateway.responses_items import ItemList
 from shoal.services.gateway.routes_admin import EvictBody, ScaleBody
@@ -94,7 +95,8 @@ def get_document() -> bytes:
     types = [ChatCompletionRequest, CompletionRequest, ChatCompletion, ChatCompletionChunk, Completion, ModelList,
              ModelCard, ErrorEnvelope, ModelConfig, ScaleBody, EvictBody, SchedulerReply, ResponsesRequest,
              ResponseObject, DeletedResponse, ItemList, EmbeddingRequest, EmbeddingList, TokenizeResponse, DetokenizeBody,
-             DetokenizeResponse, *_OLLAMA_TYPES, *_ANTHROPIC_TYPES]
+             DetokenizeResponse, RerankRequest, RerankResponse, ScoreRequest, ScoreResponse, *_OLLAMA_TYPES,
+             *_ANTHROPIC_TYPES]
     schemas, components = msgspec.json.schema_components(types, ref_template=_REF)
     refs = {t.__name__: schema for t, schema in zip(types, schemas, strict=True)}
     inference_errors = _errors(refs, 400, 401, 404, 413, 429, 503, 504)
@@ -123,6 +125,13 @@ def get_document() -> bytes:
             operation["requestBody"] = {"required": True, "content": _content(refs[body])}
         return {method: operation}
 
+    rerank = {"post": {
+        "summary": "documents ranked against a query (vLLM's, Jina's and Cohere's rerank; also at /rerank): "
+                   "a document's relevance_score is the cosine of its embedding and the query's",
+        "requestBody": {"required": True, "content": _content(refs["RerankRequest"])},
+        "responses": {"200": {"description": "the results, best first", "content": _content(refs["RerankResponse"])},
+                      **inference_errors},
+    }}
     paths: dict[str, Any] = {**_ollama_paths(refs), **_anthropic_paths(refs), **{
         "/v1/models": {"get": {"summary": "every registered model",
                                "responses": {"200": {"description": "the models",
@@ -163,6 +172,14 @@ def get_document() -> bytes:
             "summary": "embeddings: each input's last token's final hidden state, L2-normalized",
             "requestBody": {"required": True, "content": _content(refs["EmbeddingRequest"])},
             "responses": {"200": {"description": "the embeddings", "content": _content(refs["EmbeddingList"])},
+                          **inference_errors},
+        }},
+        "/v1/rerank": rerank, "/v2/rerank": rerank,
+        "/v1/score": {"post": {
+            "summary": "scores of text pairs (vLLM's; also at /score): text_1 against each text_2, or pair by pair; "
+                       "a score is the cosine of the two texts' embeddings",
+            "requestBody": {"required": True, "content": _content(refs["ScoreRequest"])},
+            "responses": {"200": {"description": "the scores", "content": _content(refs["ScoreResponse"])},
                           **inference_errors},
         }},
         "/v1/responses/{response_id}/input_items": {"get": {

@@ -39,7 +39,7 @@ MAX_EXAMPLES = 30
 INFERENCE_PATHS = ("/v1/chat/completions", "/v1/completions")
 RESPONSES_PATH = "/v1/responses"
 TOKENIZE_PATHS = ("/tokenize", "/detokenize")
-EMBEDDINGS_PATH = "/v1/embeddings"
+EMBEDDINGS_PATHS = ("/v1/embeddings", "/v1/rerank", "/v2/rerank", "/v1/score")
 OLLAMA_PREFIX = "/api/"
 OLLAMA_GENERATING_PATHS = ("/api/chat", "/api/generate")
 ANTHROPIC_PREFIX = "/v1/messages"
@@ -73,7 +73,7 @@ CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance,
 
 def _aim_at_a_served_model(case: schemathesis.Case) -> None:
     """A deterministic third of the inference bodies name a served model and ask for few tokens."""
-    if not (case.path in (*INFERENCE_PATHS, RESPONSES_PATH, *TOKENIZE_PATHS, EMBEDDINGS_PATH)
+    if not (case.path in (*INFERENCE_PATHS, RESPONSES_PATH, *TOKENIZE_PATHS, *EMBEDDINGS_PATHS)
             or case.path.startswith((OLLAMA_PREFIX, ANTHROPIC_PREFIX))) or not isinstance(case.body, dict):
         return
     digest = hashlib.sha256(json.dumps(case.body, sort_keys=True, default=str).encode()).digest()

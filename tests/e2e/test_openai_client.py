@@ -12,12 +12,13 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+import cohere
 import openai
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from tests.e2e.conftest import ShoalUp
+from tests.e2e.conftest import ShoalUp, http_json
 
 pytestmark = pytest.mark.e2e
 
@@ -763,3 +764,74 @@ def test_embeddings_are_the_models_normalized_last_hidden_states(client: openai.
         assert caught.value.body["param"] == param, (extra, caught.value.body)
     with pytest.raises(openai.NotFoundError):
         client.embeddings.create(model="org/none", input="x")
+
+
+def _expected_embeddings(models_root: Path, model_key: str, texts: list[str], *, keep_first: int | None = None
+                         ) -> tuple[list[torch.Tensor], int]:
+    """Each text's normalized last hidden state by a local forward (its first `keep_first`
+    tokens only, if given), and the tokens read."""
+    model = AutoModelForCausalLM.from_pretrained(models_root / model_key).eval()
+    tokenizer = AutoTokenizer.from_pretrained(models_root / model_key)
+    vectors, num_tokens = [], 0
+    for text in texts:
+        ids = tokenizer.encode(text)[:keep_first]
+        num_tokens += len(ids)
+        with torch.inference_mode():
+            hidden = model.get_decoder()(torch.tensor([ids])).last_hidden_state[0, -1]
+        vectors.append(torch.nn.functional.normalize(hidden, dim=-1))
+    return vectors, num_tokens
+
+
+def test_cohere_clients_rerank_documents_by_their_embeddings_cosine(shoal: ShoalUp, demo_models_root: Path) -> None:
+    """Cohere's own client (v2 and v1) ranks documents as the cosine of their embeddings and the
+    query's, best first, as vLLM reranks with an embedding model."""
+    query = "Where do the boats go at night?"
+    documents = ["The harbour keeps the boats.", "Cats sleep all day long.", "At night the fleet returns to port."]
+    vectors, num_tokens = _expected_embeddings(demo_models_root, SMALL, [query, *documents])
+    scores = [float(vectors[0] @ vector) for vector in vectors[1:]]
+    best_first = sorted(range(len(documents)), key=lambda index: -scores[index])
+
+    v2 = cohere.ClientV2(base_url=shoal.base_url, api_key="unused")
+    answer = v2.rerank(model=SMALL, query=query, documents=documents, top_n=2)
+    assert [result.index for result in answer.results] == best_first[:2]
+    assert [result.relevance_score for result in answer.results] == pytest.approx(
+        [scores[index] for index in best_first[:2]], abs=1e-4)
+    assert answer.usage == {"prompt_tokens": num_tokens, "total_tokens": num_tokens}
+    # Cohere's max_tokens_per_doc reads each text's first tokens
+    cut_vectors, _ = _expected_embeddings(demo_models_root, SMALL, [query, *documents], keep_first=3)
+    cut = v2.rerank(model=SMALL, query=query, documents=documents, max_tokens_per_doc=3)
+    assert {result.index: result.relevance_score for result in cut.results} == pytest.approx(
+        {index: float(cut_vectors[0] @ vector) for index, vector in enumerate(cut_vectors[1:])}, abs=1e-4)
+
+    v1 = cohere.Client(base_url=shoal.base_url, api_key="unused")
+    with_documents = v1.rerank(model=SMALL, query=query, documents=documents, return_documents=True)
+    assert [result.index for result in with_documents.results] == best_first
+    assert [result.document.text for result in with_documents.results] == [documents[i] for i in best_first]
+    with pytest.raises(cohere.NotFoundError):
+        v2.rerank(model="org/none", query=query, documents=documents)
+
+
+def test_score_pairs_texts_as_vllm_does(shoal: ShoalUp, demo_models_root: Path) -> None:
+    """``/v1/score``: one text_1 against each text_2, or two lists pair by pair; a score is the
+    cosine of the two embeddings. Jina's ``/v1/rerank`` form takes documents as objects."""
+    texts = ["The sea is calm.", "A storm comes in.", "The sea is calm."]
+    vectors, _ = _expected_embeddings(demo_models_root, SMALL, texts)
+    status, one_to_many = http_json(shoal.base_url, "POST", "/v1/score",
+                                    {"model": SMALL, "text_1": texts[0], "text_2": texts[1:]})
+    assert status == 200, one_to_many
+    assert [item["index"] for item in one_to_many["data"]] == [0, 1]
+    assert [item["score"] for item in one_to_many["data"]] == pytest.approx(
+        [float(vectors[0] @ vectors[1]), 1.0], abs=1e-4)
+    status, pairwise = http_json(shoal.base_url, "POST", "/score",
+                                 {"model": SMALL, "text_1": texts[:2], "text_2": texts[1:]})
+    assert status == 200 and [item["score"] for item in pairwise["data"]] == pytest.approx(
+        [float(vectors[0] @ vectors[1]), float(vectors[1] @ vectors[2])], abs=1e-4)
+    status, error = http_json(shoal.base_url, "POST", "/v1/score", {"model": SMALL, "text_1": texts[:2],
+                                                                    "text_2": texts})
+    assert status == 400 and error["error"]["param"] == "text_1"
+
+    status, jina = http_json(shoal.base_url, "POST", "/rerank", {
+        "model": SMALL, "query": texts[0], "documents": [{"text": texts[1]}, {"text": texts[2]}], "top_n": 1})
+    assert status == 200, jina
+    assert jina["results"] == [{"index": 1, "relevance_score": pytest.approx(1.0, abs=1e-4),
+                                "document": {"text": texts[2]}}]

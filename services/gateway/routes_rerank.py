@@ -1,0 +1,75 @@
+"""``/v1/score`` and ``/v1/rerank`` (also ``/score``, ``/rerank`` and Cohere's ``/v2/rerank``),
+as vLLM serves them: rerank_api.py reads the request and scores, the embeddings are computed
+as ``/v1/embeddings`` computes them (placed, queued, woken and counted as any request)."""
+
+from __future__ import annotations
+
+import time
+
+from aiohttp import web
+
+from shoal.services.gateway.embeddings_api import EmbeddingRequest, embedding_floats
+from shoal.services.gateway.json_body import json_response
+from shoal.services.gateway.plans import embed_all, embedding_plans
+from shoal.services.gateway.request_ids import REPLICA_HEADER, REQUEST_ID
+from shoal.services.gateway.rerank_api import (
+    RerankRequest,
+    RerankResponse,
+    RerankUsage,
+    ScoreRequest,
+    ScoreResponse,
+    ScoreUsage,
+    embedding_request,
+    ranked,
+    rerank_texts,
+    score_pairs,
+    scored,
+)
+from shoal.services.gateway.state import GATEWAY, GatewayState
+from shoal.services.gateway.tally import Tally, tallied
+from shoal.shared.messages import FinalReply
+
+routes = web.RouteTableDef()
+
+
+@routes.post("/v1/rerank")
+@routes.post("/rerank")
+@routes.post("/v2/rerank")
+async def rerank(request: web.Request) -> web.Response:
+    state = request.app[GATEWAY]
+    with tallied(state, "rerank") as tally:
+        body: RerankRequest = tally.decode(await request.read(), RerankRequest)
+        embedding = embedding_request(body.model, rerank_texts(body), max_tokens_per_doc=body.max_tokens_per_doc,
+                                      truncate_prompt_tokens=body.truncate_prompt_tokens)
+        vectors, finals = await _embedded(state, tally, embedding, request[REQUEST_ID])
+        num_tokens = sum(final.prompt_tokens for final in finals)
+        answer = RerankResponse(id=f"rerank-{request[REQUEST_ID]}", model=body.model, results=ranked(body, vectors),
+                                usage=RerankUsage(prompt_tokens=num_tokens, total_tokens=num_tokens))
+        return json_response(answer, headers={REPLICA_HEADER: finals[0].replica_id})
+
+
+@routes.post("/v1/score")
+@routes.post("/score")
+async def score(request: web.Request) -> web.Response:
+    state = request.app[GATEWAY]
+    with tallied(state, "score") as tally:
+        body: ScoreRequest = tally.decode(await request.read(), ScoreRequest)
+        texts, pairs = score_pairs(body)
+        embedding = embedding_request(body.model, texts, truncate_prompt_tokens=body.truncate_prompt_tokens)
+        vectors, finals = await _embedded(state, tally, embedding, request[REQUEST_ID])
+        num_tokens = sum(final.prompt_tokens for final in finals)
+        answer = ScoreResponse(id=f"score-{request[REQUEST_ID]}", created=int(time.time()), model=body.model,
+                               data=scored(pairs, vectors),
+                               usage=ScoreUsage(prompt_tokens=num_tokens, total_tokens=num_tokens))
+        return json_response(answer, headers={REPLICA_HEADER: finals[0].replica_id})
+
+
+async def _embedded(state: GatewayState, tally: Tally, embedding: EmbeddingRequest, request_id: str
+                    ) -> tuple[list[list[float]], list[FinalReply]]:
+    """Each text's vector, in order, and the final replies they came in."""
+    plans = embedding_plans(state, embedding, request_id)
+    tally.start()
+    finals = await embed_all(state, plans)
+    tally.outcome = "ok"
+    return [embedding_floats(final.embedding or b"") for final in finals], finals
+
