@@ -11,6 +11,7 @@
     shoal scale         set a model's desired replica count
     shoal evict         evict a model's replicas
     shoal simulate      Shoal's policies on a simulated cluster (docs/simulation.md)
+    shoal run-batch     a file of requests in OpenAI's batch format, answered by a gateway
 """
 
 from __future__ import annotations
@@ -107,6 +108,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_simulate_arguments(commands.add_parser(
         "simulate", help="compare placement policies on a simulated cluster (docs/simulation.md)"))
+    from shoal.cli.run_batch import add_run_batch_arguments
+
+    add_run_batch_arguments(commands.add_parser(
+        "run-batch", help="answer a file of requests in OpenAI's batch format (JSONL) through a running gateway"))
     return parser
 
 
@@ -208,6 +213,10 @@ def main(argv: list[str] | None = None) -> int:
         from shoal.sim.cli import run_simulate
 
         return run_simulate(args)
+    if args.command == "run-batch":
+        from shoal.cli.run_batch import run_batch
+
+        return run_batch(args)
     if args.command == "demo-models":
         from shoal.cli.demo_models import make_demo_models
 

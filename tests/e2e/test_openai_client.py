@@ -7,6 +7,8 @@ import asyncio
 import base64
 import json
 import re
+import subprocess
+import sys
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -835,3 +837,55 @@ def test_score_pairs_texts_as_vllm_does(shoal: ShoalUp, demo_models_root: Path) 
     assert status == 200, jina
     assert jina["results"] == [{"index": 1, "relevance_score": pytest.approx(1.0, abs=1e-4),
                                 "document": {"text": texts[2]}}]
+
+
+def _run_batch(shoal: ShoalUp, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "shoal.cli.main", "run-batch", "--url", shoal.base_url, *args],
+                          capture_output=True, text=True, timeout=300, check=False)
+
+
+def test_run_batch_answers_a_batch_file_in_order_and_resumes(shoal: ShoalUp, tmp_path: Path) -> None:
+    """``shoal run-batch`` (vLLM's run-batch, OpenAI's batch format): each line answered by the
+    gateway, in order, refusals in their own lines; ``--resume`` sends only what an
+    interrupted run's output lacks."""
+    chat = {"model": SMALL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3, "temperature": 0,
+            "ignore_eos": True}
+    requests = [
+        ("chat", "/v1/chat/completions", chat),
+        ("embed", "/v1/embeddings", {"model": SMALL, "input": ["a", "b"]}),
+        ("missing", "/v1/chat/completions", {**chat, "model": "org/none"}),
+        ("rerank", "/v1/rerank", {"model": SMALL, "query": "q", "documents": ["d", "e"]}),
+        ("message", "/v1/messages", {"model": SMALL, "max_tokens": 2, "messages": [{"role": "user", "content": "Hi"}]}),
+    ]
+    batch_file, output = tmp_path / "batch.jsonl", tmp_path / "out.jsonl"
+    batch_file.write_text("".join(json.dumps({"custom_id": custom_id, "method": "POST", "url": url, "body": body})
+                                  + "\n" for custom_id, url, body in requests))
+    done = _run_batch(shoal, "-i", str(batch_file), "-o", str(output), "--concurrency", "3")
+    assert done.returncode == 0, done.stderr
+    records = [json.loads(line) for line in output.read_text().splitlines()]
+    assert [record["custom_id"] for record in records] == [custom_id for custom_id, _, _ in requests]
+    statuses = [record["response"]["status_code"] for record in records]
+    assert statuses == [200, 200, 404, 200, 200]
+    by_id = {record["custom_id"]: record["response"]["body"] for record in records}
+    assert by_id["chat"]["usage"]["completion_tokens"] == 3
+    assert by_id["chat"] == {**by_id["chat"], "object": "chat.completion", "model": SMALL}
+    assert len(by_id["embed"]["data"]) == 2 and by_id["missing"]["error"]["code"] == "model_not_found"
+    assert len(by_id["rerank"]["results"]) == 2 and by_id["message"]["type"] == "message"
+    assert all(record["response"]["request_id"] for record in records)
+    assert "5 done (4 × 200, 1 × 404)" in done.stderr
+
+    # an interrupted run: its first two lines written, the third torn
+    lines = output.read_text().splitlines(keepends=True)
+    output.write_text(lines[0] + lines[1] + lines[2][:25])
+    resumed = _run_batch(shoal, "-i", str(batch_file), "-o", str(output), "--resume")
+    assert resumed.returncode == 0, resumed.stderr
+    assert "2 answered before, 3 to send" in resumed.stderr
+    again = [json.loads(line) for line in output.read_text().splitlines()]
+    assert [record["custom_id"] for record in again] == [custom_id for custom_id, _, _ in requests]
+    assert again[:2] == records[:2]
+
+    batch_file.write_text(json.dumps({"custom_id": "x", "method": "POST", "url": "/v1/chat/completions",
+                                      "body": {**chat, "stream": True}}) + "\n")
+    refused = _run_batch(shoal, "-i", str(batch_file), "-o", str(tmp_path / "none.jsonl"))
+    assert refused.returncode == 2 and "line 1: stream is not supported" in refused.stderr
+    assert not (tmp_path / "none.jsonl").exists()

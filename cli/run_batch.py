@@ -1,0 +1,318 @@
+"""``shoal run-batch``: a file of requests in OpenAI's batch format, answered by a running
+gateway, as ``vllm run-batch`` answers one offline.
+
+Each input line is ``{"custom_id": ..., "method": "POST", "url": "/v1/chat/completions",
+"body": {...}}`` (any of the gateway's POST inference routes); each output line is OpenAI's
+batch output, in the input's order: ``{"id", "custom_id", "response": {"status_code",
+"request_id", "body"}, "error": null}``. A request the gateway refused is a line with its
+status and error body; one that never got an answer (the gateway unreachable the whole
+retry budget) has ``"response": null`` and ``error``.
+
+The whole file is read and checked first: a bad line (not JSON, a missing or repeated
+``custom_id``, another method or route, ``"stream": true``) stops the run before any request
+is sent, naming each bad line. Requests run `--concurrency` at a time; a 429 or 503 (a full
+queue, a model being placed) and a dropped connection are retried after the gateway's
+``Retry-After`` (or a growing backoff), for up to `--max-retry-wait-s` per request: a batch
+waits for capacity rather than failing. Lines are written as soon as every line before them
+is, so an interrupted run leaves a prefix of its output, and ``--resume`` sends only the
+requests that prefix lacks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import sys
+import time
+import uuid
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any, Literal
+
+import aiohttp
+import msgspec
+
+BATCH_URLS = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/embeddings", "/v1/score",
+              "/v1/rerank", "/v1/messages")
+"""The routes a line may name (OpenAI's batch endpoints, and those Shoal serves beside them)."""
+RETRIED_STATUSES = frozenset({429, 503})
+"""A full queue or a model not placed yet: the gateway will answer later."""
+FIRST_BACKOFF_S = 1.0
+MIN_RETRY_DELAY_S = 0.2
+"""Even after ``Retry-After: 0``: each retry spends some of the budget, so it runs out."""
+MAX_BACKOFF_S = 30.0
+MAX_ERRORS_SHOWN = 20
+DEFAULT_URL = "http://127.0.0.1:8000"
+
+
+class BatchLine(msgspec.Struct, forbid_unknown_fields=True):
+    custom_id: str
+    method: Literal["POST"]
+    url: str
+    body: dict[str, Any]
+
+
+class BadBatch(Exception):
+    """The input is not a batch: each bad line named (nothing was sent)."""
+
+    def __init__(self, problems: list[str]) -> None:
+        shown = problems[:MAX_ERRORS_SHOWN]
+        more = f"\n  ... and {len(problems) - len(shown)} more" if len(problems) > len(shown) else ""
+        super().__init__(f"{len(problems)} bad line(s), nothing sent:\n  " + "\n  ".join(shown) + more)
+        self.problems = problems
+
+
+def read_batch(lines: Iterable[str]) -> list[BatchLine]:
+    """Every request of a batch file (blank lines skipped), or BadBatch naming every bad line."""
+    batch: list[BatchLine] = []
+    problems: list[str] = []
+    first_seen: dict[str, int] = {}
+    for number, text in enumerate(lines, start=1):
+        if not text.strip():
+            continue
+        try:
+            line = msgspec.json.decode(text, type=BatchLine)
+        except msgspec.DecodeError as exc:
+            problems.append(f"line {number}: {exc}")
+            continue
+        problem = _line_problem(line, first_seen.get(line.custom_id))
+        if problem:
+            problems.append(f"line {number}: {problem}")
+        first_seen.setdefault(line.custom_id, number)
+        batch.append(line)
+    if problems:
+        raise BadBatch(problems)
+    return batch
+
+
+def _line_problem(line: BatchLine, seen_on: int | None) -> str | None:
+    if not line.custom_id:
+        return "custom_id is empty"
+    if seen_on is not None:
+        return f"custom_id {line.custom_id!r} is line {seen_on}'s too (each names one request)"
+    if line.url not in BATCH_URLS:
+        return f"url {line.url!r} is not a batch route (one of {', '.join(BATCH_URLS)})"
+    if line.body.get("stream"):
+        return "stream is not supported in a batch (each answer is written whole)"
+    return None
+
+
+def finished_ids(lines: Iterable[str]) -> set[str]:
+    """The custom_ids an earlier run's output answered (a torn last line is not one)."""
+    done = set()
+    for text in lines:
+        with contextlib.suppress(msgspec.DecodeError, AttributeError, KeyError, TypeError):
+            record = msgspec.json.decode(text)
+            if record.get("response") is not None:
+                done.add(record["custom_id"])
+    return done
+
+
+@dataclass
+class Outcome:
+    """One request's output line, and what the summary counts of it."""
+
+    custom_id: str
+    status_code: int | None
+    """None: no answer came (`error` says why)."""
+    request_id: str | None
+    body: Any
+    error: dict[str, str] | None = None
+    retry_after: str | None = None
+    """The gateway's Retry-After header, if it sent one."""
+
+    def record(self) -> dict[str, Any]:
+        response = (None if self.status_code is None else
+                    {"status_code": self.status_code, "request_id": self.request_id, "body": self.body})
+        return {"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": self.custom_id, "response": response,
+                "error": self.error}
+
+    def total_tokens(self) -> int:
+        usage = self.body.get("usage") if isinstance(self.body, dict) else None
+        if not isinstance(usage, dict):
+            return 0
+        if "total_tokens" in usage:
+            return int(usage["total_tokens"] or 0)
+        return int(usage.get("input_tokens") or 0) + int(usage.get("output_tokens") or 0)  # Anthropic's
+
+
+def retry_delay_s(retry_after: str | None, backoff_s: float) -> float:
+    """How long to wait before asking again: the gateway's Retry-After (seconds), else `backoff_s`."""
+    try:
+        return max(MIN_RETRY_DELAY_S, float(retry_after or ""))
+    except ValueError:
+        return backoff_s
+
+
+@dataclass
+class Sender:
+    """Sends one request at a time through `session`, retrying what the gateway will answer later."""
+
+    session: aiohttp.ClientSession
+    base_url: str
+    headers: dict[str, str]
+    max_retry_wait_s: float
+    timeout_s: float
+    retries: int = field(default=0)
+
+    async def send(self, line: BatchLine) -> Outcome:
+        waited_s, backoff_s = 0.0, FIRST_BACKOFF_S
+        while True:
+            try:
+                answer = await self._post(line)
+                if answer.status_code not in RETRIED_STATUSES:
+                    return answer
+                delay_s, why = retry_delay_s(answer.retry_after, backoff_s), f"status {answer.status_code}"
+            except (TimeoutError, aiohttp.ClientError, OSError) as exc:
+                answer = None
+                delay_s, why = backoff_s, f"{type(exc).__name__}: {exc}".rstrip(": ")
+            if waited_s + delay_s > self.max_retry_wait_s:
+                return answer or Outcome(line.custom_id, None, None, None, error={
+                    "code": "unreachable", "message": f"no answer after {waited_s:.0f} s of retries ({why})"})
+            self.retries += 1
+            await asyncio.sleep(delay_s)
+            waited_s += delay_s
+            backoff_s = min(MAX_BACKOFF_S, backoff_s * 2)
+
+    async def _post(self, line: BatchLine) -> Outcome:
+        async with self.session.post(self.base_url + line.url, json=line.body, headers=self.headers,
+                                     timeout=aiohttp.ClientTimeout(total=self.timeout_s)) as response:
+            raw = await response.read()
+            try:
+                body = json.loads(raw)
+            except ValueError:
+                body = {"error": {"message": raw.decode(errors="replace")[:2000], "type": "invalid_response"}}
+            return Outcome(line.custom_id, response.status, response.headers.get("x-request-id"), body,
+                           retry_after=response.headers.get("Retry-After"))
+
+
+class OrderedWriter:
+    """Writes each request's line once every line before it is written."""
+
+    def __init__(self, out: IO[str]) -> None:
+        self._out = out
+        self._pending: dict[int, Outcome] = {}
+        self._next = 0
+
+    def put(self, index: int, outcome: Outcome) -> None:
+        self._pending[index] = outcome
+        while self._next in self._pending:
+            self._out.write(json.dumps(self._pending.pop(self._next).record()) + "\n")
+            self._next += 1
+        self._out.flush()
+
+
+@dataclass
+class Summary:
+    statuses: dict[str, int] = field(default_factory=dict)
+    total_tokens: int = 0
+
+    def add(self, outcome: Outcome) -> None:
+        key = "unreachable" if outcome.status_code is None else str(outcome.status_code)
+        self.statuses[key] = self.statuses.get(key, 0) + 1
+        self.total_tokens += outcome.total_tokens()
+
+    @property
+    def done(self) -> int:
+        return sum(self.statuses.values())
+
+    @property
+    def unanswered(self) -> int:
+        return self.statuses.get("unreachable", 0)
+
+    def line(self) -> str:
+        counts = ", ".join(f"{count} × {status}" for status, count in sorted(self.statuses.items()))
+        return f"{self.done} done ({counts or 'none'}), {self.total_tokens} tokens"
+
+
+async def run(batch: list[BatchLine], out: IO[str], *, base_url: str, api_key: str, concurrency: int,
+              max_retry_wait_s: float, timeout_s: float, progress: IO[str]) -> Summary:
+    """Every request of `batch` answered and written to `out` in order; the counts."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    writer, summary = OrderedWriter(out), Summary()
+    limit = asyncio.Semaphore(concurrency)
+    started = last_report = time.monotonic()
+    connector = aiohttp.TCPConnector(limit=concurrency)
+    async with aiohttp.ClientSession(connector=connector) as session:
+        sender = Sender(session, base_url.rstrip("/"), headers, max_retry_wait_s, timeout_s)
+
+        async def one(index: int, line: BatchLine) -> None:
+            nonlocal last_report
+            async with limit:
+                outcome = await sender.send(line)
+            writer.put(index, outcome)
+            summary.add(outcome)
+            if time.monotonic() - last_report >= 5.0:
+                last_report = time.monotonic()
+                print(f"run-batch: {summary.done}/{len(batch)} after {last_report - started:.0f} s", file=progress)
+
+        await asyncio.gather(*(one(index, line) for index, line in enumerate(batch)))
+    print(f"run-batch: {summary.line()} in {time.monotonic() - started:.1f} s, {sender.retries} retries",
+          file=progress)
+    return summary
+
+
+def add_run_batch_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("-i", "--input-file", required=True, help="the batch: JSONL in OpenAI's batch format ('-': "
+                                                                   "standard input)")
+    parser.add_argument("-o", "--output-file", required=True, help="the answers, JSONL in OpenAI's batch output "
+                                                                    "format, in the input's order ('-': standard output)")
+    parser.add_argument("--url", default=os.environ.get("SHOAL_URL", DEFAULT_URL),
+                        help=f"the gateway (default $SHOAL_URL or {DEFAULT_URL}); the key comes from $SHOAL_API_KEY "
+                             "or $OPENAI_API_KEY")
+    parser.add_argument("--concurrency", type=_positive_int, default=16, help="requests at once (default 16)")
+    parser.add_argument("--max-retry-wait-s", type=float, default=600.0,
+                        help="how long one request may wait on 429, 503 or a dropped connection (default 600)")
+    parser.add_argument("--timeout-s", type=float, default=600.0, help="one attempt's limit (default 600)")
+    parser.add_argument("--resume", action="store_true",
+                        help="keep the output file's answered lines and send only the other requests")
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def run_batch(args: argparse.Namespace) -> int:
+    """0: every request answered (refusals included, each in its line); 1: some never were;
+    2: the input is not a batch (nothing sent)."""
+    try:
+        with _opened(args.input_file, "r") as source:
+            batch = read_batch(source)
+    except (BadBatch, OSError, UnicodeDecodeError) as exc:
+        print(f"shoal run-batch: {args.input_file}: {exc}", file=sys.stderr)
+        return 2
+    mode = "w"
+    if args.resume and args.output_file != "-" and Path(args.output_file).is_file():
+        done = finished_ids(Path(args.output_file).read_text().splitlines(keepends=True))
+        _drop_torn_lines(Path(args.output_file), done)
+        batch = [line for line in batch if line.custom_id not in done]
+        mode = "a"
+        print(f"run-batch: {len(done)} answered before, {len(batch)} to send", file=sys.stderr)
+    api_key = os.environ.get("SHOAL_API_KEY") or os.environ.get("OPENAI_API_KEY", "")
+    with _opened(args.output_file, mode) as out:
+        summary = asyncio.run(run(batch, out, base_url=args.url, api_key=api_key, concurrency=args.concurrency,
+                                  max_retry_wait_s=args.max_retry_wait_s, timeout_s=args.timeout_s,
+                                  progress=sys.stderr))
+    return 1 if summary.unanswered else 0
+
+
+def _drop_torn_lines(path: Path, done: set[str]) -> None:
+    """Keep only the output's answered lines (a run killed mid-write leaves a torn last one)."""
+    kept = [text for text in path.read_text().splitlines(keepends=True) if finished_ids([text]) & done]
+    path.write_text("".join(text if text.endswith("\n") else text + "\n" for text in kept))
+
+
+@contextlib.contextmanager
+def _opened(name: str, mode: str) -> Iterator[IO[str]]:
+    if name == "-":
+        yield sys.stdin if mode == "r" else sys.stdout
+        return
+    with open(name, mode, encoding="utf-8") as stream:
+        yield stream

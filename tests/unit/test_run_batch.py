@@ -1,0 +1,157 @@
+"""``shoal run-batch`` (cli/run_batch.py): the batch file's checks, the output's order and
+resumption, and the retries, against a real HTTP server on a socket."""
+
+from __future__ import annotations
+
+import io
+import json
+import socket
+from collections.abc import AsyncIterator
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from shoal.cli.run_batch import (
+    MIN_RETRY_DELAY_S,
+    BadBatch,
+    BatchLine,
+    OrderedWriter,
+    Outcome,
+    Sender,
+    finished_ids,
+    read_batch,
+    retry_delay_s,
+    run,
+)
+
+
+def _line(custom_id: str, url: str = "/v1/chat/completions", **body: object) -> str:
+    return json.dumps({"custom_id": custom_id, "method": "POST", "url": url, "body": {"model": "m", **body}})
+
+
+def test_a_batch_is_read_in_order_blank_lines_skipped() -> None:
+    batch = read_batch([_line("a"), "\n", _line("b", "/v1/embeddings", input="x"), _line("c", "/v1/messages")])
+    assert [(line.custom_id, line.url) for line in batch] == [
+        ("a", "/v1/chat/completions"), ("b", "/v1/embeddings"), ("c", "/v1/messages")]
+    assert batch[1].body == {"model": "m", "input": "x"}
+
+
+def test_every_bad_line_is_named_and_nothing_is_read() -> None:
+    lines = [_line("a"), "not json", _line("a"), _line("b", "/v1/models"), _line("c", stream=True),
+             json.dumps({"custom_id": "d", "method": "GET", "url": "/v1/completions", "body": {}}),
+             json.dumps({"custom_id": "e", "method": "POST", "url": "/v1/completions"}),
+             _line("")]
+    with pytest.raises(BadBatch) as caught:
+        read_batch(lines)
+    problems = caught.value.problems
+    assert [problem.split(":")[0] for problem in problems] == [f"line {n}" for n in range(2, 9)]
+    assert "is line 1's too" in problems[1]
+    assert "'/v1/models' is not a batch route" in problems[2]
+    assert "stream is not supported" in problems[3]
+    assert "`$.method`" in problems[4] and "body" in problems[5] and "custom_id is empty" in problems[6]
+    assert str(caught.value).startswith("7 bad line(s), nothing sent")
+
+
+def test_lines_are_written_once_every_line_before_them_is() -> None:
+    out = io.StringIO()
+    writer = OrderedWriter(out)
+    writer.put(2, Outcome("c", 200, "r3", {}))
+    writer.put(1, Outcome("b", 200, "r2", {}))
+    assert out.getvalue() == ""
+    writer.put(0, Outcome("a", 404, "r1", {"error": {"message": "no"}}))
+    records = [json.loads(text) for text in out.getvalue().splitlines()]
+    assert [record["custom_id"] for record in records] == ["a", "b", "c"]
+    assert records[0]["response"] == {"status_code": 404, "request_id": "r1", "body": {"error": {"message": "no"}}}
+    assert records[0]["error"] is None and records[0]["id"].startswith("batch_req_")
+
+
+def test_a_resumed_run_keeps_only_answered_lines() -> None:
+    answered = json.dumps(Outcome("a", 200, "r", {}).record())
+    unanswered = json.dumps(Outcome("b", None, None, None, error={"code": "unreachable", "message": "x"}).record())
+    torn = json.dumps(Outcome("c", 200, "r", {}).record())[:40]
+    assert finished_ids([answered + "\n", unanswered + "\n", torn, "[]\n", "{}\n"]) == {"a"}
+
+
+def test_usage_is_counted_in_openais_and_anthropics_form() -> None:
+    assert Outcome("a", 200, None, {"usage": {"prompt_tokens": 3, "total_tokens": 7}}).total_tokens() == 7
+    assert Outcome("a", 200, None, {"usage": {"input_tokens": 3, "output_tokens": 4}}).total_tokens() == 7
+    assert Outcome("a", 404, None, {"error": {}}).total_tokens() == 0
+
+
+def test_retry_after_is_the_gateways_when_it_sends_one() -> None:
+    assert retry_delay_s("3", 1.0) == 3.0
+    assert retry_delay_s("0", 1.0) == MIN_RETRY_DELAY_S  # a retry always spends some of the budget
+    assert retry_delay_s(None, 2.0) == 2.0
+    assert retry_delay_s("Wed, 21 Oct 2026 07:28:00 GMT", 4.0) == 4.0  # a date: the backoff
+
+
+class _Gateway:
+    """A real HTTP server that answers 503 (Retry-After: 0) to each request's first tries."""
+
+    def __init__(self, refusals: int) -> None:
+        self.refusals = refusals
+        self.seen: dict[str, int] = {}
+
+    async def handle(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        tries = self.seen[body["input"]] = self.seen.get(body["input"], 0) + 1
+        if tries <= self.refusals:
+            return web.json_response({"error": {"message": "placing"}}, status=503, headers={"Retry-After": "0"})
+        return web.json_response({"echo": body["input"], "usage": {"total_tokens": 2}},
+                                 headers={"X-Request-Id": f"req-{body['input']}"})
+
+
+@pytest.fixture
+async def gateway() -> AsyncIterator[tuple[_Gateway, str]]:
+    handler = _Gateway(refusals=2)
+    app = web.Application()
+    app.router.add_post("/v1/embeddings", handler.handle)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    yield handler, f"http://127.0.0.1:{port}"
+    await runner.cleanup()
+
+
+async def test_refused_requests_are_asked_again_and_written_in_order(gateway: tuple[_Gateway, str]) -> None:
+    handler, url = gateway
+    batch = [BatchLine(f"id-{n}", "POST", "/v1/embeddings", {"model": "m", "input": str(n)}) for n in range(5)]
+    out, progress = io.StringIO(), io.StringIO()
+    summary = await run(batch, out, base_url=url, api_key="", concurrency=2, max_retry_wait_s=10.0, timeout_s=10.0,
+                        progress=progress)
+    records = [json.loads(text) for text in out.getvalue().splitlines()]
+    assert [record["custom_id"] for record in records] == [f"id-{n}" for n in range(5)]
+    assert [record["response"]["body"]["echo"] for record in records] == [str(n) for n in range(5)]
+    assert records[3]["response"]["request_id"] == "req-3"
+    assert handler.seen == {str(n): 3 for n in range(5)}  # two 503s, then the answer
+    assert summary.statuses == {"200": 5} and summary.total_tokens == 10
+    assert "5 done (5 × 200), 10 tokens" in progress.getvalue() and "10 retries" in progress.getvalue()
+
+
+async def test_a_refusal_past_the_retry_budget_is_written_as_it_came(gateway: tuple[_Gateway, str]) -> None:
+    handler, url = gateway
+    handler.refusals = 100
+    async with aiohttp.ClientSession() as session:
+        sender = Sender(session, url, {}, max_retry_wait_s=0.0, timeout_s=10.0)
+        outcome = await sender.send(BatchLine("x", "POST", "/v1/embeddings", {"input": "x"}))
+    assert (outcome.status_code, outcome.body) == (503, {"error": {"message": "placing"}})
+
+
+def _closed_port() -> int:
+    """A port nothing listens on (connections are refused at once)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+async def test_an_unreachable_gateway_is_an_error_line_after_the_budget() -> None:
+    async with aiohttp.ClientSession() as session:
+        sender = Sender(session, f"http://127.0.0.1:{_closed_port()}", {}, max_retry_wait_s=1.5, timeout_s=5.0)
+        outcome = await sender.send(BatchLine("x", "POST", "/v1/embeddings", {"input": "x"}))
+    assert outcome.status_code is None and outcome.error is not None
+    assert outcome.error["code"] == "unreachable" and "ClientConnectorError" in outcome.error["message"]
+    assert sender.retries == 1  # waited 1 s, then the next wait (2 s) would pass the budget
+    assert json.loads(json.dumps(outcome.record()))["response"] is None
