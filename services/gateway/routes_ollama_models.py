@@ -3,8 +3,9 @@ on a GPU now), ``/api/show`` (one model's details), ``/api/version`` (the Ollama
 matched, and Shoal's); and ``GET /``, which Ollama's clients probe to see a server is up.
 
 Models are registered by the operator (shoal.toml, ``POST /admin/models``), not pulled:
-``/api/pull``, ``/api/push``, ``/api/create``, ``/api/copy`` and ``/api/delete`` answer 501
-saying so. Sizes are the checkpoint's bytes (``/api/tags``) and the GPU bytes the replicas
+``/api/pull`` of a registered model succeeds at once (a script that pulls before it chats goes
+on), of any other model is a 404 saying so; ``/api/push``, ``/api/create``, ``/api/copy`` and
+``/api/delete`` answer 501. Sizes are the checkpoint's bytes (``/api/tags``) and the GPU bytes the replicas
 hold (``/api/ps``); a model's ``expires_at`` is when it would sleep if no request came
 (its last request plus ``sleep.idle_timeout_s``), far away for one that never sleeps.
 """
@@ -18,8 +19,9 @@ from typing import Any
 from aiohttp import web
 from msgspec import Struct
 
-from shoal.services.gateway.errors import BadRequest, NotImplementedHere
+from shoal.services.gateway.errors import BadRequest, NotFound, NotImplementedHere
 from shoal.services.gateway.json_body import json_response
+from shoal.services.gateway.ndjson import NdjsonStream
 from shoal.services.gateway.openai_api import decode_body
 from shoal.services.gateway.routes_ollama import served_model
 from shoal.services.gateway.state import GATEWAY
@@ -193,12 +195,47 @@ async def root(request: web.Request) -> web.Response:
     return web.Response(text="Shoal is running (OpenAI API at /v1, Ollama's at /api, dashboard at /ui)")
 
 
+class PullRequest(Struct, kw_only=True):
+    model: str | None = None
+    name: str | None = None
+    """Older clients' name for `model`."""
+    insecure: bool | None = None
+    stream: bool = True
+
+
+class PullProgress(Struct):
+    status: str
+
+
+@routes.post("/api/pull")
+async def pull(request: web.Request) -> web.StreamResponse:
+    """A registered model is there already: Ollama's "success" (after its first progress line
+    when streamed), as ``ollama pull`` answers for a model it holds."""
+    body = decode_body(await request.read(), PullRequest)
+    name = body.model or body.name
+    if not name:
+        raise BadRequest("model is required", param="model")
+    try:
+        served_model(request.app[GATEWAY], name)
+    except NotFound:
+        raise NotFound(f"model '{name}' is not registered: Shoal does not download models; its operator registers "
+                       f"them (shoal.toml [[models]], or POST /admin/models)", code="model_not_found",
+                       param="model") from None
+    if not body.stream:
+        return json_response(PullProgress("success"))
+    lines = NdjsonStream(request)
+    for status in ("pulling manifest", "success"):
+        await lines.send(PullProgress(status))
+    await lines.close()
+    return lines.response
+
+
 async def _not_here(request: web.Request) -> web.Response:
     raise NotImplementedHere(f"{request.path} is not served: Shoal serves the models its operator registers "
                              f"(shoal.toml [[models]], or POST /admin/models), it does not pull or create them")
 
 
-for _path in ("/api/pull", "/api/push", "/api/create", "/api/copy"):
+for _path in ("/api/push", "/api/create", "/api/copy"):
     routes.post(_path)(_not_here)
 routes.delete("/api/delete")(_not_here)
 routes.post("/api/blobs/{digest}")(_not_here)

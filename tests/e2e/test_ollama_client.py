@@ -90,6 +90,17 @@ def test_tags_list_the_served_models_with_their_details(shoal: ShoalUp, api: oll
     assert shown.modelinfo is not None and shown.modelinfo["general.architecture"] == "qwen2"
 
 
+def test_pulling_a_registered_model_succeeds_at_once(api: ollama.Client) -> None:
+    """A script that pulls before it chats (``ollama.pull(model)``) goes on: the model is
+    there. Its ``:latest`` name too; an unregistered model is Ollama's error, saying why."""
+    assert api.pull(SMALL).status == "success"
+    assert [progress.status for progress in api.pull(SMALL + ":latest", stream=True)] == ["pulling manifest",
+                                                                                         "success"]
+    with pytest.raises(ollama.ResponseError) as caught:
+        api.pull("llama3.2")
+    assert caught.value.status_code == 404 and "does not download models" in caught.value.error
+
+
 def test_chat_answers_as_the_openai_api_does(api: ollama.Client, client: openai.OpenAI,
                                              demo_models_root: Path) -> None:
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a sea."}]
@@ -326,7 +337,9 @@ def test_load_ps_and_unload_follow_the_models_replicas(shoal: ShoalUp, api: olla
     ("POST", "/api/show", {"model": "org/none"}, 404, "does not exist"),
     ("POST", "/api/show", {}, 400, "model is required"),
     ("POST", "/api/generate", {"model": SMALL, "prompt": "x", "raw": True, "system": "y"}, 400, "system"),
-    ("POST", "/api/pull", {"model": "llama3"}, 501, "POST /admin/models"),
+    ("POST", "/api/pull", {"model": "llama3"}, 404, "is not registered: Shoal does not download models"),
+    ("POST", "/api/pull", {}, 400, "model is required"),
+    ("POST", "/api/copy", {"source": SMALL, "destination": "x"}, 501, "POST /admin/models"),
     ("DELETE", "/api/delete", {"model": SMALL}, 501, "does not pull or create"),
     ("GET", "/api/nothing", None, 404, "no route"),
 ])
