@@ -126,6 +126,14 @@ class SamplingParams(Struct, omit_defaults=True):
     """The grammar shapes only the text after this marker (a reasoning model's ``</think>``):
     from the first token when the prompt ends with it (thinking off), else from the token after
     the one that completes it; None: all the text."""
+    thinking_budget: int | None = None
+    """A reasoning model's think block holds at most this many tokens; then the engine closes it
+    and the answer starts (services/worker/engine/thinking.py). None: no bound."""
+    thinking_start: str | None = None
+    """With `thinking_budget`: the marker the answer opens its block with (Qwen3's ``<think>``);
+    None: the prompt opened it (DeepSeek-R1's template)."""
+    thinking_end: str = "</think>"
+    """With `thinking_budget`: the marker that closes the block."""
     grammar_param: str = "response_format"
     """The request field the grammar (`json_schema` or `regex`) came from, named by an error about it."""
     echo: bool = False

@@ -22,8 +22,9 @@ sampled, placed, queued and read exactly as one sent to ``/v1/chat/completions``
   tools (web search, code execution...) are refused: Shoal runs no tool itself.
 - ``thinking``: a reasoning model thinks, and its thinking comes as ``thinking`` blocks, only
   when ``thinking`` asks (any type but ``disabled``; ``display: "omitted"`` hides the blocks);
-  ``budget_tokens`` is accepted, not enforced (``max_tokens`` bounds thinking and answer
-  together). A model without a ``reasoning_parser`` answers without thinking blocks.
+  ``budget_tokens`` bounds the thinking (the worker closes the think block when it is spent,
+  as ``thinking_token_budget`` does on ``/v1``). A model without a ``reasoning_parser``
+  answers without thinking blocks, its budget unused.
 - Accepted and ignored, as a local server has no use for them: ``cache_control`` on blocks
   (Shoal's prefix cache needs no marks: ``usage.cache_read_input_tokens`` reports its hits),
   ``service_tier``, ``container``, ``context_management``.
@@ -298,6 +299,9 @@ def _thinking(thinking: Thinking | None, reasoning: ReasoningParser | None) -> d
     asked = thinking is not None and thinking.on
     if reasoning is None or (reasoning == "deepseek_r1" and not asked):
         return {}
+    budget = thinking.budget_tokens if thinking is not None and asked else None
+    if budget is not None:
+        return {"chat_template_kwargs": {"enable_thinking": True}, "thinking_token_budget": budget}
     return {"chat_template_kwargs": {"enable_thinking": asked}}
 
 

@@ -193,6 +193,9 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
     reasoning_effort: ReasoningEffort | None = None
     """OpenAI's, given to the chat template as its ``reasoning_effort`` variable (as vLLM
     does: templates that know it, gpt-oss's, use it; others ignore it)."""
+    thinking_token_budget: Annotated[int, Meta(ge=-1, le=MAX_INT32)] | None = None
+    """vLLM's: a reasoning model thinks at most this many tokens, then its think block is
+    closed and it answers (-1: no bound)."""
     add_generation_prompt: bool | None = None
     """vLLM's: open the assistant's turn after the messages (true unless false)."""
     continue_final_message: bool | None = None

@@ -48,7 +48,7 @@ from shoal.services.gateway.openai_api import (
     template_mode,
     usage,
 )
-from shoal.services.gateway.reasoning import THINK_END, ReasoningReader
+from shoal.services.gateway.reasoning import THINK_END, ReasoningReader, with_thinking_budget
 from shoal.services.gateway.state import GatewayState
 from shoal.services.gateway.tool_call_parser import ToolCallReader
 from shoal.services.gateway.tools import ToolPlan, forced, tool_plan, tool_specs
@@ -105,6 +105,7 @@ def plan_request(state: GatewayState, body: ChatCompletionRequest | CompletionRe
             params = msgspec.structs.replace(params, grammar_param=format_param)
         if thinks_first and params.has_grammar:  # the model thinks first, freely (as vLLM has it)
             params = msgspec.structs.replace(params, grammar_after=THINK_END)
+        params = with_thinking_budget(params, body.thinking_token_budget, reasoning)
         prompts = [{"messages": chat_messages(body, state.config.max_prompt_chars), "tools": tool_specs(body),
                     "chat_template_kwargs": template_kwargs(body), **template_mode(body)}]
     else:

@@ -18,11 +18,33 @@ from __future__ import annotations
 
 from typing import Literal
 
+import msgspec
+
+from shoal.services.gateway.errors import BadRequest
+from shoal.shared.messages import SamplingParams
 from shoal.shared.model_settings import ReasoningParser
 
 THINK_START = "<think>"
 THINK_END = "</think>"
 _Phase = Literal["opening", "reasoning", "content"]
+
+
+def with_thinking_budget(params: SamplingParams, budget: int | None, parser: ReasoningParser | None
+                         ) -> SamplingParams:
+    """`params` with the model's think block bounded to `budget` tokens (None or -1: no
+    bound): the worker closes the block where the parser expects it (``deepseek_r1``: the
+    prompt opened it; ``qwen3``: the answer opens it with ``<think>``)."""
+    if budget is None or budget < 0:
+        return params
+    if parser is None:
+        raise BadRequest("thinking_token_budget needs a reasoning model: this model is not registered with a "
+                         "reasoning_parser, so where its thinking ends is unknown", param="thinking_token_budget")
+    if params.has_grammar and params.grammar_after is None:
+        raise BadRequest(f"thinking_token_budget cannot be combined with {params.grammar_param} on this model: its "
+                         "grammar shapes the whole answer (grammar_after_reasoning is off), leaving no think block",
+                         param="thinking_token_budget")
+    return msgspec.structs.replace(params, thinking_budget=budget, thinking_end=THINK_END,
+                                   thinking_start=THINK_START if parser == "qwen3" else None)
 
 
 class ReasoningReader:

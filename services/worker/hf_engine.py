@@ -104,6 +104,9 @@ class HFGenerateEngine:
         if request.params.logprobs is not None:
             raise RequestRejected("logprobs need the paged engine; this model runs on the hf engine", 400,
                                   param="logprobs")
+        if request.params.thinking_budget is not None:
+            raise RequestRejected("a thinking budget needs the paged engine; this model runs on the hf engine", 400,
+                                  param="thinking_token_budget")
         if request.params.has_grammar:
             param = request.params.grammar_param
             raise RequestRejected(f"structured output ({param}) needs the paged engine; this model runs on the hf "

@@ -157,6 +157,22 @@ def test_a_reasoning_models_thinking_is_a_thinking_block(shoal: ShoalUp, api: an
     assert unasked.usage.output_tokens == 8
 
 
+def test_budget_tokens_bounds_the_thinking(shoal: ShoalUp, api: anthropic.Anthropic, client: openai.OpenAI) -> None:
+    """``thinking.budget_tokens``: the think block is closed when it is spent and the model
+    answers in a text block, as ``thinking_token_budget`` answers on /v1."""
+    status, body = _post(shoal, "/admin/models", {"key": "org/anthropic-budget", "path": SMALL,
+                                                  "reasoning_parser": "deepseek_r1"})
+    assert status == 200, body
+    message = api.messages.create(model="org/anthropic-budget", max_tokens=16, extra_body=GREEDY, messages=QUESTION,
+                                  thinking={"type": "enabled", "budget_tokens": 3})
+    expected = client.chat.completions.create(model="org/anthropic-budget", messages=QUESTION, max_tokens=16,
+                                              temperature=0, extra_body={"thinking_token_budget": 3}).choices[0]
+    assert [b.type for b in message.content] == ["thinking", "text"]
+    assert message.content[0].thinking == expected.message.model_extra["reasoning_content"]
+    assert message.content[1].text == expected.message.content and expected.message.content
+    assert message.usage.output_tokens == 16
+
+
 def test_output_config_format_shapes_the_answer(api: anthropic.Anthropic) -> None:
     schema = {"type": "object", "additionalProperties": False, "required": ["sea"],
               "properties": {"sea": {"enum": ["Baltic", "North"]}}}

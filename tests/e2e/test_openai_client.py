@@ -579,6 +579,38 @@ def test_a_reasoning_model_thinks_before_its_grammar_applies(client: openai.Open
     assert choice.message.reasoning and choice.message.reasoning != '"x"'
 
 
+def test_a_thinking_budget_closes_the_think_block_and_the_model_answers(client: openai.OpenAI,
+                                                                       shoal: ShoalUp) -> None:
+    """vLLM's ``thinking_token_budget``: these random weights never close their think block (an
+    answer all reasoning, no content); with a budget of 3 the worker closes it after 3 tokens
+    and the rest of ``max_tokens`` is the answer, streamed or not."""
+    status, payload = http_json(shoal.base_url, "POST", "/admin/models",
+                                {"key": "org/budget-thinker", "path": SMALL, "reasoning_parser": "deepseek_r1"})
+    assert status == 200, payload
+    kwargs: dict[str, Any] = dict(model="org/budget-thinker", messages=[{"role": "user", "content": "2+2?"}],
+                                  temperature=0)
+    unbounded = client.chat.completions.create(max_tokens=16, **kwargs).choices[0].message
+    assert unbounded.reasoning and not unbounded.content
+    three = client.chat.completions.create(max_tokens=3, **kwargs).choices[0].message.reasoning
+    bounded = client.chat.completions.create(max_tokens=16, extra_body={"thinking_token_budget": 3}, **kwargs)
+    message = bounded.choices[0].message
+    assert message.reasoning.rstrip() == three.rstrip() and message.content, message
+    assert bounded.usage.completion_tokens == 16
+    assert 3 <= bounded.usage.completion_tokens_details.reasoning_tokens < 16
+    chunks = list(client.chat.completions.create(max_tokens=16, stream=True, extra_body={"thinking_token_budget": 3},
+                                                 **kwargs))
+    deltas = [chunk.choices[0].delta for chunk in chunks if chunk.choices]
+    assert "".join(getattr(d, "reasoning", None) or "" for d in deltas) == message.reasoning
+    assert "".join(d.content or "" for d in deltas) == message.content
+    unbudgeted = client.chat.completions.create(max_tokens=16, extra_body={"thinking_token_budget": -1}, **kwargs)
+    assert unbudgeted.choices[0].message.reasoning == unbounded.reasoning
+
+    with pytest.raises(openai.BadRequestError) as caught:  # a model without a reasoning parser
+        client.chat.completions.create(model=SMALL, messages=kwargs["messages"], max_tokens=4,
+                                       extra_body={"thinking_token_budget": 3})
+    assert caught.value.body["param"] == "thinking_token_budget"
+
+
 def test_an_answer_that_goes_on_after_a_closed_think_block_is_content(client: openai.OpenAI,
                                                                       shoal: ShoalUp) -> None:
     """continue_final_message with the thinking done in the prefix: the worker sees the prompt

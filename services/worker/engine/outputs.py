@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 from shoal.services.worker.engine.sampler import SamplingState
 from shoal.services.worker.engine.sequence import Sequence
+from shoal.services.worker.engine.thinking import ThinkingBudget
 from shoal.services.worker.generation import GenerationOutput, GenerationRequest, TextStream, TokenLogprobs
 
 
@@ -44,6 +45,8 @@ class RequestState:
     finished: bool = False
     marker_search_from: int = 0
     """Where in the text a reasoning end marker may still begin (`SamplingParams.grammar_after`)."""
+    thinking: ThinkingBudget | None = None
+    """The request's thinking budget while its think block may still be cut (engine/thinking.py)."""
     detokenize_in_step: bool = False
     """With stop strings the step thread detokenizes (a stop string ends the sequence in the
     step that completes it); without, the consumer does (`Tokens`)."""

@@ -60,6 +60,7 @@ from shoal.services.worker.engine.sizing import (
     size_pool,
 )
 from shoal.services.worker.engine.structured import Grammars
+from shoal.services.worker.engine.thinking import ThinkingBudget, forced_end
 from shoal.services.worker.engine.warm_up import get_warm_up_lengths, warm_up
 from shoal.services.worker.generation import (
     EngineFailed,
@@ -504,6 +505,13 @@ class PagedEngine:
             sampling.matcher = self._grammars.matcher(params)
             sampling.grammar_waits = (params.grammar_after is not None
                                       and not self._prompt_ends_with(request.prompt_token_ids, params.grammar_after))
+        thinking = self._thinking_budget(request)
+        if thinking is not None:
+            if params.has_grammar and params.grammar_after is None:
+                raise RequestRejected(f"a thinking budget cannot be combined with {params.grammar_param} shaping the "
+                                      "whole answer: the grammar leaves no think block to cut", 400,
+                                      param="thinking_token_budget")
+            sampling.forced.extend(thinking.at_start())
         max_num_tokens = min(max_model_len, num_prompt_tokens + (1 if params.embed else max(1, params.max_tokens)))
         loop = asyncio.get_running_loop()
         with self._lock:
@@ -534,7 +542,8 @@ class PagedEngine:
                 TextStream(self._tokenizer, params.stop, params.min_tokens),
                 loop,
                 asyncio.Queue(),
-                detokenize_in_step=bool(params.stop) or sampling.grammar_waits,
+                thinking=thinking,
+                detokenize_in_step=bool(params.stop) or sampling.grammar_waits or thinking is not None,
             )
             self._requests[request.request_id] = state
             if params.embed:
@@ -678,11 +687,22 @@ class PagedEngine:
         assert hidden is not None, "the pass kept its hidden states (want_hidden)"
         return {sampled[row].seq_id: embedding_bytes(hidden[row]) for row in rows}
 
+    def _prompt_tail(self, prompt_token_ids: list[int]) -> str:
+        return str(self._tokenizer.decode(prompt_token_ids[-PROMPT_TAIL_TOKENS:], skip_special_tokens=False))
+
     def _prompt_ends_with(self, prompt_token_ids: list[int], marker: str) -> bool:
         """The prompt's text ends with `marker` (blanks after it aside): its reasoning is over
         before the answer starts (a template that turns thinking off closes the block)."""
-        tail = self._tokenizer.decode(prompt_token_ids[-PROMPT_TAIL_TOKENS:], skip_special_tokens=False)
-        return str(tail).rstrip().endswith(marker)
+        return self._prompt_tail(prompt_token_ids).rstrip().endswith(marker)
+
+    def _thinking_budget(self, request: GenerationRequest) -> ThinkingBudget | None:
+        """The request's thinking budget, if it has one and its prompt leaves a block to think in."""
+        params = request.params
+        if params.thinking_budget is None:
+            return None
+        forced_ids = tuple(self._tokenizer.encode(forced_end(params.thinking_end), add_special_tokens=False))
+        return ThinkingBudget.start(max(0, params.thinking_budget), params.thinking_start, params.thinking_end,
+                                    forced_ids, self._prompt_tail(request.prompt_token_ids))
 
     @staticmethod
     def _watch_reasoning_end(state: RequestState) -> None:
@@ -711,7 +731,11 @@ class PagedEngine:
             return
         state.num_unsent_tokens += 1
         delta = state.text.push(update.token_id)
-        if state.sampling.grammar_waits:
+        if state.thinking is not None:
+            state.sampling.forced.extend(state.thinking.after_token(state.text.text))
+            if state.thinking.phase == "done":
+                state.thinking = None
+        if state.sampling.grammar_waits and not state.sampling.forced:  # the grammar starts after a forced close
             self._watch_reasoning_end(state)
         if state.text.stopped:
             self._scheduler.finish(update.seq.seq_id, "stop")

@@ -12,13 +12,16 @@ far: ``logit - presence * [count > 0] - frequency * count``) and vLLM / Hugging 
 negative one multiplied), applied before the temperature; then the request's ``logit_bias``
 is added (OpenAI's: -100 bans a token, 100 makes it all but certain). Until a request with
 ``min_tokens`` has that many tokens, the tokens that would end it are masked out (vLLM's).
+A row with `SamplingState.forced` tokens takes the next of them instead (a thinking budget's
+close: engine/thinking.py); its generator still draws, so a seeded request stays reproducible.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -59,6 +62,8 @@ class SamplingState:
     """The tokens that end the request, masked out until `min_tokens` are chosen; None: none."""
     num_chosen: int = 0
     """Tokens chosen for the request so far (counted while the mask holds, all it needs)."""
+    forced: deque[int] = field(default_factory=deque)
+    """Tokens the next steps write instead of sampling, one each (the engine sets them)."""
 
     @classmethod
     def from_params(cls, params: SamplingParams, ending_ids: frozenset[int] = frozenset()) -> SamplingState:
@@ -140,7 +145,7 @@ def sample(
     """
     adjusted_rows = [row for row, state in enumerate(states) if state.adjusts_logits]
     if argmax is not None and not adjusted_rows and all(state.generator is None for state in states):
-        return argmax.tolist()
+        return _with_forced(argmax.tolist(), states)
     constrained: list[tuple[int, TokenMatcher]] = []
     held_rows: list[int] = []
     if adjusted_rows:
@@ -164,11 +169,20 @@ def sample(
     sampled_rows = [row for row, state in enumerate(states) if state.generator is not None]
     if sampled_rows:
         token_ids[sampled_rows] = _sample_rows(logits[sampled_rows], [states[row] for row in sampled_rows])
-    chosen: list[int] = token_ids.tolist()
+    chosen = _with_forced(token_ids.tolist(), states)
     for row, matcher in constrained:
         matcher.advance(chosen[row])
     for row in held_rows:
         states[row].num_chosen += 1
+    return chosen
+
+
+def _with_forced(chosen: list[int], states: list[SamplingState]) -> list[int]:
+    """`chosen`, each row with forced tokens taking the next of them instead."""
+    for row, state in enumerate(states):
+        if state.forced:
+            assert state.active_matcher is None, "a grammar's row is never forced (the engine refuses the pair)"
+            chosen[row] = state.forced.popleft()
     return chosen
 
 
