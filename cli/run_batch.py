@@ -15,7 +15,10 @@ queue, a model being placed) and a dropped connection are retried after the gate
 ``Retry-After`` (or a growing backoff), for up to `--max-retry-wait-s` per request: a batch
 waits for capacity rather than failing. Lines are written as soon as every line before them
 is, so an interrupted run leaves a prefix of its output, and ``--resume`` sends only the
-requests that prefix lacks.
+requests that prefix did not answer (their lines then come after it). A request still refused
+with a 429 or 503, or never answered, when its budget ran out counts as unanswered: the exit
+status is 1 and ``--resume`` sends it again. At most `WINDOW_PER_WORKER` × `--concurrency`
+answers wait in memory for a slow line before them.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import json
 import os
 import sys
 import time
+import urllib.parse
 import uuid
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -46,6 +50,7 @@ MIN_RETRY_DELAY_S = 0.2
 """Even after ``Retry-After: 0``: each retry spends some of the budget, so it runs out."""
 MAX_BACKOFF_S = 30.0
 MAX_ERRORS_SHOWN = 20
+WINDOW_PER_WORKER = 16
 DEFAULT_URL = "http://127.0.0.1:8000"
 
 
@@ -102,12 +107,14 @@ def _line_problem(line: BatchLine, seen_on: int | None) -> str | None:
 
 
 def finished_ids(lines: Iterable[str]) -> set[str]:
-    """The custom_ids an earlier run's output answered (a torn last line is not one)."""
+    """The custom_ids an earlier run's output answered (not a torn last line, not a request
+    still refused for want of capacity or never answered)."""
     done = set()
     for text in lines:
         with contextlib.suppress(msgspec.DecodeError, AttributeError, KeyError, TypeError):
             record = msgspec.json.decode(text)
-            if record.get("response") is not None:
+            response = record.get("response")
+            if response is not None and response["status_code"] not in RETRIED_STATUSES:
                 done.add(record["custom_id"])
     return done
 
@@ -124,6 +131,11 @@ class Outcome:
     error: dict[str, str] | None = None
     retry_after: str | None = None
     """The gateway's Retry-After header, if it sent one."""
+
+    @property
+    def answered(self) -> bool:
+        """The gateway gave its answer (a refusal for want of capacity is not one)."""
+        return self.status_code is not None and self.status_code not in RETRIED_STATUSES
 
     def record(self) -> dict[str, Any]:
         response = (None if self.status_code is None else
@@ -160,22 +172,30 @@ class Sender:
     retries: int = field(default=0)
 
     async def send(self, line: BatchLine) -> Outcome:
-        waited_s, backoff_s = 0.0, FIRST_BACKOFF_S
+        """The gateway's answer to `line`, asked again (within `max_retry_wait_s` of the first
+        try) while it is a 429 or 503 or the connection fails; an attempt that runs out its
+        `timeout_s` is not repeated (it would only run as long again)."""
+        give_up_at = time.monotonic() + self.max_retry_wait_s
+        backoff_s = FIRST_BACKOFF_S
         while True:
+            refusal: Outcome | None = None
             try:
                 answer = await self._post(line)
-                if answer.status_code not in RETRIED_STATUSES:
+                if answer.answered:
                     return answer
+                refusal = answer
                 delay_s, why = retry_delay_s(answer.retry_after, backoff_s), f"status {answer.status_code}"
-            except (TimeoutError, aiohttp.ClientError, OSError) as exc:
-                answer = None
+            except TimeoutError:
+                return Outcome(line.custom_id, None, None, None, error={
+                    "code": "timeout", "message": f"no answer within --timeout-s ({self.timeout_s:g} s)"})
+            except (aiohttp.ClientConnectionError, OSError) as exc:
                 delay_s, why = backoff_s, f"{type(exc).__name__}: {exc}".rstrip(": ")
-            if waited_s + delay_s > self.max_retry_wait_s:
-                return answer or Outcome(line.custom_id, None, None, None, error={
-                    "code": "unreachable", "message": f"no answer after {waited_s:.0f} s of retries ({why})"})
+            if time.monotonic() + delay_s > give_up_at:
+                return refusal or Outcome(line.custom_id, None, None, None, error={
+                    "code": "unreachable", "message": f"no answer within --max-retry-wait-s "
+                                                      f"({self.max_retry_wait_s:g} s; last: {why})"})
             self.retries += 1
             await asyncio.sleep(delay_s)
-            waited_s += delay_s
             backoff_s = min(MAX_BACKOFF_S, backoff_s * 2)
 
     async def _post(self, line: BatchLine) -> Outcome:
@@ -191,38 +211,46 @@ class Sender:
 
 
 class OrderedWriter:
-    """Writes each request's line once every line before it is written."""
+    """Writes each request's line once every line before it is written; `window` bounds how
+    far past the first unwritten line requests may be sent (and answers held)."""
 
-    def __init__(self, out: IO[str]) -> None:
+    def __init__(self, out: IO[str], window: int) -> None:
         self._out = out
         self._pending: dict[int, Outcome] = {}
         self._next = 0
+        self._window = window
+        self._advanced = asyncio.Condition()
 
-    def put(self, index: int, outcome: Outcome) -> None:
+    async def wait_for_room(self, index: int) -> None:
+        async with self._advanced:
+            await self._advanced.wait_for(lambda: index < self._next + self._window)
+
+    async def put(self, index: int, outcome: Outcome) -> None:
         self._pending[index] = outcome
         while self._next in self._pending:
             self._out.write(json.dumps(self._pending.pop(self._next).record()) + "\n")
             self._next += 1
         self._out.flush()
+        async with self._advanced:
+            self._advanced.notify_all()
 
 
 @dataclass
 class Summary:
     statuses: dict[str, int] = field(default_factory=dict)
+    """Lines by status (or, for one with no answer, its error's code)."""
     total_tokens: int = 0
+    unanswered: int = 0
 
-    def add(self, outcome: Outcome) -> None:
-        key = "unreachable" if outcome.status_code is None else str(outcome.status_code)
+    def count(self, outcome: Outcome) -> None:
+        key = str(outcome.status_code) if outcome.status_code is not None else (outcome.error or {}).get("code", "?")
         self.statuses[key] = self.statuses.get(key, 0) + 1
         self.total_tokens += outcome.total_tokens()
+        self.unanswered += not outcome.answered
 
     @property
     def done(self) -> int:
         return sum(self.statuses.values())
-
-    @property
-    def unanswered(self) -> int:
-        return self.statuses.get("unreachable", 0)
 
     def line(self) -> str:
         counts = ", ".join(f"{count} × {status}" for status, count in sorted(self.statuses.items()))
@@ -233,24 +261,26 @@ async def run(batch: list[BatchLine], out: IO[str], *, base_url: str, api_key: s
               max_retry_wait_s: float, timeout_s: float, progress: IO[str]) -> Summary:
     """Every request of `batch` answered and written to `out` in order; the counts."""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    writer, summary = OrderedWriter(out), Summary()
-    limit = asyncio.Semaphore(concurrency)
+    writer, summary = OrderedWriter(out, WINDOW_PER_WORKER * concurrency), Summary()
     started = last_report = time.monotonic()
+    indexes = iter(range(len(batch)))  # shared by the workers: each takes the next line
     connector = aiohttp.TCPConnector(limit=concurrency)
     async with aiohttp.ClientSession(connector=connector) as session:
         sender = Sender(session, base_url.rstrip("/"), headers, max_retry_wait_s, timeout_s)
 
-        async def one(index: int, line: BatchLine) -> None:
+        async def worker() -> None:
             nonlocal last_report
-            async with limit:
-                outcome = await sender.send(line)
-            writer.put(index, outcome)
-            summary.add(outcome)
-            if time.monotonic() - last_report >= 5.0:
-                last_report = time.monotonic()
-                print(f"run-batch: {summary.done}/{len(batch)} after {last_report - started:.0f} s", file=progress)
+            for index in indexes:
+                await writer.wait_for_room(index)
+                outcome = await sender.send(batch[index])
+                await writer.put(index, outcome)
+                summary.count(outcome)
+                if time.monotonic() - last_report >= 5.0:
+                    last_report = time.monotonic()
+                    print(f"run-batch: {summary.done}/{len(batch)} after {last_report - started:.0f} s",
+                          file=progress)
 
-        await asyncio.gather(*(one(index, line) for index, line in enumerate(batch)))
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
     print(f"run-batch: {summary.line()} in {time.monotonic() - started:.1f} s, {sender.retries} retries",
           file=progress)
     return summary
@@ -280,16 +310,24 @@ def _positive_int(text: str) -> int:
 
 
 def run_batch(args: argparse.Namespace) -> int:
-    """0: every request answered (refusals included, each in its line); 1: some never were;
-    2: the input is not a batch (nothing sent)."""
+    """0: every request answered (refusals included, each in its line); 1: some were not (a
+    429 or 503 to the end of its budget, a timeout, no connection); 2: the input is not a
+    batch or an argument is wrong (nothing sent)."""
     try:
         with _opened(args.input_file, "r") as source:
             batch = read_batch(source)
     except (BadBatch, OSError, UnicodeDecodeError) as exc:
         print(f"shoal run-batch: {args.input_file}: {exc}", file=sys.stderr)
         return 2
+    if not _is_http_url(args.url):
+        print(f"shoal run-batch: --url {args.url!r} is not a gateway address (http://host:port)", file=sys.stderr)
+        return 2
+    if args.resume and args.output_file == "-":
+        print("shoal run-batch: --resume reads the answers already written: name an output file, not '-'",
+              file=sys.stderr)
+        return 2
     mode = "w"
-    if args.resume and args.output_file != "-" and Path(args.output_file).is_file():
+    if args.resume and Path(args.output_file).is_file():
         done = finished_ids(Path(args.output_file).read_text().splitlines(keepends=True))
         _drop_torn_lines(Path(args.output_file), done)
         batch = [line for line in batch if line.custom_id not in done]
@@ -303,8 +341,14 @@ def run_batch(args: argparse.Namespace) -> int:
     return 1 if summary.unanswered else 0
 
 
+def _is_http_url(text: str) -> bool:
+    parts = urllib.parse.urlsplit(text)
+    return parts.scheme in ("http", "https") and bool(parts.hostname)
+
+
 def _drop_torn_lines(path: Path, done: set[str]) -> None:
-    """Keep only the output's answered lines (a run killed mid-write leaves a torn last one)."""
+    """Keep only the output's answered lines (a run killed mid-write leaves a torn last one;
+    the unanswered are sent again)."""
     kept = [text for text in path.read_text().splitlines(keepends=True) if finished_ids([text]) & done]
     path.write_text("".join(text if text.endswith("\n") else text + "\n" for text in kept))
 

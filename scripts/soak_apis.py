@@ -1,28 +1,41 @@
-"""Soak a running Shoal through its three APIs at once while models keep being put to sleep.
+"""Soak a running Shoal through its APIs at once while models keep being put to sleep.
 
     python scripts/soak_apis.py --base-url http://127.0.0.1:8000 --duration-s 120
+    python scripts/soak_apis.py --aliases 17 --batch 300   # 20 models on the GPUs, and a batch file
 
-`--clients` OpenAI clients stream chats, as many Ollama clients stream chats or embed, and as
-many Anthropic clients stream messages or count tokens, each on a model drawn at random from
-those served; every `--unload-every-s` one model is unloaded
-(Ollama's ``keep_alive: 0``: its replicas sleep) so that requests keep meeting sleeping,
-waking and loading replicas. Exits 1 if any request failed or the gateway holds reply inboxes
-once the load has stopped (a leak); prints the counts either way (docs/reliability.md).
+`--clients` OpenAI clients stream chats, as many Ollama clients stream chats or embed, as
+many Anthropic clients stream messages or count tokens, and as many Cohere clients rerank
+(or score pairs on ``/v1/score``), each on a model drawn at random from those served; every
+`--unload-every-s` one model is unloaded (Ollama's ``keep_alive: 0``: its replicas sleep) so
+that requests keep meeting sleeping, waking and loading replicas. `--aliases N` first
+registers N more models (``soak/<n>``, each a demo model's files under another key) so that
+far more models compete for the GPUs than fit; `--batch N` runs ``shoal run-batch`` on N
+requests over all the models meanwhile, and counts its lines that are not a 200. Exits 1 if
+any request failed or the gateway holds reply inboxes once the load has stopped (a leak);
+prints the counts either way (docs/reliability.md).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import random
 import sys
+import tempfile
 import time
 from collections import Counter
+from pathlib import Path
 
 import anthropic
+import cohere
 import httpx
 import ollama
 import openai
+from cohere.core.api_error import ApiError as CohereError
+
+DEMO_MODELS = ("demo/llama-5m", "demo/qwen2-25m", "demo/llama-100m")
+DOCUMENTS = ["The harbour keeps the boats.", "Cats sleep all day.", "At night the fleet returns to port."]
 
 
 async def _openai_client(base_url: str, models: list[str], until: float, done: Counter[str],
@@ -78,6 +91,61 @@ async def _anthropic_client(base_url: str, models: list[str], until: float, done
     await client.close()
 
 
+async def _cohere_client(base_url: str, models: list[str], until: float, done: Counter[str],
+                         failures: list[str]) -> None:
+    client = cohere.AsyncClientV2(base_url=base_url, api_key="unused", timeout=240)
+    async with httpx.AsyncClient(timeout=240) as http:
+        while time.monotonic() < until:
+            model = random.choice(models)
+            try:
+                if random.random() < 0.3:
+                    response = await http.post(base_url + "/v1/score", json={
+                        "model": model, "text_1": "Where do boats go?", "text_2": DOCUMENTS})
+                    if response.status_code != 200:
+                        raise httpx.HTTPStatusError(response.text[:200], request=response.request, response=response)
+                    done["scores"] += 1
+                else:
+                    await client.rerank(model=model, query="Where do boats go?", documents=DOCUMENTS, top_n=2)
+                    done["reranks"] += 1
+            except (CohereError, httpx.HTTPError) as exc:
+                failures.append(f"rerank {model}: {exc!r}"[:300])
+
+
+async def _registered_aliases(base_url: str, count: int) -> None:
+    """`count` more models, each a demo model's files under a key of its own."""
+    async with httpx.AsyncClient(timeout=120) as http:
+        for n in range(count):
+            response = await http.post(base_url + "/admin/models", json={
+                "key": f"soak/{n}", "path": DEMO_MODELS[n % len(DEMO_MODELS)]})
+            response.raise_for_status()
+
+
+async def _batch(base_url: str, models: list[str], count: int, done: Counter[str], failures: list[str]) -> None:
+    """``shoal run-batch`` on `count` requests over `models`, beside the clients."""
+    with tempfile.TemporaryDirectory() as folder:
+        batch, output = Path(folder) / "batch.jsonl", Path(folder) / "out.jsonl"
+        lines = []
+        for n in range(count):
+            model = models[n % len(models)]
+            if n % 4 == 3:
+                url, body = "/v1/embeddings", {"model": model, "input": ["a short text", "another"]}
+            else:
+                url, body = "/v1/chat/completions", {"model": model, "max_tokens": 8,
+                                                     "messages": [{"role": "user", "content": f"Hello {n}"}]}
+            lines.append(json.dumps({"custom_id": f"r{n}", "method": "POST", "url": url, "body": body}))
+        batch.write_text("\n".join(lines) + "\n")
+        process = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "shoal.cli.main", "run-batch", "-i", str(batch), "-o", str(output),
+            "--url", base_url, "--concurrency", "8", stderr=asyncio.subprocess.PIPE)
+        _, stderr = await process.communicate()
+        records = [json.loads(line) for line in output.read_text().splitlines()] if output.exists() else []
+        answered = [record for record in records if (record["response"] or {}).get("status_code") == 200]
+        done["batch_lines"] += len(answered)
+        if process.returncode != 0 or len(answered) != count:
+            failures.append(f"run-batch: exit {process.returncode}, {len(answered)}/{count} answered: "
+                            f"{stderr.decode()[-300:]}")
+
+
 async def _unloader(base_url: str, models: list[str], until: float, every_s: float, done: Counter[str],
                     failures: list[str]) -> None:
     client = ollama.AsyncClient(host=base_url, timeout=240)
@@ -91,7 +159,9 @@ async def _unloader(base_url: str, models: list[str], until: float, every_s: flo
             failures.append(f"unload {model}: {exc!r}"[:300])
 
 
-async def soak(base_url: str, duration_s: float, num_clients: int, unload_every_s: float) -> int:
+async def soak(base_url: str, duration_s: float, num_clients: int, unload_every_s: float, num_aliases: int = 0,
+               batch_size: int = 0) -> int:
+    await _registered_aliases(base_url, num_aliases)
     async with httpx.AsyncClient(timeout=30) as http:
         models = [m["id"] for m in (await http.get(base_url + "/v1/models")).json()["data"]]
     until = time.monotonic() + duration_s
@@ -101,6 +171,8 @@ async def soak(base_url: str, duration_s: float, num_clients: int, unload_every_
         *(_openai_client(base_url, models, until, done, failures) for _ in range(num_clients)),
         *(_ollama_client(base_url, models, until, done, failures) for _ in range(num_clients)),
         *(_anthropic_client(base_url, models, until, done, failures) for _ in range(num_clients)),
+        *(_cohere_client(base_url, models, until, done, failures) for _ in range(num_clients)),
+        *([_batch(base_url, models, batch_size, done, failures)] if batch_size else []),
         _unloader(base_url, models, until, unload_every_s, done, failures))
     await asyncio.sleep(3)  # the last replies' confirmations
     async with httpx.AsyncClient(timeout=30) as http:
@@ -118,10 +190,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--base-url", default="http://127.0.0.1:8000")
     parser.add_argument("--duration-s", type=float, default=120.0)
-    parser.add_argument("--clients", type=int, default=6, help="clients per API (OpenAI, Ollama, Anthropic)")
+    parser.add_argument("--clients", type=int, default=6, help="clients per API (OpenAI, Ollama, Anthropic, Cohere)")
     parser.add_argument("--unload-every-s", type=float, default=4.0)
+    parser.add_argument("--aliases", type=int, default=0, help="register this many more models first (soak/<n>)")
+    parser.add_argument("--batch", type=int, default=0, help="run shoal run-batch on this many requests meanwhile")
     args = parser.parse_args()
-    sys.exit(asyncio.run(soak(args.base_url, args.duration_s, args.clients, args.unload_every_s)))
+    sys.exit(asyncio.run(soak(args.base_url, args.duration_s, args.clients, args.unload_every_s, args.aliases,
+                              args.batch)))
 
 
 if __name__ == "__main__":

@@ -7,13 +7,16 @@ Each distinct text is embedded once (embeddings_api.py: its last token's final h
 L2-normalized) and a pair's score is the cosine of their vectors, in [-1, 1], as vLLM scores
 with an embedding model (Cohere's hosted cross-encoders report [0, 1]; a decoder model here has
 no classification head to do so). Rerank results come best first; ties keep the documents'
-order.
+order. A rerank text longer than the model's context is read up to it (its end cut, as
+Cohere cuts long documents) unless the request says how to cut; Cohere's
+``max_tokens_per_doc`` cuts the documents only, never the query.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Annotated, Literal
 
 from msgspec import Meta, Struct
@@ -98,27 +101,44 @@ def document_text(document: str | RerankDocument) -> str:
     return document if isinstance(document, str) else document.text
 
 
-def rerank_texts(req: RerankRequest) -> list[str]:
-    """The texts to embed: the query, then each document (a document without text is a 400)."""
-    texts = [req.query]
+@dataclass(frozen=True)
+class RerankInputs:
+    """What a rerank request embeds: `embeddings` in order, whose vectors are the query's (row
+    0), then each distinct document's; `document_rows`: each document's row among them."""
+
+    embeddings: list[EmbeddingRequest]
+    document_rows: list[int]
+
+
+def rerank_inputs(req: RerankRequest) -> RerankInputs:
+    """The query and each distinct document, embedded once, cut as the request asks (a
+    document without text, or two ways to cut, is a 400)."""
+    if req.max_tokens_per_doc is not None and req.truncate_prompt_tokens is not None:
+        raise BadRequest("send max_tokens_per_doc (keeps each document's start) or truncate_prompt_tokens (keeps "
+                         "each text's end), not both", param="truncate_prompt_tokens")
+    positions: dict[str, int] = {}
+    document_rows = []
     for index, document in enumerate(req.documents):
         text = document_text(document)
         if not text:
             raise BadRequest(f"documents[{index}] has no text", param="documents")
-        texts.append(text)
-    return texts
+        document_rows.append(1 + positions.setdefault(text, len(positions)))
+    documents = list(positions)
+    if req.truncate_prompt_tokens is not None:  # vLLM's: every text keeps its end
+        embeddings = [EmbeddingRequest(model=req.model, input=[req.query, *documents],
+                                       truncate_prompt_tokens=req.truncate_prompt_tokens)]
+    elif req.max_tokens_per_doc is not None:  # Cohere's: each document keeps its start; the query whole
+        embeddings = [_read_up_to_context(req.model, [req.query]),
+                      EmbeddingRequest(model=req.model, input=documents, truncate_prompt_tokens=req.max_tokens_per_doc,
+                                       truncation_side="right")]
+    else:
+        embeddings = [_read_up_to_context(req.model, [req.query, *documents])]
+    return RerankInputs(embeddings, document_rows)
 
 
-def embedding_request(model: str, texts: list[str], *, max_tokens_per_doc: int | None = None,
-                      truncate_prompt_tokens: int | None = None) -> EmbeddingRequest:
-    """The embedding request computing `texts` once each, cut as asked (at most one way)."""
-    if max_tokens_per_doc is not None and truncate_prompt_tokens is not None:
-        raise BadRequest("send max_tokens_per_doc (keeps each text's start) or truncate_prompt_tokens (keeps its "
-                         "end), not both", param="truncate_prompt_tokens")
-    if max_tokens_per_doc is not None:
-        return EmbeddingRequest(model=model, input=texts, truncate_prompt_tokens=max_tokens_per_doc,
-                                truncation_side="right")
-    return EmbeddingRequest(model=model, input=texts, truncate_prompt_tokens=truncate_prompt_tokens)
+def _read_up_to_context(model: str, texts: list[str]) -> EmbeddingRequest:
+    """`texts`, each read up to the model's context (a longer one loses its end)."""
+    return EmbeddingRequest(model=model, input=texts, truncate_prompt_tokens=-1, truncation_side="right")
 
 
 def score_pairs(req: ScoreRequest) -> tuple[list[str], list[tuple[int, int]]]:
@@ -134,6 +154,9 @@ def score_pairs(req: ScoreRequest) -> tuple[list[str], list[tuple[int, int]]]:
     positions: dict[str, int] = {}
     for text in firsts + seconds:
         positions.setdefault(text, len(positions))
+    if len(positions) > MAX_INPUTS:
+        raise BadRequest(f"the pairs hold {len(positions)} distinct texts; at most {MAX_INPUTS} are embedded for one "
+                         "request", param="text_2")
     return list(positions), [(positions[a], positions[b]) for a, b in zip(firsts, seconds, strict=True)]
 
 
@@ -143,11 +166,11 @@ def cosine(a: Sequence[float], b: Sequence[float]) -> float:
     return math.fsum(x * y for x, y in zip(a, b, strict=True)) / norms if norms else 0.0
 
 
-def ranked(req: RerankRequest, vectors: Sequence[Sequence[float]]) -> list[RerankResult]:
-    """Each document's score against the query (`vectors`: the query's, then the documents'),
-    best first (ties in the documents' order), the best `top_n`."""
-    query, documents = vectors[0], vectors[1:]
-    scores = [cosine(query, vector) for vector in documents]
+def ranked(req: RerankRequest, vectors: Sequence[Sequence[float]], document_rows: list[int]) -> list[RerankResult]:
+    """Each document's score against the query (`vectors[0]`; document i's is
+    `vectors[document_rows[i]]`), best first (ties in the documents' order), the best `top_n`."""
+    query = vectors[0]
+    scores = [cosine(query, vectors[row]) for row in document_rows]
     order = sorted(range(len(scores)), key=lambda index: -scores[index])
     if req.top_n:
         order = order[:req.top_n]

@@ -9,6 +9,7 @@ import time
 from aiohttp import web
 
 from shoal.services.gateway.embeddings_api import EmbeddingRequest, embedding_floats
+from shoal.services.gateway.errors import BadRequest
 from shoal.services.gateway.json_body import json_response
 from shoal.services.gateway.plans import embed_all, embedding_plans
 from shoal.services.gateway.request_ids import REPLICA_HEADER, REQUEST_ID
@@ -19,9 +20,8 @@ from shoal.services.gateway.rerank_api import (
     ScoreRequest,
     ScoreResponse,
     ScoreUsage,
-    embedding_request,
     ranked,
-    rerank_texts,
+    rerank_inputs,
     score_pairs,
     scored,
 )
@@ -39,11 +39,11 @@ async def rerank(request: web.Request) -> web.Response:
     state = request.app[GATEWAY]
     with tallied(state, "rerank") as tally:
         body: RerankRequest = tally.decode(await request.read(), RerankRequest)
-        embedding = embedding_request(body.model, rerank_texts(body), max_tokens_per_doc=body.max_tokens_per_doc,
-                                      truncate_prompt_tokens=body.truncate_prompt_tokens)
-        vectors, finals = await _embedded(state, tally, embedding, request[REQUEST_ID])
+        inputs = rerank_inputs(body)
+        vectors, finals = await _embedded(state, tally, inputs.embeddings, request[REQUEST_ID], param="documents")
         num_tokens = sum(final.prompt_tokens for final in finals)
-        answer = RerankResponse(id=f"rerank-{request[REQUEST_ID]}", model=body.model, results=ranked(body, vectors),
+        answer = RerankResponse(id=f"rerank-{request[REQUEST_ID]}", model=body.model,
+                                results=ranked(body, vectors, inputs.document_rows),
                                 usage=RerankUsage(prompt_tokens=num_tokens, total_tokens=num_tokens))
         return json_response(answer, headers={REPLICA_HEADER: finals[0].replica_id})
 
@@ -55,8 +55,8 @@ async def score(request: web.Request) -> web.Response:
     with tallied(state, "score") as tally:
         body: ScoreRequest = tally.decode(await request.read(), ScoreRequest)
         texts, pairs = score_pairs(body)
-        embedding = embedding_request(body.model, texts, truncate_prompt_tokens=body.truncate_prompt_tokens)
-        vectors, finals = await _embedded(state, tally, embedding, request[REQUEST_ID])
+        embedding = EmbeddingRequest(model=body.model, input=texts, truncate_prompt_tokens=body.truncate_prompt_tokens)
+        vectors, finals = await _embedded(state, tally, [embedding], request[REQUEST_ID], param="text_2")
         num_tokens = sum(final.prompt_tokens for final in finals)
         answer = ScoreResponse(id=f"score-{request[REQUEST_ID]}", created=int(time.time()), model=body.model,
                                data=scored(pairs, vectors),
@@ -64,12 +64,19 @@ async def score(request: web.Request) -> web.Response:
         return json_response(answer, headers={REPLICA_HEADER: finals[0].replica_id})
 
 
-async def _embedded(state: GatewayState, tally: Tally, embedding: EmbeddingRequest, request_id: str
-                    ) -> tuple[list[list[float]], list[FinalReply]]:
-    """Each text's vector, in order, and the final replies they came in."""
-    plans = embedding_plans(state, embedding, request_id)
-    tally.start()
-    finals = await embed_all(state, plans)
+async def _embedded(state: GatewayState, tally: Tally, embeddings: list[EmbeddingRequest], request_id: str, *,
+                    param: str) -> tuple[list[list[float]], list[FinalReply]]:
+    """Each text's vector, in order, and the final replies they came in; an error about an
+    input names `param` (what the request calls its texts)."""
+    try:
+        plans = [plan for n, embedding in enumerate(embeddings)
+                 for plan in embedding_plans(state, embedding, request_id if n == 0 else f"{request_id}-{n}")]
+        tally.start()
+        finals = await embed_all(state, plans)
+    except BadRequest as exc:
+        if exc.param == "input":
+            exc.param = param
+        raise
     tally.outcome = "ok"
     return [embedding_floats(final.embedding or b"") for final in finals], finals
 

@@ -831,11 +831,11 @@ def test_cohere_clients_rerank_documents_by_their_embeddings_cosine(shoal: Shoal
     assert [result.relevance_score for result in answer.results] == pytest.approx(
         [scores[index] for index in best_first[:2]], abs=1e-4)
     assert answer.usage == {"prompt_tokens": num_tokens, "total_tokens": num_tokens}
-    # Cohere's max_tokens_per_doc reads each text's first tokens
-    cut_vectors, _ = _expected_embeddings(demo_models_root, SMALL, [query, *documents], keep_first=3)
+    # Cohere's max_tokens_per_doc reads each document's first tokens, the query whole
+    cut_vectors, _ = _expected_embeddings(demo_models_root, SMALL, documents, keep_first=3)
     cut = v2.rerank(model=SMALL, query=query, documents=documents, max_tokens_per_doc=3)
     assert {result.index: result.relevance_score for result in cut.results} == pytest.approx(
-        {index: float(cut_vectors[0] @ vector) for index, vector in enumerate(cut_vectors[1:])}, abs=1e-4)
+        {index: float(vectors[0] @ vector) for index, vector in enumerate(cut_vectors)}, abs=1e-4)
 
     v1 = cohere.Client(base_url=shoal.base_url, api_key="unused")
     with_documents = v1.rerank(model=SMALL, query=query, documents=documents, return_documents=True)

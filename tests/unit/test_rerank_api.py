@@ -16,9 +16,8 @@ from shoal.services.gateway.rerank_api import (
     RerankRequest,
     ScoreRequest,
     cosine,
-    embedding_request,
     ranked,
-    rerank_texts,
+    rerank_inputs,
     score_pairs,
     scored,
 )
@@ -53,6 +52,12 @@ def test_lists_of_one_length_are_scored_pair_by_pair() -> None:
     assert score_pairs(_score("a", "b")) == (["a", "b"], [(0, 1)])
 
 
+def test_more_distinct_texts_than_one_request_embeds_are_a_400() -> None:
+    with pytest.raises(BadRequest, match="distinct texts") as caught:
+        score_pairs(_score([f"a{n}" for n in range(5000)], [f"b{n}" for n in range(5000)]))
+    assert caught.value.param == "text_2"
+
+
 def test_lists_of_two_lengths_are_a_400_naming_both() -> None:
     with pytest.raises(BadRequest, match="text_1 holds 2 texts and text_2 3") as caught:
         score_pairs(_score(["a", "b"], ["a", "b", "c"]))
@@ -73,18 +78,36 @@ def test_bad_rerank_requests_name_the_field(fields: dict[str, object], param: st
     assert caught.value.param == param, caught.value.message
 
 
-def test_the_query_is_embedded_first_then_each_document_as_sent() -> None:
-    request = _rerank(documents=["plain", {"text": "an object", "title": "ignored"}])
+def test_the_query_is_embedded_first_then_each_distinct_document_once() -> None:
+    request = _rerank(documents=["plain", {"text": "an object", "title": "ignored"}, "plain", "q"])
     assert request.documents[1] == RerankDocument("an object")
-    assert rerank_texts(request) == ["q", "plain", "an object"]
+    inputs = rerank_inputs(request)
+    [embedding] = inputs.embeddings
+    assert embedding.input == ["q", "plain", "an object", "q"]  # the query's row, then the documents'
+    assert inputs.document_rows == [1, 2, 1, 3]
     with pytest.raises(BadRequest, match=r"documents\[0\] has no text"):
-        rerank_texts(_rerank(documents=[{"text": ""}]))
+        rerank_inputs(_rerank(documents=[{"text": ""}]))
+
+
+def test_a_text_longer_than_the_context_is_read_up_to_it_unless_told() -> None:
+    [embedding] = rerank_inputs(_rerank(documents=["d"])).embeddings
+    assert (embedding.truncate_prompt_tokens, embedding.truncation_side) == (-1, "right")
+
+
+def test_cohere_cuts_each_documents_end_never_the_query_vllm_each_texts_start() -> None:
+    query, documents = rerank_inputs(_rerank(documents=["d", "e"], max_tokens_per_doc=8)).embeddings
+    assert (query.input, query.truncate_prompt_tokens, query.truncation_side) == (["q"], -1, "right")
+    assert (documents.input, documents.truncate_prompt_tokens, documents.truncation_side) == (["d", "e"], 8, "right")
+    [vllm] = rerank_inputs(_rerank(documents=["d"], truncate_prompt_tokens=8)).embeddings
+    assert (vllm.input, vllm.truncate_prompt_tokens, vllm.truncation_side) == (["q", "d"], 8, "left")
+    with pytest.raises(BadRequest, match="not both"):
+        rerank_inputs(_rerank(documents=["d"], max_tokens_per_doc=8, truncate_prompt_tokens=8))
 
 
 def test_documents_are_ranked_best_first_ties_in_their_order() -> None:
     query = [1.0, 0.0]
     vectors = [query, [0.0, 1.0], [1.0, 1.0], [1.0, 0.0], [1.0, 1.0]]
-    results = ranked(_rerank(documents=["far", "near", "same", "near again"]), vectors)
+    results = ranked(_rerank(documents=["far", "near", "same", "near again"]), vectors, [1, 2, 3, 4])
     assert [result.index for result in results] == [2, 1, 3, 0]
     assert results[0].relevance_score == pytest.approx(1.0)
     assert results[1].relevance_score == pytest.approx(math.sqrt(0.5))
@@ -94,12 +117,16 @@ def test_documents_are_ranked_best_first_ties_in_their_order() -> None:
 
 def test_top_n_keeps_the_best_and_documents_are_left_out_when_asked() -> None:
     vectors = [[1.0, 0.0], [0.0, 1.0], [1.0, 0.0], [1.0, 0.5]]
-    best_two = ranked(_rerank(documents=["a", "b", "c"], top_n=2, return_documents=False), vectors)
+    rows = [1, 2, 3]
+    best_two = ranked(_rerank(documents=["a", "b", "c"], top_n=2, return_documents=False), vectors, rows)
     assert [result.index for result in best_two] == [1, 2]
     assert all(result.document is None for result in best_two)
     assert b"document" not in msgspec.json.encode(best_two)
-    assert len(ranked(_rerank(documents=["a", "b", "c"], top_n=0), vectors)) == 3  # vLLM's 0: all
-    assert len(ranked(_rerank(documents=["a", "b", "c"], top_n=10), vectors)) == 3
+    assert len(ranked(_rerank(documents=["a", "b", "c"], top_n=0), vectors, rows)) == 3  # vLLM's 0: all
+    assert len(ranked(_rerank(documents=["a", "b", "c"], top_n=10), vectors, rows)) == 3
+    repeated = ranked(_rerank(documents=["a", "b", "a"]), vectors[:3], [1, 2, 1])  # "a" embedded once
+    assert [(result.index, result.document) for result in repeated] == [
+        (1, RerankDocument("b")), (0, RerankDocument("a")), (2, RerankDocument("a"))]
 
 
 def test_scores_follow_the_pairs() -> None:
@@ -107,13 +134,3 @@ def test_scores_follow_the_pairs() -> None:
     data = scored([(0, 0), (0, 1), (2, 0)], vectors)
     assert [item.index for item in data] == [0, 1, 2]
     assert [item.score for item in data] == pytest.approx([1.0, 0.0, math.sqrt(0.5)])
-
-
-def test_cohere_cuts_each_texts_end_vllm_its_start_not_both() -> None:
-    cohere = embedding_request("m", ["q", "d"], max_tokens_per_doc=8)
-    assert (cohere.truncate_prompt_tokens, cohere.truncation_side) == (8, "right")
-    vllm = embedding_request("m", ["q", "d"], truncate_prompt_tokens=8)
-    assert (vllm.truncate_prompt_tokens, vllm.truncation_side) == (8, "left")
-    assert embedding_request("m", ["q"]).truncate_prompt_tokens is None
-    with pytest.raises(BadRequest, match="not both"):
-        embedding_request("m", ["q"], max_tokens_per_doc=8, truncate_prompt_tokens=8)

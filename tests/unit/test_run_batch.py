@@ -3,6 +3,7 @@ resumption, and the retries, against a real HTTP server on a socket."""
 
 from __future__ import annotations
 
+import asyncio
 import io
 import json
 import socket
@@ -19,6 +20,7 @@ from shoal.cli.run_batch import (
     OrderedWriter,
     Outcome,
     Sender,
+    Summary,
     finished_ids,
     read_batch,
     retry_delay_s,
@@ -53,24 +55,40 @@ def test_every_bad_line_is_named_and_nothing_is_read() -> None:
     assert str(caught.value).startswith("7 bad line(s), nothing sent")
 
 
-def test_lines_are_written_once_every_line_before_them_is() -> None:
+async def test_lines_are_written_once_every_line_before_them_is() -> None:
     out = io.StringIO()
-    writer = OrderedWriter(out)
-    writer.put(2, Outcome("c", 200, "r3", {}))
-    writer.put(1, Outcome("b", 200, "r2", {}))
+    writer = OrderedWriter(out, window=4)
+    await writer.put(2, Outcome("c", 200, "r3", {}))
+    await writer.put(1, Outcome("b", 200, "r2", {}))
     assert out.getvalue() == ""
-    writer.put(0, Outcome("a", 404, "r1", {"error": {"message": "no"}}))
+    await writer.put(0, Outcome("a", 404, "r1", {"error": {"message": "no"}}))
     records = [json.loads(text) for text in out.getvalue().splitlines()]
     assert [record["custom_id"] for record in records] == ["a", "b", "c"]
     assert records[0]["response"] == {"status_code": 404, "request_id": "r1", "body": {"error": {"message": "no"}}}
     assert records[0]["error"] is None and records[0]["id"].startswith("batch_req_")
 
 
+async def test_no_line_is_sent_further_than_the_window_past_the_first_unwritten() -> None:
+    writer = OrderedWriter(io.StringIO(), window=2)
+    await writer.wait_for_room(1)  # lines 0 and 1 may go
+    blocked = asyncio.ensure_future(writer.wait_for_room(2))
+    await asyncio.sleep(0.05)
+    assert not blocked.done()
+    await writer.put(1, Outcome("b", 200, None, {}))
+    await asyncio.sleep(0.05)
+    assert not blocked.done()  # line 0 still holds the window
+    await writer.put(0, Outcome("a", 200, None, {}))
+    await asyncio.wait_for(blocked, timeout=5)
+
+
 def test_a_resumed_run_keeps_only_answered_lines() -> None:
     answered = json.dumps(Outcome("a", 200, "r", {}).record())
+    refused = json.dumps(Outcome("r", 400, "r", {}).record())
     unanswered = json.dumps(Outcome("b", None, None, None, error={"code": "unreachable", "message": "x"}).record())
+    still_busy = json.dumps(Outcome("s", 503, "r", {"error": {}}).record())
     torn = json.dumps(Outcome("c", 200, "r", {}).record())[:40]
-    assert finished_ids([answered + "\n", unanswered + "\n", torn, "[]\n", "{}\n"]) == {"a"}
+    assert finished_ids([answered + "\n", refused + "\n", unanswered + "\n", still_busy + "\n", torn, "[]\n",
+                         "{}\n"]) == {"a", "r"}
 
 
 def test_usage_is_counted_in_openais_and_anthropics_form() -> None:
@@ -138,6 +156,7 @@ async def test_a_refusal_past_the_retry_budget_is_written_as_it_came(gateway: tu
         sender = Sender(session, url, {}, max_retry_wait_s=0.0, timeout_s=10.0)
         outcome = await sender.send(BatchLine("x", "POST", "/v1/embeddings", {"input": "x"}))
     assert (outcome.status_code, outcome.body) == (503, {"error": {"message": "placing"}})
+    assert not outcome.answered  # it counts as unanswered: the exit status says so, --resume sends it again
 
 
 def _closed_port() -> int:
@@ -154,4 +173,28 @@ async def test_an_unreachable_gateway_is_an_error_line_after_the_budget() -> Non
     assert outcome.status_code is None and outcome.error is not None
     assert outcome.error["code"] == "unreachable" and "ClientConnectorError" in outcome.error["message"]
     assert sender.retries == 1  # waited 1 s, then the next wait (2 s) would pass the budget
+    summary = Summary()
+    summary.count(outcome)
+    assert summary.unanswered == 1 and summary.statuses == {"unreachable": 1}
     assert json.loads(json.dumps(outcome.record()))["response"] is None
+
+
+async def test_an_attempt_that_runs_out_its_time_is_not_repeated() -> None:
+    async def slow(request: web.Request) -> web.Response:
+        await asyncio.sleep(1.0)
+        return web.json_response({})
+
+    app = web.Application()
+    app.router.add_post("/v1/embeddings", slow)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    try:
+        async with aiohttp.ClientSession() as session:
+            sender = Sender(session, f"http://127.0.0.1:{port}", {}, max_retry_wait_s=60.0, timeout_s=0.2)
+            outcome = await sender.send(BatchLine("x", "POST", "/v1/embeddings", {"input": "x"}))
+    finally:
+        await runner.cleanup()
+    assert outcome.error is not None and outcome.error["code"] == "timeout" and sender.retries == 0

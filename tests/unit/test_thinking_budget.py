@@ -42,6 +42,15 @@ def test_a_block_the_prompt_opened_is_closed_after_the_budgets_tokens() -> None:
     assert budget.phase == "done" and budget.num_thinking_tokens == 3
 
 
+def test_an_opening_the_answer_writes_in_a_block_the_prompt_opened_is_not_counted() -> None:
+    budget = _budget(2, "<|assistant|>\n")  # an older R1 template: the model writes <think> itself
+    assert budget is not None
+    assert _feed(budget, ["<th", "ink>", "\n", " hm", " so", " then"]) == [(), (), (), (), CLOSE, ()]
+    words_first = _budget(2, "<|assistant|>\n")
+    assert words_first is not None
+    assert _feed(words_first, ["<b>", "<think>", " so"]) == [(), CLOSE, ()]  # a later <think> is thinking
+
+
 def test_a_model_that_closes_its_block_in_time_is_left_alone() -> None:
     budget = _budget(4, "<think>\n")
     assert budget is not None

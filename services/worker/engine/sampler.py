@@ -180,8 +180,7 @@ def sample(
 def _with_forced(chosen: list[int], states: list[SamplingState]) -> list[int]:
     """`chosen`, each row with forced tokens taking the next of them instead."""
     for row, state in enumerate(states):
-        if state.forced:
-            assert state.active_matcher is None, "a grammar's row is never forced (the engine refuses the pair)"
+        if state.forced:  # never while a grammar shapes the row: the engine refuses the pair, a waiting one waits on
             chosen[row] = state.forced.popleft()
     return chosen
 

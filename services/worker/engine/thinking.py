@@ -9,9 +9,10 @@ close itself (`FORCED_END`, its tokens chosen one per step instead of sampled) a
 answer starts after it, as if the model had stopped thinking.
 
 Where the block starts: at the answer's first token when the prompt opened it (DeepSeek-R1's
-template, or any prompt that ends with the opening marker), else once the answer opens it
-(Qwen3 writes ``<think>`` itself); an answer that starts with anything else does not think and
-is left alone. A prompt that ends with the closing marker (thinking turned off) is never
+template, or any prompt that ends with the opening marker; an opening marker the answer writes
+anyway, as older R1 templates let it, is not counted), else once the answer opens it (Qwen3
+writes ``<think>`` itself); an answer that starts with anything else does not think and is
+left alone. A prompt that ends with the closing marker (thinking turned off) is never
 touched. Pure: text in, token ids out; the engine feeds it each token's text.
 """
 
@@ -21,6 +22,11 @@ from dataclasses import dataclass
 from typing import Literal
 
 Phase = Literal["opening", "thinking", "done"]
+
+
+def opening_of(end_marker: str) -> str:
+    """The marker that opens the block `end_marker` closes (``</think>``: ``<think>``)."""
+    return end_marker.replace("</", "<", 1)
 
 
 def forced_end(end_marker: str) -> str:
@@ -42,6 +48,9 @@ class ThinkingBudget:
     """`forced_end`'s tokens."""
     phase: Phase = "thinking"
     num_thinking_tokens: int = 0
+    _answer_may_open: bool = False
+    """The prompt opened the block, and the answer has written nothing yet but (the start of)
+    an opening marker of its own: such tokens are not thinking."""
     _search_from: int = 0
     """Where in the text the end marker may still begin."""
 
@@ -54,7 +63,8 @@ class ThinkingBudget:
         if tail.endswith(end_marker):
             return None
         opened = open_marker is None or tail.endswith(open_marker)
-        return cls(budget, open_marker, end_marker, forced_ids, phase="thinking" if opened else "opening")
+        return cls(budget, open_marker, end_marker, forced_ids, phase="thinking" if opened else "opening",
+                   _answer_may_open=open_marker is None)
 
     def at_start(self) -> tuple[int, ...]:
         """The tokens to write before any is sampled: the close, when nothing may be thought."""
@@ -74,11 +84,18 @@ class ThinkingBudget:
             self.phase = "done"  # the model closed the block itself
             return ()
         self._search_from = max(0, len(text) - len(self.end_marker) + 1)
+        if self._answer_may_open and self._only_an_opening(text):
+            return ()
+        self._answer_may_open = False
         self.num_thinking_tokens += 1
         if self.num_thinking_tokens >= self.budget:
             self.phase = "done"
             return self.forced_ids
         return ()
+
+    def _only_an_opening(self, text: str) -> bool:
+        start, opening = text.strip(), opening_of(self.end_marker)
+        return opening.startswith(start) or start == opening
 
     def _opening(self, text: str) -> tuple[int, ...]:
         assert self.open_marker is not None, "a block the prompt opened starts in the thinking phase"
