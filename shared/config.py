@@ -189,6 +189,11 @@ class GatewayConfig(Struct, forbid_unknown_fields=True, kw_only=True):
     """Default deadline of a request; must cover a cold start (spawn + import + load)."""
     max_queue_per_model: int = 256
     """Requests per model waiting or running in this gateway before 429."""
+    capacity_wait_s: float = 0.0
+    """How long a request may wait (within `request_timeout_s`) for a model that cannot be
+    woken yet because no occupant of its GPUs may be preempted (all inside their minimum
+    runtime) or placements keep colliding, asking the scheduler again after each Retry-After,
+    as Ollama queues a request while models swap. 0: answer 503 with Retry-After at once."""
     max_body_bytes: int = 4 * 1024 * 1024
     max_prompt_chars: int = 1_000_000
     stream_keepalive_s: float = 5.0
@@ -216,6 +221,8 @@ class GatewayConfig(Struct, forbid_unknown_fields=True, kw_only=True):
             raise ValueError("gateway.request_timeout_s must be > 0")
         if self.max_queue_per_model < 1:
             raise ValueError("gateway.max_queue_per_model must be >= 1")
+        if self.capacity_wait_s < 0:
+            raise ValueError("gateway.capacity_wait_s must be >= 0 (0: answer 503 at once)")
         if self.stream_keepalive_s <= 0:
             raise ValueError("gateway.stream_keepalive_s must be > 0")
         if self.responses_ttl_s <= 0:

@@ -102,6 +102,10 @@ LOST_PING_TIMEOUT_S = 2.0
 LOST_PING_PAUSE_S = 1.0
 """A lost replica's worker is pinged up to `LOST_PING_TRIES` times, this far apart (a worker
 reconnecting to NATS has no responders for a moment), before its requests fail over."""
+WAITED_OUT_STATUSES = frozenset({"no_victim", "contended"})
+"""Scheduler refusals that clear by themselves (an occupant's minimum runtime ends, a CAS race
+is lost), which `GatewayConfig.capacity_wait_s` lets a request wait out."""
+MIN_CAPACITY_RETRY_S = 0.5
 MAX_DELIVERIES_ADVISORY = f"$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{subjects.REQUESTS_STREAM}.>"
 
 
@@ -210,7 +214,21 @@ class Dispatcher:
 
     async def ensure_placed(self, model: str, deadline: float) -> None:
         """Ask the scheduler for a replica when the model has none on its way (one ask per
-        model at a time); 504 if `deadline` (unix time) passes first."""
+        model at a time); 504 if `deadline` (unix time) passes first. A refusal that will
+        clear (`WAITED_OUT_STATUSES`) is asked again after its Retry-After for up to
+        `capacity_wait_s`, within the deadline; then it is the request's 503."""
+        give_up_at = min(deadline, time.time() + self._config.capacity_wait_s)
+        while True:
+            try:
+                return await self._ensure_placed_once(model, deadline)
+            except Unavailable as exc:
+                delay_s = max(MIN_CAPACITY_RETRY_S, exc.retry_after_s or MIN_CAPACITY_RETRY_S)
+                if exc.code not in WAITED_OUT_STATUSES or time.time() + delay_s > give_up_at:
+                    raise
+                log.info("capacity_wait", model=model, reason=exc.message, retry_after_s=round(delay_s, 1))
+                await asyncio.sleep(delay_s)
+
+    async def _ensure_placed_once(self, model: str, deadline: float) -> None:
         if self._cluster.has_active_replica(model):
             return
         pending = self._ensuring.get(model)

@@ -120,7 +120,7 @@ class SleepWakeCluster:
 @contextlib.asynccontextmanager
 async def sleep_wake_cluster(nats_url: str, models_root: Path, log_dir: Path, models: Sequence[ModelSpec], *,
                              num_schedulers: int = 1, reconcile_interval_s: float = 3600.0,
-                             gpus: str = GPU_SPEC) -> AsyncIterator[SleepWakeCluster]:
+                             gpus: str = GPU_SPEC, capacity_wait_s: float = 0.0) -> AsyncIterator[SleepWakeCluster]:
     buses = [await connect(nats_url, name) for name in ("node", "test", *(f"s{i}" for i in range(num_schedulers)))]
     agent = NodeAgent(buses[0], discover_gpus(gpus), NodeConfig(node_id="n", models_root=str(models_root)),
                       WorkerConfig(torch_threads=1), LoggingConfig(), nats_url=nats_url, log_dir=log_dir)
@@ -131,7 +131,7 @@ async def sleep_wake_cluster(nats_url: str, models_root: Path, log_dir: Path, mo
         await scheduler.start(models if i == 0 else ())
     watcher: asyncio.Task[None] | None = None
     try:
-        async with gateway_running(nats_url, request_timeout_s=240.0) as url:
+        async with gateway_running(nats_url, request_timeout_s=240.0, capacity_wait_s=capacity_wait_s) as url:
             cluster = SleepWakeCluster(buses[1], url, schedulers, subjects.gpu_kv_key("n", 0))
             watcher = asyncio.create_task(cluster.watch_memory())
             yield cluster

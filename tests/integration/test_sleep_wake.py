@@ -103,6 +103,23 @@ async def test_no_eligible_victim_is_a_503_that_says_why(
         await cluster.expect_serving({"a", "b"}, "nobody inside its min runtime was preempted")
 
 
+async def test_a_gateway_that_waits_for_capacity_answers_once_a_victim_may_be_preempted(
+        nats_server: EmbeddedNatsServer, demo_models_root: Path, tmp_path: Path) -> None:
+    """With `gateway.capacity_wait_s` the request that found every occupant inside its minimum
+    runtime is held (as Ollama queues one while models swap) and answered once one of them may
+    be preempted, instead of a 503."""
+    young = FairnessSettings(min_runtime_s=8.0, max_wait_s=0.2)
+    models = [model("a", fairness=young), model("b", fairness=young), model("c")]
+    async with sleep_wake_cluster(nats_server.url, demo_models_root, tmp_path, models,
+                                  capacity_wait_s=60.0) as cluster:
+        await cluster.complete("a")
+        await cluster.complete("b")
+        status, body, _ = await cluster.post("c")
+        assert status == 200, body
+        serving = await cluster.serving()
+        assert "c" in serving and len(serving & {"a", "b"}) == 1, serving
+
+
 async def test_requests_in_flight_when_the_barrier_rises_all_complete(
         nats_server: EmbeddedNatsServer, demo_models_root: Path, tmp_path: Path) -> None:
     # b is popular: a, busy with requests (which counts as recently used), is the only victim.
