@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
+from pathlib import Path
+from typing import Any
 
 import msgspec
 import pytest
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from shoal.kernels import cpu_build, cpu_kernels
 from shoal.kernels.settings import configure, get_settings
+from shoal.services.worker.engine.engine_config import EngineConfig
+from shoal.services.worker.engine.paged_engine import PagedEngine
 
 
 @pytest.fixture(scope="session")
@@ -36,3 +41,15 @@ def kernel_settings() -> Iterator[Callable[..., None]]:
 
     yield apply
     configure(previous)
+
+
+@pytest.fixture
+async def small_engine(demo_models_root: Path) -> AsyncIterator[tuple[PagedEngine, Any]]:
+    """A paged engine on llama-5m with a small pool (64 blocks of 4 tokens, 4 sequences), and
+    the model's tokenizer."""
+    model_dir = demo_models_root / "demo" / "llama-5m"
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    built = PagedEngine(AutoModelForCausalLM.from_pretrained(model_dir).eval(), tokenizer,
+                        config=EngineConfig(num_blocks=64, block_size=4, max_num_batched_tokens=32, max_num_seqs=4))
+    yield built, tokenizer
+    await built.close()

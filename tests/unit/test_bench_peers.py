@@ -15,6 +15,9 @@ import aiohttp
 import pytest
 from aiohttp import web
 
+from tests.local_http import Handler
+from tests.local_http import serve as serve_routes
+
 SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
 sys.path.insert(0, str(SCRIPTS))
 
@@ -305,15 +308,8 @@ def test_tokenizer_hash_is_the_converter_s_formula() -> None:
 # --- reading a streamed completion (a real socket) ---------------------------------------------------
 
 
-async def serve(handler: web.RequestHandler) -> tuple[web.AppRunner, str]:  # type: ignore[type-arg]
-    app = web.Application()
-    app.router.add_post("/v1/completions", handler)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    return runner, f"http://127.0.0.1:{port}"
+async def serve(handler: Handler) -> tuple[web.AppRunner, str]:
+    return await serve_routes({"/v1/completions": handler})
 
 
 async def test_stream_completion_reads_text_ttft_and_usage() -> None:

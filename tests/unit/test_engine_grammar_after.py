@@ -7,28 +7,13 @@ makes the model write first."""
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
-import pytest
-from transformers import AutoModelForCausalLM, AutoTokenizer
-
-from shoal.services.worker.engine.engine_config import EngineConfig
 from shoal.services.worker.engine.paged_engine import PagedEngine
 from shoal.services.worker.generation import GenerationRequest
 from shoal.shared.messages import SamplingParams
 
 MARKER_TOKEN = 346
 DIGITS = r"[0-9]{3}"
-
-
-@pytest.fixture
-async def engine(demo_models_root: Path):  # type: ignore[no-untyped-def]
-    model_dir = demo_models_root / "demo" / "llama-5m"
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    built = PagedEngine(AutoModelForCausalLM.from_pretrained(model_dir).eval(), tokenizer,
-                        config=EngineConfig(num_blocks=64, block_size=4, max_num_batched_tokens=32, max_num_seqs=4))
-    yield built, tokenizer
-    await built.close()
 
 
 async def _text(engine: PagedEngine, eos_token_id: int, prompt: list[int], params: SamplingParams
@@ -41,8 +26,8 @@ async def _text(engine: PagedEngine, eos_token_id: int, prompt: list[int], param
     raise AssertionError("no final output")
 
 
-async def test_the_grammar_shapes_only_the_text_after_the_marker(engine) -> None:  # type: ignore[no-untyped-def]
-    paged, tokenizer = engine
+async def test_the_grammar_shapes_only_the_text_after_the_marker(small_engine) -> None:  # type: ignore[no-untyped-def]
+    paged, tokenizer = small_engine
     marker = tokenizer.decode([MARKER_TOKEN])
     params = SamplingParams(max_tokens=12, temperature=0.0, logit_bias={MARKER_TOKEN: 100.0}, regex=DIGITS,
                             grammar_param="guided_regex", grammar_after=marker)
@@ -54,8 +39,8 @@ async def test_the_grammar_shapes_only_the_text_after_the_marker(engine) -> None
     assert re.fullmatch(DIGITS, (await _text(paged, tokenizer.eos_token_id, [5, 6, 7], unwaiting))[0])
 
 
-async def test_a_prompt_that_ends_the_reasoning_is_shaped_from_the_first_token(engine) -> None:  # type: ignore[no-untyped-def]
-    paged, tokenizer = engine
+async def test_a_prompt_that_ends_the_reasoning_is_shaped_from_the_first_token(small_engine) -> None:  # type: ignore[no-untyped-def]
+    paged, tokenizer = small_engine
     params = SamplingParams(max_tokens=12, temperature=0.0, logit_bias={MARKER_TOKEN: 100.0}, regex=DIGITS,
                             grammar_param="guided_regex", grammar_after=tokenizer.decode([MARKER_TOKEN]))
     text, reason = await _text(paged, tokenizer.eos_token_id, [5, 6, MARKER_TOKEN], params)

@@ -26,6 +26,7 @@ from shoal.cli.run_batch import (
     retry_delay_s,
     run,
 )
+from tests.local_http import serving
 
 
 def _line(custom_id: str, url: str = "/v1/chat/completions", **body: object) -> str:
@@ -123,15 +124,8 @@ class _Gateway:
 @pytest.fixture
 async def gateway() -> AsyncIterator[tuple[_Gateway, str]]:
     handler = _Gateway(refusals=2)
-    app = web.Application()
-    app.router.add_post("/v1/embeddings", handler.handle)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    yield handler, f"http://127.0.0.1:{port}"
-    await runner.cleanup()
+    async with serving({"/v1/embeddings": handler.handle}) as url:
+        yield handler, url
 
 
 async def test_refused_requests_are_asked_again_and_written_in_order(gateway: tuple[_Gateway, str]) -> None:
@@ -184,17 +178,7 @@ async def test_an_attempt_that_runs_out_its_time_is_not_repeated() -> None:
         await asyncio.sleep(1.0)
         return web.json_response({})
 
-    app = web.Application()
-    app.router.add_post("/v1/embeddings", slow)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    try:
-        async with aiohttp.ClientSession() as session:
-            sender = Sender(session, f"http://127.0.0.1:{port}", {}, max_retry_wait_s=60.0, timeout_s=0.2)
-            outcome = await sender.send(BatchLine("x", "POST", "/v1/embeddings", {"input": "x"}))
-    finally:
-        await runner.cleanup()
+    async with serving({"/v1/embeddings": slow}) as url, aiohttp.ClientSession() as session:
+        sender = Sender(session, url, {}, max_retry_wait_s=60.0, timeout_s=0.2)
+        outcome = await sender.send(BatchLine("x", "POST", "/v1/embeddings", {"input": "x"}))
     assert outcome.error is not None and outcome.error["code"] == "timeout" and sender.retries == 0

@@ -6,13 +6,10 @@ from __future__ import annotations
 
 import re
 from collections import deque
-from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from shoal.services.worker.engine.engine_config import EngineConfig
 from shoal.services.worker.engine.paged_engine import PagedEngine
 from shoal.services.worker.engine.sampler import SamplingState, sample
 from shoal.services.worker.engine.thinking import ThinkingBudget, forced_end
@@ -102,16 +99,6 @@ def test_forced_tokens_replace_the_choice_and_the_random_stream_still_draws() ->
         assert sample(logits[:1], [seeded]) == sample(logits[:1], [forced])
 
 
-@pytest.fixture
-async def engine(demo_models_root: Path):  # type: ignore[no-untyped-def]
-    model_dir = demo_models_root / "demo" / "llama-5m"
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    built = PagedEngine(AutoModelForCausalLM.from_pretrained(model_dir).eval(), tokenizer,
-                        config=EngineConfig(num_blocks=64, block_size=4, max_num_batched_tokens=32, max_num_seqs=4))
-    yield built, tokenizer
-    await built.close()
-
-
 async def _answer(engine: PagedEngine, prompt: list[int], params: SamplingParams) -> tuple[str, int]:
     text, num_tokens = "", 0
     async for output in engine.generate(GenerationRequest("r", prompt, params, eos_token_ids=frozenset())):
@@ -122,8 +109,8 @@ async def _answer(engine: PagedEngine, prompt: list[int], params: SamplingParams
     raise AssertionError("no final output")
 
 
-async def test_the_engine_closes_the_block_after_the_budgets_tokens(engine) -> None:  # type: ignore[no-untyped-def]
-    paged, tokenizer = engine
+async def test_the_engine_closes_the_block_after_the_budgets_tokens(small_engine) -> None:  # type: ignore[no-untyped-def]
+    paged, tokenizer = small_engine
     prompt = tokenizer.encode("The sea")
     thought, _ = await _answer(paged, prompt, SamplingParams(max_tokens=4, temperature=0.0))
     close = forced_end(END)
@@ -142,8 +129,8 @@ async def test_the_engine_closes_the_block_after_the_budgets_tokens(engine) -> N
                                                               thinking_budget=1)))[0] == unbounded
 
 
-async def test_the_grammar_shapes_the_answer_after_a_forced_close(engine) -> None:  # type: ignore[no-untyped-def]
-    paged, tokenizer = engine
+async def test_the_grammar_shapes_the_answer_after_a_forced_close(small_engine) -> None:  # type: ignore[no-untyped-def]
+    paged, tokenizer = small_engine
     prompt = tokenizer.encode("The sea")
     params = SamplingParams(max_tokens=30, temperature=0.0, regex="[0-9]{3}", grammar_param="guided_regex",
                             grammar_after=END, thinking_budget=3)
