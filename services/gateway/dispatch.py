@@ -167,6 +167,9 @@ class Dispatcher:
             "shoal_gateway_time_to_first_token_seconds", "From receipt to the first token", ["model"]
         )
         self._queued_gauge = metrics.gauge("shoal_gateway_requests_in_flight", "Requests waiting or running", ["model"])
+        self._capacity_waits = metrics.counter(
+            "shoal_gateway_capacity_waits_total",
+            "Times a request waited out a refusal to place its model (gateway.capacity_wait_s)", ["model"])
         self._session_turns = metrics.counter(
             "shoal_gateway_session_turns_total", "Turns of chat sessions, by where they were sent", ["model", "route"]
         )
@@ -226,6 +229,7 @@ class Dispatcher:
                 if exc.code not in WAITED_OUT_STATUSES or time.time() + delay_s > give_up_at:
                     raise
                 log.info("capacity_wait", model=model, reason=exc.message, retry_after_s=round(delay_s, 1))
+                self._capacity_waits.inc(model=model)
                 await asyncio.sleep(delay_s)
 
     async def _ensure_placed_once(self, model: str, deadline: float) -> None:

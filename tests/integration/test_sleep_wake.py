@@ -4,8 +4,11 @@ three models: the right model sleeps, popular and young replicas are spared, not
 from __future__ import annotations
 
 import asyncio
+import re
 import shutil
 from pathlib import Path
+
+import aiohttp
 
 from shoal.shared.model_settings import FairnessSettings, SleepSettings
 from shoal.shared.nats_server import EmbeddedNatsServer
@@ -118,6 +121,9 @@ async def test_a_gateway_that_waits_for_capacity_answers_once_a_victim_may_be_pr
         assert status == 200, body
         serving = await cluster.serving()
         assert "c" in serving and len(serving & {"a", "b"}) == 1, serving
+        async with aiohttp.ClientSession() as session, session.get(cluster.url + "/metrics") as response:
+            metrics = await response.text()
+        assert re.search(r'^shoal_gateway_capacity_waits_total\{model="c"\} [1-9]', metrics, re.M), metrics[-2000:]
 
 
 async def test_requests_in_flight_when_the_barrier_rises_all_complete(
