@@ -144,6 +144,9 @@ class SamplingParams(Struct, omit_defaults=True):
     embed: bool = False
     """``/v1/embeddings``: no text; the prompt's embedding (its last token's final hidden
     state, L2-normalized, as vLLM pools a decoder model by default) ends the request."""
+    embed_normalize: bool = True
+    """With `embed`: the vector L2-normalized (False: as the model computed it; vLLM's
+    ``normalize``, Ollama's older ``/api/embeddings``)."""
     truncate_prompt_tokens: int | None = None
     """Cut a longer prompt to this many tokens (-1: as many as the model's context takes with
     room for one more); None: a prompt too long for the context is a 400 (vLLM's)."""

@@ -4,7 +4,7 @@ Each input (a string, a list of token ids, or a list of either; up to 8,192, com
 time) is one request that computes
 its prompt and no text: the worker's engine answers with the prompt's last token's final
 hidden state, L2-normalized (``SamplingParams.embed``: vLLM's default pooling of a decoder
-model), as float32 bytes in its final reply. So an embedding is placed, queued, woken, fairly
+model; vLLM's ``normalize: false`` leaves it raw), as float32 bytes in its final reply. So an embedding is placed, queued, woken, fairly
 preempted and counted as any request is, and its prompt fills the prefix cache.
 
 ``encoding_format`` ``float`` (default) or ``base64`` (the float32 little-endian bytes, as
@@ -35,10 +35,13 @@ EMBED_PARAMS = SamplingParams(max_tokens=1, temperature=0.0, embed=True)
 
 
 def embed_params(req: EmbeddingRequest) -> SamplingParams:
-    """What each input's request computes: its embedding, from the input cut as `req` asks."""
+    """What each input's request computes: its embedding (normalized unless `req` says not),
+    from the input cut as `req` asks."""
+    params = EMBED_PARAMS if req.normalize is not False else msgspec.structs.replace(EMBED_PARAMS,
+                                                                                     embed_normalize=False)
     if req.truncate_prompt_tokens is None:
-        return EMBED_PARAMS
-    return msgspec.structs.replace(EMBED_PARAMS, truncate_prompt_tokens=req.truncate_prompt_tokens,
+        return params
+    return msgspec.structs.replace(params, truncate_prompt_tokens=req.truncate_prompt_tokens,
                                    truncation_side=req.truncation_side)
 
 
@@ -53,6 +56,8 @@ class EmbeddingRequest(Struct, kw_only=True):
     """vLLM's: keep only each input's last this many tokens (-1: as many as the context takes)."""
     truncation_side: Literal["left", "right"] = "left"
     """Shoal's, for Ollama's ``truncate``: which end a cut input loses (``right``: its end)."""
+    normalize: bool | None = None
+    """vLLM's: false returns each vector as the model computed it (not L2-normalized)."""
 
 
 class Embedding(Struct, kw_only=True):

@@ -156,6 +156,8 @@ class EmbedRequest(_Request, kw_only=True):
     """An input longer than the model's context loses its end (None: true, Ollama's default)."""
     dimensions: Annotated[int, Meta(ge=1)] | None = None
     """Keep each vector's first this many values, L2-normalized again (as Ollama does)."""
+    normalize: bool | None = None
+    """False: each vector as the model computed it (Ollama's proposed option; default true)."""
 
     @property
     def inputs(self) -> list[str]:
@@ -163,8 +165,8 @@ class EmbedRequest(_Request, kw_only=True):
 
 
 class EmbeddingsRequest(_Request, kw_only=True):
-    """The older ``/api/embeddings``: one prompt (its vector normalized, as ``/api/embed``'s;
-    Ollama's older route left it raw)."""
+    """The older ``/api/embeddings``: one prompt, its vector as the model computed it (not
+    normalized, as Ollama answers it; ``/api/embed`` normalizes)."""
 
     prompt: str | None = None
 
@@ -309,9 +311,9 @@ def embed_request(req: EmbedRequest | EmbeddingsRequest) -> EmbeddingRequest:
     unless false: then it is a 413). Any number of inputs: computed in batches (plans.py)."""
     cut = {"truncate_prompt_tokens": -1, "truncation_side": "right"}
     if isinstance(req, EmbeddingsRequest):
-        return _convert({"model": req.model, "input": req.prompt, **cut}, EmbeddingRequest)
-    return _convert({"model": req.model, "input": req.inputs, **(cut if req.truncate is not False else {})},
-                    EmbeddingRequest)
+        return _convert({"model": req.model, "input": req.prompt, "normalize": False, **cut}, EmbeddingRequest)
+    return _convert({"model": req.model, "input": req.inputs, "normalize": req.normalize,
+                     **(cut if req.truncate is not False else {})}, EmbeddingRequest)
 
 
 # ---------------------------------------------------------------------------- responses

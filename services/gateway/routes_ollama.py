@@ -310,11 +310,14 @@ async def _embed(request: web.Request, schema: type[EmbedRequest] | type[Embeddi
 
 
 def _shortened(vector: list[float], body: EmbedRequest | EmbeddingsRequest) -> list[float]:
-    """`vector`'s first ``dimensions`` values, L2-normalized again (as Ollama shortens one)."""
+    """`vector`'s first ``dimensions`` values, L2-normalized again (as Ollama shortens one)
+    unless the request asked for raw vectors."""
     size = body.dimensions if isinstance(body, EmbedRequest) else None
     if size is None or size >= len(vector):
         return vector
     kept = vector[:size]
+    if isinstance(body, EmbedRequest) and body.normalize is False:
+        return kept
     norm = math.sqrt(sum(value * value for value in kept)) or 1.0
     return [value / norm for value in kept]
 

@@ -73,11 +73,13 @@ class GenerationRequest:
         return (frozenset() if self.params.ignore_eos else self.eos_token_ids) | frozenset(self.params.stop_token_ids)
 
 
-def embedding_bytes(hidden: torch.Tensor) -> bytes:
+def embedding_bytes(hidden: torch.Tensor, normalize: bool = True) -> bytes:
     """An embedding request's answer from its last token's final hidden state [H]: the vector
-    L2-normalized (vLLM's default pooling for a decoder model), as float32 little-endian bytes."""
+    L2-normalized (vLLM's default pooling for a decoder model) unless `normalize` is off, as
+    float32 little-endian bytes."""
     vector = hidden.float()
-    vector = vector / vector.norm().clamp_min(1e-12)
+    if normalize:
+        vector = vector / vector.norm().clamp_min(1e-12)
     return bytes(vector.cpu().numpy().astype("<f4").tobytes())
 
 

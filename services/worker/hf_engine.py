@@ -135,7 +135,7 @@ class HFGenerateEngine:
         with torch.inference_mode():
             hidden = self._model.get_decoder()(input_ids).last_hidden_state[0, -1]
         return GenerationOutput(request.request_id, "", 0, finished=True, finish_reason="stop",
-                                num_prompt_tokens=len(request.prompt_token_ids), embedding=embedding_bytes(hidden))
+                                num_prompt_tokens=len(request.prompt_token_ids), embedding=embedding_bytes(hidden, request.params.embed_normalize))
 
     async def _run(self, request: GenerationRequest, max_new: int, flag: _StopFlag) -> AsyncIterator[GenerationOutput]:
         loop = asyncio.get_running_loop()

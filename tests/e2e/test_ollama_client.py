@@ -236,7 +236,7 @@ def test_a_reasoning_models_thinking_comes_apart(shoal: ShoalUp, api: ollama.Cli
     assert caught.value.status_code == 400 and "does not support thinking" in caught.value.error
 
 
-def test_embed_is_the_openai_apis_embedding(api: ollama.Client, client: openai.OpenAI) -> None:
+def test_embed_is_the_openai_apis_embedding(shoal: ShoalUp, api: ollama.Client, client: openai.OpenAI) -> None:
     texts = ["The sea is calm.", "A storm comes."]
     embedded = api.embed(model=SMALL, input=texts)
     expected = client.embeddings.create(model=SMALL, input=texts)
@@ -244,8 +244,16 @@ def test_embed_is_the_openai_apis_embedding(api: ollama.Client, client: openai.O
     for vector, item in zip(embedded.embeddings, expected.data, strict=True):
         assert list(vector) == pytest.approx(item.embedding, abs=1e-6)
     assert embedded.prompt_eval_count == expected.usage.prompt_tokens
-    older = api.embeddings(model=SMALL, prompt=texts[0])
-    assert list(older.embedding) == pytest.approx(expected.data[0].embedding, abs=1e-6)
+    # the older /api/embeddings answers the vector as the model computed it, as Ollama does
+    # (vLLM's normalize: false); /api/embed normalizes unless told not to
+    older = list(api.embeddings(model=SMALL, prompt=texts[0]).embedding)
+    raw = client.embeddings.create(model=SMALL, input=texts[0], extra_body={"normalize": False}).data[0].embedding
+    assert older == pytest.approx(raw, abs=1e-5)
+    length = sum(value * value for value in raw) ** 0.5
+    assert abs(length - 1.0) > 1e-3, "a final hidden state is not of unit length"
+    assert [value / length for value in raw] == pytest.approx(expected.data[0].embedding, abs=1e-6)
+    status, _, body = _http(shoal, "POST", "/api/embed", {"model": SMALL, "input": texts[0], "normalize": False})
+    assert status == 200 and json.loads(body)["embeddings"][0] == pytest.approx(raw, abs=1e-5)
     assert list(api.embeddings(model=SMALL, prompt="").embedding) == []
     assert list(api.embed(model=SMALL, input=[]).embeddings) == []  # loads the model, embeds nothing
 

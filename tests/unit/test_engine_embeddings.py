@@ -22,11 +22,11 @@ from tests.token_echo import TokenEcho
 MODELS = ("llama-5m", "qwen2-25m")
 
 
-def _reference(model_dir: Path, prompt: list[int]) -> np.ndarray:
+def _reference(model_dir: Path, prompt: list[int], normalize: bool = True) -> np.ndarray:
     model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
     with torch.inference_mode():
         hidden = model.get_decoder()(torch.tensor([prompt])).last_hidden_state[0, -1]
-    return torch.nn.functional.normalize(hidden, dim=-1).numpy()
+    return (torch.nn.functional.normalize(hidden, dim=-1) if normalize else hidden).numpy()
 
 
 async def _final(engine: Engine, request: GenerationRequest) -> tuple[str, GenerationOutput]:
@@ -61,6 +61,11 @@ async def test_an_embedding_is_the_normalized_last_hidden_state(demo_models_root
             vector = np.frombuffer(final.embedding, dtype="<f4")
             np.testing.assert_allclose(vector, _reference(model_dir, prompt), atol=2e-4)
             assert abs(float(np.linalg.norm(vector)) - 1.0) < 1e-5
+        raw = SamplingParams(embed=True, embed_normalize=False)  # vLLM's normalize: false
+        _, final = await _final(engine, GenerationRequest("raw", prompts[0], raw))
+        assert final.embedding is not None
+        np.testing.assert_allclose(np.frombuffer(final.embedding, dtype="<f4"),
+                                   _reference(model_dir, prompts[0], normalize=False), rtol=1e-3, atol=1e-3)
     finally:
         await engine.close()
 
@@ -74,5 +79,10 @@ async def test_the_hf_engine_embeds_as_the_paged_engine_does(demo_models_root: P
         assert text == "" and final.num_completion_tokens == 0 and final.embedding is not None
         np.testing.assert_allclose(np.frombuffer(final.embedding, dtype="<f4"), _reference(model_dir, [5, 6, 7, 8]),
                                    atol=1e-5)
+        _, raw = await _final(engine, GenerationRequest("r", [5, 6, 7, 8], SamplingParams(embed=True,
+                                                                                          embed_normalize=False)))
+        assert raw.embedding is not None
+        np.testing.assert_allclose(np.frombuffer(raw.embedding, dtype="<f4"),
+                                   _reference(model_dir, [5, 6, 7, 8], normalize=False), rtol=1e-4, atol=1e-4)
     finally:
         await engine.close()

@@ -685,7 +685,12 @@ class PagedEngine:
             return {}
         hidden = self._runner.last_hidden
         assert hidden is not None, "the pass kept its hidden states (want_hidden)"
-        return {sampled[row].seq_id: embedding_bytes(hidden[row]) for row in rows}
+        vectors = {}
+        for row in rows:
+            state = self._requests.get(sampled[row].seq_id)  # None: cancelled meanwhile (its vector goes nowhere)
+            vectors[sampled[row].seq_id] = embedding_bytes(hidden[row], state is None or
+                                                           state.request.params.embed_normalize)
+        return vectors
 
     def _prompt_tail(self, prompt_token_ids: list[int]) -> str:
         return str(self._tokenizer.decode(prompt_token_ids[-PROMPT_TAIL_TOKENS:], skip_special_tokens=False))
