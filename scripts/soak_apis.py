@@ -10,7 +10,10 @@ many Anthropic clients stream messages or count tokens, and as many Cohere clien
 that requests keep meeting sleeping, waking and loading replicas. `--aliases N` first
 registers N more models (``soak/<n>``, each a demo model's files under another key) so that
 far more models compete for the GPUs than fit; `--batch N` runs ``shoal run-batch`` on N
-requests over all the models meanwhile, and counts its lines that are not a 200. Exits 1 if
+requests over all the models meanwhile, and counts its lines that are not a 200; `--churn-every-s`
+removes one of those models (``DELETE /admin/models``: its replicas stop under load) and
+registers it again, over and over: a request for it meanwhile may get a 404, not counted as a
+failure. Exits 1 if
 any request failed or the gateway holds reply inboxes once the load has stopped (a leak);
 prints the counts either way (docs/reliability.md).
 """
@@ -146,6 +149,27 @@ async def _batch(base_url: str, models: list[str], count: int, done: Counter[str
                             f"{stderr.decode()[-300:]}")
 
 
+async def _churner(base_url: str, num_aliases: int, until: float, every_s: float, done: Counter[str],
+                   failures: list[str]) -> None:
+    async with httpx.AsyncClient(timeout=120) as http:
+        while time.monotonic() + every_s < until:
+            await asyncio.sleep(every_s)
+            n = random.randrange(num_aliases)
+            try:
+                (await http.delete(f"{base_url}/admin/models/soak/{n}")).raise_for_status()
+                await asyncio.sleep(every_s / 2)
+                (await http.post(base_url + "/admin/models", json={
+                    "key": f"soak/{n}", "path": DEMO_MODELS[n % len(DEMO_MODELS)]})).raise_for_status()
+                done["churns"] += 1
+            except httpx.HTTPError as exc:
+                failures.append(f"churn soak/{n}: {exc!r}"[:300])
+
+
+def _is_removed(failure: str) -> bool:
+    """A request for a model removed meanwhile (the churn's): its 404 is the right answer."""
+    return any(sign in failure for sign in ("does not exist", "is not registered", "not_found", "NotFound"))
+
+
 async def _unloader(base_url: str, models: list[str], until: float, every_s: float, done: Counter[str],
                     failures: list[str]) -> None:
     client = ollama.AsyncClient(host=base_url, timeout=240)
@@ -160,7 +184,7 @@ async def _unloader(base_url: str, models: list[str], until: float, every_s: flo
 
 
 async def soak(base_url: str, duration_s: float, num_clients: int, unload_every_s: float, num_aliases: int = 0,
-               batch_size: int = 0) -> int:
+               batch_size: int = 0, churn_every_s: float = 0.0) -> int:
     await _registered_aliases(base_url, num_aliases)
     async with httpx.AsyncClient(timeout=30) as http:
         models = [m["id"] for m in (await http.get(base_url + "/v1/models")).json()["data"]]
@@ -172,13 +196,19 @@ async def soak(base_url: str, duration_s: float, num_clients: int, unload_every_
         *(_ollama_client(base_url, models, until, done, failures) for _ in range(num_clients)),
         *(_anthropic_client(base_url, models, until, done, failures) for _ in range(num_clients)),
         *(_cohere_client(base_url, models, until, done, failures) for _ in range(num_clients)),
-        *([_batch(base_url, models, batch_size, done, failures)] if batch_size else []),
+        *([_batch(base_url, [m for m in models if not (churn_every_s and m.startswith("soak/"))], batch_size, done,
+                  failures)] if batch_size else []),
+        *([_churner(base_url, num_aliases, until, churn_every_s, done, failures)]
+          if churn_every_s and num_aliases else []),
         _unloader(base_url, models, until, unload_every_s, done, failures))
     await asyncio.sleep(3)  # the last replies' confirmations
     async with httpx.AsyncClient(timeout=30) as http:
         metrics = (await http.get(base_url + "/metrics")).text
     inboxes = next(float(line.split()[1]) for line in metrics.splitlines()
                    if line.startswith("shoal_gateway_reply_inboxes "))
+    if churn_every_s:
+        done["404_removed_meanwhile"] = sum(map(_is_removed, failures))
+        failures = [failure for failure in failures if not _is_removed(failure)]
     print(f"models {len(models)}, {duration_s:g} s, {num_clients} clients per API: "
           f"{dict(sorted(done.items()))}; failed {len(failures)}; reply inboxes after {inboxes:g}")
     for failure in failures[:20]:
@@ -194,9 +224,11 @@ def main() -> None:
     parser.add_argument("--unload-every-s", type=float, default=4.0)
     parser.add_argument("--aliases", type=int, default=0, help="register this many more models first (soak/<n>)")
     parser.add_argument("--batch", type=int, default=0, help="run shoal run-batch on this many requests meanwhile")
+    parser.add_argument("--churn-every-s", type=float, default=0.0,
+                        help="remove one of the --aliases models and register it again this often (0: never)")
     args = parser.parse_args()
     sys.exit(asyncio.run(soak(args.base_url, args.duration_s, args.clients, args.unload_every_s, args.aliases,
-                              args.batch)))
+                              args.batch, args.churn_every_s)))
 
 
 if __name__ == "__main__":

@@ -546,9 +546,10 @@ class Dispatcher:
     async def _next_reply(self, inbox: ReplyInbox, request: InferenceRequest, tracker: AttemptTracker,
                           published: _Published) -> InboxItem | None:
         """The next reply or signal; 504 at the deadline, 503 if the model's replicas keep failing
-        meanwhile. None when the running attempt's final reply was lost: its message is gone from
-        the queue (acked) and nothing came for `LOST_CHECK_S`. A request stranded on a replica
-        that went away is moved meanwhile."""
+        meanwhile. None when the running attempt's final reply was lost (its message is gone from
+        the queue: acked) or the waiting request's message is gone (purged), nothing having come
+        for `LOST_CHECK_S`: the caller publishes it again. A request stranded on a replica that
+        went away is moved meanwhile."""
         silent_since = time.monotonic()
         while True:
             remaining = request.deadline - time.time()
@@ -565,6 +566,14 @@ class Dispatcher:
                         return None
                     silent_since = time.monotonic()
                 continue
+            if published.replica_id is None and time.monotonic() - silent_since >= LOST_CHECK_S:
+                # Waiting in the shared queue, no replica took it: its message must still be
+                # there. A model removed and registered again meanwhile purged it; publish again.
+                if not await self._still_queued(published.sequence):
+                    log.warning("queued_request_gone", request_id=request.request_id)
+                    self._lost_replies.inc(model=request.model)
+                    return None
+                silent_since = time.monotonic()
             await self._move_if_stranded(request, published)
             reason = self._cluster.failing_reason(request.model, time.time())
             if reason is not None:

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import aiohttp
 
+from shoal.shared import subjects
 from shoal.shared.model_settings import FairnessSettings, SleepSettings
 from shoal.shared.nats_server import EmbeddedNatsServer
 from tests.integration.sleep_wake_harness import CHECKPOINT, model, sleep_wake_cluster
@@ -124,6 +125,37 @@ async def test_a_gateway_that_waits_for_capacity_answers_once_a_victim_may_be_pr
         async with aiohttp.ClientSession() as session, session.get(cluster.url + "/metrics") as response:
             metrics = await response.text()
         assert re.search(r'^shoal_gateway_capacity_waits_total\{model="c"\} [1-9]', metrics, re.M), metrics[-2000:]
+
+
+async def test_a_waiting_request_whose_queued_message_was_purged_is_published_again(
+        nats_server: EmbeddedNatsServer, demo_models_root: Path, tmp_path: Path) -> None:
+    """A streamed request is queued at once, before its model is placed. Removing a model
+    purges its queued requests; registered again at once, the model is placed and serves, but
+    the purged request is not in its queue: the gateway notices its message gone and publishes
+    it again, instead of waiting out its deadline (found by a soak that removed and registered
+    models under load)."""
+    young = FairnessSettings(min_runtime_s=6.0, max_wait_s=0.2)
+    models = [model("a", fairness=young), model("b", fairness=young), model("c")]
+    async with sleep_wake_cluster(nats_server.url, demo_models_root, tmp_path, models,
+                                  capacity_wait_s=60.0) as cluster:
+        await cluster.complete("a")
+        await cluster.complete("b")
+        body = {"model": "c", "prompt": "Once upon a time", "max_tokens": 4, "temperature": 0, "ignore_eos": True,
+                "stream": True}
+
+        async def streamed() -> str:
+            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session, \
+                    session.post(cluster.url + "/v1/completions", json=body) as response:
+                assert response.status == 200
+                return (await response.read()).decode()
+
+        answer = asyncio.create_task(streamed())
+        stream, subject = subjects.REQUESTS_STREAM, subjects.infer_subject("c")
+        while (await cluster.bus.js.stream_info(stream)).state.messages == 0:  # queued, waiting for capacity
+            await asyncio.sleep(0.05)
+        await cluster.bus.js.purge_stream(stream, subject=subject)  # as a removal purges it
+        text = await answer
+        assert "data: [DONE]" in text and '"finish_reason":"length"' in text, text[-500:]
 
 
 async def test_requests_in_flight_when_the_barrier_rises_all_complete(
