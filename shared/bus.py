@@ -70,6 +70,9 @@ JS_WRONG_LAST_SEQUENCE_CONSTANT = 10164
 """JSStreamWrongLastSequenceConstantErr: the same, from newer servers."""
 JS_NO_MESSAGE_FOUND = 10057
 """JSNoMessageFoundErr: a stream message (to get or delete) is not there (any more)."""
+JS_SEQUENCE_NOT_FOUND = 10043
+"""JSSequenceNotFoundErrF: what deleting a message that a purge (a model removed) took answers."""
+MESSAGE_GONE_CODES = frozenset({JS_NO_MESSAGE_FOUND, JS_SEQUENCE_NOT_FOUND})
 JS_CONSUMER_ALREADY_EXISTS = 10148
 """JSConsumerAlreadyExists: a consumer of that name exists with another configuration."""
 MAX_DELIVERIES = 10

@@ -65,7 +65,7 @@ from shoal.services.gateway.service_calls import ask_scheduler
 from shoal.services.gateway.session_routes import SessionRoutes
 from shoal.services.gateway.worker_metrics import WorkerStatsStore
 from shoal.shared import subjects
-from shoal.shared.bus import JS_NO_MESSAGE_FOUND, MOVED_ATTEMPT_OFFSET, Bus
+from shoal.shared.bus import MESSAGE_GONE_CODES, MOVED_ATTEMPT_OFFSET, Bus
 from shoal.shared.config import GatewayConfig
 from shoal.shared.messages import (
     CancelRequest,
@@ -396,7 +396,7 @@ class Dispatcher:
         try:
             await self._bus.js.delete_msg(subjects.REQUESTS_STREAM, published.sequence)
         except nats.js.errors.APIError as exc:
-            if exc.err_code != JS_NO_MESSAGE_FOUND:
+            if exc.err_code not in MESSAGE_GONE_CODES:
                 log.warning("request_move_failed", request_id=request.request_id, error=str(exc))
                 return
             published.replica_id = None  # acked (answered), or moved by its replica already
@@ -590,7 +590,7 @@ class Dispatcher:
         except nats.js.errors.NotFoundError:
             return False
         except nats.js.errors.APIError as exc:
-            return exc.err_code != JS_NO_MESSAGE_FOUND
+            return exc.err_code not in MESSAGE_GONE_CODES
         except (TimeoutError, nats.errors.Error):
             return True
         return True
@@ -604,7 +604,7 @@ class Dispatcher:
             try:
                 await self._bus.js.delete_msg(subjects.REQUESTS_STREAM, sequence)
             except nats.js.errors.APIError as exc:
-                if exc.err_code != JS_NO_MESSAGE_FOUND:
+                if exc.err_code not in MESSAGE_GONE_CODES:
                     log.warning("cancel_delete_failed", request_id=request.request_id, error=str(exc))
                 # else: a replica took it and acked it, or it is gone already
             except (TimeoutError, nats.errors.Error) as exc:
