@@ -142,7 +142,7 @@ async def _batch(base_url: str, models: list[str], count: int, done: Counter[str
             "--url", base_url, "--concurrency", "8", stderr=asyncio.subprocess.PIPE)
         _, stderr = await process.communicate()
         records = [json.loads(line) for line in output.read_text().splitlines()] if output.exists() else []
-        answered = [record for record in records if (record["response"] or {}).get("status_code") == 200]
+        answered = [record for record in records if (record.get("response") or {}).get("status_code") == 200]
         done["batch_lines"] += len(answered)
         if process.returncode != 0 or len(answered) != count:
             failures.append(f"run-batch: exit {process.returncode}, {len(answered)}/{count} answered: "
@@ -166,8 +166,8 @@ async def _churner(base_url: str, num_aliases: int, until: float, every_s: float
 
 
 def _is_removed(failure: str) -> bool:
-    """A request for a model removed meanwhile (the churn's): its 404 is the right answer."""
-    return any(sign in failure for sign in ("does not exist", "is not registered", "not_found", "NotFound"))
+    """A request for a model the churn removed meanwhile (``soak/<n>``): its 404 is the right answer."""
+    return " soak/" in failure and any(sign in failure for sign in ("does not exist", "is not registered"))
 
 
 async def _unloader(base_url: str, models: list[str], until: float, every_s: float, done: Counter[str],

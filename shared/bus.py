@@ -68,11 +68,13 @@ JS_WRONG_LAST_SEQUENCE = 10071
 """JSStreamWrongLastSequenceErrF: a CAS write lost (the key changed since the given revision)."""
 JS_WRONG_LAST_SEQUENCE_CONSTANT = 10164
 """JSStreamWrongLastSequenceConstantErr: the same, from newer servers."""
-JS_NO_MESSAGE_FOUND = 10057
-"""JSNoMessageFoundErr: a stream message (to get or delete) is not there (any more)."""
+JS_NO_MESSAGE_FOUND = 10037
+"""JSNoMessageFoundErr: a stream message (to get) is not there (any more)."""
 JS_SEQUENCE_NOT_FOUND = 10043
 """JSSequenceNotFoundErrF: what deleting a message that a purge (a model removed) took answers."""
-MESSAGE_GONE_CODES = frozenset({JS_NO_MESSAGE_FOUND, JS_SEQUENCE_NOT_FOUND})
+JS_MESSAGE_DELETE_FAILED = 10057
+"""JSStreamMsgDeleteFailedF: a delete failed; "no message found" when it was taken already."""
+
 JS_CONSUMER_ALREADY_EXISTS = 10148
 """JSConsumerAlreadyExists: a consumer of that name exists with another configuration."""
 MAX_DELIVERIES = 10
@@ -92,6 +94,16 @@ GET_ALL_BATCH = 256
 """KV entries fetched per round trip by `get_all`."""
 GET_ALL_ATTEMPTS = 3
 """A `get_all` that JetStream answers with "unavailable" is tried this often."""
+
+
+def is_message_gone(exc: nats.js.errors.APIError) -> bool:
+    """Whether getting or deleting a stream message failed because it is not there any more
+    (acked, deleted, purged), not for another reason."""
+    if exc.err_code in (JS_NO_MESSAGE_FOUND, JS_SEQUENCE_NOT_FOUND):
+        return True
+    description = (exc.description or "").lower()
+    return exc.err_code == JS_MESSAGE_DELETE_FAILED and ("no message found" in description
+                                                         or "not found" in description)
 
 
 class BusError(ShoalError, RuntimeError):

@@ -221,8 +221,8 @@ class GatewayConfig(Struct, forbid_unknown_fields=True, kw_only=True):
             raise ValueError("gateway.request_timeout_s must be > 0")
         if self.max_queue_per_model < 1:
             raise ValueError("gateway.max_queue_per_model must be >= 1")
-        if self.capacity_wait_s < 0:
-            raise ValueError("gateway.capacity_wait_s must be >= 0 (0: answer 503 at once)")
+        if not 0 <= self.capacity_wait_s < float("inf"):
+            raise ValueError("gateway.capacity_wait_s must be a number >= 0 (0: answer 503 at once)")
         if self.stream_keepalive_s <= 0:
             raise ValueError("gateway.stream_keepalive_s must be > 0")
         if self.responses_ttl_s <= 0:

@@ -39,7 +39,7 @@ import contextlib
 import time
 from collections import defaultdict
 from collections.abc import AsyncGenerator, Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TypeAlias
 
 import msgspec
@@ -65,7 +65,7 @@ from shoal.services.gateway.service_calls import ask_scheduler
 from shoal.services.gateway.session_routes import SessionRoutes
 from shoal.services.gateway.worker_metrics import WorkerStatsStore
 from shoal.shared import subjects
-from shoal.shared.bus import MESSAGE_GONE_CODES, MOVED_ATTEMPT_OFFSET, Bus
+from shoal.shared.bus import MOVED_ATTEMPT_OFFSET, Bus, is_message_gone
 from shoal.shared.config import GatewayConfig
 from shoal.shared.messages import (
     CancelRequest,
@@ -106,6 +106,8 @@ WAITED_OUT_STATUSES = frozenset({"no_victim", "contended"})
 """Scheduler refusals that clear by themselves (an occupant's minimum runtime ends, a CAS race
 is lost), which `GatewayConfig.capacity_wait_s` lets a request wait out."""
 MIN_CAPACITY_RETRY_S = 0.5
+CAPACITY_POLL_S = 1.0
+"""A request waiting out a refusal looks this often for a replica placed meanwhile."""
 MAX_DELIVERIES_ADVISORY = f"$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{subjects.REQUESTS_STREAM}.>"
 
 
@@ -141,6 +143,11 @@ class _Published:
 
     replica_id: str | None
     sequence: int
+    at: float = field(default_factory=time.time)
+    """When it was published (unix time): a waiting request's capacity wait counts from then."""
+    tracked: bool = True
+    """`sequence` is the request's message; False once its replica moved it (the copy's
+    sequence is unknown here), so a missing message then says nothing."""
 
 
 class Dispatcher:
@@ -182,6 +189,9 @@ class Dispatcher:
         self._lost_replies = metrics.counter("shoal_gateway_lost_replies_total",
                                              "Attempts whose replies were lost on the way (published again)",
                                              ["model"])
+        self._queued_gone = metrics.counter(
+            "shoal_gateway_queued_requests_gone_total",
+            "Waiting requests whose queued message vanished (a model removed meanwhile: published again)", ["model"])
         self._running_on: dict[str, set[str]] = {}
         """Replica id -> wire ids of the requests whose current attempt runs there."""
         self._lost_checks: set[asyncio.Task[None]] = set()
@@ -230,7 +240,27 @@ class Dispatcher:
                     raise
                 log.info("capacity_wait", model=model, reason=exc.message, retry_after_s=round(delay_s, 1))
                 self._capacity_waits.inc(model=model)
-                await asyncio.sleep(delay_s)
+                await self._until_placed(model, delay_s)
+
+    async def _until_placed(self, model: str, timeout_s: float) -> None:
+        """Wait `timeout_s`, or less if a replica of `model` is placed meanwhile (by another
+        request, another gateway): a waiter is not left behind newer arrivals."""
+        waited_until = time.monotonic() + timeout_s
+        while (left := waited_until - time.monotonic()) > 0 and not self._cluster.has_active_replica(model):
+            await asyncio.sleep(min(CAPACITY_POLL_S, left))
+
+    async def _keep_placed(self, model: str, deadline: float, waiting_since: float) -> None:
+        """For a published request waiting for a replica: ask for one once; a refusal that will
+        clear is waited out (the caller asks again a second later) for `capacity_wait_s` from
+        `waiting_since`, then it is the request's 503."""
+        try:
+            await self._ensure_placed_once(model, deadline)
+        except Unavailable as exc:
+            if exc.code not in WAITED_OUT_STATUSES or time.time() >= min(deadline,
+                                                                         waiting_since + self._config.capacity_wait_s):
+                raise
+            log.debug("capacity_wait", model=model, reason=exc.message, retry_after_s=exc.retry_after_s)
+            self._capacity_waits.inc(model=model)
 
     async def _ensure_placed_once(self, model: str, deadline: float) -> None:
         if self._cluster.has_active_replica(model):
@@ -396,10 +426,11 @@ class Dispatcher:
         try:
             await self._bus.js.delete_msg(subjects.REQUESTS_STREAM, published.sequence)
         except nats.js.errors.APIError as exc:
-            if exc.err_code not in MESSAGE_GONE_CODES:
+            if not is_message_gone(exc):
                 log.warning("request_move_failed", request_id=request.request_id, error=str(exc))
                 return
             published.replica_id = None  # acked (answered), or moved by its replica already
+            published.tracked = False
             return
         except (TimeoutError, nats.errors.Error) as exc:
             log.warning("request_move_failed", request_id=request.request_id, error=str(exc))
@@ -566,12 +597,12 @@ class Dispatcher:
                         return None
                     silent_since = time.monotonic()
                 continue
-            if published.replica_id is None and time.monotonic() - silent_since >= LOST_CHECK_S:
+            if published.replica_id is None and published.tracked and time.monotonic() - silent_since >= LOST_CHECK_S:
                 # Waiting in the shared queue, no replica took it: its message must still be
                 # there. A model removed and registered again meanwhile purged it; publish again.
                 if not await self._still_queued(published.sequence):
                     log.warning("queued_request_gone", request_id=request.request_id)
-                    self._lost_replies.inc(model=request.model)
+                    self._queued_gone.inc(model=request.model)
                     return None
                 silent_since = time.monotonic()
             await self._move_if_stranded(request, published)
@@ -579,8 +610,9 @@ class Dispatcher:
             if reason is not None:
                 raise Unavailable(f"model {request.model!r} cannot start: {reason}",
                                   code="model_failing", retry_after_s=10.0)
-            # The replica this request waits for may have failed before serving: ask again.
-            await self.ensure_placed(request.model, request.deadline)
+            # The replica this request waits for may have failed before serving: ask again
+            # (once: the inbox is read meanwhile), a refusal that will clear waited out.
+            await self._keep_placed(request.model, request.deadline, published.at)
 
     async def _still_queued(self, sequence: int) -> bool:
         """Whether the request's message is still in ``SHOAL_REQUESTS`` (a work queue: its ack
@@ -590,7 +622,7 @@ class Dispatcher:
         except nats.js.errors.NotFoundError:
             return False
         except nats.js.errors.APIError as exc:
-            return exc.err_code not in MESSAGE_GONE_CODES
+            return not is_message_gone(exc)
         except (TimeoutError, nats.errors.Error):
             return True
         return True
@@ -604,7 +636,7 @@ class Dispatcher:
             try:
                 await self._bus.js.delete_msg(subjects.REQUESTS_STREAM, sequence)
             except nats.js.errors.APIError as exc:
-                if exc.err_code not in MESSAGE_GONE_CODES:
+                if not is_message_gone(exc):
                     log.warning("cancel_delete_failed", request_id=request.request_id, error=str(exc))
                 # else: a replica took it and acked it, or it is gone already
             except (TimeoutError, nats.errors.Error) as exc:
