@@ -17,6 +17,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -258,12 +259,22 @@ def main(argv: list[str] | None = None) -> int:
     except ServiceCallError as exc:
         print(f"shoal {args.command}: {exc}", file=sys.stderr)
         return 1
+    except BrokenPipeError:  # `shoal status | head`: the reader has what it wanted
+        _quiet_stdout()
+        return 0
     except (BusError, ConfigError, OSError) as exc:
         print(f"shoal {args.command}: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 130
     return 0
+
+
+def _quiet_stdout() -> None:
+    """Point standard output at /dev/null, so the interpreter's last flush of what the closed
+    pipe did not take fails no more (Python's documented recipe for SIGPIPE)."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
 
 
 if __name__ == "__main__":
