@@ -236,11 +236,16 @@ class Dispatcher:
                 return await self._ensure_placed_once(model, deadline)
             except Unavailable as exc:
                 delay_s = max(MIN_CAPACITY_RETRY_S, exc.retry_after_s or MIN_CAPACITY_RETRY_S)
-                if exc.code not in WAITED_OUT_STATUSES or time.time() + delay_s > give_up_at:
-                    raise
+                self._wait_out(model, exc, time.time() + delay_s <= give_up_at)
                 log.info("capacity_wait", model=model, reason=exc.message, retry_after_s=round(delay_s, 1))
-                self._capacity_waits.inc(model=model)
                 await self._until_placed(model, delay_s)
+
+    def _wait_out(self, model: str, refusal: Unavailable, in_time: bool) -> None:
+        """Count `refusal` as one a request waits out, or raise it: it will not clear by itself
+        (`WAITED_OUT_STATUSES`), or the wait would not end `in_time`."""
+        if refusal.code not in WAITED_OUT_STATUSES or not in_time:
+            raise refusal
+        self._capacity_waits.inc(model=model)
 
     async def _until_placed(self, model: str, timeout_s: float) -> None:
         """Wait `timeout_s`, or less if a replica of `model` is placed meanwhile (by another
@@ -256,11 +261,8 @@ class Dispatcher:
         try:
             await self._ensure_placed_once(model, deadline)
         except Unavailable as exc:
-            if exc.code not in WAITED_OUT_STATUSES or time.time() >= min(deadline,
-                                                                         waiting_since + self._config.capacity_wait_s):
-                raise
+            self._wait_out(model, exc, time.time() < min(deadline, waiting_since + self._config.capacity_wait_s))
             log.debug("capacity_wait", model=model, reason=exc.message, retry_after_s=exc.retry_after_s)
-            self._capacity_waits.inc(model=model)
 
     async def _ensure_placed_once(self, model: str, deadline: float) -> None:
         if self._cluster.has_active_replica(model):

@@ -21,7 +21,7 @@ from typing import Annotated, Literal
 
 from msgspec import Meta, Struct
 
-from shoal.services.gateway.embeddings_api import MAX_INPUTS, EmbeddingRequest
+from shoal.services.gateway.embeddings_api import MAX_INPUTS, EmbeddingRequest, EmbeddingUsage
 from shoal.services.gateway.errors import BadRequest
 from shoal.services.gateway.openai_api import MAX_INT32, TruncatePromptTokens
 
@@ -58,11 +58,6 @@ class ScoreRequest(Struct, kw_only=True):
     truncate_prompt_tokens: TruncatePromptTokens | None = None
 
 
-class RerankUsage(Struct, kw_only=True):
-    prompt_tokens: int
-    total_tokens: int
-
-
 class RerankResult(Struct, kw_only=True, omit_defaults=True):
     index: int
     relevance_score: float
@@ -72,7 +67,7 @@ class RerankResult(Struct, kw_only=True, omit_defaults=True):
 class RerankResponse(Struct, kw_only=True):
     id: str
     model: str
-    usage: RerankUsage
+    usage: EmbeddingUsage
     results: list[RerankResult]
 
 

@@ -5,10 +5,11 @@ as ``/v1/embeddings`` computes them (placed, queued, woken and counted as any re
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 from aiohttp import web
 
-from shoal.services.gateway.embeddings_api import EmbeddingRequest, embedding_floats
+from shoal.services.gateway.embeddings_api import EmbeddingRequest, EmbeddingUsage, embedding_floats
 from shoal.services.gateway.errors import BadRequest
 from shoal.services.gateway.json_body import json_response
 from shoal.services.gateway.plans import embed_all, embedding_plans
@@ -16,7 +17,6 @@ from shoal.services.gateway.request_ids import REPLICA_HEADER, REQUEST_ID
 from shoal.services.gateway.rerank_api import (
     RerankRequest,
     RerankResponse,
-    RerankUsage,
     ScoreRequest,
     ScoreResponse,
     ScoreUsage,
@@ -27,7 +27,6 @@ from shoal.services.gateway.rerank_api import (
 )
 from shoal.services.gateway.state import GATEWAY, GatewayState
 from shoal.services.gateway.tally import Tally, tallied
-from shoal.shared.messages import FinalReply
 
 routes = web.RouteTableDef()
 
@@ -40,12 +39,11 @@ async def rerank(request: web.Request) -> web.Response:
     with tallied(state, "rerank") as tally:
         body: RerankRequest = tally.decode(await request.read(), RerankRequest)
         inputs = rerank_inputs(body)
-        vectors, finals = await _embedded(state, tally, inputs.embeddings, request[REQUEST_ID], param="documents")
-        num_tokens = sum(final.prompt_tokens for final in finals)
+        embedded = await _embedded(state, tally, inputs.embeddings, request[REQUEST_ID], param="documents")
         answer = RerankResponse(id=f"rerank-{request[REQUEST_ID]}", model=body.model,
-                                results=ranked(body, vectors, inputs.document_rows),
-                                usage=RerankUsage(prompt_tokens=num_tokens, total_tokens=num_tokens))
-        return json_response(answer, headers={REPLICA_HEADER: finals[0].replica_id})
+                                results=ranked(body, embedded.vectors, inputs.document_rows),
+                                usage=EmbeddingUsage(prompt_tokens=embedded.num_tokens, total_tokens=embedded.num_tokens))
+        return json_response(answer, headers=embedded.headers)
 
 
 @routes.post("/v1/score")
@@ -56,18 +54,27 @@ async def score(request: web.Request) -> web.Response:
         body: ScoreRequest = tally.decode(await request.read(), ScoreRequest)
         texts, pairs = score_pairs(body)
         embedding = EmbeddingRequest(model=body.model, input=texts, truncate_prompt_tokens=body.truncate_prompt_tokens)
-        vectors, finals = await _embedded(state, tally, [embedding], request[REQUEST_ID], param="text_2")
-        num_tokens = sum(final.prompt_tokens for final in finals)
+        embedded = await _embedded(state, tally, [embedding], request[REQUEST_ID], param="text_2")
         answer = ScoreResponse(id=f"score-{request[REQUEST_ID]}", created=int(time.time()), model=body.model,
-                               data=scored(pairs, vectors),
-                               usage=ScoreUsage(prompt_tokens=num_tokens, total_tokens=num_tokens))
-        return json_response(answer, headers={REPLICA_HEADER: finals[0].replica_id})
+                               data=scored(pairs, embedded.vectors),
+                               usage=ScoreUsage(prompt_tokens=embedded.num_tokens, total_tokens=embedded.num_tokens))
+        return json_response(answer, headers=embedded.headers)
+
+
+@dataclass(frozen=True)
+class _Embedded:
+    vectors: list[list[float]]
+    """Each text's, in order."""
+    num_tokens: int
+    """The texts' tokens."""
+    headers: dict[str, str]
+    """The answer's (the replica that computed the first)."""
 
 
 async def _embedded(state: GatewayState, tally: Tally, embeddings: list[EmbeddingRequest], request_id: str, *,
-                    param: str) -> tuple[list[list[float]], list[FinalReply]]:
-    """Each text's vector, in order, and the final replies they came in; an error about an
-    input names `param` (what the request calls its texts)."""
+                    param: str) -> _Embedded:
+    """`embeddings` computed; an error about an input names `param` (what the request calls
+    its texts)."""
     try:
         plans = [plan for n, embedding in enumerate(embeddings)
                  for plan in embedding_plans(state, embedding, request_id if n == 0 else f"{request_id}-{n}")]
@@ -78,5 +85,5 @@ async def _embedded(state: GatewayState, tally: Tally, embeddings: list[Embeddin
             exc.param = param
         raise
     tally.outcome = "ok"
-    return [embedding_floats(final.embedding or b"") for final in finals], finals
-
+    return _Embedded([embedding_floats(final.embedding or b"") for final in finals],
+                     sum(final.prompt_tokens for final in finals), {REPLICA_HEADER: finals[0].replica_id})
