@@ -202,6 +202,17 @@ class GatewayConfig(Struct, forbid_unknown_fields=True, kw_only=True):
     responses_ttl_s: float = 86400.0
     """How long a stored Responses API answer is kept (``previous_response_id``, ``GET
     /v1/responses/{id}``); set when the first gateway creates the ``shoal_responses`` bucket."""
+    files_ttl_s: float = 30 * 86400.0
+    """How long the Batch API's files and batches are kept (``shoal_files``, ``shoal_batches``;
+    set when the first gateway creates them)."""
+    max_file_bytes: int = 200 * 1024 * 1024
+    """The largest file ``POST /v1/files`` takes (OpenAI's limit for a batch file)."""
+    files_max_bytes: int = 10 * 1024**3
+    """The most the ``shoal_files`` object store holds in all (set when it is created)."""
+    batch_concurrency: int = 8
+    """Requests of one batch a gateway has in flight at once."""
+    max_running_batches: int = 2
+    """Batches one gateway runs at once (the others wait, oldest first, for any gateway)."""
     insecure_open_admin: bool = False
     """Serve /admin with no key on a non-loopback address (anyone who reaches the gateway may
     register, remove and scale models). Without it such a gateway refuses to start."""
@@ -229,6 +240,11 @@ class GatewayConfig(Struct, forbid_unknown_fields=True, kw_only=True):
             raise ValueError("gateway.responses_ttl_s must be > 0")
         if self.max_body_bytes < 1024 or self.max_prompt_chars < 1:
             raise ValueError("gateway.max_body_bytes must be >= 1024 and max_prompt_chars >= 1")
+        if self.files_ttl_s <= 0 or self.max_file_bytes < 1 or self.files_max_bytes < self.max_file_bytes:
+            raise ValueError("gateway.files_ttl_s and max_file_bytes must be > 0, and files_max_bytes at least "
+                             "max_file_bytes")
+        if self.batch_concurrency < 1 or self.max_running_batches < 1:
+            raise ValueError("gateway.batch_concurrency and max_running_batches must be >= 1")
 
 
 class SchedulerConfig(Struct, forbid_unknown_fields=True, kw_only=True):

@@ -26,7 +26,9 @@ ADMIN_USER = "shoal-admin"
 
 STREAMS = (subjects.REQUESTS_STREAM, subjects.EVENTS_STREAM)
 BUCKETS = (subjects.MODELS_BUCKET, subjects.GPUS_BUCKET, subjects.REPLICAS_BUCKET, subjects.NODES_BUCKET,
-           subjects.SESSIONS_BUCKET, subjects.RESPONSES_BUCKET)
+           subjects.SESSIONS_BUCKET, subjects.RESPONSES_BUCKET, subjects.BATCHES_BUCKET)
+FILES_STREAM = f"OBJ_{subjects.FILES_BUCKET}"
+"""The Batch API's object store (services/gateway/file_store.py)."""
 JS_API = "$JS.API"
 
 
@@ -63,7 +65,7 @@ def _stream_info(names: tuple[str, ...]) -> tuple[str, ...]:
     return (f"{JS_API}.INFO", *(f"{JS_API}.STREAM.INFO.{name}" for name in names))
 
 
-ALL_STREAMS = (*STREAMS, *(kv_stream(b) for b in BUCKETS))
+ALL_STREAMS = (*STREAMS, *(kv_stream(b) for b in BUCKETS), FILES_STREAM)
 
 
 def _names(names: tuple[str, ...]) -> str:
@@ -131,11 +133,19 @@ PERMISSIONS: dict[Role, tuple[Grant, ...]] = {
                        f"{JS_API}.STREAM.MSG.GET.{subjects.REQUESTS_STREAM}",
                        f"{JS_API}.DIRECT.GET.{subjects.REQUESTS_STREAM}")),
         read_kv(BUCKETS, "read (and watch) every bucket"),
-        Grant("create the session routes' and stored responses' buckets when missing",
-              publish=tuple(f"{JS_API}.STREAM.CREATE.{kv_stream(b)}"
-                            for b in (subjects.SESSIONS_BUCKET, subjects.RESPONSES_BUCKET))),
+        Grant("create the session routes', stored responses' and Batch API's buckets when missing",
+              publish=(*(f"{JS_API}.STREAM.CREATE.{kv_stream(b)}" for b in (
+                  subjects.SESSIONS_BUCKET, subjects.RESPONSES_BUCKET, subjects.BATCHES_BUCKET)),
+                  f"{JS_API}.STREAM.CREATE.{FILES_STREAM}")),
         write_kv((subjects.SESSIONS_BUCKET,), "route a session's turns to the replica holding its KV"),
         write_kv((subjects.RESPONSES_BUCKET,), "store Responses API answers (previous_response_id, GET, DELETE)"),
+        write_kv((subjects.BATCHES_BUCKET,), "keep the Batch API's files' and batches' records"),
+        Grant("keep the Batch API's files (write, read, delete objects in the shoal_files object store)",
+              publish=(f"$O.{subjects.FILES_BUCKET}.>", f"{JS_API}.STREAM.PURGE.{FILES_STREAM}",
+                       f"{JS_API}.STREAM.NAMES", *_read_stream(FILES_STREAM)),
+              shown=f"`$O.{subjects.FILES_BUCKET}.>`, `{JS_API}.STREAM.PURGE.{FILES_STREAM}`, "
+                    f"`{JS_API}.STREAM.NAMES` (nats-py finds the stream of an object's chunks by name), and "
+                    + _READ_SHOWN.format(api=JS_API, names=_names((FILES_STREAM,)))),
         Grant("list and drop the sessions workers hold (the admin API)",
               publish=(subjects.worker_subject("*", "sessions"), subjects.worker_subject("*", "drop_session"))),
         Grant("tokenize and detokenize with a replica's tokenizer (/tokenize, /detokenize)",

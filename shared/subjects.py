@@ -22,11 +22,17 @@ GPUS_BUCKET = "shoal_gpus"
 REPLICAS_BUCKET = "shoal_replicas"
 NODES_BUCKET = "shoal_nodes"
 SESSIONS_BUCKET = "shoal_sessions"
+"""Which replica holds each chat session's KV (``<model token>.<session id>``); gateways
+create it (services/gateway/session_routes.py)."""
 RESPONSES_BUCKET = "shoal_responses"
 """Stored Responses API answers (``<response id>``); gateways create it
 (services/gateway/response_store.py)."""
-"""Which replica holds each chat session's KV (``<model token>.<session id>``); gateways
-create it (services/gateway/session_routes.py)."""
+BATCHES_BUCKET = "shoal_batches"
+"""The Batch API's records: ``files.<file id>`` and ``batches.<batch id>``; gateways create it
+(services/gateway/batch_store.py)."""
+FILES_BUCKET = "shoal_files"
+"""An object store: the Batch API's files (``<file id>``), read and written by gateways
+(services/gateway/file_store.py)."""
 
 INFER_PREFIX = "shoal.infer"
 EVENT_PREFIX = "shoal.event"

@@ -18,6 +18,7 @@ from shoal.services.gateway import (
     openapi,
     routes_admin,
     routes_anthropic,
+    routes_batches,
     routes_ollama,
     routes_ollama_models,
     routes_openai,
@@ -28,10 +29,13 @@ from shoal.services.gateway import (
     routes_ui,
 )
 from shoal.services.gateway.auth import auth_middleware, check_admin_exposure
+from shoal.services.gateway.batch_runner import BatchRunner, self_headers, self_url
+from shoal.services.gateway.batch_store import open_batch_store
 from shoal.services.gateway.cluster import ClusterView
 from shoal.services.gateway.cors import CorsPolicy
 from shoal.services.gateway.dispatch import Dispatcher
 from shoal.services.gateway.errors import error_middleware
+from shoal.services.gateway.file_store import open_file_store
 from shoal.services.gateway.live import LiveFeeds
 from shoal.services.gateway.request_ids import request_id_middleware
 from shoal.services.gateway.response_store import ResponseStore
@@ -61,6 +65,14 @@ async def metrics(request: web.Request) -> web.Response:
     state.metrics.gauge("shoal_gateway_reply_inboxes", REPLY_INBOXES_HELP).set(state.router.num_waiting)
     body = state.metrics.render()
     return web.Response(body=body.encode(), headers={"Content-Type": CONTENT_TYPE})
+
+
+async def stop_batches(app: web.Application) -> None:
+    """``on_shutdown``: let this gateway's batches go (their requests to it end), before aiohttp
+    waits for open handlers and while NATS is still connected."""
+    gateway = app.get(GATEWAY)
+    if gateway is not None:
+        await gateway.batch_runner.stop()
 
 
 DEFAULT_SESSION_TTL_S = SessionConfig().idle_timeout_s
@@ -99,6 +111,12 @@ def create_app(config: GatewayConfig, nats_url: str, registry: Registry | None =
         dispatcher = Dispatcher(bus, router, cluster, config, registry, on_first_token=live.ttft.observe,
                                 session_routes=session_routes, worker_stats=live.stats)
         await dispatcher.start()
+        files = await open_file_store(bus.js, config)
+        batches = await open_batch_store(bus.js, config)
+        batch_runner = BatchRunner(batches, files, registry, owner=gateway_id, base_url=self_url(config),
+                                   headers=self_headers(config), concurrency=config.batch_concurrency,
+                                   max_running=config.max_running_batches, request_timeout_s=config.request_timeout_s)
+        batch_runner.start()
         app[GATEWAY] = GatewayState(
             config=config,
             bus=bus,
@@ -107,6 +125,9 @@ def create_app(config: GatewayConfig, nats_url: str, registry: Registry | None =
             dispatcher=dispatcher,
             session_routes=session_routes,
             responses=responses,
+            files=files,
+            batches=batches,
+            batch_runner=batch_runner,
             metrics=registry,
             requests_total=registry.counter("shoal_gateway_requests_total", "HTTP inference requests",
                                             ["model", "kind", "outcome"]),
@@ -131,6 +152,7 @@ def create_app(config: GatewayConfig, nats_url: str, registry: Registry | None =
 
     app.cleanup_ctx.append(resources)
     app.on_shutdown.append(routes_ui.end_event_streams)  # before aiohttp waits for open handlers
+    app.on_shutdown.append(stop_batches)
     app.router.add_routes(routes_openai.routes)
     app.router.add_routes(routes_anthropic.routes)
     app.router.add_routes(routes_ollama.routes)
@@ -138,6 +160,7 @@ def create_app(config: GatewayConfig, nats_url: str, registry: Registry | None =
     app.router.add_routes(routes_responses.routes)
     app.router.add_routes(routes_tokenize.routes)
     app.router.add_routes(routes_rerank.routes)
+    app.router.add_routes(routes_batches.routes)
     app.router.add_routes(routes_admin.routes)
     app.router.add_routes(routes_sessions.routes)
     routes_ui.add_routes(app)

@@ -15,6 +15,7 @@ import msgspec
 from aiohttp import web
 
 from shoal.services.gateway.anthropic_api import CountTokensRequest, MessageOut, MessagesRequest, TokenCount
+from shoal.services.gateway.batch_api import Batch, BatchCreate, BatchList, FileDeleted, FileList, FileObject
 from shoal.services.gateway.embeddings_api import EmbeddingList, EmbeddingRequest
 from shoal.services.gateway.errors import AnthropicError, ErrorEnvelope, OllamaError
 from shoal.services.gateway.ollama_api import (
@@ -96,7 +97,7 @@ def get_document() -> bytes:
              ModelCard, ErrorEnvelope, ModelConfig, ScaleBody, EvictBody, SchedulerReply, ResponsesRequest,
              ResponseObject, DeletedResponse, ItemList, EmbeddingRequest, EmbeddingList, TokenizeResponse, DetokenizeBody,
              DetokenizeResponse, RerankRequest, RerankResponse, ScoreRequest, ScoreResponse, *_OLLAMA_TYPES,
-             *_ANTHROPIC_TYPES]
+             *_ANTHROPIC_TYPES, *_BATCH_TYPES]
     schemas, components = msgspec.json.schema_components(types, ref_template=_REF)
     refs = {t.__name__: schema for t, schema in zip(types, schemas, strict=True)}
     inference_errors = _errors(refs, 400, 401, 404, 413, 429, 503, 504)
@@ -132,7 +133,7 @@ def get_document() -> bytes:
         "responses": {"200": {"description": "the results, best first", "content": _content(refs["RerankResponse"])},
                       **inference_errors},
     }}
-    paths: dict[str, Any] = {**_ollama_paths(refs), **_anthropic_paths(refs), **{
+    paths: dict[str, Any] = {**_ollama_paths(refs), **_anthropic_paths(refs), **_batch_paths(refs), **{
         "/v1/models": {"get": {"summary": "every registered model",
                                "responses": {"200": {"description": "the models",
                                                      "content": _content(refs["ModelList"])},
@@ -242,6 +243,54 @@ def get_document() -> bytes:
         "security": [{}, {"bearer": []}],
     }
     return msgspec.json.encode(document)
+
+
+_BATCH_TYPES = [FileObject, FileList, FileDeleted, BatchCreate, Batch, BatchList]
+
+
+def _batch_paths(refs: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """OpenAI's Files and Batch APIs (routes_batches.py)."""
+
+    def answer(summary: str, schema: str, *statuses: int, **operation: Any) -> dict[str, Any]:
+        return {"summary": summary, **operation,
+                "responses": {"200": {"description": summary, "content": _content(refs[schema])},
+                              **_errors(refs, 401, *statuses)}}
+
+    def path_id(name: str) -> list[dict[str, Any]]:
+        return [{"name": name, "in": "path", "required": True, "schema": {"type": "string", "minLength": 1}}]
+
+    page = [{"name": "limit", "in": "query", "schema": {"type": "integer", "minimum": 1, "maximum": 100}},
+            {"name": "after", "in": "query", "schema": {"type": "string"}, "description": "the page starts after it"}]
+    upload = {"multipart/form-data": {"schema": {
+        "type": "object", "required": ["purpose", "file"],
+        "properties": {"purpose": {"type": "string", "enum": ["batch"]}, "file": {"type": "string",
+                                                                                  "format": "binary"}}}}}
+    return {
+        "/v1/files": {
+            "post": answer("a file kept for the Batch API", "FileObject", 400, 413, 503,
+                           requestBody={"required": True, "content": upload}),
+            "get": answer("the files kept, newest first", "FileList", 400, parameters=[
+                {"name": "purpose", "in": "query", "schema": {"type": "string"}},
+                {"name": "order", "in": "query", "schema": {"type": "string", "enum": ["asc", "desc"]}}, *page]),
+        },
+        "/v1/files/{file_id}": {
+            "get": answer("a file's record", "FileObject", 404, parameters=path_id("file_id")),
+            "delete": answer("the file forgotten", "FileDeleted", 404, parameters=path_id("file_id")),
+        },
+        "/v1/files/{file_id}/content": {"get": {
+            "summary": "a file's bytes", "parameters": path_id("file_id"),
+            "responses": {"200": {"description": "the bytes", "content": {"application/octet-stream": {
+                "schema": {"type": "string", "format": "binary"}}}}, **_errors(refs, 401, 404)}}},
+        "/v1/batches": {
+            "post": answer("a batch of an uploaded file's requests, run in the background", "Batch", 400, 404,
+                           requestBody={"required": True, "content": _content(refs["BatchCreate"])}),
+            "get": answer("the batches, newest first", "BatchList", 400, parameters=page),
+        },
+        "/v1/batches/{batch_id}": {"get": answer("a batch: its status, counts and files", "Batch", 404,
+                                                 parameters=path_id("batch_id"))},
+        "/v1/batches/{batch_id}/cancel": {"post": answer("the batch asked to stop", "Batch", 404,
+                                                         parameters=path_id("batch_id"))},
+    }
 
 
 _OLLAMA_TYPES = [OllamaError, ChatRequest, ChatReply, GenerateRequest, GenerateReply, EmbedRequest, EmbedReply,

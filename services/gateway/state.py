@@ -6,8 +6,11 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
+from shoal.services.gateway.batch_runner import BatchRunner
+from shoal.services.gateway.batch_store import BatchStore
 from shoal.services.gateway.cluster import ClusterView
 from shoal.services.gateway.dispatch import Dispatcher
+from shoal.services.gateway.file_store import FileStore
 from shoal.services.gateway.live import LiveFeeds
 from shoal.services.gateway.response_store import ResponseStore
 from shoal.services.gateway.router import ReplyRouter
@@ -28,6 +31,11 @@ class GatewayState:
     """Which replica holds each chat session's KV (``shoal_sessions``)."""
     responses: ResponseStore
     """Stored Responses API answers (``shoal_responses``)."""
+    files: FileStore
+    """The Batch API's files (``shoal_files``)."""
+    batches: BatchStore
+    """The Batch API's batches (``shoal_batches``)."""
+    batch_runner: BatchRunner
     metrics: Registry
     requests_total: Counter
     latency: Histogram

@@ -9,6 +9,7 @@ import json
 import re
 import subprocess
 import sys
+import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -921,3 +922,39 @@ def test_run_batch_answers_a_batch_file_in_order_and_resumes(shoal: ShoalUp, tmp
     refused = _run_batch(shoal, "-i", str(batch_file), "-o", str(tmp_path / "none.jsonl"))
     assert refused.returncode == 2 and "line 1: stream is not supported" in refused.stderr
     assert not (tmp_path / "none.jsonl").exists()
+
+
+def test_openais_batch_api_answers_an_uploaded_file(client: openai.OpenAI) -> None:
+    """The Files and Batch APIs as OpenAI's client uses them: upload, make a batch, wait for
+    it, download its output (the answers a direct request gets) and its error file."""
+    chat = {"model": SMALL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "temperature": 0,
+            "ignore_eos": True}
+    lines = [{"custom_id": f"r{i}", "method": "POST", "url": "/v1/chat/completions", "body": chat} for i in range(3)]
+    lines.insert(1, {"custom_id": "missing", "method": "POST", "url": "/v1/chat/completions",
+                     "body": {**chat, "model": "org/none"}})
+    source = client.files.create(file=("jobs.jsonl", "\n".join(json.dumps(line) for line in lines).encode()),
+                                 purpose="batch")
+    assert source.purpose == "batch" and source.filename == "jobs.jsonl"
+    batch = client.batches.create(input_file_id=source.id, endpoint="/v1/chat/completions",
+                                  completion_window="24h", metadata={"job": "e2e"})
+    deadline = time.monotonic() + 120
+    while batch.status not in ("completed", "failed", "cancelled", "expired"):
+        assert time.monotonic() < deadline, batch
+        time.sleep(0.2)
+        batch = client.batches.retrieve(batch.id)
+    assert batch.status == "completed", batch
+    assert batch.request_counts is not None and (batch.request_counts.total, batch.request_counts.completed,
+                                                 batch.request_counts.failed) == (4, 3, 1)
+    assert batch.output_file_id and batch.error_file_id and batch.metadata == {"job": "e2e"}
+    direct = client.chat.completions.create(model=SMALL, messages=[{"role": "user", "content": "Hi"}], max_tokens=4,
+                                            temperature=0, extra_body={"ignore_eos": True}).choices[0].message.content
+    output = [json.loads(line) for line in client.files.content(batch.output_file_id).text.splitlines()]
+    assert [record["custom_id"] for record in output] == ["r0", "r1", "r2"]
+    assert [record["response"]["body"]["choices"][0]["message"]["content"] for record in output] == [direct] * 3
+    errors = [json.loads(line) for line in client.files.content(batch.error_file_id).text.splitlines()]
+    assert [(record["custom_id"], record["response"]["status_code"]) for record in errors] == [("missing", 404)]
+    assert batch.id in [listed.id for listed in client.batches.list()]
+    assert client.batches.cancel(batch.id).status == "completed", "an ended batch stays as it ended"
+    assert client.files.delete(source.id).deleted
+    with pytest.raises(openai.NotFoundError):
+        client.files.retrieve(source.id)

@@ -100,12 +100,16 @@ def test_compose_ships_the_users_the_permission_table_renders() -> None:
 def test_no_role_may_write_what_is_not_its_own() -> None:
     publish = {role: allowed(role)[0] for role in ROLES}
     assert [s for s in publish["gateway"] if s.startswith("$KV.")] == ["$KV.shoal_sessions.>",
-                                                                      "$KV.shoal_responses.>"]
+                                                                      "$KV.shoal_responses.>",
+                                                                      "$KV.shoal_batches.>"]
+    # The one purge: of the gateways' own object store (deleting a Batch API file drops its chunks).
+    assert [s for s in publish["gateway"] if ".STREAM.PURGE." in s] == ["$JS.API.STREAM.PURGE.OBJ_shoal_files"]
     assert [s for s in publish["worker"] if s.startswith("$KV.")] == ["$KV.shoal_replicas.>"]
     assert "$KV.shoal_nodes.>" not in publish["scheduler"]
     for role in ROLES:
         assert not [s for s in publish[role] if any(verb in s for verb in (".STREAM.UPDATE.", ".STREAM.DELETE.",
-                                                                           ".STREAM.PURGE."))], role
+                                                                           ".STREAM.PURGE."))
+                    and not s.endswith(".OBJ_shoal_files")], role
         assert ">" not in publish[role] and "$JS.API.>" not in publish[role]
         assert all(grant.what for grant in PERMISSIONS[role])
 

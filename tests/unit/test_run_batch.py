@@ -13,18 +13,15 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from shoal.cli.run_batch import (
+from shoal.cli.run_batch import OrderedWriter, Summary, finished_ids, run
+from shoal.shared.openai_batch import (
     MIN_RETRY_DELAY_S,
     BadBatch,
     BatchLine,
-    OrderedWriter,
     Outcome,
     Sender,
-    Summary,
-    finished_ids,
     read_batch,
     retry_delay_s,
-    run,
 )
 from tests.local_http import serving
 
@@ -47,13 +44,17 @@ def test_every_bad_line_is_named_and_nothing_is_read() -> None:
              _line("")]
     with pytest.raises(BadBatch) as caught:
         read_batch(lines)
-    problems = caught.value.problems
-    assert [problem.split(":")[0] for problem in problems] == [f"line {n}" for n in range(2, 9)]
+    assert [number for number, _ in caught.value.problems] == list(range(2, 9))
+    problems = [problem for _, problem in caught.value.problems]
+    assert "line 2: " in str(caught.value) and "7 bad line(s)" in str(caught.value)
     assert "is line 1's too" in problems[1]
     assert "'/v1/models' is not a batch route" in problems[2]
     assert "stream is not supported" in problems[3]
     assert "`$.method`" in problems[4] and "body" in problems[5] and "custom_id is empty" in problems[6]
     assert str(caught.value).startswith("7 bad line(s), nothing sent")
+    with pytest.raises(BadBatch) as caught:  # the Batch API's batches name one endpoint
+        read_batch([_line("a"), _line("b", "/v1/embeddings")], endpoint="/v1/chat/completions")
+    assert caught.value.problems == [(2, "url '/v1/embeddings' is not the batch's endpoint '/v1/chat/completions'")]
 
 
 async def test_lines_are_written_once_every_line_before_them_is() -> None:

@@ -1,0 +1,69 @@
+"""The Batch API's batch transitions (services/gateway/batch_store.py), as pure functions of a
+record and the time: who may claim a batch, renew it, let it go, and what a cancel does."""
+
+from __future__ import annotations
+
+from msgspec import structs
+
+from shoal.services.gateway.batch_api import BatchCreate
+from shoal.services.gateway.batch_store import (
+    LEASE_S,
+    StoredBatch,
+    cancel,
+    claim,
+    is_claimable,
+    new_batch,
+    released,
+    renewed,
+)
+
+NOW = 1_800_000_000.0
+
+
+def _stored(status: str = "validating", owner: str = "", lease_until: float = 0.0) -> StoredBatch:
+    batch = new_batch(BatchCreate(input_file_id="file-abc", endpoint="/v1/chat/completions",
+                                  completion_window="24h"), NOW - 60)
+    return StoredBatch(batch=structs.replace(batch, status=status), owner=owner, lease_until=lease_until)
+
+
+def test_a_new_batch_validates_first_and_expires_a_day_after_it_was_made() -> None:
+    batch = _stored().batch
+    assert batch.status == "validating" and batch.id.startswith("batch_")
+    assert batch.expires_at - batch.created_at == 24 * 3600
+    assert (batch.request_counts.total, batch.request_counts.completed, batch.request_counts.failed) == (0, 0, 0)
+
+
+def test_only_a_batch_with_work_left_and_no_live_claim_is_claimed() -> None:
+    free = _stored()
+    claimed = claim(free, "gw-a", NOW)
+    assert claimed is not None and claimed.owner == "gw-a" and claimed.lease_until == NOW + LEASE_S
+    assert claim(claimed, "gw-b", NOW + 1) is None, "a live claim holds"
+    assert claim(claimed, "gw-b", NOW + LEASE_S + 1) is not None, "a lapsed claim (a dead gateway) is taken over"
+    for status in ("in_progress", "finalizing", "cancelling"):
+        assert is_claimable(_stored(status), NOW), status
+    for status in ("completed", "failed", "cancelled", "expired"):
+        assert claim(_stored(status), "gw-a", NOW) is None, status
+    assert claim(None, "gw-a", NOW) is None
+
+
+def test_a_runner_renews_and_releases_only_its_own_claim() -> None:
+    mine = _stored("in_progress", owner="gw-a", lease_until=NOW + 5)
+    renewed_batch = renewed(mine, "gw-a", NOW + 10, lambda b: structs.replace(b, status="finalizing"))
+    assert renewed_batch is not None and renewed_batch.lease_until == NOW + 10 + LEASE_S
+    assert renewed_batch.batch.status == "finalizing"
+    assert renewed(mine, "gw-b", NOW) is None, "taken over: the old runner must stop"
+    let_go = released(mine, "gw-a")
+    assert let_go is not None and not let_go.owner and is_claimable(let_go, NOW)
+    assert released(mine, "gw-b") is None
+
+
+def test_a_cancel_stops_a_running_batch_through_its_runner_and_a_waiting_one_at_once() -> None:
+    running = cancel(_stored("in_progress", owner="gw-a", lease_until=NOW + 20), NOW)
+    assert running is not None and running.batch.status == "cancelling" and running.owner == "gw-a"
+    assert running.batch.cancelling_at == int(NOW) and running.batch.cancelled_at is None
+    waiting = cancel(_stored("validating"), NOW)
+    assert waiting is not None and waiting.batch.status == "cancelled" and waiting.batch.cancelled_at == int(NOW)
+    validating = cancel(_stored("validating", owner="gw-a", lease_until=NOW + 20), NOW)
+    assert validating is not None and validating.batch.status == "cancelling", "its runner may be sending already"
+    for status in ("cancelling", "completed", "failed", "cancelled", "expired"):
+        assert cancel(_stored(status), NOW) is None, status
