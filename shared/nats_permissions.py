@@ -25,8 +25,10 @@ ADMIN_USER = "shoal-admin"
 """The operator's user (shoal status / inspect / scale / evict, the NATS CLI): every subject."""
 
 STREAMS = (subjects.REQUESTS_STREAM, subjects.EVENTS_STREAM)
-BUCKETS = (subjects.MODELS_BUCKET, subjects.GPUS_BUCKET, subjects.REPLICAS_BUCKET, subjects.NODES_BUCKET,
-           subjects.SESSIONS_BUCKET, subjects.RESPONSES_BUCKET, subjects.BATCHES_BUCKET)
+CLUSTER_BUCKETS = (subjects.MODELS_BUCKET, subjects.GPUS_BUCKET, subjects.REPLICAS_BUCKET, subjects.NODES_BUCKET)
+BUCKETS = (*CLUSTER_BUCKETS, subjects.SESSIONS_BUCKET, subjects.RESPONSES_BUCKET)
+GATEWAY_BUCKETS = (*BUCKETS, subjects.BATCHES_BUCKET)
+"""The gateways' alone besides: the Batch API's records."""
 FILES_STREAM = f"OBJ_{subjects.FILES_BUCKET}"
 """The Batch API's object store (services/gateway/file_store.py)."""
 JS_API = "$JS.API"
@@ -65,7 +67,7 @@ def _stream_info(names: tuple[str, ...]) -> tuple[str, ...]:
     return (f"{JS_API}.INFO", *(f"{JS_API}.STREAM.INFO.{name}" for name in names))
 
 
-ALL_STREAMS = (*STREAMS, *(kv_stream(b) for b in BUCKETS), FILES_STREAM)
+ALL_STREAMS = (*STREAMS, *(kv_stream(b) for b in GATEWAY_BUCKETS), FILES_STREAM)
 
 
 def _names(names: tuple[str, ...]) -> str:
@@ -132,7 +134,7 @@ PERMISSIONS: dict[Role, tuple[Grant, ...]] = {
               publish=(f"$JS.ACK.{subjects.REQUESTS_STREAM}.>",
                        f"{JS_API}.STREAM.MSG.GET.{subjects.REQUESTS_STREAM}",
                        f"{JS_API}.DIRECT.GET.{subjects.REQUESTS_STREAM}")),
-        read_kv(BUCKETS, "read (and watch) every bucket"),
+        read_kv(GATEWAY_BUCKETS, "read (and watch) every bucket"),
         Grant("create the session routes', stored responses' and Batch API's buckets when missing",
               publish=(*(f"{JS_API}.STREAM.CREATE.{kv_stream(b)}" for b in (
                   subjects.SESSIONS_BUCKET, subjects.RESPONSES_BUCKET, subjects.BATCHES_BUCKET)),
@@ -182,7 +184,7 @@ PERMISSIONS: dict[Role, tuple[Grant, ...]] = {
         Grant("report a failed replica", publish=(subjects.scheduler_subject("replica_failed"),)),
         Grant("record events", publish=(f"{subjects.EVENT_PREFIX}.>",)),
         read_kv(BUCKETS, "read every bucket"),
-        write_kv(BUCKETS, "write its node, its GPUs, its replicas' state, measured memory (CAS)"),
+        write_kv(CLUSTER_BUCKETS, "write its node, its GPUs, its replicas' state, measured memory (CAS)"),
     ),
     "worker": (
         bind_streams(),

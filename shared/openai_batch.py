@@ -152,7 +152,7 @@ class Sender:
             except TimeoutError:
                 return Outcome(line.custom_id, None, None, None, error={
                     "code": "timeout", "message": f"no answer within the timeout ({self.timeout_s:g} s)"})
-            except (aiohttp.ClientConnectionError, OSError) as exc:
+            except (aiohttp.ClientError, OSError) as exc:  # no connection, a reply cut off
                 delay_s, why = backoff_s, f"{type(exc).__name__}: {exc}".rstrip(": ")
             if time.monotonic() + delay_s > give_up_at:
                 return refusal or Outcome(line.custom_id, None, None, None, error={

@@ -6,15 +6,16 @@ A batch's requests are sent to this gateway's own HTTP edge, as ``shoal run-batc
 (shared/openai_batch.py): each one goes through the same routes, queues, fairness and limits
 as any client's, `gateway.batch_concurrency` at a time, and a 429 or 503 (a full queue, a
 model asleep or being placed) is asked again until the batch's window closes: a batch waits
-for capacity rather than failing. Every second or so the runner writes the counts and renews
-its claim; that write is also where it learns the batch was cancelled (then it stops sending,
-drops what is in flight, and writes what was answered). When every request is answered it
-writes the output file (2xx answers) and the error file (everything else), in the input's
-order, each only if it has a line.
+for capacity rather than failing. Every second or so the runner writes the counts; that write
+is also where it learns the batch was cancelled (then it stops sending, drops what is in
+flight, and writes what was answered). Its claim is renewed all along, by a heartbeat, while
+a large file is read or its answers written too. When every request is answered it writes
+the output file (2xx answers) and the error file (everything else), in the input's order,
+each only if it has a line. A store that will not take them makes the batch ``failed``.
 
 A gateway that stops lets its batches go; one that dies holds them until its claim lapses
 (`LEASE_S`). Either way another runner takes them and starts them over (answers not yet in a
-file are not kept).
+file are not kept). A batch cancelled while no runner holds it is ``cancelled`` at once.
 """
 
 from __future__ import annotations
@@ -23,12 +24,13 @@ import asyncio
 import contextlib
 import functools
 import json
+import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import IO
 
 import aiohttp
-import nats.errors
 import structlog
 from msgspec import structs
 
@@ -36,12 +38,23 @@ from shoal.services.gateway.batch_api import (
     OUTPUT_PURPOSE,
     Batch,
     BatchError,
-    BatchErrors,
     BatchRequestCounts,
 )
-from shoal.services.gateway.batch_store import BatchStore, StoredBatch, claim, is_claimable, released, renewed
+from shoal.services.gateway.batch_store import (
+    LEASE_S,
+    BatchStore,
+    StoredBatch,
+    abandoned,
+    claim,
+    failed,
+    finalizing,
+    is_claimable,
+    released,
+    renewed,
+    started,
+)
 from shoal.services.gateway.errors import ApiError
-from shoal.services.gateway.file_store import FileStore
+from shoal.services.gateway.file_store import NATS_ERRORS, FileStore
 from shoal.shared.bus import CasConflict
 from shoal.shared.config import GatewayConfig
 from shoal.shared.metrics import Registry
@@ -52,13 +65,19 @@ log = structlog.get_logger(__name__)
 POLL_S = 2.0
 """How often a runner looks for batches to claim (a batch made here is claimed at once)."""
 PROGRESS_S = 1.0
-"""How often a running batch's counts are written (and its claim renewed, its cancel noticed)."""
+"""How often a running batch's counts are written (and its cancel noticed)."""
+HEARTBEAT_S = LEASE_S / 3
 MAX_BATCH_REQUESTS = 50_000
 """OpenAI's limit on one batch's requests."""
 MAX_ERRORS_KEPT = 100
 """A batch that failed validation lists at most this many bad lines."""
 TIMEOUT_MARGIN_S = 30.0
 """A request's HTTP attempt may run this much past `gateway.request_timeout_s` (the gateway answers first)."""
+WRITE_ATTEMPTS = 5
+"""A record write NATS did not take is tried again this many times, a second apart, within the lease."""
+STORE_ERRORS = (*NATS_ERRORS, CasConflict)
+STOP_TIMEOUT_S = 5.0
+"""A stopping gateway waits this long for its batches' tasks (they are cancelled: at once, normally)."""
 
 
 class _LostClaim(Exception):
@@ -102,6 +121,12 @@ def _succeeded(outcome: Outcome) -> bool:
     return outcome.status_code is not None and 200 <= outcome.status_code < 300
 
 
+def _utf8_lines(source: IO[bytes]) -> Iterator[str]:
+    """A file's lines, split at ``\\n`` alone (JSON text may hold U+2028 and the like raw)."""
+    for raw in source:
+        yield raw.decode()
+
+
 class BatchRunner:
     """Claims and runs batches (see the module doc)."""
 
@@ -121,6 +146,7 @@ class BatchRunner:
         self._running: dict[str, asyncio.Task[None]] = {}
         self._wake = asyncio.Event()
         self._loop_task: asyncio.Task[None] | None = None
+        self._stopping = False
         self._requests = registry.counter("shoal_gateway_batch_requests_total",
                                           "Batch API requests answered, by outcome (completed: a 2xx)", ["outcome"])
         self._finished = registry.counter("shoal_gateway_batches_total", "Batch API batches ended, by status",
@@ -135,35 +161,43 @@ class BatchRunner:
 
     async def stop(self) -> None:
         """Stop running and let this runner's batches go (another runner starts them over)."""
+        self._stopping = True
         held = list(self._running)  # each task's end takes it out of _running
         tasks = [task for task in (self._loop_task, *self._running.values()) if task is not None]
         for task in tasks:
             task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        if tasks:
+            _, stuck = await asyncio.wait(tasks, timeout=STOP_TIMEOUT_S)
+            if stuck:
+                log.error("batch_runner_not_stopped", tasks=sorted(task.get_name() for task in stuck))
         for batch_id in held:
-            with contextlib.suppress(TimeoutError, nats.errors.Error, CasConflict):
+            with contextlib.suppress(*STORE_ERRORS):
                 await self._store.update(batch_id, lambda stored: released(stored, self.owner))
 
     async def _claim_loop(self) -> None:
-        while True:
+        while not self._stopping:  # besides the cancel: a library may turn one into a TimeoutError
             try:
                 await self._claim_some()
-            except (TimeoutError, nats.errors.Error, CasConflict) as exc:
+            except STORE_ERRORS as exc:
                 log.warning("batch_claims_failed", error=str(exc))
+            except Exception:  # a bug: logged, and the loop goes on (else no batch would run here again)
+                log.exception("batch_claims_crashed")
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), self._poll_s)
+                async with asyncio.timeout(self._poll_s):  # not wait_for: on 3.11 it can swallow a cancel
+                    await self._wake.wait()
             self._wake.clear()
 
     async def _claim_some(self) -> None:
-        if len(self._running) >= self._max_running:
-            return
         now = self._clock()
-        waiting = [stored for stored in await self._store.all()
-                   if is_claimable(stored, now) and stored.batch.id not in self._running]
-        for stored in sorted(waiting, key=lambda s: (s.batch.created_at, s.batch.id)):
-            if len(self._running) >= self._max_running:
-                return
+        for stored in await self._store.active():
             batch_id = stored.batch.id
+            if batch_id in self._running or not is_claimable(stored, now):
+                continue
+            if stored.batch.status == "cancelling":  # its runner died: nothing answered was kept
+                await self._store.update(batch_id, lambda current: _abandon(current, now))
+                continue
+            if len(self._running) >= self._max_running:
+                continue
             written = await self._store.update(batch_id, lambda current: claim(current, self.owner, now))
             if written is None or written.value.owner != self.owner:
                 continue  # another runner was first
@@ -178,32 +212,54 @@ class BatchRunner:
 
     async def _run(self, batch: Batch) -> None:
         with structlog.contextvars.bound_contextvars(batch_id=batch.id):
+            work = asyncio.create_task(self._work(batch))
+            heartbeat = asyncio.create_task(self._hold(batch.id, work))
             try:
-                lines = await self._lines(batch)
-                if lines is None:
-                    return
-                if batch.status == "validating":
-                    batch = await self._write(batch.id, lambda b: structs.replace(
-                        b, status="in_progress", in_progress_at=int(self._clock()),
-                        request_counts=BatchRequestCounts(total=len(lines))))
-                answers, ending = await self._send(batch, lines)
-                await self._finish(batch.id, lines, answers, ending)
+                await work
             except _LostClaim:
                 log.warning("batch_claim_lost", detail="another runner holds it now")
-            except (TimeoutError, nats.errors.Error, CasConflict, ApiError) as exc:
+            except (*STORE_ERRORS, ApiError) as exc:
                 log.warning("batch_run_interrupted", error=str(exc),
                             detail="its claim lapses and a runner starts it over")
+            except asyncio.CancelledError:
+                if not heartbeat.done():
+                    raise  # this runner stops
+                log.warning("batch_claim_lost", detail="another runner holds it now")
             except Exception:  # a bug: logged where it happened, the batch left to lapse
                 log.exception("batch_run_failed")
+            finally:
+                heartbeat.cancel()
 
-    async def _lines(self, batch: Batch) -> list[BatchLine] | None:
+    async def _hold(self, batch_id: str, work: asyncio.Task[None]) -> None:
+        """Renew the claim every `HEARTBEAT_S` while `work` runs; stop `work` once it is lost."""
+        while True:
+            await asyncio.sleep(HEARTBEAT_S)
+            try:
+                await self._write(batch_id, lambda batch: batch)
+            except _LostClaim:
+                work.cancel()
+                return
+
+    async def _work(self, batch: Batch) -> None:
+        with tempfile.TemporaryFile() as source:
+            lines = await self._lines(batch, source)
+        if lines is None:
+            return
+        now = self._clock()
+        batch = await self._write(batch.id, lambda b: started(b, now, len(lines)))
+        answers, ending = await self._send(batch, lines)
+        await self._finish(batch.id, lines, answers, ending)
+
+    async def _lines(self, batch: Batch, source: IO[bytes]) -> list[BatchLine] | None:
         """The batch's requests; None (the batch marked ``failed``) when its file is not a batch."""
         errors: list[BatchError] = []
         lines: list[BatchLine] = []
         try:
-            text = (await self._files.read(batch.input_file_id, "input_file_id")).decode()
-            lines = read_batch(text.splitlines(), batch.endpoint)
+            await self._files.read_into(batch.input_file_id, source, "input_file_id")
+            lines = await asyncio.to_thread(read_batch, _utf8_lines(source), batch.endpoint)
         except ApiError as exc:
+            if exc.status != 404:
+                raise
             errors = [BatchError(code="file_not_found", message=exc.message, param="input_file_id")]
         except UnicodeDecodeError as exc:
             errors = [BatchError(code="invalid_file", message=f"the input file is not UTF-8 text: {exc}")]
@@ -217,12 +273,14 @@ class BatchRunner:
                                  message=f"{len(lines)} requests; a batch holds at most {MAX_BATCH_REQUESTS}")]
         if not errors:
             return lines
-        now = int(self._clock())
-        await self._write(batch.id, lambda b: structs.replace(b, status="failed", failed_at=now,
-                                                              errors=BatchErrors(data=errors)), release=True)
-        self._finished.inc(status="failed")
-        log.info("batch_failed", errors=len(errors), first=errors[0].message[:200])
+        await self._fail(batch.id, errors)
         return None
+
+    async def _fail(self, batch_id: str, errors: list[BatchError]) -> None:
+        now = self._clock()
+        ended = await self._write(batch_id, lambda b: failed(b, now, errors), release=True)
+        self._finished.inc(status=ended.status)
+        log.info("batch_failed", status=ended.status, errors=len(errors), first=errors[0].message[:200])
 
     async def _send(self, batch: Batch, lines: list[BatchLine]) -> tuple[_Answers, str]:
         """Every line sent (or as many as the batch's window and a cancel allowed); the answers
@@ -243,69 +301,86 @@ class BatchRunner:
                     answers.put(index, outcome)
                     self._requests.inc(outcome="completed" if _succeeded(outcome) else "failed")
 
-            senders = asyncio.gather(*(send_lines() for _ in range(self._concurrency)))
-            ending = "completed"
+            senders = [asyncio.create_task(send_lines()) for _ in range(self._concurrency)]
             try:
-                while not senders.done():
-                    await asyncio.wait([senders], timeout=PROGRESS_S)
-                    counts = structs.replace(answers.counts, total=len(lines))
-                    current = await self._write(batch.id, functools.partial(structs.replace, request_counts=counts))
-                    if current.status == "cancelling":
-                        ending = "cancelled"
-                    elif self._clock() >= batch.expires_at and not senders.done():
-                        ending = "expired"
-                    if ending != "completed":
-                        break
-                else:
-                    senders.result()
+                return answers, await self._watch(batch, len(lines), answers, senders)
             finally:
-                if not senders.done():
-                    senders.cancel()
-                    with contextlib.suppress(asyncio.CancelledError):
-                        await senders
-        return answers, ending
+                for task in senders:
+                    task.cancel()
+                await asyncio.gather(*senders, return_exceptions=True)
+
+    async def _watch(self, batch: Batch, total: int, answers: _Answers, senders: list[asyncio.Task[None]]) -> str:
+        """Write the counts every `PROGRESS_S` until the senders are done (``completed``), the
+        batch is cancelled or its window closes; a sender's error is raised."""
+        while True:
+            done, running = await asyncio.wait(senders, timeout=PROGRESS_S, return_when=asyncio.FIRST_EXCEPTION)
+            for task in done:
+                task.result()
+            if not running:
+                return "completed"
+            counts = structs.replace(answers.counts, total=total)
+            current = await self._write(batch.id, functools.partial(structs.replace, request_counts=counts))
+            if current.status == "cancelling":
+                return "cancelled"
+            if self._clock() >= batch.expires_at:
+                return "expired"
 
     async def _finish(self, batch_id: str, lines: list[BatchLine], answers: _Answers, ending: str) -> None:
         """Write the output and error files, then the batch's end."""
         if ending == "completed":
-            await self._write(batch_id, lambda b: structs.replace(b, status="finalizing",
-                                                                  finalizing_at=int(self._clock())))
-        unsent_error = {"code": f"batch_{ending}", "message": f"the batch was {ending} before this request was "
-                                                             "answered"}
-        output: list[str] = []
-        errors: list[str] = []
+            now = self._clock()
+            current = await self._write(batch_id, lambda b: finalizing(b, now))
+            if current.status == "cancelling":
+                ending = "cancelled"
+        unsent_error = {"code": f"batch_{ending}",
+                        "message": f"the batch was {ending} before this request was answered"}
         counts = BatchRequestCounts(total=len(lines))
-        for line, outcome in zip(lines, answers.outcomes, strict=True):
-            if outcome is None:
-                outcome = Outcome(line.custom_id, None, None, None, error=unsent_error)
-            succeeded = _succeeded(outcome)
-            (output if succeeded else errors).append(json.dumps(outcome.record()) + "\n")
-            counts.completed += succeeded
-            counts.failed += not succeeded
-        output_file = await self._keep(batch_id, "output", output)
-        error_file = await self._keep(batch_id, "errors", errors)
-        now = int(self._clock())
-
-        def ended(batch: Batch) -> Batch:
-            stamp = {"completed": {"completed_at": now}, "cancelled": {"cancelled_at": now},
-                     "expired": {"expired_at": now}}[ending]
-            return structs.replace(batch, status=ending, request_counts=counts, output_file_id=output_file,
-                                   error_file_id=error_file, **stamp)
-
-        await self._write(batch_id, ended, release=True)
+        with tempfile.TemporaryFile() as output, tempfile.TemporaryFile() as errors:
+            for line, outcome in zip(lines, answers.outcomes, strict=True):
+                if outcome is None:
+                    outcome = Outcome(line.custom_id, None, None, None, error=unsent_error)
+                succeeded = _succeeded(outcome)
+                (output if succeeded else errors).write(json.dumps(outcome.record()).encode() + b"\n")
+                counts.completed += succeeded
+                counts.failed += not succeeded
+            try:
+                output_file = await self._keep(batch_id, "output", output)
+                error_file = await self._keep(batch_id, "errors", errors)
+            except ApiError as exc:  # the store is full or away
+                await self._fail(batch_id, [BatchError(code="output_not_stored", message=exc.message)])
+                return
+        now = self._clock()
+        stamp = {"completed": {"completed_at": int(now)}, "cancelled": {"cancelled_at": int(now)},
+                 "expired": {"expired_at": int(now)}}[ending]
+        await self._write(batch_id, lambda b: structs.replace(b, status=ending, request_counts=counts,
+                                                              output_file_id=output_file, error_file_id=error_file,
+                                                              **stamp), release=True)
         self._finished.inc(status=ending)
         log.info("batch_ended", status=ending, completed=counts.completed, failed=counts.failed)
 
-    async def _keep(self, batch_id: str, kind: str, lines: list[str]) -> str | None:
-        if not lines:
+    async def _keep(self, batch_id: str, kind: str, spool: IO[bytes]) -> str | None:
+        num_bytes = spool.tell()
+        if not num_bytes:
             return None
-        kept = await self._files.create_from_bytes("".join(lines).encode(), filename=f"{batch_id}_{kind}.jsonl",
-                                                   purpose=OUTPUT_PURPOSE)
+        spool.seek(0)
+        kept = await self._files.create(spool, filename=f"{batch_id}_{kind}.jsonl", purpose=OUTPUT_PURPOSE,
+                                        num_bytes=num_bytes)
         return kept.id
 
     async def _write(self, batch_id: str, change: Callable[[Batch], Batch], *, release: bool = False) -> Batch:
         """`change` written to the batch (this runner's claim renewed, or let go); _LostClaim
-        when another runner holds it."""
+        when another runner holds it. A write NATS did not take is tried again (`WRITE_ATTEMPTS`)."""
+        for attempt in range(1, WRITE_ATTEMPTS + 1):
+            try:
+                return await self._write_once(batch_id, change, release)
+            except STORE_ERRORS as exc:
+                if attempt == WRITE_ATTEMPTS:
+                    raise
+                log.info("batch_write_retrying", attempt=attempt, error=str(exc))
+                await asyncio.sleep(1.0)
+        raise AssertionError("unreachable: the last attempt returns or raises")
+
+    async def _write_once(self, batch_id: str, change: Callable[[Batch], Batch], release: bool) -> Batch:
         now = self._clock()
         wrote = False
 
@@ -319,3 +394,10 @@ class BatchRunner:
         if written is None or not wrote:
             raise _LostClaim(batch_id)
         return written.value.batch
+
+
+def _abandon(stored: StoredBatch | None, now: float) -> StoredBatch | None:
+    """A ``cancelling`` batch no runner holds, ended ``cancelled``; None if that changed."""
+    if stored is None or stored.batch.status != "cancelling" or not is_claimable(stored, now):
+        return None
+    return StoredBatch(batch=abandoned(stored.batch, now))

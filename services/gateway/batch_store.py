@@ -1,19 +1,26 @@
 """The Batch API's batches: records in the ``shoal_batches`` KV bucket (``batches.<id>``), each
 with the gateway that runs it and until when its claim holds; every change by compare-and-swap,
-so gateways never both run one batch and a cancel never crosses a runner's write.
+so gateways never both run one batch and a cancel never crosses a runner's write. A batch with
+work left also has a marker, ``active.<id>``, so runners look through the batches still to run,
+not through every batch of the last 30 days.
 
-The transitions are pure functions of a record and the time (`claim`, `cancel`, ...), the
-store only reads and CAS-writes them. A batch moves ``validating`` → ``in_progress`` →
-``finalizing`` → ``completed``; or to ``failed`` (its file is not a batch), ``cancelling`` →
-``cancelled``, ``expired`` (not done within its 24 h window). A claim lapses `LEASE_S` after
-its runner last wrote: a gateway that died leaves its batches to another, which starts them
-over.
+The transitions are pure functions of a record and the time (`claim`, `cancel`, `started`,
+...); the store only reads and CAS-writes them. A batch moves ``validating`` → ``in_progress``
+→ ``finalizing`` → ``completed``; or to ``failed`` (its file is not a batch), ``cancelling`` →
+``cancelled``, ``expired`` (not done within its 24 h window). A runner's step never writes over
+a cancel: a batch cancelled while it is checked or sent ends ``cancelled``. A claim lapses
+`LEASE_S` after its runner last wrote (it renews every `LEASE_S` / 3): a gateway that died
+leaves its batches to another, which starts them over. The lease compares wall clocks: the
+gateways' clocks must agree to within seconds (NTP), as for any lease.
+
+Ids are time-ordered (milliseconds, then random), so lists sort by id and a page's ``after``
+places itself even if the batch it names has expired since.
 """
 
 from __future__ import annotations
 
+import re
 import time
-import uuid
 from collections.abc import Callable
 
 import msgspec
@@ -25,19 +32,24 @@ from shoal.services.gateway.batch_api import (
     COMPLETION_WINDOW_S,
     Batch,
     BatchCreate,
+    BatchError,
+    BatchErrors,
     BatchList,
     BatchRequestCounts,
 )
 from shoal.services.gateway.errors import NotFound
-from shoal.services.gateway.file_store import open_records_bucket, page
+from shoal.services.gateway.file_store import open_records_bucket, page_after, time_ordered_id
 from shoal.shared import subjects
 from shoal.shared.bus import TypedBucket, Versioned, cas_update
 from shoal.shared.config import GatewayConfig
 
 LEASE_S = 30.0
-"""A runner's claim on a batch holds this long after its last write (it writes every few seconds)."""
+"""A runner's claim on a batch holds this long after its last write."""
 BATCH_KEY_PREFIX = "batches."
-CANCELLABLE = frozenset({"validating", "in_progress", "finalizing"})
+ACTIVE_KEY_PREFIX = "active."
+BATCH_ID = re.compile(r"batch_[0-9a-f]{1,64}")
+CANCELLABLE = frozenset({"validating", "in_progress"})
+"""A batch still sending (a ``finalizing`` one has answered everything: it ends as it is)."""
 
 
 class StoredBatch(Struct, kw_only=True):
@@ -48,9 +60,15 @@ class StoredBatch(Struct, kw_only=True):
     """Wall-clock time the owner's claim lapses."""
 
 
+class ActiveMark(Struct, kw_only=True):
+    """``active.<id>``: the batch has work left (gone once it ends)."""
+
+    created_at: int
+
+
 def new_batch(request: BatchCreate, now: float) -> Batch:
     created_at = int(now)
-    return Batch(id=f"batch_{uuid.uuid4().hex[:24]}", endpoint=request.endpoint, input_file_id=request.input_file_id,
+    return Batch(id=f"batch_{time_ordered_id(now)}", endpoint=request.endpoint, input_file_id=request.input_file_id,
                  completion_window=request.completion_window, status="validating", created_at=created_at,
                  expires_at=created_at + int(COMPLETION_WINDOW_S), request_counts=BatchRequestCounts(),
                  metadata=request.metadata)
@@ -87,26 +105,57 @@ def released(stored: StoredBatch | None, owner: str) -> StoredBatch | None:
 
 def cancel(stored: StoredBatch | None, now: float) -> StoredBatch | None:
     """`stored` asked to stop: ``cancelling`` (its runner writes what was answered, then
-    ``cancelled``), or at once ``cancelled`` when no runner has started it. None when there is
-    nothing to change (already final, or cancelling)."""
+    ``cancelled``), or at once ``cancelled`` when no runner holds it. None when there is
+    nothing to change (ended, finalizing, or cancelling already)."""
     if stored is None or stored.batch.status not in CANCELLABLE:
         return None
+    if is_claimable(stored, now):  # no runner: none will write what was answered
+        return StoredBatch(batch=abandoned(stored.batch, now))
+    return structs.replace(stored, batch=structs.replace(stored.batch, status="cancelling", cancelling_at=int(now)))
+
+
+def abandoned(batch: Batch, now: float) -> Batch:
+    """A batch cancelled with no runner: ``cancelled``, no files (what a dead runner answered
+    was never written)."""
     stamp = int(now)
-    if stored.batch.status == "validating" and is_claimable(stored, now):  # waiting for a runner
-        return StoredBatch(batch=structs.replace(stored.batch, status="cancelled", cancelling_at=stamp,
-                                                 cancelled_at=stamp))
-    return structs.replace(stored, batch=structs.replace(stored.batch, status="cancelling", cancelling_at=stamp))
+    return structs.replace(batch, status="cancelled", cancelling_at=batch.cancelling_at or stamp, cancelled_at=stamp)
+
+
+def started(batch: Batch, now: float, total: int) -> Batch:
+    """A batch whose file checked out, sending (unless cancelled meanwhile)."""
+    if batch.status != "validating":
+        return batch
+    return structs.replace(batch, status="in_progress", in_progress_at=int(now),
+                           request_counts=BatchRequestCounts(total=total))
+
+
+def failed(batch: Batch, now: float, errors: list[BatchError]) -> Batch:
+    """A batch whose file is not a batch (or whose answers could not be kept): ``failed``, or
+    ``cancelled`` if it was cancelled meanwhile."""
+    if batch.status == "cancelling":
+        return abandoned(batch, now)
+    return structs.replace(batch, status="failed", failed_at=int(now), errors=BatchErrors(data=errors))
+
+
+def finalizing(batch: Batch, now: float) -> Batch:
+    """Every request answered: the files are being written (a cancel that came first stands)."""
+    if batch.status != "in_progress":
+        return batch
+    return structs.replace(batch, status="finalizing", finalizing_at=int(now))
 
 
 class BatchStore:
     """Reads and CAS-writes ``batches.<id>`` records (see the module doc)."""
 
-    def __init__(self, records: TypedBucket[StoredBatch], clock: Callable[[], float] = time.time) -> None:
+    def __init__(self, records: TypedBucket[StoredBatch], marks: TypedBucket[ActiveMark],
+                 clock: Callable[[], float] = time.time) -> None:
         self._records = records
+        self._marks = marks
         self.clock = clock
 
     async def create(self, batch: Batch) -> None:
         await self._records.put(BATCH_KEY_PREFIX + batch.id, StoredBatch(batch=batch))
+        await self._marks.put(ACTIVE_KEY_PREFIX + batch.id, ActiveMark(created_at=batch.created_at))
 
     async def read(self, batch_id: str) -> Versioned[StoredBatch] | None:
         return await self._records.get(BATCH_KEY_PREFIX + batch_id)
@@ -121,17 +170,28 @@ class BatchStore:
     async def update(self, batch_id: str, mutate: Callable[[StoredBatch | None], StoredBatch | None]
                      ) -> Versioned[StoredBatch] | None:
         """`mutate` applied by compare-and-swap; the value written (or the current one when
-        `mutate` declined; None when the batch is gone)."""
-        return await cas_update(self._records, BATCH_KEY_PREFIX + batch_id, mutate)
+        `mutate` declined; None when the batch is gone). A batch that ended loses its mark."""
+        written = await cas_update(self._records, BATCH_KEY_PREFIX + batch_id, mutate)
+        if written is None or written.value.batch.status not in ACTIVE_STATUSES:
+            await self._marks.delete(ACTIVE_KEY_PREFIX + batch_id)
+        return written
 
-    async def all(self) -> list[StoredBatch]:
-        return [found.value for found in (await self._records.get_all(BATCH_KEY_PREFIX + "*")).values()]
+    async def active(self) -> list[StoredBatch]:
+        """The batches with work left, oldest first."""
+        ids = sorted(key.removeprefix(ACTIVE_KEY_PREFIX) for key in await self._marks.get_all(ACTIVE_KEY_PREFIX + "*"))
+        found = [(batch_id, await self.read(batch_id)) for batch_id in ids]
+        for batch_id, stored in found:  # a runner that died between a batch's end and its mark's removal
+            if stored is None or stored.value.batch.status not in ACTIVE_STATUSES:
+                await self._marks.delete(ACTIVE_KEY_PREFIX + batch_id)
+        return [stored.value for _, stored in found if stored is not None and
+                stored.value.batch.status in ACTIVE_STATUSES]
 
     async def list(self, *, limit: int, after: str | None) -> BatchList:
         """Newest first, as OpenAI lists them."""
-        batches = sorted((stored.batch for stored in await self.all()), key=lambda b: (b.created_at, b.id),
-                         reverse=True)
-        chosen, has_more = page(batches, [batch.id for batch in batches], limit=limit, after=after)
+        everything = await self._records.get_all(BATCH_KEY_PREFIX + "*")
+        batches = sorted((found.value.batch for found in everything.values()), key=lambda b: b.id, reverse=True)
+        chosen, has_more = page_after(batches, [batch.id for batch in batches], limit=limit, after=after,
+                                      descending=True)
         return BatchList(data=chosen, has_more=has_more, first_id=chosen[0].id if chosen else None,
                          last_id=chosen[-1].id if chosen else None)
 
@@ -145,13 +205,12 @@ class BatchStore:
 
 
 async def open_batch_store(js: JetStreamContext, config: GatewayConfig) -> BatchStore:
-    records = TypedBucket(await open_records_bucket(js, config.files_ttl_s), msgspec.json.Decoder(StoredBatch),
-                          subjects.BATCHES_BUCKET, js)
-    return BatchStore(records)
+    kv = await open_records_bucket(js, config.files_ttl_s)
+    return BatchStore(TypedBucket(kv, msgspec.json.Decoder(StoredBatch), subjects.BATCHES_BUCKET, js),
+                      TypedBucket(kv, msgspec.json.Decoder(ActiveMark), subjects.BATCHES_BUCKET, js))
 
 
 def _checked(batch_id: str) -> str:
-    if not batch_id.startswith("batch_") or not batch_id[6:].isalnum() or len(batch_id) > 80:
-        raise NotFound(f"no batch {batch_id[:80]!r} (batch ids look like batch_abc123)")
+    if not BATCH_ID.fullmatch(batch_id):
+        raise NotFound(f"no batch {batch_id[:80]!r} (batch ids look like batch_0193a4c2...)")
     return batch_id
-

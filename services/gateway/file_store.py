@@ -5,15 +5,20 @@ any file. Both forget a file `files_ttl_s` after it was written, as OpenAI lets 
 
 A file is written whole before its record: a record always names bytes that are there. A
 record whose bytes expired or were lost reads as absent (404).
+Reads and writes go through temporary files (a 200 MiB file is never whole in memory), each
+within `TRANSFER_TIMEOUT_S`. Ids are time-ordered, as batches' are (batch_store.py).
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import io
 import re
+import tempfile
 import time
 import uuid
-from typing import TypeVar
+from typing import IO, TypeVar
 
 import msgspec
 import nats.errors
@@ -25,28 +30,32 @@ from nats.js.kv import KeyValue
 from nats.js.object_store import ObjectStore
 
 from shoal.services.gateway.batch_api import FileList, FileObject
-from shoal.services.gateway.errors import BadRequest, NotFound, PayloadTooLarge, Unavailable
+from shoal.services.gateway.errors import NotFound, PayloadTooLarge, Unavailable
 from shoal.shared import subjects
 from shoal.shared.bus import TypedBucket, ensure_expiring_bucket
 from shoal.shared.config import GatewayConfig
 
 log = structlog.get_logger(__name__)
 
-FILE_ID = re.compile(r"file-[A-Za-z0-9]{1,64}")
+FILE_ID = re.compile(r"file-[0-9a-f]{1,64}")
 FILE_KEY_PREFIX = "files."
+TRANSFER_TIMEOUT_S = 600.0
+"""A file's whole read or write (NATS away, chunks lost: a 503 rather than a wait for ever)."""
+NATS_ERRORS = (TimeoutError, nats.errors.Error)
 RECORDS_MAX_BYTES = 256 * 1024 * 1024
 """The ``shoal_batches`` bucket's bound (records only: a file's bytes are in ``shoal_files``)."""
 T = TypeVar("T")
 
 
-def new_file_id() -> str:
-    return f"file-{uuid.uuid4().hex[:24]}"
+def time_ordered_id(now: float) -> str:
+    """24 hex digits: the time in milliseconds, then random ones (ids sort as they were made)."""
+    return f"{int(now * 1000):012x}{uuid.uuid4().hex[:12]}"
 
 
 def check_file_id(file_id: str, param: str | None = None) -> str:
     """`file_id` if it can name a file (a 404 naming `param` otherwise: no such file)."""
     if not FILE_ID.fullmatch(file_id):
-        raise NotFound(f"no file {file_id[:80]!r} (file ids look like file-abc123)", param=param)
+        raise NotFound(f"no file {file_id[:80]!r} (file ids look like file-0193a4c2...)", param=param)
     return file_id
 
 
@@ -90,17 +99,20 @@ class FileStore:
         self.max_file_bytes = max_file_bytes
         self.ttl_s = ttl_s
 
-    async def create(self, source: io.BufferedIOBase, *, filename: str, purpose: str, num_bytes: int) -> FileObject:
-        """Keep `source` (read from its start) as a new file."""
-        created_at = int(time.time())
-        record = FileObject(id=new_file_id(), bytes=num_bytes, created_at=created_at, filename=filename,
-                            purpose=purpose, expires_at=created_at + int(self.ttl_s))
+    async def create(self, source: IO[bytes], *, filename: str, purpose: str, num_bytes: int) -> FileObject:
+        """Keep `source` (read from its start) as a new file; a 503 when NATS cannot take it."""
+        now = time.time()
+        record = FileObject(id=f"file-{time_ordered_id(now)}", bytes=num_bytes, created_at=int(now),
+                            filename=filename, purpose=purpose, expires_at=int(now + self.ttl_s))
         try:
-            await self._objects.put(record.id, source, meta=ObjectMeta(name=record.id, description=filename))
+            async with asyncio.timeout(TRANSFER_TIMEOUT_S):
+                await self._objects.put(record.id, source,  # type: ignore[arg-type]
+                                        meta=ObjectMeta(name=record.id, description=filename))
             await self._records.put(FILE_KEY_PREFIX + record.id, record)
-        except (TimeoutError, nats.errors.Error) as exc:  # the store full, NATS away
+        except NATS_ERRORS as exc:  # the store full, NATS away
             log.warning("file_not_stored", file_id=record.id, error=str(exc))
-            raise Unavailable(f"the file could not be stored ({type(exc).__name__}: {exc}); try again later") from exc
+            raise Unavailable(f"the file could not be stored ({type(exc).__name__}: {exc}); try again later",
+                              retry_after_s=5.0) from exc
         return record
 
     async def create_from_bytes(self, data: bytes, *, filename: str, purpose: str) -> FileObject:
@@ -108,47 +120,71 @@ class FileStore:
 
     async def get(self, file_id: str, param: str | None = None) -> FileObject:
         """The file's record; a 404 naming `param` when there is none."""
-        found = await self._records.get(FILE_KEY_PREFIX + check_file_id(file_id, param))
+        try:
+            found = await self._records.get(FILE_KEY_PREFIX + check_file_id(file_id, param))
+        except NATS_ERRORS as exc:
+            raise _unavailable(exc) from exc
         if found is None:
             raise NotFound(f"no file {file_id!r} (never uploaded, deleted, or expired after {self.ttl_s:g} s)",
                            param=param)
         return found.value
 
-    async def read(self, file_id: str, param: str | None = None) -> bytes:
-        """The file's bytes; a 404 naming `param` when there are none."""
-        await self.get(file_id, param)
+    async def read_into(self, file_id: str, out: IO[bytes], param: str | None = None) -> FileObject:
+        """The file's bytes written to `out`; its record. A 404 naming `param` when there are none."""
+        record = await self.get(file_id, param)
         try:
-            result = await self._objects.get(file_id)
+            async with asyncio.timeout(TRANSFER_TIMEOUT_S):
+                await self._objects.get(file_id, writeinto=out)  # type: ignore[arg-type]
         except nats.js.errors.ObjectNotFoundError as exc:
             raise NotFound(f"file {file_id!r} has no content (expired or lost)", param=param) from exc
-        return result.data or b""
+        except (*NATS_ERRORS, nats.js.errors.BadObjectMetaError, nats.js.errors.DigestMismatchError) as exc:
+            raise _unavailable(exc) from exc
+        out.flush()
+        out.seek(0)
+        return record
+
+    async def read(self, file_id: str, param: str | None = None) -> bytes:
+        """A small file's bytes (tests, tools)."""
+        with tempfile.TemporaryFile() as out:
+            await self.read_into(file_id, out, param)
+            return out.read()
 
     async def delete(self, file_id: str) -> None:
         """Forget the file (a 404 when there is none)."""
         await self.get(file_id)
-        await self._records.delete(FILE_KEY_PREFIX + file_id)
         try:
-            await self._objects.delete(file_id)
-        except nats.js.errors.ObjectNotFoundError:
-            pass
+            await self._records.delete(FILE_KEY_PREFIX + file_id)
+            with contextlib.suppress(nats.js.errors.ObjectNotFoundError):
+                await self._objects.delete(file_id)
+        except NATS_ERRORS as exc:
+            raise _unavailable(exc) from exc
 
     async def list(self, *, purpose: str | None, limit: int, order: str, after: str | None) -> FileList:
-        records = [found.value for found in (await self._records.get_all(FILE_KEY_PREFIX + "*")).values()]
+        try:
+            records = [found.value for found in (await self._records.get_all(FILE_KEY_PREFIX + "*")).values()]
+        except NATS_ERRORS as exc:
+            raise _unavailable(exc) from exc
         records = [record for record in records if purpose is None or record.purpose == purpose]
-        records.sort(key=lambda record: (record.created_at, record.id), reverse=order == "desc")
-        chosen, has_more = page(records, [record.id for record in records], limit=limit, after=after)
+        descending = order == "desc"
+        records.sort(key=lambda record: record.id, reverse=descending)
+        chosen, has_more = page_after(records, [record.id for record in records], limit=limit, after=after,
+                                      descending=descending)
         return FileList(data=chosen, has_more=has_more, first_id=chosen[0].id if chosen else None,
                         last_id=chosen[-1].id if chosen else None)
 
 
-def page(items: list[T], ids: list[str], *, limit: int, after: str | None) -> tuple[list[T], bool]:
-    """(up to `limit` of `items`, from the one after the one whose id is `after`; whether
-    more follow). An `after` that names none of them is a 400."""
+def _unavailable(exc: Exception) -> Unavailable:
+    return Unavailable(f"the Batch API's store did not answer ({type(exc).__name__}: {exc}); try again later",
+                       retry_after_s=5.0)
+
+
+def page_after(items: list[T], ids: list[str], *, limit: int, after: str | None, descending: bool
+               ) -> tuple[list[T], bool]:
+    """(up to `limit` of `items`, sorted by their `ids`, from the first past `after`; whether
+    more follow). `after` need not be among them (it may have expired): time-ordered ids place it."""
     start = 0
     if after is not None:
-        if after not in ids:
-            raise BadRequest(f"after: {after[:128]!r} is not in this list", param="after")
-        start = ids.index(after) + 1
+        start = sum(1 for item_id in ids if (item_id >= after if descending else item_id <= after))
     return items[start:start + limit], start + limit < len(items)
 
 

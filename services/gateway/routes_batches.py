@@ -67,12 +67,18 @@ async def get_file(request: web.Request) -> web.Response:
 
 
 @routes.get("/v1/files/{file_id}/content")
-async def get_file_content(request: web.Request) -> web.Response:
+async def get_file_content(request: web.Request) -> web.StreamResponse:
     files = request.app[GATEWAY].files
-    record = await files.get(request.match_info["file_id"])
-    data = await files.read(record.id)
-    return web.Response(body=data, content_type="application/octet-stream",
-                        headers={"Content-Disposition": f'attachment; filename="{_header_safe(record.filename)}"'})
+    with tempfile.TemporaryFile() as content:
+        record = await files.read_into(request.match_info["file_id"], content)
+        response = web.StreamResponse(headers={
+            "Content-Type": "application/octet-stream", "Content-Length": str(record.bytes),
+            "Content-Disposition": f'attachment; filename="{_header_safe(record.filename)}"'})
+        await response.prepare(request)
+        while chunk := content.read(UPLOAD_CHUNK_BYTES):
+            await response.write(chunk)
+        await response.write_eof()
+    return response
 
 
 @routes.delete("/v1/files/{file_id}")
@@ -127,6 +133,8 @@ async def _read_form(request: web.Request, spool: IO[bytes], max_bytes: int) -> 
         if part.name == "purpose":
             purpose = (await part.text()).strip()
         elif part.name == "file":
+            if filename is not None:
+                raise BadRequest("file: sent twice (a form holds one file)", param="file")
             filename = part.filename or "upload.jsonl"
             while chunk := await part.read_chunk(UPLOAD_CHUNK_BYTES):
                 num_bytes += len(chunk)

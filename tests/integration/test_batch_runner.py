@@ -12,10 +12,11 @@ from collections import Counter
 from collections.abc import AsyncIterator, Callable
 
 from aiohttp import web
+from msgspec import structs
 
 from shoal.services.gateway.batch_api import Batch, BatchCreate
 from shoal.services.gateway.batch_runner import BatchRunner
-from shoal.services.gateway.batch_store import LEASE_S, BatchStore, new_batch, open_batch_store
+from shoal.services.gateway.batch_store import LEASE_S, BatchStore, StoredBatch, new_batch, open_batch_store
 from shoal.services.gateway.file_store import FileStore, open_file_store
 from shoal.shared.bus import Bus
 from shoal.shared.config import GatewayConfig
@@ -241,3 +242,26 @@ async def test_a_stopping_gateway_lets_its_batch_go_and_another_finishes_it(bus:
         output = await _records(files, ended.output_file_id)
     assert let_go is not None and let_go.value.owner == "" and let_go.value.batch.status == "in_progress"
     assert ended.status == "completed" and [r["custom_id"] for r in output] == ["r0", "r1"]
+
+
+async def test_a_batch_cancelled_after_its_runner_died_ends_without_taking_a_slot(bus: Bus) -> None:
+    target = Target(held=("r0",))
+    async with _stores(bus) as (files, batches), serving({CHAT: target.chat}) as url:
+        busy = await _make(files, batches, [_line("r0")])
+        orphan = await _make(files, batches, [_line("o0")])
+        await batches.update(orphan.id, lambda stored: stored and StoredBatch(
+            batch=structs.replace(stored.batch, status="cancelling", cancelling_at=int(time.time())),
+            owner="gw-dead", lease_until=time.time() - 1))
+        runner = BatchRunner(batches, files, Registry(), owner="gw-a", base_url=url, headers={}, concurrency=1,
+                             max_running=1, request_timeout_s=5.0, poll_s=0.1)
+        runner.start()
+        try:
+            await _until_in_flight(target, "r0")  # the one slot is busy
+            ended = await _ended(batches, orphan.id)
+        finally:
+            target.release()
+            await runner.stop()
+        assert (await batches.get(busy.id)).status in ("in_progress", "completed")
+        assert [stored.batch.id for stored in await batches.active()] in ([busy.id], [])
+    assert ended.status == "cancelled" and ended.cancelled_at and ended.output_file_id is None
+    assert "o0" not in target.calls

@@ -5,17 +5,22 @@ from __future__ import annotations
 
 from msgspec import structs
 
-from shoal.services.gateway.batch_api import BatchCreate
+from shoal.services.gateway.batch_api import BatchCreate, BatchError
 from shoal.services.gateway.batch_store import (
+    BATCH_ID,
     LEASE_S,
     StoredBatch,
     cancel,
     claim,
+    failed,
+    finalizing,
     is_claimable,
     new_batch,
     released,
     renewed,
+    started,
 )
+from shoal.services.gateway.file_store import page_after
 
 NOW = 1_800_000_000.0
 
@@ -28,7 +33,7 @@ def _stored(status: str = "validating", owner: str = "", lease_until: float = 0.
 
 def test_a_new_batch_validates_first_and_expires_a_day_after_it_was_made() -> None:
     batch = _stored().batch
-    assert batch.status == "validating" and batch.id.startswith("batch_")
+    assert batch.status == "validating" and BATCH_ID.fullmatch(batch.id)
     assert batch.expires_at - batch.created_at == 24 * 3600
     assert (batch.request_counts.total, batch.request_counts.completed, batch.request_counts.failed) == (0, 0, 0)
 
@@ -65,5 +70,35 @@ def test_a_cancel_stops_a_running_batch_through_its_runner_and_a_waiting_one_at_
     assert waiting is not None and waiting.batch.status == "cancelled" and waiting.batch.cancelled_at == int(NOW)
     validating = cancel(_stored("validating", owner="gw-a", lease_until=NOW + 20), NOW)
     assert validating is not None and validating.batch.status == "cancelling", "its runner may be sending already"
-    for status in ("cancelling", "completed", "failed", "cancelled", "expired"):
-        assert cancel(_stored(status), NOW) is None, status
+    for status in ("cancelling", "finalizing", "completed", "failed", "cancelled", "expired"):
+        assert cancel(_stored(status, owner="gw-a", lease_until=NOW + 20), NOW) is None, status
+    orphan = cancel(_stored("in_progress", owner="gw-dead", lease_until=NOW - 1), NOW)
+    assert orphan is not None and orphan.batch.status == "cancelled" and not orphan.owner, "no runner to wait for"
+
+
+def test_a_runners_steps_never_write_over_a_cancel() -> None:
+    """The runner's own transitions keep a cancel that came while it checked the file, sent
+    the last request or wrote the answers."""
+    validating, cancelling = _stored("validating").batch, _stored("cancelling").batch
+    sending = started(validating, NOW, 7)
+    assert sending.status == "in_progress" and sending.in_progress_at == int(NOW) and sending.request_counts.total == 7
+    assert started(cancelling, NOW, 7) is cancelling
+    assert finalizing(sending, NOW).status == "finalizing" and finalizing(cancelling, NOW) is cancelling
+    errors = [BatchError(code="invalid_request", message="not JSON", line=2)]
+    refused = failed(validating, NOW, errors)
+    assert refused.status == "failed" and refused.failed_at == int(NOW) and refused.errors is not None
+    assert refused.errors.data == errors
+    assert failed(cancelling, NOW, errors).status == "cancelled"
+
+
+def test_ids_sort_as_they_were_made_so_a_page_finds_its_place_without_its_cursor() -> None:
+    ids = [new_batch(BatchCreate(input_file_id="file-abc", endpoint="/v1/embeddings", completion_window="24h"),
+                     NOW + i).id for i in range(5)]
+    assert ids == sorted(ids)
+    newest_first = ids[::-1]
+    assert page_after(newest_first, newest_first, limit=2, after=None, descending=True) == (newest_first[:2], True)
+    assert page_after(newest_first, newest_first, limit=2, after=newest_first[1], descending=True) == (
+        newest_first[2:4], True)
+    remaining = newest_first[:2] + newest_first[3:]  # the cursor's own batch expired meanwhile
+    assert page_after(remaining, remaining, limit=5, after=newest_first[2], descending=True) == (newest_first[3:], False)
+    assert page_after(ids, ids, limit=5, after=ids[2], descending=False) == (ids[3:], False)

@@ -183,3 +183,26 @@ async def test_an_attempt_that_runs_out_its_time_is_not_repeated() -> None:
         sender = Sender(session, url, {}, max_retry_wait_s=60.0, timeout_s=0.2)
         outcome = await sender.send(BatchLine("x", "POST", "/v1/embeddings", {"input": "x"}))
     assert outcome.error is not None and outcome.error["code"] == "timeout" and sender.retries == 0
+
+
+async def test_a_reply_cut_off_midway_is_asked_again() -> None:
+    """A gateway that dies while it writes an answer: the client sees a torn body (not a
+    connection refused), and the request is sent again, not the whole batch lost."""
+    attempts = 0
+
+    async def torn_once(request: web.Request) -> web.StreamResponse:
+        nonlocal attempts
+        attempts += 1
+        if attempts > 1:
+            return web.json_response({"ok": True})
+        response = web.StreamResponse(headers={"Content-Length": "100", "Content-Type": "application/json"})
+        await response.prepare(request)
+        await response.write(b'{"o')
+        assert request.transport is not None
+        request.transport.close()
+        return response
+
+    async with serving({"/v1/embeddings": torn_once}) as url, aiohttp.ClientSession() as session:
+        sender = Sender(session, url, {}, max_retry_wait_s=10.0, timeout_s=5.0)
+        outcome = await sender.send(BatchLine("x", "POST", "/v1/embeddings", {"input": "x"}))
+    assert (outcome.status_code, outcome.body, attempts, sender.retries) == (200, {"ok": True}, 2, 1)
