@@ -10,7 +10,8 @@ many Anthropic clients stream messages or count tokens, and as many Cohere clien
 that requests keep meeting sleeping, waking and loading replicas. `--aliases N` first
 registers N more models (``soak/<n>``, each a demo model's files under another key) so that
 far more models compete for the GPUs than fit; `--batch N` runs ``shoal run-batch`` on N
-requests over all the models meanwhile, and counts its lines that are not a 200; `--churn-every-s`
+requests over all the models meanwhile, and counts its lines that are not a 200; `--batch-api N`
+uploads as many to OpenAI's Batch API (a batch per endpoint) and waits for them; `--churn-every-s`
 removes one of those models (``DELETE /admin/models``: its replicas stop under load) and
 registers it again, over and over: a request for it meanwhile may get a 404, not counted as a
 failure. Exits 1 if
@@ -123,20 +124,25 @@ async def _registered_aliases(base_url: str, count: int) -> None:
             response.raise_for_status()
 
 
+def _batch_requests(models: list[str], count: int) -> list[dict]:
+    """`count` lines of OpenAI's batch format over `models`: chats, and every fourth an embedding."""
+    requests = []
+    for n in range(count):
+        model = models[n % len(models)]
+        if n % 4 == 3:
+            url, body = "/v1/embeddings", {"model": model, "input": ["a short text", "another"]}
+        else:
+            url, body = "/v1/chat/completions", {"model": model, "max_tokens": 8,
+                                                 "messages": [{"role": "user", "content": f"Hello {n}"}]}
+        requests.append({"custom_id": f"r{n}", "method": "POST", "url": url, "body": body})
+    return requests
+
+
 async def _batch(base_url: str, models: list[str], count: int, done: Counter[str], failures: list[str]) -> None:
     """``shoal run-batch`` on `count` requests over `models`, beside the clients."""
     with tempfile.TemporaryDirectory() as folder:
         batch, output = Path(folder) / "batch.jsonl", Path(folder) / "out.jsonl"
-        lines = []
-        for n in range(count):
-            model = models[n % len(models)]
-            if n % 4 == 3:
-                url, body = "/v1/embeddings", {"model": model, "input": ["a short text", "another"]}
-            else:
-                url, body = "/v1/chat/completions", {"model": model, "max_tokens": 8,
-                                                     "messages": [{"role": "user", "content": f"Hello {n}"}]}
-            lines.append(json.dumps({"custom_id": f"r{n}", "method": "POST", "url": url, "body": body}))
-        batch.write_text("\n".join(lines) + "\n")
+        batch.write_text("".join(json.dumps(request) + "\n" for request in _batch_requests(models, count)))
         process = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "shoal.cli.main", "run-batch", "-i", str(batch), "-o", str(output),
             "--url", base_url, "--concurrency", "8", stderr=asyncio.subprocess.PIPE)
@@ -147,6 +153,31 @@ async def _batch(base_url: str, models: list[str], count: int, done: Counter[str
         if process.returncode != 0 or len(answered) != count:
             failures.append(f"run-batch: exit {process.returncode}, {len(answered)}/{count} answered: "
                             f"{stderr.decode()[-300:]}")
+
+
+async def _batch_api(base_url: str, models: list[str], count: int, done: Counter[str], failures: list[str]) -> None:
+    """OpenAI's Batch API on `count` requests over `models` (a batch per endpoint), beside the
+    clients; waits for the batches to end."""
+    client = openai.AsyncOpenAI(base_url=base_url + "/v1", api_key="unused", timeout=60)
+    requests = _batch_requests(models, count)
+    batches = []
+    for endpoint in ("/v1/chat/completions", "/v1/embeddings"):
+        lines = "".join(json.dumps(request) + "\n" for request in requests if request["url"] == endpoint)
+        source = await client.files.create(file=("soak.jsonl", lines.encode()), purpose="batch")
+        batches.append(await client.batches.create(input_file_id=source.id, endpoint=endpoint,  # type: ignore[arg-type]
+                                                   completion_window="24h"))
+    for batch in batches:
+        while batch.status not in ("completed", "failed", "cancelled", "expired"):
+            await asyncio.sleep(2)
+            batch = await client.batches.retrieve(batch.id)
+        counts = batch.request_counts
+        completed, failed = (counts.completed, counts.failed) if counts else (0, 0)
+        done["batch_api_lines"] += completed
+        if batch.status != "completed" or failed:
+            first = ((await client.files.content(batch.error_file_id)).text.splitlines()[0][:200]
+                     if batch.error_file_id else batch.errors)
+            failures.append(f"batch {batch.endpoint}: {batch.status}, {failed} failed; first: {first}")
+    await client.close()
 
 
 async def _churner(base_url: str, num_aliases: int, until: float, every_s: float, done: Counter[str],
@@ -184,10 +215,11 @@ async def _unloader(base_url: str, models: list[str], until: float, every_s: flo
 
 
 async def soak(base_url: str, duration_s: float, num_clients: int, unload_every_s: float, num_aliases: int = 0,
-               batch_size: int = 0, churn_every_s: float = 0.0) -> int:
+               batch_size: int = 0, churn_every_s: float = 0.0, batch_api_size: int = 0) -> int:
     await _registered_aliases(base_url, num_aliases)
     async with httpx.AsyncClient(timeout=30) as http:
         models = [m["id"] for m in (await http.get(base_url + "/v1/models")).json()["data"]]
+    steady = [m for m in models if not (churn_every_s and m.startswith("soak/"))]  # never removed meanwhile
     until = time.monotonic() + duration_s
     done: Counter[str] = Counter()
     failures: list[str] = []
@@ -196,8 +228,8 @@ async def soak(base_url: str, duration_s: float, num_clients: int, unload_every_
         *(_ollama_client(base_url, models, until, done, failures) for _ in range(num_clients)),
         *(_anthropic_client(base_url, models, until, done, failures) for _ in range(num_clients)),
         *(_cohere_client(base_url, models, until, done, failures) for _ in range(num_clients)),
-        *([_batch(base_url, [m for m in models if not (churn_every_s and m.startswith("soak/"))], batch_size, done,
-                  failures)] if batch_size else []),
+        *([_batch(base_url, steady, batch_size, done, failures)] if batch_size else []),
+        *([_batch_api(base_url, steady, batch_api_size, done, failures)] if batch_api_size else []),
         *([_churner(base_url, num_aliases, until, churn_every_s, done, failures)]
           if churn_every_s and num_aliases else []),
         _unloader(base_url, models, until, unload_every_s, done, failures))
@@ -224,11 +256,13 @@ def main() -> None:
     parser.add_argument("--unload-every-s", type=float, default=4.0)
     parser.add_argument("--aliases", type=int, default=0, help="register this many more models first (soak/<n>)")
     parser.add_argument("--batch", type=int, default=0, help="run shoal run-batch on this many requests meanwhile")
+    parser.add_argument("--batch-api", type=int, default=0,
+                        help="run this many requests through OpenAI's Batch API meanwhile (and wait for them)")
     parser.add_argument("--churn-every-s", type=float, default=0.0,
                         help="remove one of the --aliases models and register it again this often (0: never)")
     args = parser.parse_args()
     sys.exit(asyncio.run(soak(args.base_url, args.duration_s, args.clients, args.unload_every_s, args.aliases,
-                              args.batch, args.churn_every_s)))
+                              args.batch, args.churn_every_s, args.batch_api)))
 
 
 if __name__ == "__main__":
