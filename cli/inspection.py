@@ -20,6 +20,7 @@ import nats.errors
 import nats.js.errors
 from nats.aio.msg import Msg
 
+from shoal.services.gateway.batch_store import StoredBatch, batch_store_on
 from shoal.shared import subjects
 from shoal.shared.bus import Bus, TypedBucket
 from shoal.shared.messages import (
@@ -150,10 +151,11 @@ def replica_state_label(record: ReplicaRecord) -> str:
 
 def render_status(nodes: dict[str, Any], gpus: dict[str, GpuRecord], replicas: list[ReplicaRecord],
                   models: list[ModelSpec], out: TextIO, *, config: PlacementConfig | None = None,
-                  now: float | None = None, sessions: dict[str, SessionList | str] | None = None) -> None:
+                  now: float | None = None, sessions: dict[str, SessionList | str] | None = None,
+                  batches: list[StoredBatch] | None = None) -> None:
     """Write the cluster view; memory figures are computed with `config` (the scheduler's
     placement knobs; default the policy's defaults). `sessions`: per serving replica, its
-    session list, or why it could not be had."""
+    session list, or why it could not be had. `batches`: the Batch API's batches with work left."""
     config = config or PlacementConfig()
     now = time.time() if now is None else now
     out.write(f"Nodes ({len(nodes)}):\n")
@@ -198,6 +200,21 @@ def render_status(nodes: dict[str, Any], gpus: dict[str, GpuRecord], replicas: l
         out.write(f"  {spec.key:<28} desired={spec.desired_replicas} memory={figure} ({source}){flags}{blocked}\n")
     if sessions:
         render_sessions(replicas, sessions, out)
+    if batches:
+        render_batches(batches, out, now)
+
+
+def render_batches(batches: list[StoredBatch], out: TextIO, now: float) -> None:
+    """The Batch API's batches with work left: progress, and which gateway runs each."""
+    out.write(f"\nBatches with work left ({len(batches)}):\n")
+    for stored in batches:
+        batch, counts = stored.batch, stored.batch.request_counts
+        progress = (f"{counts.completed + counts.failed}/{counts.total} answered ({counts.failed} refused)"
+                    if batch.status != "validating" else "file being checked")
+        runner = (f"gateway {stored.owner} (claim {stored.lease_until - now:.0f} s left)"
+                  if stored.owner and stored.lease_until > now else "waiting for a gateway")
+        out.write(f"  {batch.id:<36} {batch.status:<12} {batch.endpoint:<22} {progress}, {runner}, made "
+                  f"{_ago(batch.created_at, now)}\n")
 
 
 def render_sessions(replicas: list[ReplicaRecord], sessions: dict[str, SessionList | str], out: TextIO) -> None:
@@ -250,7 +267,17 @@ async def status(bus: Bus, out: TextIO, placement: PlacementConfig | None = None
     models = [v.value for v in (await bus.models.get_all()).values()]
     config = placement or PlacementConfig()
     sessions = await get_sessions(bus, [r for r in replicas if r.serving])
-    render_status(nodes, gpus, replicas, models, out, config=config, sessions=sessions)
+    render_status(nodes, gpus, replicas, models, out, config=config, sessions=sessions,
+                  batches=await get_batches(bus))
+
+
+async def get_batches(bus: Bus) -> list[StoredBatch]:
+    """The Batch API's batches with work left (none before a gateway made the bucket)."""
+    try:
+        kv = await bus.js.key_value(subjects.BATCHES_BUCKET)
+    except nats.js.errors.BucketNotFoundError:
+        return []
+    return await batch_store_on(bus.js, kv).active(tidy=False)
 
 
 async def get_sessions(bus: Bus, replicas: list[ReplicaRecord]) -> dict[str, SessionList | str]:

@@ -26,6 +26,7 @@ from collections.abc import Callable
 import msgspec
 from msgspec import Struct, structs
 from nats.js import JetStreamContext
+from nats.js.kv import KeyValue
 
 from shoal.services.gateway.batch_api import (
     ACTIVE_STATUSES,
@@ -176,12 +177,13 @@ class BatchStore:
             await self._marks.delete(ACTIVE_KEY_PREFIX + batch_id)
         return written
 
-    async def active(self) -> list[StoredBatch]:
-        """The batches with work left, oldest first."""
+    async def active(self, *, tidy: bool = True) -> list[StoredBatch]:
+        """The batches with work left, oldest first; `tidy`: drop the marks of batches that
+        ended (a runner that died between a batch's end and its mark's removal)."""
         ids = sorted(key.removeprefix(ACTIVE_KEY_PREFIX) for key in await self._marks.get_all(ACTIVE_KEY_PREFIX + "*"))
         found = [(batch_id, await self.read(batch_id)) for batch_id in ids]
-        for batch_id, stored in found:  # a runner that died between a batch's end and its mark's removal
-            if stored is None or stored.value.batch.status not in ACTIVE_STATUSES:
+        for batch_id, stored in found:
+            if tidy and (stored is None or stored.value.batch.status not in ACTIVE_STATUSES):
                 await self._marks.delete(ACTIVE_KEY_PREFIX + batch_id)
         return [stored.value for _, stored in found if stored is not None and
                 stored.value.batch.status in ACTIVE_STATUSES]
@@ -205,7 +207,11 @@ class BatchStore:
 
 
 async def open_batch_store(js: JetStreamContext, config: GatewayConfig) -> BatchStore:
-    kv = await open_records_bucket(js, config.files_ttl_s)
+    return batch_store_on(js, await open_records_bucket(js, config.files_ttl_s))
+
+
+def batch_store_on(js: JetStreamContext, kv: KeyValue) -> BatchStore:
+    """The batches of the ``shoal_batches`` bucket `kv`."""
     return BatchStore(TypedBucket(kv, msgspec.json.Decoder(StoredBatch), subjects.BATCHES_BUCKET, js),
                       TypedBucket(kv, msgspec.json.Decoder(ActiveMark), subjects.BATCHES_BUCKET, js))
 

@@ -5,9 +5,15 @@ from __future__ import annotations
 import io
 import subprocess
 import sys
+import time
 
-from shoal.cli.inspection import inspect, ping_services
+from msgspec import structs
+
+from shoal.cli.inspection import inspect, ping_services, status
+from shoal.services.gateway.batch_api import BatchCreate
+from shoal.services.gateway.batch_store import StoredBatch, new_batch, open_batch_store, started
 from shoal.shared.bus import Bus
+from shoal.shared.config import GatewayConfig
 from shoal.shared.nats_server import EmbeddedNatsServer
 
 
@@ -31,3 +37,26 @@ def test_a_reader_that_closes_the_pipe_early_ends_the_command_quietly(nats_serve
     _, stderr = process.communicate(timeout=120)
     assert process.returncode == 0, stderr
     assert "Broken pipe" not in stderr and "BrokenPipeError" not in stderr, stderr
+
+
+async def test_status_shows_the_batches_with_work_left_and_who_runs_them(bus: Bus) -> None:
+    out = io.StringIO()
+    await status(bus, out)
+    assert "Batches" not in out.getvalue(), "no gateway made the bucket: nothing to show, nothing created"
+    batches = await open_batch_store(bus.js, GatewayConfig())
+    now = time.time()
+    waiting, running, ended = (new_batch(BatchCreate(input_file_id="file-0a", endpoint=endpoint,
+                                                     completion_window="24h"), now - 60)
+                               for endpoint in ("/v1/embeddings", "/v1/chat/completions", "/v1/completions"))
+    for batch in (waiting, running, ended):
+        await batches.create(batch)
+    await batches.update(running.id, lambda stored: stored and StoredBatch(
+        batch=started(stored.batch, now, 40), owner="gw-1", lease_until=now + 20))
+    await batches.update(ended.id, lambda stored: stored and StoredBatch(
+        batch=structs.replace(stored.batch, status="completed")))
+    out = io.StringIO()
+    await status(bus, out)
+    section = out.getvalue().split("Batches with work left (2):\n", 1)[1].splitlines()
+    assert waiting.id in section[0] and "validating" in section[0] and "waiting for a gateway" in section[0]
+    assert running.id in section[1] and "in_progress" in section[1] and "0/40 answered" in section[1]
+    assert "gateway gw-1 (claim" in section[1] and ended.id not in out.getvalue()
