@@ -18,6 +18,7 @@ from shoal.services.gateway import (
     openapi,
     routes_admin,
     routes_anthropic,
+    routes_anthropic_batches,
     routes_batches,
     routes_ollama,
     routes_ollama_models,
@@ -161,6 +162,7 @@ def create_app(config: GatewayConfig, nats_url: str, registry: Registry | None =
     app.router.add_routes(routes_tokenize.routes)
     app.router.add_routes(routes_rerank.routes)
     app.router.add_routes(routes_batches.routes)
+    app.router.add_routes(routes_anthropic_batches.routes)
     app.router.add_routes(routes_admin.routes)
     app.router.add_routes(routes_sessions.routes)
     routes_ui.add_routes(app)

@@ -188,14 +188,22 @@ class BatchStore:
         return [stored.value for _, stored in found if stored is not None and
                 stored.value.batch.status in ACTIVE_STATUSES]
 
+    async def newest_first(self) -> list[Batch]:
+        everything = await self._records.get_all(BATCH_KEY_PREFIX + "*")
+        return sorted((found.value.batch for found in everything.values()), key=lambda b: b.id, reverse=True)
+
     async def list(self, *, limit: int, after: str | None) -> BatchList:
         """Newest first, as OpenAI lists them."""
-        everything = await self._records.get_all(BATCH_KEY_PREFIX + "*")
-        batches = sorted((found.value.batch for found in everything.values()), key=lambda b: b.id, reverse=True)
+        batches = await self.newest_first()
         chosen, has_more = page_after(batches, [batch.id for batch in batches], limit=limit, after=after,
                                       descending=True)
         return BatchList(data=chosen, has_more=has_more, first_id=chosen[0].id if chosen else None,
                          last_id=chosen[-1].id if chosen else None)
+
+    async def delete(self, batch_id: str) -> None:
+        """Forget a batch (its files are the caller's to delete)."""
+        await self._records.delete(BATCH_KEY_PREFIX + _checked(batch_id))
+        await self._marks.delete(ACTIVE_KEY_PREFIX + batch_id)
 
     async def cancel(self, batch_id: str) -> Batch:
         """Ask the batch to stop (a 404 when there is none); the batch as it is then."""

@@ -15,6 +15,12 @@ import msgspec
 from aiohttp import web
 
 from shoal.services.gateway.anthropic_api import CountTokensRequest, MessageOut, MessagesRequest, TokenCount
+from shoal.services.gateway.anthropic_batches import (
+    DeletedMessageBatch,
+    MessageBatch,
+    MessageBatchCreate,
+    MessageBatchList,
+)
 from shoal.services.gateway.batch_api import Batch, BatchCreate, BatchList, FileDeleted, FileList, FileObject
 from shoal.services.gateway.embeddings_api import EmbeddingList, EmbeddingRequest
 from shoal.services.gateway.errors import AnthropicError, ErrorEnvelope, OllamaError
@@ -245,7 +251,8 @@ def get_document() -> bytes:
     return msgspec.json.encode(document)
 
 
-_BATCH_TYPES = [FileObject, FileList, FileDeleted, BatchCreate, Batch, BatchList]
+_BATCH_TYPES = [FileObject, FileList, FileDeleted, BatchCreate, Batch, BatchList, MessageBatchCreate, MessageBatch,
+                MessageBatchList, DeletedMessageBatch]
 
 
 def _batch_paths(refs: dict[str, dict[str, Any]]) -> dict[str, Any]:
@@ -370,6 +377,38 @@ def _anthropic_paths(refs: dict[str, dict[str, Any]]) -> dict[str, Any]:
             "requestBody": {"required": True, "content": _content(refs["CountTokensRequest"])},
             "responses": {"200": {"description": "the count", "content": _content(refs["TokenCount"])}, **errors},
         }},
+        **_message_batch_paths(refs, errors),
+    }
+
+
+def _message_batch_paths(refs: dict[str, dict[str, Any]], errors: dict[str, Any]) -> dict[str, Any]:
+    """Anthropic's Message Batches (routes_anthropic_batches.py)."""
+    batch_id = [{"name": "batch_id", "in": "path", "required": True, "schema": {"type": "string", "minLength": 1}}]
+
+    def answer(summary: str, schema: str, **operation: Any) -> dict[str, Any]:
+        return {"summary": summary, **operation, "responses": {
+            "200": {"description": summary, "content": _content(refs[schema])}, **errors}}
+
+    return {
+        "/v1/messages/batches": {
+            "post": answer("a batch of Messages requests, run in the background", "MessageBatch",
+                           requestBody={"required": True, "content": _content(refs["MessageBatchCreate"])}),
+            "get": answer("the message batches, newest first", "MessageBatchList", parameters=[
+                {"name": "limit", "in": "query", "schema": {"type": "integer", "minimum": 1, "maximum": 1000}},
+                {"name": "after_id", "in": "query", "schema": {"type": "string"}},
+                {"name": "before_id", "in": "query", "schema": {"type": "string"}}]),
+        },
+        "/v1/messages/batches/{batch_id}": {
+            "get": answer("a message batch", "MessageBatch", parameters=batch_id),
+            "delete": answer("an ended message batch forgotten, with its results", "DeletedMessageBatch",
+                             parameters=batch_id),
+        },
+        "/v1/messages/batches/{batch_id}/cancel": {"post": answer("the batch asked to stop", "MessageBatch",
+                                                                  parameters=batch_id)},
+        "/v1/messages/batches/{batch_id}/results": {"get": {
+            "summary": "an ended batch's results, one JSON line per request", "parameters": batch_id,
+            "responses": {"200": {"description": "the results", "content": {"application/x-jsonl": {
+                "schema": {"type": "string"}}}}, **errors}}},
     }
 
 

@@ -5,6 +5,7 @@ against what the OpenAI API answers to the same request, so the two APIs cannot 
 from __future__ import annotations
 
 import json
+import time
 from typing import Any
 
 import anthropic
@@ -212,3 +213,38 @@ def test_errors_come_in_anthropics_form(shoal: ShoalUp, api: anthropic.Anthropic
                                                  "temperature": 1.5})
     assert status == 400 and body["error"]["type"] == "invalid_request_error"
     assert api.messages.create(model=SMALL, max_tokens=2, messages=QUESTION).usage.output_tokens == 2  # type: ignore[arg-type]
+
+
+def test_message_batches_answer_through_anthropics_client(api: anthropic.Anthropic) -> None:
+    """Anthropic's Message Batches API as its client uses it: make a batch, wait for it to
+    end, read its results (the messages a direct request gets; a refusal as an error); a
+    cancelled batch's unsent requests are ``canceled``; an ended batch is deleted."""
+    params = {"model": SMALL, "max_tokens": 6, "messages": QUESTION, **GREEDY}
+    batch = api.messages.batches.create(requests=[  # type: ignore[list-item]
+        {"custom_id": "a", "params": params},
+        {"custom_id": "missing", "params": {**params, "model": "org/none"}},
+        {"custom_id": "b", "params": params}])
+    assert batch.processing_status == "in_progress" and batch.request_counts.processing == 3
+    deadline = time.monotonic() + 120
+    while batch.processing_status != "ended":
+        assert time.monotonic() < deadline, batch
+        time.sleep(0.2)
+        batch = api.messages.batches.retrieve(batch.id)
+    counts = batch.request_counts
+    assert (counts.processing, counts.succeeded, counts.errored, counts.canceled, counts.expired) == (0, 2, 1, 0, 0)
+    assert batch.ended_at is not None and batch.results_url and batch.results_url.endswith(f"{batch.id}/results")
+    direct = api.messages.create(model=SMALL, max_tokens=6, messages=QUESTION, extra_body=GREEDY)  # type: ignore[arg-type]
+    results = list(api.messages.batches.results(batch.id))
+    assert [result.custom_id for result in results] == ["a", "missing", "b"]
+    assert [result.result.type for result in results] == ["succeeded", "errored", "succeeded"]
+    assert results[0].result.message.content == direct.content  # type: ignore[union-attr]
+    assert results[1].result.error.error.type == "not_found_error"  # type: ignore[union-attr]
+    assert batch.id in [listed.id for listed in api.messages.batches.list()]
+    assert api.messages.batches.delete(batch.id).type == "message_batch_deleted"
+    with pytest.raises(anthropic.NotFoundError):
+        api.messages.batches.retrieve(batch.id)
+
+    with pytest.raises(anthropic.BadRequestError) as refused:
+        api.messages.batches.create(requests=[{"custom_id": "x", "params": params},  # type: ignore[list-item]
+                                               {"custom_id": "x", "params": params}])
+    assert "requests[1]" in str(refused.value)

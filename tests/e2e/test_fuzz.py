@@ -50,11 +50,12 @@ schema = schemathesis.openapi.from_dict(json.loads(get_document()))
 def openai_error_body(ctx: Any, response: schemathesis.Response, case: schemathesis.Case) -> bool | None:
     """Every 4xx is ``{"error": {"message", "type", ...}}`` (what OpenAI clients parse); under
     Ollama's ``/api/``, ``{"error": "<message>"}`` (what Ollama's clients parse); under
-    Anthropic's ``/v1/messages``, ``{"type": "error", "error": {"type", "message"}}``."""
+    Anthropic's ``/v1/messages``, ``{"type": "error", "error": {"type", "message"}, "request_id"}``."""
     if 400 <= response.status_code < 500:
         body = response.json()
         if case.path.startswith(ANTHROPIC_PREFIX):
-            assert isinstance(body, dict) and body.get("type") == "error" and set(body) == {"type", "error"}, body
+            assert isinstance(body, dict) and body.get("type") == "error", body
+            assert {"type", "error"} <= set(body) <= {"type", "error", "request_id"}, body  # as Anthropic's API
             assert body["error"]["type"] and body["error"]["message"], body
             return None
         assert isinstance(body, dict) and set(body) == {"error"}, body

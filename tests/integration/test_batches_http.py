@@ -67,7 +67,11 @@ async def _upload(url: str, data: bytes, purpose: str | None = "batch", filename
 
 
 async def _content(url: str, file_id: str) -> tuple[int, bytes]:
-    async with aiohttp.ClientSession() as session, session.get(f"{url}/v1/files/{file_id}/content",
+    return await _content_at(url, f"/v1/files/{file_id}/content")
+
+
+async def _content_at(url: str, path: str) -> tuple[int, bytes]:
+    async with aiohttp.ClientSession() as session, session.get(url + path,
                                                                headers={"Authorization": f"Bearer {KEY}"}) as resp:
         return resp.status, await resp.read()
 
@@ -186,3 +190,36 @@ async def test_batches_are_listed_newest_first_a_page_at_a_time(gateway: str) ->
     assert [b["id"] for b in rest["data"]] == [made[0]] and rest["has_more"] is False
     status, body, _ = await call("GET", gateway + "/v1/batches?after=batch_0", KEY)
     assert status == 200 and body["data"] == [] and body["has_more"] is False, "older than them all: nothing after"
+
+
+async def test_message_batches_refuse_bad_requests_in_anthropics_form_and_end_with_results(gateway: str) -> None:
+    params = {"model": "org/none", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
+    for body, needle in (({"requests": []}, "requests"), ({"requests": [{"custom_id": "a b", "params": params}]},
+                                                          "custom_id"),
+                         ({"requests": [{"custom_id": "a", "params": {**params, "stream": True}}]}, "requests[0]")):
+        status, error, _ = await call("POST", gateway + "/v1/messages/batches", KEY, json=body)
+        assert status == 400 and error["type"] == "error" and needle in error["error"]["message"], (body, error)
+    status, made, _ = await call("POST", gateway + "/v1/messages/batches", KEY, json={
+        "requests": [{"custom_id": "a", "params": params}, {"custom_id": "b", "params": params}]})
+    assert status == 200 and made["type"] == "message_batch" and made["request_counts"]["processing"] == 2
+    deadline = time.monotonic() + 30
+    while (batch := (await call("GET", f"{gateway}/v1/messages/batches/{made['id']}", KEY))[1]).get(
+            "processing_status") != "ended":
+        assert time.monotonic() < deadline, batch
+        await asyncio.sleep(0.1)
+    assert batch["request_counts"] == {"processing": 0, "succeeded": 0, "errored": 2, "canceled": 0, "expired": 0}
+    status, results = await _content_at(gateway, f"/v1/messages/batches/{made['id']}/results")
+    lines = [json.loads(line) for line in results.decode().splitlines()]
+    assert status == 200 and [(r["custom_id"], r["result"]["type"]) for r in lines] == [("a", "errored"),
+                                                                                      ("b", "errored")]
+    assert lines[0]["result"]["error"]["error"]["type"] == "not_found_error"
+    status, deleted, _ = await call("DELETE", f"{gateway}/v1/messages/batches/{made['id']}", KEY)
+    assert status == 200 and deleted == {"id": made["id"], "type": "message_batch_deleted"}
+    assert (await _content_at(gateway, f"/v1/messages/batches/{made['id']}/results"))[0] == 404
+    status, listed, _ = await call("GET", gateway + "/v1/files", KEY)
+    assert status == 200 and made["id"] not in json.dumps(listed), "its files went with it"
+    _, kept = await _upload(gateway, _line("r0").encode())
+    _, openai_batch, _ = await call("POST", gateway + "/v1/batches", KEY, json={
+        "input_file_id": kept["id"], "endpoint": "/v1/chat/completions", "completion_window": "24h"})
+    status, error, _ = await call("GET", f"{gateway}/v1/messages/batches/{openai_batch['id']}", KEY)
+    assert status == 404 and error["type"] == "error", "an OpenAI batch of another route is no message batch"
