@@ -6,6 +6,7 @@ two: a batch shown as a message batch, and its answers (output and error files) 
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 from collections.abc import Iterable, Iterator
@@ -17,6 +18,9 @@ from msgspec import Meta, Struct
 from shoal.services.gateway.batch_api import Batch
 
 MESSAGES_ENDPOINT = "/v1/messages"
+MADE_BY = {"shoal_api": "anthropic_message_batches"}
+"""The metadata of a batch made as a message batch (only those are message batches: a batch of
+``/v1/messages`` requests made through OpenAI's Batch API is not, its file being the user's)."""
 MAX_REQUESTS = 100_000
 """Anthropic's limit on one message batch's requests."""
 CUSTOM_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
@@ -99,39 +103,61 @@ def message_batch(batch: Batch, results_url: str, ended_counts: MessageBatchRequ
                         results_url=results_url if ended else None)
 
 
+def is_message_batch(batch: Batch) -> bool:
+    return batch.endpoint == MESSAGES_ENDPOINT and (batch.metadata or {}).items() >= MADE_BY.items()
+
+
 def result_of(record: dict[str, Any]) -> dict[str, Any]:
     """One line of a batch's output or error file as a message batch's result."""
     response, error = record.get("response"), record.get("error") or {}
     if response is not None and 200 <= response["status_code"] < 300:
         result: dict[str, Any] = {"type": "succeeded", "message": response["body"]}
     elif response is not None:
-        result = {"type": "errored", "error": response["body"]}
+        body = response["body"]
+        result = {"type": "errored", "error": body if isinstance(body, dict) and body.get("type") == "error" else
+                  _api_error(f"status {response['status_code']}: {json.dumps(body)[:500]}")}
     elif error.get("code") == "batch_cancelled":
         result = {"type": "canceled"}
     elif error.get("code") == "batch_expired":
         result = {"type": "expired"}
     else:  # no answer came (a timeout, the gateway unreachable)
-        result = {"type": "errored", "error": {"type": "error", "error": {
-            "type": "api_error", "message": error.get("message", "no answer")}}}
+        result = {"type": "errored", "error": _api_error(error.get("message", "no answer"))}
     return {"custom_id": record["custom_id"], "result": result}
 
 
-def merged_results(custom_ids: Iterable[str], output: Iterator[bytes], errors: Iterator[bytes]
+def unanswered(custom_id: str, status: str) -> dict[str, Any]:
+    """The result of a request in neither file: the batch ended before a runner wrote it (a
+    batch cancelled with no runner, or failed)."""
+    kinds: dict[str, dict[str, Any]] = {"cancelled": {"type": "canceled"}, "expired": {"type": "expired"}}
+    result = kinds.get(status, {"type": "errored",
+                                "error": _api_error("the batch ended before this request was answered")})
+    return {"custom_id": custom_id, "result": result}
+
+
+def merged_results(custom_ids: Iterable[str] | None, output: Iterator[bytes], errors: Iterator[bytes], status: str
                    ) -> Iterator[dict[str, Any]]:
     """The results in the requests' order: each request's line is in the output file or the
-    error file, and both are in the requests' order."""
+    error file (both in the requests' order), or in neither (`unanswered`, the batch having
+    ended `status`). Without the requests (their file expired): the two files' lines."""
+    if custom_ids is None:
+        for line in itertools.chain(output, errors):
+            if line.strip():
+                yield result_of(json.loads(line))
+        return
     pending: dict[str, dict[str, Any] | None] = {"output": None, "errors": None}
     sources = {"output": output, "errors": errors}
     for custom_id in custom_ids:
         for name in ("output", "errors"):
             if pending[name] is None:
-                line = next(sources[name], None)
-                pending[name] = json.loads(line) if line else None
+                raw = next(sources[name], None)
+                pending[name] = json.loads(raw) if raw and raw.strip() else None
             record = pending[name]
             if record is not None and record["custom_id"] == custom_id:
                 pending[name] = None
                 yield result_of(record)
                 break
+        else:
+            yield unanswered(custom_id, status)
 
 
 def count_results(results: Iterable[dict[str, Any]]) -> MessageBatchRequestCounts:
@@ -140,6 +166,10 @@ def count_results(results: Iterable[dict[str, Any]]) -> MessageBatchRequestCount
         kind = result["result"]["type"]
         setattr(counts, kind, getattr(counts, kind) + 1)
     return counts
+
+
+def _api_error(message: str) -> dict[str, Any]:
+    return {"type": "error", "error": {"type": "api_error", "message": message}}
 
 
 def _rfc3339(at: float) -> str:

@@ -34,6 +34,8 @@ import aiohttp
 import structlog
 from msgspec import structs
 
+from shoal.services.gateway.anthropic_batches import MAX_REQUESTS as MAX_MESSAGE_BATCH_REQUESTS
+from shoal.services.gateway.anthropic_batches import MESSAGES_ENDPOINT
 from shoal.services.gateway.batch_api import (
     OUTPUT_PURPOSE,
     Batch,
@@ -68,7 +70,7 @@ PROGRESS_S = 1.0
 """How often a running batch's counts are written (and its cancel noticed)."""
 HEARTBEAT_S = LEASE_S / 3
 MAX_BATCH_REQUESTS = 50_000
-"""OpenAI's limit on one batch's requests."""
+"""OpenAI's limit on one batch's requests (Anthropic's message batches: `MAX_MESSAGE_BATCH_REQUESTS`)."""
 MAX_ERRORS_KEPT = 100
 """A batch that failed validation lists at most this many bad lines."""
 TIMEOUT_MARGIN_S = 30.0
@@ -268,9 +270,10 @@ class BatchRunner:
                       for number, problem in exc.problems[:MAX_ERRORS_KEPT]]
         if not errors and not lines:
             errors = [BatchError(code="empty_file", message="the input file has no request")]
-        if len(lines) > MAX_BATCH_REQUESTS:
+        limit = MAX_MESSAGE_BATCH_REQUESTS if batch.endpoint == MESSAGES_ENDPOINT else MAX_BATCH_REQUESTS
+        if len(lines) > limit:
             errors = [BatchError(code="too_many_requests",
-                                 message=f"{len(lines)} requests; a batch holds at most {MAX_BATCH_REQUESTS}")]
+                                 message=f"{len(lines)} requests; a batch holds at most {limit}")]
         if not errors:
             return lines
         await self._fail(batch.id, errors)

@@ -39,7 +39,7 @@ from shoal.services.gateway.batch_api import (
     BatchRequestCounts,
 )
 from shoal.services.gateway.errors import NotFound
-from shoal.services.gateway.file_store import open_records_bucket, page_after, time_ordered_id
+from shoal.services.gateway.file_store import open_records_bucket, page_after, store_answers, time_ordered_id
 from shoal.shared import subjects
 from shoal.shared.bus import TypedBucket, Versioned, cas_update
 from shoal.shared.config import GatewayConfig
@@ -155,15 +155,17 @@ class BatchStore:
         self.clock = clock
 
     async def create(self, batch: Batch) -> None:
-        await self._records.put(BATCH_KEY_PREFIX + batch.id, StoredBatch(batch=batch))
-        await self._marks.put(ACTIVE_KEY_PREFIX + batch.id, ActiveMark(created_at=batch.created_at))
+        with store_answers():
+            await self._records.put(BATCH_KEY_PREFIX + batch.id, StoredBatch(batch=batch))
+            await self._marks.put(ACTIVE_KEY_PREFIX + batch.id, ActiveMark(created_at=batch.created_at))
 
     async def read(self, batch_id: str) -> Versioned[StoredBatch] | None:
         return await self._records.get(BATCH_KEY_PREFIX + batch_id)
 
     async def get(self, batch_id: str) -> Batch:
         """The batch; a 404 when there is none."""
-        found = await self.read(_checked(batch_id))
+        with store_answers():
+            found = await self.read(_checked(batch_id))
         if found is None:
             raise NotFound(f"no batch {batch_id!r} (never made, or expired)")
         return found.value.batch
@@ -189,7 +191,8 @@ class BatchStore:
                 stored.value.batch.status in ACTIVE_STATUSES]
 
     async def newest_first(self) -> list[Batch]:
-        everything = await self._records.get_all(BATCH_KEY_PREFIX + "*")
+        with store_answers():
+            everything = await self._records.get_all(BATCH_KEY_PREFIX + "*")
         return sorted((found.value.batch for found in everything.values()), key=lambda b: b.id, reverse=True)
 
     async def list(self, *, limit: int, after: str | None) -> BatchList:
@@ -202,13 +205,15 @@ class BatchStore:
 
     async def delete(self, batch_id: str) -> None:
         """Forget a batch (its files are the caller's to delete)."""
-        await self._records.delete(BATCH_KEY_PREFIX + _checked(batch_id))
-        await self._marks.delete(ACTIVE_KEY_PREFIX + batch_id)
+        with store_answers():
+            await self._records.delete(BATCH_KEY_PREFIX + _checked(batch_id))
+            await self._marks.delete(ACTIVE_KEY_PREFIX + batch_id)
 
     async def cancel(self, batch_id: str) -> Batch:
         """Ask the batch to stop (a 404 when there is none); the batch as it is then."""
         now = self.clock()
-        written = await self.update(_checked(batch_id), lambda stored: cancel(stored, now))
+        with store_answers():
+            written = await self.update(_checked(batch_id), lambda stored: cancel(stored, now))
         if written is None:
             raise NotFound(f"no batch {batch_id!r} (never made, or expired)")
         return written.value.batch

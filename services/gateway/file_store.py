@@ -18,6 +18,7 @@ import re
 import tempfile
 import time
 import uuid
+from collections.abc import Iterator
 from typing import IO, TypeVar
 
 import msgspec
@@ -171,6 +172,15 @@ class FileStore:
                                       descending=descending)
         return FileList(data=chosen, has_more=has_more, first_id=chosen[0].id if chosen else None,
                         last_id=chosen[-1].id if chosen else None)
+
+
+@contextlib.contextmanager
+def store_answers() -> Iterator[None]:
+    """NATS errors in the block (the store away, a timeout) as a 503 for the client."""
+    try:
+        yield
+    except NATS_ERRORS as exc:
+        raise _unavailable(exc) from exc
 
 
 def _unavailable(exc: Exception) -> Unavailable:

@@ -213,13 +213,40 @@ async def test_message_batches_refuse_bad_requests_in_anthropics_form_and_end_wi
     assert status == 200 and [(r["custom_id"], r["result"]["type"]) for r in lines] == [("a", "errored"),
                                                                                       ("b", "errored")]
     assert lines[0]["result"]["error"]["error"]["type"] == "not_found_error"
+    assert batch["results_url"] == f"/v1/messages/batches/{made['id']}/results", "relative: joined to the base URL"
+    _, as_openai, _ = await call("GET", f"{gateway}/v1/batches/{made['id']}", KEY)
+    files = {as_openai["input_file_id"], as_openai["error_file_id"]}
     status, deleted, _ = await call("DELETE", f"{gateway}/v1/messages/batches/{made['id']}", KEY)
     assert status == 200 and deleted == {"id": made["id"], "type": "message_batch_deleted"}
     assert (await _content_at(gateway, f"/v1/messages/batches/{made['id']}/results"))[0] == 404
     status, listed, _ = await call("GET", gateway + "/v1/files", KEY)
-    assert status == 200 and made["id"] not in json.dumps(listed), "its files went with it"
+    assert status == 200 and not files & {f["id"] for f in listed["data"]}, "its files went with it"
+    status, error, _ = await call("GET", gateway + "/v1/messages/batches?after_id=batch_1&before_id=batch_2", KEY)
+    assert status == 400 and error["type"] == "error"
     _, kept = await _upload(gateway, _line("r0").encode())
     _, openai_batch, _ = await call("POST", gateway + "/v1/batches", KEY, json={
         "input_file_id": kept["id"], "endpoint": "/v1/chat/completions", "completion_window": "24h"})
     status, error, _ = await call("GET", f"{gateway}/v1/messages/batches/{openai_batch['id']}", KEY)
     assert status == 404 and error["type"] == "error", "an OpenAI batch of another route is no message batch"
+
+
+async def test_message_batches_page_both_ways_and_openai_batches_are_not_among_them(gateway: str) -> None:
+    params = {"model": "org/none", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
+    made = []
+    for n in range(3):
+        status, batch, _ = await call("POST", gateway + "/v1/messages/batches", KEY,
+                                      json={"requests": [{"custom_id": f"r{n}", "params": params}]})
+        assert status == 200
+        made.append(batch["id"])
+        await asyncio.sleep(0.01)  # ids are ordered by the millisecond
+    _, kept = await _upload(gateway, _line("r0").encode())
+    await call("POST", gateway + "/v1/batches", KEY, json={"input_file_id": kept["id"],
+                                                           "endpoint": "/v1/messages", "completion_window": "24h"})
+    newest = made[::-1]
+    status, first, _ = await call("GET", gateway + "/v1/messages/batches?limit=2", KEY)
+    assert status == 200 and [b["id"] for b in first["data"]] == newest[:2] and first["has_more"] is True
+    assert (first["first_id"], first["last_id"]) == (newest[0], newest[1])
+    _, older, _ = await call("GET", f"{gateway}/v1/messages/batches?limit=2&after_id={first['last_id']}", KEY)
+    assert [b["id"] for b in older["data"]] == newest[2:] and older["has_more"] is False
+    _, newer, _ = await call("GET", f"{gateway}/v1/messages/batches?limit=1&before_id={newest[2]}", KEY)
+    assert [b["id"] for b in newer["data"]] == [newest[1]] and newer["has_more"] is True

@@ -8,11 +8,13 @@ import json
 from msgspec import structs
 
 from shoal.services.gateway.anthropic_batches import (
+    MADE_BY,
     MessageBatchCreate,
     MessageBatchRequest,
     MessageBatchRequestCounts,
     batch_lines,
     count_results,
+    is_message_batch,
     merged_results,
     message_batch,
     result_of,
@@ -61,13 +63,34 @@ def test_each_answer_is_a_result_of_its_kind() -> None:
     assert result_of(_record("d", None, code="batch_expired"))["result"] == {"type": "expired"}
     lost = result_of(_record("e", None, code="timeout"))["result"]
     assert lost["type"] == "errored" and lost["error"]["error"] == {"type": "api_error", "message": "timeout happened"}
+    garbled = result_of(_record("f", 502, {"error": {"message": "not JSON", "type": "invalid_response"}}))["result"]
+    assert garbled["error"]["type"] == "error" and garbled["error"]["error"]["type"] == "api_error"
+    assert "status 502" in garbled["error"]["error"]["message"], "any refusal is an ErrorResponse"
 
 
 def test_results_come_in_the_requests_order_from_both_files_and_are_counted() -> None:
     output = [_record("a", 200, {}), _record("d", 200, {})]
     errors = [_record("b", 429, {}), _record("c", None, code="batch_cancelled"), _record("e", None, code="batch_cancelled")]
     lines = lambda records: iter(json.dumps(r).encode() + b"\n" for r in records)  # noqa: E731
-    results = list(merged_results(["a", "b", "c", "d", "e"], lines(output), lines(errors)))
+    results = list(merged_results(["a", "b", "c", "d", "e"], lines(output), lines(errors), "cancelled"))
     assert [(r["custom_id"], r["result"]["type"]) for r in results] == [
         ("a", "succeeded"), ("b", "errored"), ("c", "canceled"), ("d", "succeeded"), ("e", "canceled")]
     assert count_results(results) == MessageBatchRequestCounts(succeeded=2, errored=1, canceled=2)
+    # A request in neither file (a batch cancelled before any runner held it, or failed): each
+    # request still has a result, so the counts add up to the requests.
+    orphaned = list(merged_results(["a", "b"], iter(()), iter(()), "cancelled"))
+    assert [r["result"] for r in orphaned] == [{"type": "canceled"}] * 2
+    failed = list(merged_results(["a", "b"], lines(output[:1]), iter(()), "failed"))
+    assert [r["result"]["type"] for r in failed] == ["succeeded", "errored"]
+    assert failed[1]["result"]["error"]["type"] == "error"
+    # The requests' file expired: the two files' lines, as they are.
+    assert [r["custom_id"] for r in merged_results(None, lines(output), lines(errors), "cancelled")] == [
+        "a", "d", "b", "c", "e"]
+
+
+def test_only_a_batch_made_as_a_message_batch_is_one() -> None:
+    made = BatchCreate(input_file_id="file-0a", endpoint="/v1/messages", completion_window="24h")
+    assert is_message_batch(new_batch(structs.replace(made, metadata=MADE_BY), NOW))
+    assert not is_message_batch(new_batch(made, NOW)), "its file is the user's: OpenAI's Batch API's alone"
+    assert not is_message_batch(new_batch(structs.replace(made, endpoint="/v1/chat/completions",
+                                                          metadata=MADE_BY), NOW))
