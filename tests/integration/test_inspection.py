@@ -46,8 +46,9 @@ async def test_status_shows_the_batches_with_work_left_and_who_runs_them(bus: Bu
     batches = await open_batch_store(bus.js, GatewayConfig())
     now = time.time()
     waiting, running, ended = (new_batch(BatchCreate(input_file_id="file-0a", endpoint=endpoint,
-                                                     completion_window="24h"), now - 60)
-                               for endpoint in ("/v1/embeddings", "/v1/chat/completions", "/v1/completions"))
+                                                     completion_window="24h"), now - 60 + n)  # listed oldest first
+                               for n, endpoint in enumerate(("/v1/embeddings", "/v1/chat/completions",
+                                                             "/v1/completions")))
     for batch in (waiting, running, ended):
         await batches.create(batch)
     await batches.update(running.id, lambda stored: stored and StoredBatch(
