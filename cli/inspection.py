@@ -209,10 +209,11 @@ def render_batches(batches: list[StoredBatch], out: TextIO, now: float) -> None:
     out.write(f"\nBatches with work left ({len(batches)}):\n")
     for stored in batches:
         batch, counts = stored.batch, stored.batch.request_counts
+        held = bool(stored.owner) and stored.lease_until > now
         progress = (f"{counts.completed + counts.failed}/{counts.total} answered ({counts.failed} refused)"
-                    if batch.status != "validating" else "file being checked")
-        runner = (f"gateway {stored.owner} (claim {stored.lease_until - now:.0f} s left)"
-                  if stored.owner and stored.lease_until > now else "waiting for a gateway")
+                    if batch.status != "validating" else "file being checked" if held else "not started")
+        runner = f"gateway {stored.owner} (claim {stored.lease_until - now:.0f} s left)" if held else \
+            "waiting for a gateway"
         out.write(f"  {batch.id:<36} {batch.status:<12} {batch.endpoint:<22} {progress}, {runner}, made "
                   f"{_ago(batch.created_at, now)}\n")
 

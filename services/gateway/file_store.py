@@ -33,7 +33,7 @@ from nats.js.object_store import ObjectStore
 from shoal.services.gateway.batch_api import FileList, FileObject
 from shoal.services.gateway.errors import NotFound, PayloadTooLarge, Unavailable
 from shoal.shared import subjects
-from shoal.shared.bus import TypedBucket, ensure_expiring_bucket
+from shoal.shared.bus import CasConflict, TypedBucket, ensure_expiring_bucket
 from shoal.shared.config import GatewayConfig
 
 log = structlog.get_logger(__name__)
@@ -176,10 +176,11 @@ class FileStore:
 
 @contextlib.contextmanager
 def store_answers() -> Iterator[None]:
-    """NATS errors in the block (the store away, a timeout) as a 503 for the client."""
+    """NATS errors in the block (the store away, a timeout, a compare-and-swap that kept
+    losing) as a 503 for the client."""
     try:
         yield
-    except NATS_ERRORS as exc:
+    except (*NATS_ERRORS, CasConflict) as exc:
         raise _unavailable(exc) from exc
 
 
