@@ -31,12 +31,12 @@ from shoal.services.gateway import (
 )
 from shoal.services.gateway.auth import auth_middleware, check_admin_exposure
 from shoal.services.gateway.batch_runner import BatchRunner, self_headers, self_url
-from shoal.services.gateway.batch_store import open_batch_store
+from shoal.services.gateway.batch_store import batch_store_on
 from shoal.services.gateway.cluster import ClusterView
 from shoal.services.gateway.cors import CorsPolicy
 from shoal.services.gateway.dispatch import Dispatcher
 from shoal.services.gateway.errors import error_middleware
-from shoal.services.gateway.file_store import open_file_store
+from shoal.services.gateway.file_store import open_file_store, open_records_bucket
 from shoal.services.gateway.live import LiveFeeds
 from shoal.services.gateway.request_ids import request_id_middleware
 from shoal.services.gateway.response_store import ResponseStore
@@ -112,8 +112,9 @@ def create_app(config: GatewayConfig, nats_url: str, registry: Registry | None =
         dispatcher = Dispatcher(bus, router, cluster, config, registry, on_first_token=live.ttft.observe,
                                 session_routes=session_routes, worker_stats=live.stats)
         await dispatcher.start()
-        files = await open_file_store(bus.js, config)
-        batches = await open_batch_store(bus.js, config)
+        records = await open_records_bucket(bus.js, config.files_ttl_s)
+        files = await open_file_store(bus.js, config, records)
+        batches = batch_store_on(bus.js, records)
         batch_runner = BatchRunner(batches, files, registry, owner=gateway_id, base_url=self_url(config),
                                    headers=self_headers(config), concurrency=config.batch_concurrency,
                                    max_running=config.max_running_batches, request_timeout_s=config.request_timeout_s)

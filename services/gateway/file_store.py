@@ -83,10 +83,12 @@ async def open_records_bucket(js: JetStreamContext, ttl_s: float) -> KeyValue:
         ttl_s=ttl_s, max_bytes=RECORDS_MAX_BYTES, storage=StorageType.FILE)
 
 
-async def open_file_store(js: JetStreamContext, config: GatewayConfig) -> FileStore:
+async def open_file_store(js: JetStreamContext, config: GatewayConfig, records_kv: KeyValue | None = None
+                          ) -> FileStore:
+    """The files; `records_kv`: the ``shoal_batches`` bucket, if already open."""
     objects = await ensure_object_store(js, ttl_s=config.files_ttl_s, max_bytes=config.files_max_bytes)
-    records = TypedBucket(await open_records_bucket(js, config.files_ttl_s), msgspec.json.Decoder(FileObject),
-                          subjects.BATCHES_BUCKET, js)
+    kv = records_kv or await open_records_bucket(js, config.files_ttl_s)
+    records = TypedBucket(kv, msgspec.json.Decoder(FileObject), subjects.BATCHES_BUCKET, js)
     return FileStore(objects, records, max_file_bytes=config.max_file_bytes, ttl_s=config.files_ttl_s)
 
 
@@ -121,10 +123,8 @@ class FileStore:
 
     async def get(self, file_id: str, param: str | None = None) -> FileObject:
         """The file's record; a 404 naming `param` when there is none."""
-        try:
+        with store_answers():
             found = await self._records.get(FILE_KEY_PREFIX + check_file_id(file_id, param))
-        except NATS_ERRORS as exc:
-            raise _unavailable(exc) from exc
         if found is None:
             raise NotFound(f"no file {file_id!r} (never uploaded, deleted, or expired after {self.ttl_s:g} s)",
                            param=param)
@@ -153,18 +153,13 @@ class FileStore:
     async def delete(self, file_id: str) -> None:
         """Forget the file (a 404 when there is none)."""
         await self.get(file_id)
-        try:
+        with store_answers(), contextlib.suppress(nats.js.errors.ObjectNotFoundError):
             await self._records.delete(FILE_KEY_PREFIX + file_id)
-            with contextlib.suppress(nats.js.errors.ObjectNotFoundError):
-                await self._objects.delete(file_id)
-        except NATS_ERRORS as exc:
-            raise _unavailable(exc) from exc
+            await self._objects.delete(file_id)
 
     async def list(self, *, purpose: str | None, limit: int, order: str, after: str | None) -> FileList:
-        try:
+        with store_answers():
             records = [found.value for found in (await self._records.get_all(FILE_KEY_PREFIX + "*")).values()]
-        except NATS_ERRORS as exc:
-            raise _unavailable(exc) from exc
         records = [record for record in records if purpose is None or record.purpose == purpose]
         descending = order == "desc"
         records.sort(key=lambda record: record.id, reverse=descending)
