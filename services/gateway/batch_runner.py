@@ -241,6 +241,8 @@ class BatchRunner:
             except _LostClaim:
                 work.cancel()
                 return
+            except STORE_ERRORS as exc:  # NATS away past the write's retries: the next beat may do
+                log.warning("batch_heartbeat_failed", error=str(exc))
 
     async def _work(self, batch: Batch) -> None:
         with tempfile.TemporaryFile() as source:
