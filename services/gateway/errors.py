@@ -10,6 +10,7 @@ No traceback ever reaches a client; every error is logged with the request id.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Awaitable, Callable
 
 import msgspec
@@ -174,7 +175,7 @@ def error_response(error: ApiError, path: str = "") -> web.Response:
     """`error` as the response to a request for `path` (see `error_payload`)."""
     headers = {}
     if error.retry_after_s is not None:
-        headers["Retry-After"] = str(max(1, round(error.retry_after_s)))
+        headers["Retry-After"] = str(max(1, math.ceil(error.retry_after_s)))  # never before the block ends
     if error.status == DeadlineExceeded.status:
         # The openai and anthropic clients retry every 5xx (twice, by default) unless told not
         # to: a request that ran out its deadline would only queue again on a server already behind.

@@ -88,8 +88,9 @@ class PlacementCommands:
             records.build_demand(spec, config=self._policy_config)
         except UnknownModelMemory as exc:
             return await self._reply(model, "cant_accommodate", f"{model}: {exc}; no node agent could inspect it")
-        if allow_evictions and self._wakes.phase_of(model) is not None:
+        if allow_evictions and self._wakes.phase_of(model) not in (None, "blocked"):
             return await self._wake_reply(spec, min_replicas)  # a heartbeat of the running wake
+        # A blocked wake keeping its place only holds its GPUs: memory elsewhere may fit now.
 
         def operate(planner: ClusterPlanner, specs: dict[str, ModelSpec]) -> None:
             current = registered_in(specs, model)

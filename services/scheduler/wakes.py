@@ -6,7 +6,8 @@ not fit starts a wake, which runs in the background while the gateway's requests
 the model's stream (the gateway asks again every second: that is the wake's interest)::
 
     target: where the planner would put it if fair preemption were allowed
-      │ nowhere ─▶ no eligible victim: blocked for a while, requests get 503 saying why
+      │ nowhere ─▶ no eligible victim: blocked for a while, requests get 503 saying why;
+      │            the wake keeps its place in line (below)
     preemption intents on the target GPUs (CAS), first come first served
     fairness wait, max_wait_s: every second, claim if it fits (an idle model may sleep)
     victims: fairness.select_victims on the target GPUs (LRU, not popular, past min runtime)
@@ -17,6 +18,14 @@ the model's stream (the gateway asks again every second: that is the wake's inte
     claim: wake lock on the target GPUs (CAS, expiring), a placement pass that may use
     the memory the intents kept, the restore or start; then the lock and intents go
 
+A blocked wake keeps its place in line when a victim becomes eligible at a known time (an
+occupant's minimum runtime ends): its intents stay on its target GPUs with its first `since`,
+so the memory freed first goes to the model that has waited longest, not to whichever model
+asks first once the block is over. Its requests get 503 with Retry-After meanwhile; from the
+block's end it runs again as soon as a request asks (the client's retry), or it ends when none
+has by `INTEREST_TTL_S` after. A block nothing will clear by itself (every occupant popular,
+a model larger than any GPU) ends the wake.
+
 A wake nobody asks about for `INTEREST_TTL_S` (every waiting request cancelled or timed
 out) is cancelled. Several schedulers: a wake belongs to the scheduler that started it;
 another one that is asked refreshes the interest on the intents, where the owner reads it.
@@ -26,6 +35,7 @@ Locks and intents expire, so a crashed owner leaves nothing behind for long.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -50,8 +60,11 @@ from shoal.shared.placement.fairness import (
     NoVictim,
     OccupantView,
     Victims,
+    behind_older_wakers,
     get_pinned_intent_bytes,
     get_voluntary_release_at,
+    keeps_place,
+    next_held_step,
     next_wake_step,
     select_victims,
 )
@@ -72,7 +85,7 @@ POLL_S = 0.5
 BLOCK_WITHOUT_RETRY_S = 30.0
 """How long a wake with no eligible victim and no time one becomes eligible answers 503."""
 
-Phase = Literal["waiting", "preempting", "claiming"]
+Phase = Literal["waiting", "preempting", "claiming", "blocked"]
 
 
 class WakeCancelled(Exception):
@@ -90,6 +103,12 @@ class Wake:
     phase: Phase = "waiting"
     gpu_bytes: dict[str, int] = field(default_factory=dict)
     """The memory it needs, by GPU key (where its intents are)."""
+    fairness_wait_observed: bool = False
+    intents_put_at: float = float("-inf")
+    last_asked_at: float = float("-inf")
+    """When a request last asked for it (here, or through another scheduler's note on its intents)."""
+    asked: asyncio.Event = field(default_factory=asyncio.Event)
+    """Set by every request that asks for it (wakes a blocked wake whose block is over)."""
 
     @property
     def holder(self) -> str:
@@ -148,12 +167,15 @@ class WakeCoordinator:
         now = self._clock()
         interest_until = now + (INTEREST_TTL_S if interest_s is None else interest_s)
         if spec.wake_blocked_until is not None and spec.wake_blocked_until > now:
+            # A refused request is no interest: only those that ask after the block keep a wake.
             return "blocked", spec.wake_blocked_reason or "no replica may be preempted", spec.wake_blocked_until - now
         wake = self._wakes.get(spec.key)
-        if wake is not None:
+        if wake is not None:  # running, or keeping its place after a block: this request asks again
             wake.interest_until = max(wake.interest_until, interest_until)
             wake.num_replicas = max(wake.num_replicas, num_replicas)
-            return "waking", wake.phase, 0.0
+            wake.last_asked_at = now
+            wake.asked.set()  # a blocked wake whose block is over resumes at once
+            return "waking", "waiting" if wake.phase == "blocked" else wake.phase, 0.0
         if await self._note_interest_elsewhere(spec.key, interest_until, now):
             return "waking", "waiting", 0.0
         wake = Wake(spec.key, num_replicas, started_at=now, interest_until=interest_until)
@@ -194,12 +216,21 @@ class WakeCoordinator:
             self._wake_seconds.observe(self._clock() - wake.started_at, model=wake.model)
 
     async def _wake(self, wake: Wake, spec: ModelSpec) -> str:
+        """Returns "done" or "blocked" (ended); a block that keeps its place runs it again."""
+        while True:
+            outcome = await self._wake_once(wake, spec)
+            if outcome == "done":
+                return outcome
+            held = await self._hold_place(wake, outcome)
+            if held != "again":
+                return held
+
+    async def _wake_once(self, wake: Wake, spec: ModelSpec) -> Literal["done"] | NoVictim:
         target = await self._find_target(wake)
-        if isinstance(target, NoVictim):
-            await self._block(wake, target)
-            return "blocked"
-        wake.gpu_bytes = target
-        await self._put_intents(wake)
+        if isinstance(target, Nowhere):
+            await self._move_intents(wake, target.place)
+            return target.why
+        await self._move_intents(wake, target)
         await self._event("preemption_intent", wake.model,
                           f"{wake.model} needs memory on {', '.join(sorted(target))}",
                           data={"gpu_bytes": dict(sorted(target.items()))})
@@ -207,7 +238,7 @@ class WakeCoordinator:
         while True:
             self._check_interest(wake)
             if await self._try_claim(wake):
-                self._fairness_wait.observe(self._clock() - wake.started_at, model=wake.model)
+                self._observe_fairness_wait(wake)
                 return "done"
             step, wait_s = next_wake_step(fits=False, intent_since=wake.started_at,
                                           max_wait_s=spec.fairness.max_wait_s, now=self._clock(),
@@ -216,11 +247,10 @@ class WakeCoordinator:
                 break
             await asyncio.sleep(wait_s)
             await self._put_intents(wake)
-        self._fairness_wait.observe(self._clock() - wake.started_at, model=wake.model)
+        self._observe_fairness_wait(wake)
         while isinstance(choice := await self._choose_victims(wake), NoVictim):
             if not choice.num_skipped.get("not_serving"):
-                await self._block(wake, choice)
-                return "blocked"
+                return choice
             # A replica still loading holds the memory: once it serves, fairness decides about
             # it (or its memory comes back if it fails). Not a reason to turn requests away.
             self._check_interest(wake)
@@ -237,17 +267,105 @@ class WakeCoordinator:
                 return "done"
             await asyncio.sleep(POLL_S)
             await self._put_intents(wake)
-        await self._block(wake, NoVictim(f"the preempted replicas did not release their memory within "
-                                         f"{drain_s + RELEASE_MARGIN_S:.0f} s", retry_after_s=5.0))
-        return "blocked"
+        return NoVictim(f"the preempted replicas did not release their memory within "
+                        f"{drain_s + RELEASE_MARGIN_S:.0f} s", retry_after_s=5.0)
+
+    async def _hold_place(self, wake: Wake, why: NoVictim) -> Literal["again", "done", "blocked"]:
+        """No eligible victim: requests get 503 with `why` until the block's end. When a victim
+        becomes eligible soon (`fairness.keeps_place`), the wake keeps its intents (its place in
+        line, by its first `since`) and runs "again" once the block is over and a request asks
+        (`fairness.next_held_step`); memory that frees for it on those GPUs meanwhile it claims
+        ("done": its clients' retries find a replica). "blocked": it ends here."""
+        ahead = (await self._look_at_place(wake)).ahead if wake.gpu_bytes else frozenset()
+        if ahead:
+            why = behind_older_wakers(why)
+        until = told_until = await self._block(wake, why)
+        if not keeps_place(why) or not wake.gpu_bytes:
+            return "blocked"
+        wake.phase = "blocked"
+        while True:
+            wake.asked.clear()
+            now = self._clock()
+            step = next_held_step(blocked_until=until, told_until=told_until, last_asked_at=wake.last_asked_at,
+                                  now=now)
+            if step == "resume":
+                break
+            if step == "give_up":
+                raise WakeCancelled("no request asked for it again after its Retry-After")
+            look = await self._look_at_place(wake)
+            # Placed by a request's pass meanwhile (on other GPUs), or memory freed for the first in line.
+            if await self._has_enough_replicas(wake) or (look.fits and await self._try_claim(wake)):
+                await self._store.update_model(wake.model, _unblocked)
+                return "done"
+            if ahead - look.ahead and now < until:
+                # A waker ahead in line claimed or gave up: the block it was part of may end sooner.
+                until = await self._reconsider_block(wake, until)
+            ahead = look.ahead
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(min(RECHECK_INTERVAL_S, until - now) if now < until else RECHECK_INTERVAL_S):
+                    await wake.asked.wait()
+            if self._clock() - wake.intents_put_at >= INTENT_TTL_S / 3:  # fewer CAS writes than a running wake's
+                await self._put_intents(wake)
+        wake.phase = "waiting"
+        log.info("wake_resumed", model=wake.model, waiting_s=round(self._clock() - wake.started_at, 1))
+        return "again"
+
+    async def _look_at_place(self, wake: Wake) -> PlaceLook:
+        """The wake's held GPUs: whether each has its bytes free for it (older intents first),
+        and who is ahead of it in line there."""
+        fits = True
+        ahead: set[str] = set()
+        for key, need in wake.gpu_bytes.items():
+            entry = await self._bus.gpus.get(key)
+            if entry is None:
+                raise WakeCancelled(f"GPU {key} is gone")
+            now = self._clock()
+            fits = fits and _available_for(entry.value, wake.model, now) >= need
+            own = next((i for i in entry.value.intents if i.model == wake.model), None)
+            if own is not None:
+                _note_interest(wake, own.interest_until)
+            ahead.update(i.model for i in entry.value.intents if i.expires_at > now and own is not None
+                         and (i.since, i.model) < (own.since, own.model))
+        return PlaceLook(fits, frozenset(ahead))
+
+    async def _has_enough_replicas(self, wake: Wake) -> bool:
+        if await self._store.get_model(wake.model) is None:
+            raise WakeCancelled(f"{wake.model} was removed")
+        entries = await self._bus.replicas.get_all(subjects.model_token(wake.model) + ".*")
+        return sum(1 for e in entries.values() if e.value.is_active and e.value.level == "HOT") >= wake.num_replicas
+
+    async def _reconsider_block(self, wake: Wake, until: float) -> float:
+        """The block's end once the line ahead changed: now, if fair preemption could place the
+        model now (its requests are not refused any more), or sooner if another victim becomes
+        eligible sooner; else `until` unchanged."""
+        target = await self._find_target(wake)
+        now = self._clock()
+        sooner = now if not isinstance(target, Nowhere) else (
+            now + max(1.0, target.why.retry_after_s) if target.why.retry_after_s is not None else until)
+        if sooner >= until:
+            return until
+
+        def shorten(current: ModelSpec | None) -> ModelSpec | None:
+            if current is None or current.wake_blocked_until is None:
+                return None
+            return msgspec.structs.replace(current, wake_blocked_until=sooner)
+
+        await self._store.update_model(wake.model, shorten)
+        log.info("wake_block_shortened", model=wake.model, retry_after_s=round(sooner - now, 1))
+        return sooner
+
+    def _observe_fairness_wait(self, wake: Wake) -> None:
+        if not wake.fairness_wait_observed:  # once per wake, not per run after a block
+            wake.fairness_wait_observed = True
+            self._fairness_wait.observe(self._clock() - wake.started_at, model=wake.model)
 
     def _check_interest(self, wake: Wake) -> None:
         if self._clock() > wake.interest_until:
             raise WakeCancelled("no request waits for it any more")
 
-    async def _find_target(self, wake: Wake) -> dict[str, int] | NoVictim:
+    async def _find_target(self, wake: Wake) -> dict[str, int] | Nowhere:
         """The memory the model needs, by GPU key: where the planner would place its missing
-        replicas if it could preempt the replicas fairness allows. NoVictim when nowhere."""
+        replicas if it could preempt the replicas fairness allows. `Nowhere` when nowhere."""
         snapshot, plan = await self._passes.plan(self._ensure_op(wake, allow_evictions=True), claimant=wake.model)
         placements = [p for p in plan.placements if p.model == wake.model]
         if placements:
@@ -263,7 +381,7 @@ class WakeCoordinator:
         gpus = [e.value for e in snapshot.gpus.values() if e.value.node_id in snapshot.nodes]
         occupants = records.get_occupant_views(gpus, [e.value for e in snapshot.replicas.values()], specs,
                                                now=self._clock())
-        return _explain_nowhere(wake.model, per_gpu_bytes, occupants, gpus, self._clock())
+        return _explain_nowhere(wake.model, per_gpu_bytes, spec.num_gpus, occupants, gpus, self._clock())
 
     async def _voluntary_release_at(self, wake: Wake) -> float | None:
         snapshot = await self._store.snapshot()
@@ -342,6 +460,14 @@ class WakeCoordinator:
 
     # ------------------------------------------------------------------ intents, locks, blocks
 
+    async def _move_intents(self, wake: Wake, target: dict[str, int]) -> None:
+        """Intents on `target` (the wake's first `since` kept); gone from GPUs no longer in it."""
+        left = {key: num_bytes for key, num_bytes in wake.gpu_bytes.items() if key not in target}
+        if left:
+            await self._drop_intents(wake, left)
+        wake.gpu_bytes = dict(target)
+        await self._put_intents(wake)
+
     async def _put_intents(self, wake: Wake) -> None:
         now = self._clock()
         for key, num_bytes in sorted(wake.gpu_bytes.items()):
@@ -351,10 +477,11 @@ class WakeCoordinator:
             written = await cas_update(self._bus.gpus, key, functools.partial(gpu_state.put_intent, intent=intent,
                                                                              now=now))
             if written is not None:  # another scheduler a gateway asked may have noted interest there
-                wake.interest_until = max(wake.interest_until, _interest_on(written.value, wake.model))
+                _note_interest(wake, _interest_on(written.value, wake.model))
+        wake.intents_put_at = now
 
-    async def _drop_intents(self, wake: Wake) -> None:
-        for key in sorted(wake.gpu_bytes):
+    async def _drop_intents(self, wake: Wake, keys: Iterable[str] | None = None) -> None:
+        for key in sorted(wake.gpu_bytes if keys is None else keys):
             try:
                 await cas_update(self._bus.gpus, key, functools.partial(gpu_state.drop_intent, model=wake.model,
                                                                         now=self._clock()))
@@ -401,9 +528,9 @@ class WakeCoordinator:
         if keys:
             await self._event("wake_lock_released", wake.model, f"wake lock on {', '.join(keys)} released")
 
-    async def _block(self, wake: Wake, why: NoVictim) -> None:
+    async def _block(self, wake: Wake, why: NoVictim) -> float:
         """No eligible victim: requests for the model get 503 with `why` until a victim may be
-        eligible (or `BLOCK_WITHOUT_RETRY_S`)."""
+        eligible (or `BLOCK_WITHOUT_RETRY_S`); returns that time."""
         retry_s = why.retry_after_s if why.retry_after_s is not None else BLOCK_WITHOUT_RETRY_S
         until = self._clock() + max(1.0, retry_s)
         log.warning("wake_blocked", model=wake.model, reason=why.reason, retry_after_s=round(retry_s, 1))
@@ -414,11 +541,26 @@ class WakeCoordinator:
             return msgspec.structs.replace(current, wake_blocked_until=until, wake_blocked_reason=why.reason)
 
         await self._store.update_model(wake.model, mutate)
-        await self._event("wake_failed", wake.model, why.reason, data={"retry_after_s": retry_s})
+        await self._event("wake_failed", wake.model, why.reason,
+                          data={"retry_after_s": retry_s, "place_kept": keeps_place(why) and bool(wake.gpu_bytes)})
+        return until
 
     async def _event(self, kind: EventKind, model: str, message: str, *, data: dict[str, object] | None = None
                      ) -> None:
         await publish_event(self._bus.js, Event(kind, self._clock(), message, model, data=data or {}))
+
+
+def _unblocked(current: ModelSpec | None) -> ModelSpec | None:
+    if current is None or current.wake_blocked_until is None:
+        return None
+    return msgspec.structs.replace(current, wake_blocked_until=None, wake_blocked_reason=None)
+
+
+def _note_interest(wake: Wake, noted_until: float) -> None:
+    """Interest another scheduler noted on `wake`'s intent (a request it was asked for)."""
+    if noted_until > wake.interest_until:
+        wake.interest_until = noted_until
+        wake.last_asked_at = max(wake.last_asked_at, noted_until - INTEREST_TTL_S)
 
 
 def _interest_on(record: GpuRecord, model: str) -> float:
@@ -427,33 +569,58 @@ def _interest_on(record: GpuRecord, model: str) -> float:
 
 def _available_for(record: GpuRecord, model: str, now: float) -> int:
     """Bytes of `record` `model`'s claim can count on: its total less what is held and what older
-    wakers' intents keep (`fairness.get_pinned_intent_bytes`), plus what draining replicas are
-    giving back already (no need to preempt anyone for those)."""
-    intents = [IntentView(i.model, i.num_bytes, i.since, i.expires_at) for i in record.intents]
+    wakers' intents keep (`_pinned_for`), plus what draining replicas are giving back already (no
+    need to preempt anyone for those)."""
     leaving = sum(o.num_bytes for o in record.occupants if o.state == "draining")
-    return record.total_bytes - record.reserved_bytes + leaving - get_pinned_intent_bytes(intents, model, now)
+    return record.total_bytes - record.reserved_bytes + leaving - _pinned_for(record, model, now)
+
+
+def _pinned_for(record: GpuRecord, model: str, now: float) -> int:
+    """Bytes of `record` older wakers' intents keep from `model` (`fairness.get_pinned_intent_bytes`)."""
+    intents = [IntentView(i.model, i.num_bytes, i.since, i.expires_at) for i in record.intents]
+    return get_pinned_intent_bytes(intents, model, now)
 
 
 def _is_placed(outcome: PassOutcome, model: str) -> bool:
     return outcome.committed and not any(u.model == model for u in outcome.plan.unplaced)
 
 
-def _explain_nowhere(model: str, needed_bytes: int, occupants: Iterable[OccupantView], gpus: Iterable[GpuRecord],
-                     now: float) -> NoVictim:
-    """Why no GPU can take `model` (`needed_bytes` on one GPU) even with fair preemption: each
-    GPU's own reason, the one that clears soonest first."""
+@dataclass(frozen=True)
+class PlaceLook:
+    """What a held wake sees on its GPUs (`WakeCoordinator._look_at_place`)."""
+
+    fits: bool
+    ahead: frozenset[str]
+    """The models whose intents are older than its own there."""
+
+
+@dataclass(frozen=True)
+class Nowhere:
+    """No GPU can take the model even by fair preemption (`why`); `place` is the memory it
+    keeps its place in line for meanwhile (on the GPU whose block clears soonest), if any."""
+
+    why: NoVictim
+    place: dict[str, int] = field(default_factory=dict)
+
+
+def _explain_nowhere(model: str, needed_bytes: int, num_gpus: int, occupants: Iterable[OccupantView],
+                     gpus: Iterable[GpuRecord], now: float) -> Nowhere:
+    """Why no GPU can take `model` (`needed_bytes` on each of `num_gpus` GPUs) even with fair
+    preemption: each GPU's own reason, the one that clears soonest first. A model on one GPU
+    keeps its place on that GPU (a model spanning GPUs keeps none: which GPUs is the planner's
+    choice once victims are eligible)."""
     views = list(occupants)
-    reasons: list[NoVictim] = []
+    reasons: list[tuple[NoVictim, str]] = []
     for gpu in gpus:
         if gpu.total_bytes < needed_bytes:
             continue
         key = subjects.gpu_kv_key(gpu.node_id, gpu.index)
         choice = select_victims(views, {key: needed_bytes - _available_for(gpu, model, now)}, model, now)
         if isinstance(choice, NoVictim):
-            reasons.append(choice)
+            reasons.append((behind_older_wakers(choice) if _pinned_for(gpu, model, now) else choice, key))
     if not reasons:
-        return NoVictim(f"no GPU is large enough for {model} ({needed_bytes} bytes), even by preempting",
-                        retry_after_s=None)
-    best = min(reasons, key=lambda r: (r.retry_after_s is None, r.retry_after_s or 0.0))
-    return NoVictim(best.reason, best.retry_after_s, best.num_skipped)
-
+        return Nowhere(NoVictim(f"no GPU is large enough for {model} ({needed_bytes} bytes), even by preempting",
+                                retry_after_s=None))
+    best, key = min(reasons, key=lambda r: (r[0].retry_after_s is None, r[0].retry_after_s or 0.0, r[1]))
+    place = {key: needed_bytes} if num_gpus == 1 and best.retry_after_s is not None else {}
+    return Nowhere(NoVictim(best.reason, best.retry_after_s, best.num_skipped), place)

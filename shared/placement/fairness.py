@@ -11,7 +11,8 @@ A model that is asleep (or has no replica) and does not fit anywhere wakes like 
     wait up to fairness.max_wait_s, re-checking fit every second      `next_wake_step`
        │ (an idle model may sleep meanwhile: no forced preemption)
     choose victims on those GPUs                                      `select_victims`
-       │ none eligible ─▶ fail, saying why (all popular, inside their min runtime...)
+       │ none eligible ─▶ fail, saying why (all popular, inside their min runtime...);
+       │                  keep the intents until a victim is eligible      `next_held_step`
     the victims drain and sleep; the waker claims their memory under a wake lock
 
 Victims, in seed 001's order: serving occupants only, not popular, serving for at least
@@ -22,7 +23,10 @@ replica id, so a choice never depends on read order.
 
 Intents are served first come, first served: a claim sees the memory other, older
 intents wait for as taken (`get_pinned_intent_bytes`), so two wakers that freed one GPU
-between them do not each wait for the other.
+between them do not each wait for the other. A waker blocked until a victim becomes
+eligible keeps its intents, and so its place in line, through the block
+(`next_held_step`): under more demand than memory, the model that has waited longest gets
+the memory freed first, not whichever model asks first once the block is over.
 """
 
 from __future__ import annotations
@@ -36,9 +40,19 @@ from shoal.shared.model_settings import FairnessSettings
 SkipReason = Literal["not_serving", "popular", "min_runtime", "waker"]
 """Why an occupant of a needed GPU is not a victim, in the order the filters apply."""
 WakeStep = Literal["claim", "wait", "preempt"]
+HeldStep = Literal["hold", "resume", "give_up"]
 
 RECHECK_INTERVAL_S = 1.0
 """How often a waiting waker re-checks whether it fits (seed 001: every second)."""
+PLACE_KEPT_S = 2.0
+"""How long after its block a blocked waker keeps its place for a request to ask again (a
+client retrying on Retry-After, which is rounded up to whole seconds, comes within it)."""
+BEHIND_RETRY_S = 5.0
+"""The longest block of a waker that older wakers' intents on its GPUs helped block: they claim
+or give up within seconds, and what it needs changes then."""
+MAX_HELD_BLOCK_S = 60.0
+"""Blocks longer than this keep no place: the intent would keep its GPU's free memory from
+every other model all that time, for requests that may never come back."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -195,6 +209,47 @@ def next_wake_step(*, fits: bool, intent_since: float, max_wait_s: float, now: f
     if remaining_s > 0 and voluntary_release_at is not None and voluntary_release_at <= deadline:
         return "wait", min(RECHECK_INTERVAL_S, remaining_s)
     return "preempt", 0.0
+
+
+def behind_older_wakers(why: NoVictim) -> NoVictim:
+    """`why` for a waker whose GPUs hold older wakers' intents: those count as taken in its
+    deficit (first come, first served) but not for long, so its block is `BEHIND_RETRY_S` at
+    most, whatever minimum runtime or size made it look longer."""
+    retry_s = BEHIND_RETRY_S if why.retry_after_s is None else min(why.retry_after_s, BEHIND_RETRY_S)
+    reason = why.reason if why.reason.endswith(_BEHIND) else why.reason + _BEHIND
+    return NoVictim(reason, retry_s, why.num_skipped)
+
+
+_BEHIND = "; older wakers wait ahead of it"
+
+
+def keeps_place(why: NoVictim) -> bool:
+    """Whether a waker blocked for `why` keeps its place in line: a victim becomes eligible at a
+    known time, soon (`MAX_HELD_BLOCK_S`); not when every occupant is popular or the model never
+    fits (waiting would not help)."""
+    return why.retry_after_s is not None and why.retry_after_s <= MAX_HELD_BLOCK_S
+
+
+def next_held_step(*, blocked_until: float, last_asked_at: float, now: float, told_until: float | None = None,
+                   grace_s: float = PLACE_KEPT_S) -> HeldStep:
+    """What a blocked waker keeping its place does now.
+
+    Its requests are refused (503 with Retry-After) until `blocked_until`; a request that
+    asks again from then on resumes the wake with its first `since`, so it is still first in
+    line. Asks before the block's end do not count: they got their 503. Nobody asking within
+    `grace_s` of the block's end, or of `told_until` (the latest end a refused request was
+    told, when the block was shortened since: those come back then): the place is given up
+    (nobody waits for the model any more).
+
+    Returns:
+        "resume" (run the wake again), "hold" (keep the intents, look again within a second)
+        or "give_up" (end the wake, drop its intents).
+    """
+    if now >= blocked_until and last_asked_at >= blocked_until:
+        return "resume"
+    if now >= max(blocked_until, told_until or blocked_until) + grace_s:
+        return "give_up"
+    return "hold"
 
 
 def get_voluntary_release_at(occupants: Iterable[OccupantView], gpu_keys: Iterable[str]) -> float | None:

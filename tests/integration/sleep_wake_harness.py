@@ -81,6 +81,11 @@ class SleepWakeCluster:
         entries = await self.bus.replicas.get_all(subjects.model_token(model_key) + ".*")
         return [e.value for e in entries.values()]
 
+    async def spec(self, model_key: str) -> ModelSpec:
+        entry = await self.bus.models.get(subjects.model_token(model_key))
+        assert entry is not None
+        return entry.value
+
     async def gpu(self) -> GpuRecord:
         entry = await self.bus.gpus.get(self.gpu_key)
         assert entry is not None

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import re
 import shutil
+import time
 from pathlib import Path
 
 import aiohttp
@@ -125,6 +126,40 @@ async def test_a_gateway_that_waits_for_capacity_answers_once_a_victim_may_be_pr
         async with aiohttp.ClientSession() as session, session.get(cluster.url + "/metrics") as response:
             metrics = await response.text()
         assert re.search(r'^shoal_gateway_capacity_waits_total\{model="c"\} [1-9]', metrics, re.M), [line for line in metrics.splitlines() if 'capacity' in line or 'placement' in line]
+
+
+async def test_a_blocked_waker_keeps_its_place_in_line_over_a_newer_one(
+        nats_server: EmbeddedNatsServer, demo_models_root: Path, tmp_path: Path) -> None:
+    """c and then d find both occupants inside their minimum runtime (503). Once a may be
+    preempted, d asks first, yet c, which has waited longer, gets a's memory: d's wake sees c's
+    intent (its first `since` kept through the block) as taken, and b is still too young. d,
+    next in line, is then served once c may be preempted, not after b's 600 s."""
+    models = [model("a", fairness=FairnessSettings(min_runtime_s=10.0, max_wait_s=0.2)),
+              model("b", fairness=FairnessSettings(min_runtime_s=600.0, max_wait_s=0.2)), model("c"), model("d")]
+    async with sleep_wake_cluster(nats_server.url, demo_models_root, tmp_path, models) as cluster:
+        await cluster.complete("a")
+        await cluster.complete("b")
+        c_status, _, _ = await cluster.post("c")
+        await asyncio.sleep(0.05)  # d's wake starts in a later millisecond than c's
+        d_status, _, _ = await cluster.post("d")
+        assert (c_status, d_status) == (503, 503)
+        intents = {i.model: i for i in (await cluster.gpu()).intents}
+        assert set(intents) == {"c", "d"}, "both blocked wakers keep a place on the GPU"
+        assert intents["c"].since < intents["d"].since
+        blocked_until = [(await cluster.spec(key)).wake_blocked_until for key in ("c", "d")]
+        await asyncio.sleep(max(u or 0.0 for u in blocked_until) - time.time() + 0.1)
+
+        asking_first = asyncio.create_task(cluster.post("d"))  # d asks first once a may be preempted
+        await asyncio.sleep(0.3)
+        c_status, c_body, _ = await cluster.post("c")
+        d_status, d_body, _ = await asking_first
+        assert c_status == 200, c_body
+        assert d_status == 503, d_body
+        assert "older wakers wait ahead of it" in d_body["error"]["message"]
+        await cluster.expect_serving({"b", "c"}, "c, first in line, took a's memory")
+
+        await cluster.complete("d")  # retried on its 503s: seconds, not b's 600 s minimum runtime
+        await cluster.expect_serving({"b", "d"})
 
 
 async def test_a_waiting_request_whose_queued_message_was_purged_is_published_again(

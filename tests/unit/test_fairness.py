@@ -10,11 +10,14 @@ from shoal.shared.placement.fairness import (
     NoVictim,
     OccupantView,
     Victims,
+    behind_older_wakers,
     get_pinned_intent_bytes,
     get_skip_reason,
     get_voluntary_release_at,
     is_idle,
     is_protected,
+    keeps_place,
+    next_held_step,
     next_wake_step,
     select_victims,
 )
@@ -173,3 +176,52 @@ def test_intents_are_served_first_come_first_served() -> None:
     assert get_pinned_intent_bytes(intents, "b", NOW) == 6 * GiB, "b waits behind a"
     assert get_pinned_intent_bytes(intents, None, NOW) == 12 * GiB, "a model not waking sees both kept"
     assert get_pinned_intent_bytes(intents, "x", NOW) == 12 * GiB
+
+
+def test_a_waker_blocked_until_a_victim_is_eligible_soon_keeps_its_place() -> None:
+    young = select_victims([occupant("r1", "a", since=NOW - 4)], {"n.0": 8 * GiB}, "w", NOW)
+    popular = select_victims([occupant("r1", "a", fairness=FairnessSettings(popular=True))], {"n.0": 8 * GiB}, "w", NOW)
+    long_block = select_victims([occupant("r1", "a", since=NOW - 4, fairness=FairnessSettings(min_runtime_s=600))],
+                                {"n.0": 8 * GiB}, "w", NOW)
+    assert isinstance(young, NoVictim) and isinstance(popular, NoVictim) and isinstance(long_block, NoVictim)
+    assert keeps_place(young), "a's min runtime ends in 6 s: the waker stays first in line"
+    assert not keeps_place(popular), "waiting would not help: the place is not kept"
+    assert not keeps_place(long_block), "596 s of other models kept from the GPU's free memory: not kept"
+
+
+@pytest.mark.parametrize(("now", "asked_at", "step"), [
+    (NOW + 3, NOW + 1, "hold"),       # inside the block: an ask there got its 503
+    (NOW + 6, NOW + 4, "hold"),       # the block is over; the last ask came before its end
+    (NOW + 6, NOW + 5.5, "resume"),   # a request asked again after the block: first in line
+    (NOW + 7, NOW + 5, "resume"),     # asked right at the block's end
+    (NOW + 7, NOW + 4, "give_up"),    # nobody came back within 2 s of the block's end
+    (NOW + 7, float("-inf"), "give_up"),
+])
+def test_a_kept_place_resumes_on_an_ask_after_the_block_and_is_given_up_without_one(
+        now: float, asked_at: float, step: str) -> None:
+    assert next_held_step(blocked_until=NOW + 5, last_asked_at=asked_at, now=now, grace_s=2.0) == step
+
+
+def test_a_shortened_block_keeps_the_place_until_the_refused_requests_were_told_to_come_back() -> None:
+    """The block was to end at +10 (the 503s said so) and ends at +5 (the waker ahead went):
+    a new request may resume it from +5; the refused ones come back at +10, so the place is
+    kept until then."""
+    def step(now: float, asked_at: float) -> str:
+        return next_held_step(blocked_until=NOW + 5, told_until=NOW + 10, last_asked_at=asked_at, now=now, grace_s=2.0)
+
+    assert step(NOW + 6, NOW + 5.5) == "resume"
+    assert step(NOW + 9, NOW + 1) == "hold"
+    assert step(NOW + 12, NOW + 1) == "give_up"
+
+
+def test_a_waker_behind_older_ones_is_blocked_for_seconds_not_for_a_long_min_runtime() -> None:
+    """Older wakers' intents made the deficit (a's 8 GiB would do for w alone): they claim or
+    give up within seconds, so w's block is 5 s at most, not b's 596 s."""
+    why = select_victims([occupant("r1", "a"), occupant("r2", "b", since=NOW - 4,
+                                                        fairness=FairnessSettings(min_runtime_s=600))],
+                         {"n.0": 16 * GiB}, "w", NOW)
+    assert isinstance(why, NoVictim) and why.retry_after_s == pytest.approx(596)
+    behind = behind_older_wakers(why)
+    assert behind.retry_after_s == 5.0 and keeps_place(behind)
+    assert "older wakers wait ahead of it" in behind.reason
+    assert behind_older_wakers(NoVictim("all popular", None)).retry_after_s == 5.0
