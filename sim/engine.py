@@ -6,13 +6,16 @@ something must be placed, preempted or put to sleep.
     request for a model with a serving replica that has room   dispatch: O(replicas of the model)
     ... none has room                                            the model's FIFO queue
     ... no replica on its way                                    wakes.ensure: placement passes
+    ... its model blocked (no victim yet)                        refused (503), or kept waiting
+                                                                 (timing.capacity_wait_s): ENSURE again
     DONE       a request finishes: KV and slot back; the queue's head goes next
     READY      a replica finished loading: it serves its model's queue
     DRAINED    (no event: when its last request ends) a leaving replica parks or stops
     RELEASED   its GPU memory is free: WARM in CPU RAM, or gone
     IDLE       a reconciler round finds replicas idle (`fairness.is_idle`): one sleep pass
     REFILL     a reconciler round places models short of replicas where they fit (Shoal)
-    WAKE       a wake's next step (fairness wait, victims, claim)
+    WAKE       a wake's next step (fairness wait, victims, claim; a held place's checks)
+    ENSURE     the gateway asks again for a model's waiting requests
 
 A request is served by its replica's engine: prefills one after another (first token =
 start + prompt x prefill time), then decodes for (output - 1) x decode time; it holds
@@ -66,6 +69,9 @@ from shoal.sim.state import (
 from shoal.sim.traces import Trace
 from shoal.sim.wakes import WakeCoordinator
 
+WAITED_OUT_REASONS = frozenset({"no_victim"})
+"""Refusals that clear by themselves (a victim's minimum runtime ends), which the gateway's
+capacity wait lets a request wait out (its `WAITED_OUT_STATUSES`)."""
 _CHUNK = 1 << 16
 """Requests read from the trace's arrays per batch (as Python lists: no numpy scalars)."""
 NUM_SAMPLES = 480
@@ -85,7 +91,12 @@ class LoggedEvent:
 class Simulator:
     """One policy on one cluster over one trace. `run()` once."""
 
-    def __init__(self, scenario: Scenario, trace: Trace, policy: Policy, *, record_events: bool = False) -> None:
+    def __init__(self, scenario: Scenario, trace: Trace, policy: Policy, *, record_events: bool = False,
+                 keep_place: bool = True) -> None:
+        """Args:
+        keep_place: a wake blocked until a victim becomes eligible keeps its place in line
+            (`WakeCoordinator`); False: it ends, as before the scheduler kept places.
+        """
         cluster, timing = scenario.cluster, scenario.timing
         self.scenario = scenario
         self.trace = trace
@@ -121,7 +132,10 @@ class Simulator:
                 desired=policy.get_desired_replicas(group)))
         self.model_by_key = {model.key: model for model in self.models}
         self.desired = {model.key: model.desired for model in self.models}
-        self.wakes = WakeCoordinator(self)
+        self.wakes = WakeCoordinator(self, keep_place=keep_place)
+        self.capacity_wait_s = min(timing.capacity_wait_s, timing.request_timeout_s)
+        """How long after its arrival a refused request may still ask again (the gateway's
+        ``give_up_at``: its capacity wait, within its deadline)."""
         self._idle_ticks: dict[float, list[SimReplica]] = {}
         self._short: set[str] = set()
         self._refill_at: float | None = None
@@ -190,7 +204,7 @@ class Simulator:
         elif kind == REFILL:
             self._on_refill_tick()
         elif kind == WAKE:
-            self.wakes.step(a)
+            self.wakes.step(a, b)
         elif kind == ENSURE:
             if a.queue and not a.num_active:
                 self.wakes.ensure(a)
@@ -207,14 +221,25 @@ class Simulator:
                 self._dispatch(replica, entry, now)
                 return
         if not model.num_active and now < model.blocked_until:
-            self.metrics.fail(request, model.blocked_reason)
+            self._on_refused_arrival(model, entry)
             return
         model.queue.append(entry)
         if not model.serving:
             if model.starved_since is None:
                 model.starved_since = now
-            if not model.num_loading and not model.waking:
+            if not model.num_loading:
                 self.wakes.ensure(model)
+
+    def _on_refused_arrival(self, model: SimModel, entry: QueuedRequest) -> None:
+        """A request for a blocked model: it fails at once, or (capacity wait) waits in the
+        queue to ask again when the block ends."""
+        if not self._may_wait_out(model, entry):
+            self.metrics.fail(entry[0], model.blocked_reason)
+            return
+        model.queue.append(entry)
+        if model.starved_since is None:
+            model.starved_since = self.now
+        self._ask_again_when_unblocked(model)
 
     def _dispatch(self, replica: SimReplica, entry: QueuedRequest, now: float) -> None:
         request, arrival, prompt, output = entry
@@ -280,14 +305,33 @@ class Simulator:
             queue.popleft()
             self._dispatch(replica, entry, now)
 
-    def fail_queue(self, model: SimModel, reason: str) -> None:
-        """Every waiting request of `model` fails (a 503), ending its wait."""
-        for entry in model.queue:
-            self.metrics.fail(entry[0], reason)
-        model.queue.clear()
-        if model.starved_since is not None:
+    def refuse_queue(self, model: SimModel) -> None:
+        """The scheduler refuses to place `model` until its `blocked_until`: a waiting request
+        that may wait that out (`_may_wait_out`) asks again then, the others fail (a 503 with
+        the block's reason). The model's wait ends when none is left waiting."""
+        queue = model.queue
+        for _ in range(len(queue)):  # once round the queue, in place: the waiting keep their order
+            entry = queue.popleft()
+            if self._may_wait_out(model, entry):
+                queue.append(entry)
+            else:
+                self.metrics.fail(entry[0], model.blocked_reason)
+        if queue:
+            self._ask_again_when_unblocked(model)
+        elif model.starved_since is not None:
             self.metrics.waits_s.append(self.now - model.starved_since)
             model.starved_since = None
+
+    def _may_wait_out(self, model: SimModel, entry: QueuedRequest) -> bool:
+        """Whether a request refused now waits for the block to end, as the gateway's
+        `ensure_placed` decides: a refusal that clears by itself, whose Retry-After comes
+        within the request's capacity wait (`timing.capacity_wait_s`) from its arrival."""
+        return model.blocked_reason in WAITED_OUT_REASONS and model.blocked_until <= entry[1] + self.capacity_wait_s
+
+    def _ask_again_when_unblocked(self, model: SimModel) -> None:
+        if model.asks_again_at != model.blocked_until:
+            model.asks_again_at = model.blocked_until
+            self.push(model.blocked_until, ENSURE, model)
 
     # ------------------------------------------------------------------ passes
 

@@ -158,6 +158,10 @@ class TimingSpec(Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     """The scheduler's reconciler round: idle replicas sleep, short models refill."""
     request_timeout_s: float = 300.0
     """A request still waiting for its first token after this gives up (``[gateway]``)."""
+    capacity_wait_s: float = 0.0
+    """A request refused because no victim is eligible yet waits and asks again when the
+    refusal's Retry-After ends, if that comes within this long of its arrival, instead of
+    failing (``gateway.capacity_wait_s``); 0: it fails (a 503) at once."""
 
     def __post_init__(self) -> None:
         rates = (self.host_to_device_bytes_per_s, self.disk_bytes_per_s, self.device_to_host_bytes_per_s)
@@ -168,7 +172,8 @@ class TimingSpec(Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
                 (all(d >= 0 for d in durations), "times and interference must be >= 0"),
                 (self.max_num_seqs >= 1, "max_num_seqs must be >= 1"),
                 (self.reconcile_interval_s > 0, "reconcile_interval_s must be > 0"),
-                (self.request_timeout_s > 0, "request_timeout_s must be > 0")))
+                (self.request_timeout_s > 0, "request_timeout_s must be > 0"),
+                (0 <= self.capacity_wait_s < math.inf, "capacity_wait_s must be a number >= 0")))
 
     def get_restore_s(self, weight_bytes: int, num_gpus: int) -> float:
         """WARM -> serving: the fixed part plus the weights over each GPU's own link."""

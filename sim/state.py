@@ -137,6 +137,8 @@ class SimModel:
     waking: bool = False
     blocked_until: float = -1.0
     blocked_reason: str = "no_victim"
+    asks_again_at: float = -1.0
+    """When the gateway asks again for requests waiting out a block (an ENSURE is pending then)."""
     demands: dict[int, ModelDemand] = field(default_factory=dict)
     """`demand` by desired count, made once each."""
     starved_since: float | None = None

@@ -58,8 +58,9 @@ def make_trace(requests: list[tuple[float, str]], keys: tuple[str, ...] = ("a", 
                  duration_s)
 
 
-def run(scenario: Scenario, trace: Trace, policy: str) -> tuple[Simulator, list[float]]:
-    sim = Simulator(scenario, trace, POLICIES[policy], record_events=True)  # type: ignore[index]
+def run(scenario: Scenario, trace: Trace, policy: str, *, keep_place: bool = True) -> tuple[Simulator, list[float]]:
+    sim = Simulator(scenario, trace, POLICIES[policy], record_events=True,  # type: ignore[index]
+                    keep_place=keep_place)
     sim.run()
     return sim, list(np.frombuffer(sim.metrics.ttft))
 
