@@ -92,10 +92,11 @@ class Simulator:
     """One policy on one cluster over one trace. `run()` once."""
 
     def __init__(self, scenario: Scenario, trace: Trace, policy: Policy, *, record_events: bool = False,
-                 keep_place: bool = True) -> None:
+                 keep_place: bool | None = None) -> None:
         """Args:
         keep_place: a wake blocked until a victim becomes eligible keeps its place in line
-            (`WakeCoordinator`); False: it ends, as before the scheduler kept places.
+            (`WakeCoordinator`); False: it ends, as before the scheduler kept places. None:
+            the policy's (`Policy.keeps_places`: Shoal's only).
         """
         cluster, timing = scenario.cluster, scenario.timing
         self.scenario = scenario
@@ -132,7 +133,7 @@ class Simulator:
                 desired=policy.get_desired_replicas(group)))
         self.model_by_key = {model.key: model for model in self.models}
         self.desired = {model.key: model.desired for model in self.models}
-        self.wakes = WakeCoordinator(self, keep_place=keep_place)
+        self.wakes = WakeCoordinator(self, keep_place=policy.keeps_places if keep_place is None else keep_place)
         self.capacity_wait_s = min(timing.capacity_wait_s, timing.request_timeout_s)
         """How long after its arrival a refused request may still ask again (the gateway's
         ``give_up_at``: its capacity wait, within its deadline)."""

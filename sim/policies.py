@@ -63,6 +63,9 @@ class Policy:
     victims: Literal["fair", "planner", "lru", "none"]
     refill: bool
     """The reconciler refills a model short of its desired replicas where it fits (Shoal)."""
+    keeps_places: bool = False
+    """A waker blocked until a victim becomes eligible keeps its place in line (Shoal's
+    scheduler, `WakeCoordinator`); the baselines have no such line."""
 
     def get_fairness(self, group: ModelGroup) -> FairnessSettings:
         if self.fairness == "catalog":
@@ -112,7 +115,7 @@ class Policy:
 
 
 POLICIES: dict[PolicyName, Policy] = {
-    "shoal": Policy("shoal", "Shoal", "measured", "catalog", True, "catalog", "fair", True),
+    "shoal": Policy("shoal", "Shoal", "measured", "catalog", True, "catalog", "fair", True, keeps_places=True),
     "dedicated": Policy("dedicated", "one model per GPU", "whole_gpus", "never", False, "warm", "none", False),
     "seed": Policy("seed", "seed heuristic (3x)", "factor", "none", False, "warm", "planner", False),
     "lru": Policy("lru", "LRU swapping", "measured", "none", False, "stop", "lru", False),

@@ -58,7 +58,8 @@ def make_trace(requests: list[tuple[float, str]], keys: tuple[str, ...] = ("a", 
                  duration_s)
 
 
-def run(scenario: Scenario, trace: Trace, policy: str, *, keep_place: bool = True) -> tuple[Simulator, list[float]]:
+def run(scenario: Scenario, trace: Trace, policy: str, *, keep_place: bool | None = None
+        ) -> tuple[Simulator, list[float]]:
     sim = Simulator(scenario, trace, POLICIES[policy], record_events=True,  # type: ignore[index]
                     keep_place=keep_place)
     sim.run()
