@@ -19,8 +19,10 @@
     claim every 0.5 s until placed, or blocked after the victims' drain timeout + 60 s
 
     blocked: requests for the model are refused (503, or kept waiting by the gateway's
-    capacity wait) until max(1 s, the first victim's remaining minimum runtime)
-      │ that time is known, and the wake has a target (`keep_place`)
+    capacity wait) until max(1 s, the first victim's remaining minimum runtime), 5 s at
+    most behind older wakers' intents (`behind_older_wakers`)
+      │ that time is known and within a minute (`keeps_place`), and the wake has a target
+      │ (`keep_place`: Shoal's policy)
     held: its intents stay, as old as the wake (its place in line); every second, when
           anything was released and its place has room for it, it claims
       │ a request asks from blocked_until on (a new one, or one waiting out the block;
