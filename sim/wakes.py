@@ -39,7 +39,6 @@ real placement pass over the state of the moment.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
@@ -351,7 +350,11 @@ class WakeCoordinator:
         deficits = {state.gpus[slot].key: need - state.get_available_bytes(slot, key, now)
                     for slot, need in wake.need_by_slot.items()}
         occupants = state.get_occupant_views(wake.need_by_slot, now)
-        return select_victims(occupants, deficits, key, now)
+        choice = select_victims(occupants, deficits, key, now)
+        if isinstance(choice, NoVictim) and self.keep_place and any(
+                get_pinned_intent_bytes(state.gpus[slot].intents, key, now) for slot in wake.need_by_slot):
+            return behind_older_wakers(choice)
+        return choice
 
     def _explain_nowhere(self, model: SimModel) -> Nowhere:
         """Why no GPU can take one replica even with fair preemption: each GPU's reason, the one
@@ -391,20 +394,12 @@ class WakeCoordinator:
         `place_by_slot` meanwhile (`keep_place`, when a victim becomes eligible at a known time)
         or ends; its waiting requests are refused."""
         model = wake.model
-        if self.keep_place and self._has_older_wakers_at(wake, place_by_slot):
-            why = behind_older_wakers(why)
         self._mark_blocked(model, why, "no_victim")
         if self.keep_place and keeps_place(why) and place_by_slot:
             self._hold(wake, place_by_slot)
         else:
             self._end(wake)
         self.sim.refuse_queue(model)
-
-    def _has_older_wakers_at(self, wake: Wake, slots: Iterable[int]) -> bool:
-        """Whether an older waker's intent is on one of `slots` (first in line there)."""
-        own = (wake.started_at, wake.model.key)
-        return any((intent.since, intent.model) < own
-                   for slot in slots for intent in self.sim.state.gpus[slot].intents)
 
     def _mark_blocked(self, model: SimModel, why: NoVictim, reason: str) -> None:
         """Requests for `model` are refused until a victim may be eligible (or for a while)."""

@@ -170,8 +170,7 @@ def _build_node(
                 continue
             elif replica is not None or occupant.expires_at is None or occupant.expires_at > now:
                 pin(info.index, occupant.num_bytes)
-        intents = [IntentView(i.model, i.num_bytes, i.since, i.expires_at) for i in record.intents]
-        pin(info.index, get_pinned_intent_bytes(intents, claimant, now))
+        pin(info.index, get_pinned_bytes(record, claimant, now))
     replica_snapshots = []
     for replica in sorted(replica_by_id.values(), key=lambda r: r.replica_id):
         if replica.node_id != node.node_id or replica.level == "COLD" or replica.state in _NOT_HOLDING:
@@ -515,3 +514,10 @@ def get_stalled_step(record: ReplicaRecord) -> DeltaOp | None:
     if record.state == "draining":
         return "to_cache" if record.leaving_to == "WARM" else "delete"
     return None
+
+
+def get_pinned_bytes(record: GpuRecord, claimant: str | None, now: float) -> int:
+    """Bytes of one GPU its wakers' intents keep from `claimant` (`fairness.get_pinned_intent_bytes`:
+    every live intent's for a model not waking, the older ones' for a waker)."""
+    intents = [IntentView(i.model, i.num_bytes, i.since, i.expires_at) for i in record.intents]
+    return get_pinned_intent_bytes(intents, claimant, now)

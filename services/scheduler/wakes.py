@@ -56,12 +56,10 @@ from shoal.shared.periodic import sleep_or_stop
 from shoal.shared.placement.config import PlacementConfig
 from shoal.shared.placement.fairness import (
     RECHECK_INTERVAL_S,
-    IntentView,
     NoVictim,
     OccupantView,
     Victims,
     behind_older_wakers,
-    get_pinned_intent_bytes,
     get_voluntary_release_at,
     keeps_place,
     next_held_step,
@@ -276,13 +274,11 @@ class WakeCoordinator:
         line, by its first `since`) and runs "again" once the block is over and a request asks
         (`fairness.next_held_step`); memory that frees for it on those GPUs meanwhile it claims
         ("done": its clients' retries find a replica). "blocked": it ends here."""
-        ahead = (await self._look_at_place(wake)).ahead if wake.gpu_bytes else frozenset()
-        if ahead:
-            why = behind_older_wakers(why)
         until = told_until = await self._block(wake, why)
         if not keeps_place(why) or not wake.gpu_bytes:
             return "blocked"
         wake.phase = "blocked"
+        ahead = (await self._look_at_place(wake)).ahead
         while True:
             wake.asked.clear()
             now = self._clock()
@@ -398,7 +394,11 @@ class WakeCoordinator:
                     for key, need in wake.gpu_bytes.items() if key in gpus}
         occupants = records.get_occupant_views(gpus.values(), [e.value for e in snapshot.replicas.values()],
                                                [e.value for e in snapshot.models.values()], now=now)
-        return select_victims(occupants, deficits, wake.model, now)
+        choice = select_victims(occupants, deficits, wake.model, now)
+        if isinstance(choice, NoVictim) and any(records.get_pinned_bytes(gpu, wake.model, now)
+                                                for gpu in gpus.values()):
+            return behind_older_wakers(choice)
+        return choice
 
     async def _preempt(self, wake: Wake, victims: Victims) -> float:
         """Send the victims to sleep (a pass); returns the longest drain timeout among them (or
@@ -569,16 +569,10 @@ def _interest_on(record: GpuRecord, model: str) -> float:
 
 def _available_for(record: GpuRecord, model: str, now: float) -> int:
     """Bytes of `record` `model`'s claim can count on: its total less what is held and what older
-    wakers' intents keep (`_pinned_for`), plus what draining replicas are giving back already (no
-    need to preempt anyone for those)."""
+    wakers' intents keep (`records.get_pinned_bytes`), plus what draining replicas are giving
+    back already (no need to preempt anyone for those)."""
     leaving = sum(o.num_bytes for o in record.occupants if o.state == "draining")
-    return record.total_bytes - record.reserved_bytes + leaving - _pinned_for(record, model, now)
-
-
-def _pinned_for(record: GpuRecord, model: str, now: float) -> int:
-    """Bytes of `record` older wakers' intents keep from `model` (`fairness.get_pinned_intent_bytes`)."""
-    intents = [IntentView(i.model, i.num_bytes, i.since, i.expires_at) for i in record.intents]
-    return get_pinned_intent_bytes(intents, model, now)
+    return record.total_bytes - record.reserved_bytes + leaving - records.get_pinned_bytes(record, model, now)
 
 
 def _is_placed(outcome: PassOutcome, model: str) -> bool:
@@ -617,7 +611,7 @@ def _explain_nowhere(model: str, needed_bytes: int, num_gpus: int, occupants: It
         key = subjects.gpu_kv_key(gpu.node_id, gpu.index)
         choice = select_victims(views, {key: needed_bytes - _available_for(gpu, model, now)}, model, now)
         if isinstance(choice, NoVictim):
-            reasons.append((behind_older_wakers(choice) if _pinned_for(gpu, model, now) else choice, key))
+            reasons.append((behind_older_wakers(choice) if records.get_pinned_bytes(gpu, model, now) else choice, key))
     if not reasons:
         return Nowhere(NoVictim(f"no GPU is large enough for {model} ({needed_bytes} bytes), even by preempting",
                                 retry_after_s=None))

@@ -216,11 +216,7 @@ def behind_older_wakers(why: NoVictim) -> NoVictim:
     deficit (first come, first served) but not for long, so its block is `BEHIND_RETRY_S` at
     most, whatever minimum runtime or size made it look longer."""
     retry_s = BEHIND_RETRY_S if why.retry_after_s is None else min(why.retry_after_s, BEHIND_RETRY_S)
-    reason = why.reason if why.reason.endswith(_BEHIND) else why.reason + _BEHIND
-    return NoVictim(reason, retry_s, why.num_skipped)
-
-
-_BEHIND = "; older wakers wait ahead of it"
+    return NoVictim(f"{why.reason}; older wakers wait ahead of it", retry_s, why.num_skipped)
 
 
 def keeps_place(why: NoVictim) -> bool:
