@@ -267,17 +267,29 @@ async def test_two_wakers_racing_for_one_gpu_never_both_claim_it(
                 await asyncio.gather(cluster.schedulers[0].ensure("b"), cluster.schedulers[1].ensure("c"))
                 await asyncio.sleep(0.5)
 
+        both_seen: list[set[str]] = []
+
+        async def watch_wakers() -> None:  # the claim is exclusive at every moment, not just at the end
+            while True:
+                serving = await cluster.serving() & {"b", "c"}
+                if len(serving) > 1:
+                    both_seen.append(serving)
+                await asyncio.sleep(0.05)
+
         asking = asyncio.create_task(keep_asking())
+        watching = asyncio.create_task(watch_wakers())
         try:
             async def one_placed() -> bool:
                 return bool(await cluster.serving() & {"b", "c"})
 
+            # Once one serves and passes its min runtime, the other may fairly preempt it: the two
+            # take turns, and never hold the GPU together.
             await cluster.wait_for(one_placed, "one of the wakers placed")
             await asyncio.sleep(2.0)
         finally:
             asking.cancel()
-        placed = [m for m in ("b", "c") if any(r.level == "HOT" and r.is_active for r in await cluster.replicas(m))]
-        assert len(placed) == 1, f"exactly one waker claims the memory, got {placed}"
+            watching.cancel()
+        assert not both_seen, f"both wakers served at once: {both_seen[0]}"
         assert cluster.max_reserved_seen[0] <= (await cluster.gpu()).total_bytes
 
 
