@@ -117,7 +117,8 @@ def create_app(config: GatewayConfig, nats_url: str, registry: Registry | None =
         batches = batch_store_on(bus.js, records)
         batch_runner = BatchRunner(batches, files, registry, owner=gateway_id, base_url=self_url(config),
                                    headers=self_headers(config), concurrency=config.batch_concurrency,
-                                   max_running=config.max_running_batches, request_timeout_s=config.request_timeout_s)
+                                   max_running=config.max_running_batches, request_timeout_s=config.request_timeout_s,
+                                   save_every_s=config.batch_save_interval_s)
         batch_runner.start()
         app[GATEWAY] = GatewayState(
             config=config,

@@ -13,9 +13,11 @@ a large file is read or its answers written too. When every request is answered 
 the output file (2xx answers) and the error file (everything else), in the input's order,
 each only if it has a line. A store that will not take them makes the batch ``failed``.
 
-A gateway that stops lets its batches go; one that dies holds them until its claim lapses
-(`LEASE_S`). Either way another runner takes them and starts them over (answers not yet in a
-file are not kept). A batch cancelled while no runner holds it is ``cancelled`` at once.
+A gateway that stops saves what its batches answered and lets them go; one that dies holds
+them until its claim lapses (`LEASE_S`). Either way another runner takes them and sends what
+was not answered, going on from the answers saved (every `SAVE_EVERY_S` or so while a batch
+runs: batch_saves.py). A batch cancelled while no runner holds it is ``cancelled`` at once, or,
+when it has answers saved, ends like any cancel once a runner has written them.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import functools
 import json
 import tempfile
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import IO
@@ -42,6 +45,13 @@ from shoal.services.gateway.batch_api import (
     BatchError,
     BatchRequestCounts,
 )
+from shoal.services.gateway.batch_saves import (
+    SAVE_EVERY_ANSWERS,
+    SAVE_EVERY_S,
+    decode_part,
+    encode_part,
+    is_save_due,
+)
 from shoal.services.gateway.batch_store import (
     LEASE_S,
     BatchStore,
@@ -51,9 +61,12 @@ from shoal.services.gateway.batch_store import (
     failed,
     finalizing,
     is_claimable,
+    part_name,
+    part_saved,
     released,
     renewed,
     started,
+    without_saves,
 )
 from shoal.services.gateway.errors import ApiError
 from shoal.services.gateway.file_store import NATS_ERRORS, FileStore
@@ -80,6 +93,8 @@ WRITE_ATTEMPTS = 5
 STORE_ERRORS = (*NATS_ERRORS, CasConflict)
 STOP_TIMEOUT_S = 5.0
 """A stopping gateway waits this long for its batches' tasks (they are cancelled: at once, normally)."""
+STOP_SAVE_TIMEOUT_S = 10.0
+"""... and at most this long for each batch's last save."""
 
 
 class _LostClaim(Exception):
@@ -110,13 +125,30 @@ class _Answers:
 
     outcomes: list[Outcome | None]
     counts: BatchRequestCounts = field(default_factory=BatchRequestCounts)
+    unsaved: list[int] = field(default_factory=list)
+    """The lines answered since the last save."""
 
-    def put(self, index: int, outcome: Outcome) -> None:
+    def put(self, index: int, outcome: Outcome, *, saved: bool = False) -> None:
         self.outcomes[index] = outcome
         if _succeeded(outcome):
             self.counts.completed += 1
         else:
             self.counts.failed += 1
+        if not saved:
+            self.unsaved.append(index)
+
+
+@dataclass
+class _Run:
+    """This runner's run of one batch: what a save needs."""
+
+    batch_id: str
+    run: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
+    parts: int = 0
+    """Parts this run saved."""
+    saved_at: float = 0.0
+    answers: _Answers | None = None
+    """Once its lines are read."""
 
 
 def _succeeded(outcome: Outcome) -> bool:
@@ -134,7 +166,8 @@ class BatchRunner:
 
     def __init__(self, store: BatchStore, files: FileStore, registry: Registry, *, owner: str, base_url: str,
                  headers: dict[str, str], concurrency: int, max_running: int, request_timeout_s: float,
-                 poll_s: float = POLL_S, clock: Callable[[], float] = time.time) -> None:
+                 poll_s: float = POLL_S, save_every_s: float = SAVE_EVERY_S,
+                 save_every_answers: int = SAVE_EVERY_ANSWERS, clock: Callable[[], float] = time.time) -> None:
         self._store = store
         self._files = files
         self.owner = owner
@@ -144,8 +177,11 @@ class BatchRunner:
         self._max_running = max_running
         self._attempt_timeout_s = request_timeout_s + TIMEOUT_MARGIN_S
         self._poll_s = poll_s
+        self._save_every_s = save_every_s
+        self._save_every_answers = save_every_answers
         self._clock = clock
         self._running: dict[str, asyncio.Task[None]] = {}
+        self._runs: dict[str, _Run] = {}
         self._wake = asyncio.Event()
         self._loop_task: asyncio.Task[None] | None = None
         self._stopping = False
@@ -162,9 +198,11 @@ class BatchRunner:
         self._wake.set()
 
     async def stop(self) -> None:
-        """Stop running and let this runner's batches go (another runner starts them over)."""
+        """Stop running, save what this runner's batches answered and let them go (another
+        runner sends the rest)."""
         self._stopping = True
         held = list(self._running)  # each task's end takes it out of _running
+        runs = dict(self._runs)
         tasks = [task for task in (self._loop_task, *self._running.values()) if task is not None]
         for task in tasks:
             task.cancel()
@@ -173,6 +211,11 @@ class BatchRunner:
             if stuck:
                 log.error("batch_runner_not_stopped", tasks=sorted(task.get_name() for task in stuck))
         for batch_id in held:
+            run = runs.get(batch_id)
+            if run is not None and run.answers is not None and run.answers.unsaved:
+                with contextlib.suppress(*STORE_ERRORS, _LostClaim):
+                    async with asyncio.timeout(STOP_SAVE_TIMEOUT_S):
+                        await self._save(run, run.answers)
             with contextlib.suppress(*STORE_ERRORS):
                 await self._store.update(batch_id, lambda stored: released(stored, self.owner))
 
@@ -195,16 +238,16 @@ class BatchRunner:
             batch_id = stored.batch.id
             if batch_id in self._running or not is_claimable(stored, now):
                 continue
-            if stored.batch.status == "cancelling":  # its runner died: nothing answered was kept
+            if stored.batch.status == "cancelling" and not stored.saved:  # its runner died, nothing answered kept
                 await self._store.update(batch_id, lambda current: _abandon(current, now))
                 continue
-            if len(self._running) >= self._max_running:
-                continue
+            if len(self._running) >= self._max_running and stored.batch.status != "cancelling":
+                continue  # (a cancelled one only writes its saved answers: no slot needed)
             written = await self._store.update(batch_id, lambda current: claim(current, self.owner, now))
             if written is None or written.value.owner != self.owner:
                 continue  # another runner was first
             log.info("batch_claimed", batch_id=batch_id, status=written.value.batch.status)
-            task = asyncio.create_task(self._run(written.value.batch), name=f"batch-{batch_id}")
+            task = asyncio.create_task(self._run(written.value), name=f"batch-{batch_id}")
             self._running[batch_id] = task
             task.add_done_callback(functools.partial(self._ended, batch_id))
 
@@ -212,9 +255,11 @@ class BatchRunner:
         self._running.pop(batch_id, None)
         self._wake.set()
 
-    async def _run(self, batch: Batch) -> None:
+    async def _run(self, stored: StoredBatch) -> None:
+        batch = stored.batch
+        run = self._runs[batch.id] = _Run(batch.id, saved_at=self._clock())
         with structlog.contextvars.bound_contextvars(batch_id=batch.id):
-            work = asyncio.create_task(self._work(batch))
+            work = asyncio.create_task(self._work(stored, run))
             heartbeat = asyncio.create_task(self._hold(batch.id, work))
             try:
                 await work
@@ -231,6 +276,7 @@ class BatchRunner:
                 log.exception("batch_run_failed")
             finally:
                 heartbeat.cancel()
+                self._runs.pop(batch.id, None)
 
     async def _hold(self, batch_id: str, work: asyncio.Task[None]) -> None:
         """Renew the claim every `HEARTBEAT_S` while `work` runs; stop `work` once it is lost."""
@@ -244,15 +290,35 @@ class BatchRunner:
             except STORE_ERRORS as exc:  # NATS away past the write's retries: the next beat may do
                 log.warning("batch_heartbeat_failed", error=str(exc))
 
-    async def _work(self, batch: Batch) -> None:
+    async def _work(self, stored: StoredBatch, run: _Run) -> None:
+        batch = stored.batch
         with tempfile.TemporaryFile() as source:
             lines = await self._lines(batch, source)
         if lines is None:
             return
+        answers = await self._saved_answers(stored, lines)
+        run.answers = answers
         now = self._clock()
         batch = await self._write(batch.id, lambda b: started(b, now, len(lines)))
-        answers, ending = await self._send(batch, lines)
+        ending = await self._send(batch, lines, answers, run)
         await self._finish(batch.id, lines, answers, ending)
+
+    async def _saved_answers(self, stored: StoredBatch, lines: list[BatchLine]) -> _Answers:
+        """The answers earlier runs of the batch saved (batch_saves.py); the rest still to send."""
+        answers = _Answers([None] * len(lines))
+        missing = 0
+        for name in stored.saved_parts:
+            data = await self._files.read_object(name)
+            if data is None:
+                missing += 1
+                continue
+            for index, outcome in decode_part(data, lines):
+                if answers.outcomes[index] is None:
+                    answers.put(index, outcome, saved=True)
+        if stored.saved:
+            log.info("batch_resumed", answered=answers.counts.completed + answers.counts.failed, total=len(lines),
+                     parts_missing=missing)
+        return answers
 
     async def _lines(self, batch: Batch, source: IO[bytes]) -> list[BatchLine] | None:
         """The batch's requests; None (the batch marked ``failed``) when its file is not a batch."""
@@ -283,17 +349,16 @@ class BatchRunner:
 
     async def _fail(self, batch_id: str, errors: list[BatchError]) -> None:
         now = self._clock()
-        ended = await self._write(batch_id, lambda b: failed(b, now, errors), release=True)
+        ended = await self._end(batch_id, lambda b: failed(b, now, errors))
         self._finished.inc(status=ended.status)
         log.info("batch_failed", status=ended.status, errors=len(errors), first=errors[0].message[:200])
 
-    async def _send(self, batch: Batch, lines: list[BatchLine]) -> tuple[_Answers, str]:
-        """Every line sent (or as many as the batch's window and a cancel allowed); the answers
-        and how the batch ends: ``completed``, ``cancelled`` or ``expired``."""
-        answers = _Answers([None] * len(lines))
+    async def _send(self, batch: Batch, lines: list[BatchLine], answers: _Answers, run: _Run) -> str:
+        """Every line not answered yet sent (or as many as the batch's window and a cancel
+        allowed), into `answers`; how the batch ends: ``completed``, ``cancelled`` or ``expired``."""
         if batch.status == "cancelling":
-            return answers, "cancelled"
-        pending = iter(range(len(lines)))
+            return "cancelled"
+        pending = (index for index, outcome in enumerate(answers.outcomes) if outcome is None)
         connector = aiohttp.TCPConnector(limit=self._concurrency)
         async with aiohttp.ClientSession(connector=connector) as session:
             sender = Sender(session, self._base_url, self._headers,
@@ -308,15 +373,17 @@ class BatchRunner:
 
             senders = [asyncio.create_task(send_lines()) for _ in range(self._concurrency)]
             try:
-                return answers, await self._watch(batch, len(lines), answers, senders)
+                return await self._watch(batch, len(lines), answers, senders, run)
             finally:
                 for task in senders:
                     task.cancel()
                 await asyncio.gather(*senders, return_exceptions=True)
 
-    async def _watch(self, batch: Batch, total: int, answers: _Answers, senders: list[asyncio.Task[None]]) -> str:
-        """Write the counts every `PROGRESS_S` until the senders are done (``completed``), the
-        batch is cancelled or its window closes; a sender's error is raised."""
+    async def _watch(self, batch: Batch, total: int, answers: _Answers, senders: list[asyncio.Task[None]],
+                     run: _Run) -> str:
+        """Write the counts every `PROGRESS_S`, and save the answers when due, until the senders
+        are done (``completed``), the batch is cancelled or its window closes; a sender's error
+        is raised."""
         while True:
             done, running = await asyncio.wait(senders, timeout=PROGRESS_S, return_when=asyncio.FIRST_EXCEPTION)
             for task in done:
@@ -329,6 +396,29 @@ class BatchRunner:
                 return "cancelled"
             if self._clock() >= batch.expires_at:
                 return "expired"
+            if is_save_due(len(answers.unsaved), self._clock() - run.saved_at, every_s=self._save_every_s,
+                           every_answers=self._save_every_answers):
+                await self._save(run, answers)
+
+    async def _save(self, run: _Run, answers: _Answers) -> None:
+        """The answers since the last save, kept as the run's next part (batch_saves.py)."""
+        indexes, answers.unsaved = answers.unsaved, []
+        name = part_name(run.batch_id, run.run, run.parts)
+        try:
+            await self._files.put_object(name, encode_part(
+                (index, outcome) for index in indexes if (outcome := answers.outcomes[index]) is not None))
+            try:
+                await self._write_record(run.batch_id, lambda stored, now: part_saved(stored, self.owner, now, run.run))
+            except _LostClaim:
+                with contextlib.suppress(*STORE_ERRORS):
+                    await self._files.delete_object(name)
+                raise
+        except BaseException:
+            answers.unsaved = indexes + answers.unsaved  # not saved after all
+            raise
+        run.parts += 1
+        run.saved_at = self._clock()
+        log.info("batch_answers_saved", part=run.parts, answers=len(indexes))
 
     async def _finish(self, batch_id: str, lines: list[BatchLine], answers: _Answers, ending: str) -> None:
         """Write the output and error files, then the batch's end."""
@@ -357,9 +447,9 @@ class BatchRunner:
         now = self._clock()
         stamp = {"completed": {"completed_at": int(now)}, "cancelled": {"cancelled_at": int(now)},
                  "expired": {"expired_at": int(now)}}[ending]
-        await self._write(batch_id, lambda b: structs.replace(b, status=ending, request_counts=counts,
-                                                              output_file_id=output_file, error_file_id=error_file,
-                                                              **stamp), release=True)
+        await self._end(batch_id, lambda b: structs.replace(b, status=ending, request_counts=counts,
+                                                            output_file_id=output_file, error_file_id=error_file,
+                                                            **stamp))
         self._finished.inc(status=ending)
         log.info("batch_ended", status=ending, completed=counts.completed, failed=counts.failed)
 
@@ -372,12 +462,37 @@ class BatchRunner:
                                         num_bytes=num_bytes)
         return kept.id
 
-    async def _write(self, batch_id: str, change: Callable[[Batch], Batch], *, release: bool = False) -> Batch:
-        """`change` written to the batch (this runner's claim renewed, or let go); _LostClaim
-        when another runner holds it. A write NATS did not take is tried again (`WRITE_ATTEMPTS`)."""
+    async def _end(self, batch_id: str, change: Callable[[Batch], Batch]) -> Batch:
+        """`change` (the batch's end) written, the batch let go and its saved parts deleted."""
+        parts: list[str] = []
+
+        def end(stored: StoredBatch | None, now: float) -> StoredBatch | None:
+            kept = renewed(stored, self.owner, now, change)
+            if kept is None:
+                return None
+            parts[:] = kept.saved_parts
+            return released(without_saves(kept, self.owner), self.owner)
+
+        ended = await self._write_record(batch_id, end)
+        for name in parts:  # whatever is left the object store forgets after its TTL
+            with contextlib.suppress(*STORE_ERRORS):
+                await self._files.delete_object(name)
+        return ended.batch
+
+    async def _write(self, batch_id: str, change: Callable[[Batch], Batch]) -> Batch:
+        """`change` written to the batch, this runner's claim renewed; _LostClaim when another
+        runner holds it."""
+        stored = await self._write_record(batch_id, lambda current, now: renewed(current, self.owner, now, change))
+        return stored.batch
+
+    async def _write_record(self, batch_id: str, mutate: Callable[[StoredBatch | None, float], StoredBatch | None]
+                            ) -> StoredBatch:
+        """`mutate` (given the record and the time; None: the claim is not this runner's any
+        more) written by compare-and-swap; _LostClaim when it declined. A write NATS did not take
+        is tried again (`WRITE_ATTEMPTS`)."""
         for attempt in range(1, WRITE_ATTEMPTS + 1):
             try:
-                return await self._write_once(batch_id, change, release)
+                return await self._write_once(batch_id, mutate)
             except STORE_ERRORS as exc:
                 if attempt == WRITE_ATTEMPTS:
                     raise
@@ -385,20 +500,21 @@ class BatchRunner:
                 await asyncio.sleep(1.0)
         raise AssertionError("unreachable: the last attempt returns or raises")
 
-    async def _write_once(self, batch_id: str, change: Callable[[Batch], Batch], release: bool) -> Batch:
+    async def _write_once(self, batch_id: str, mutate: Callable[[StoredBatch | None, float], StoredBatch | None]
+                          ) -> StoredBatch:
         now = self._clock()
         wrote = False
 
-        def mutate(stored: StoredBatch | None) -> StoredBatch | None:
+        def apply(stored: StoredBatch | None) -> StoredBatch | None:
             nonlocal wrote
-            kept = renewed(stored, self.owner, now, change)
+            kept = mutate(stored, now)
             wrote = kept is not None
-            return released(kept, self.owner) if release and kept is not None else kept
+            return kept
 
-        written = await self._store.update(batch_id, mutate)
+        written = await self._store.update(batch_id, apply)
         if written is None or not wrote:
             raise _LostClaim(batch_id)
-        return written.value.batch
+        return written.value
 
 
 def _abandon(stored: StoredBatch | None, now: float) -> StoredBatch | None:

@@ -10,8 +10,9 @@ The transitions are pure functions of a record and the time (`claim`, `cancel`, 
 ``cancelled``, ``expired`` (not done within its 24 h window). A runner's step never writes over
 a cancel: a batch cancelled while it is checked or sent ends ``cancelled``. A claim lapses
 `LEASE_S` after its runner last wrote (it renews every `LEASE_S` / 3): a gateway that died
-leaves its batches to another, which starts them over. The lease compares wall clocks: the
-gateways' clocks must agree to within seconds (NTP), as for any lease.
+leaves its batches to another, which goes on from the answers its runner saved (`saved`:
+parts in the ``shoal_files`` object store, batch_saves.py) and sends the rest. The lease
+compares wall clocks: the gateways' clocks must agree to within seconds (NTP), as for any lease.
 
 Ids are time-ordered (milliseconds, then random), so lists sort by id and a page's ``after``
 places itself even if the batch it names has expired since.
@@ -53,12 +54,30 @@ CANCELLABLE = frozenset({"validating", "in_progress"})
 """A batch still sending (a ``finalizing`` one has answered everything: it ends as it is)."""
 
 
+class SavedRun(Struct, kw_only=True):
+    """The answers one run of a batch saved: parts ``<batch id>.<run>.<k>``, k < `parts`."""
+
+    run: str
+    parts: int
+
+
 class StoredBatch(Struct, kw_only=True):
     batch: Batch
     owner: str = ""
     """The gateway running it ("" when none)."""
     lease_until: float = 0.0
     """Wall-clock time the owner's claim lapses."""
+    saved: list[SavedRun] = []
+    """Answers saved by its runs so far (a runner taking it over goes on from them)."""
+
+    @property
+    def saved_parts(self) -> list[str]:
+        return [part_name(self.batch.id, saved.run, k) for saved in self.saved for k in range(saved.parts)]
+
+
+def part_name(batch_id: str, run: str, index: int) -> str:
+    """A saved part's object name (never a file id: the Files API cannot reach it)."""
+    return f"{batch_id}.{run}.{index}"
 
 
 class ActiveMark(Struct, kw_only=True):
@@ -84,7 +103,7 @@ def claim(stored: StoredBatch | None, owner: str, now: float) -> StoredBatch | N
     """`stored` run by `owner` from now on; None if it is not free to claim."""
     if stored is None or not is_claimable(stored, now):
         return None
-    return StoredBatch(batch=stored.batch, owner=owner, lease_until=now + LEASE_S)
+    return structs.replace(stored, owner=owner, lease_until=now + LEASE_S)
 
 
 def renewed(stored: StoredBatch | None, owner: str, now: float, change: Callable[[Batch], Batch] | None = None
@@ -94,30 +113,48 @@ def renewed(stored: StoredBatch | None, owner: str, now: float, change: Callable
     if stored is None or stored.owner != owner:
         return None
     batch = change(stored.batch) if change is not None else stored.batch
-    return StoredBatch(batch=batch, owner=owner, lease_until=now + LEASE_S)
+    return structs.replace(stored, batch=batch, lease_until=now + LEASE_S)
+
+
+def part_saved(stored: StoredBatch | None, owner: str, now: float, run: str) -> StoredBatch | None:
+    """`stored` renewed by `owner`, with one more part saved by `run`; None if another runner took it."""
+    kept = renewed(stored, owner, now)
+    if kept is None:
+        return None
+    saved = [structs.replace(s, parts=s.parts + 1) if s.run == run else s for s in kept.saved]
+    if not any(s.run == run for s in saved):
+        saved.append(SavedRun(run=run, parts=1))
+    return structs.replace(kept, saved=saved)
+
+
+def without_saves(stored: StoredBatch | None, owner: str) -> StoredBatch | None:
+    """`stored` (still `owner`'s) forgetting its saved parts (its files hold the answers now)."""
+    if stored is None or stored.owner != owner:
+        return None
+    return structs.replace(stored, saved=[])
 
 
 def released(stored: StoredBatch | None, owner: str) -> StoredBatch | None:
     """`stored` let go by `owner` (a stopping gateway), for another runner to take at once."""
     if stored is None or stored.owner != owner:
         return None
-    return StoredBatch(batch=stored.batch)
+    return structs.replace(stored, owner="", lease_until=0.0)
 
 
 def cancel(stored: StoredBatch | None, now: float) -> StoredBatch | None:
-    """`stored` asked to stop: ``cancelling`` (its runner writes what was answered, then
-    ``cancelled``), or at once ``cancelled`` when no runner holds it. None when there is
-    nothing to change (ended, finalizing, or cancelling already)."""
+    """`stored` asked to stop: ``cancelling`` (its runner, or the next to claim it when it has
+    answers saved, writes what was answered, then ``cancelled``), or at once ``cancelled`` when
+    no runner holds it and nothing was saved. None when there is nothing to change (ended,
+    finalizing, or cancelling already)."""
     if stored is None or stored.batch.status not in CANCELLABLE:
         return None
-    if is_claimable(stored, now):  # no runner: none will write what was answered
+    if is_claimable(stored, now) and not stored.saved:  # nothing answered is kept: no file to write
         return StoredBatch(batch=abandoned(stored.batch, now))
     return structs.replace(stored, batch=structs.replace(stored.batch, status="cancelling", cancelling_at=int(now)))
 
 
 def abandoned(batch: Batch, now: float) -> Batch:
-    """A batch cancelled with no runner: ``cancelled``, no files (what a dead runner answered
-    was never written)."""
+    """A batch cancelled with no runner and no saved answer: ``cancelled``, no files."""
     stamp = int(now)
     return structs.replace(batch, status="cancelled", cancelling_at=batch.cancelling_at or stamp, cancelled_at=stamp)
 

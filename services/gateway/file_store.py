@@ -157,6 +157,26 @@ class FileStore:
             await self._records.delete(FILE_KEY_PREFIX + file_id)
             await self._objects.delete(file_id)
 
+    async def put_object(self, name: str, data: bytes) -> None:
+        """Keep `data` under `name`, outside the Files API (no record: a batch's saved answers)."""
+        async with asyncio.timeout(TRANSFER_TIMEOUT_S):
+            await self._objects.put(name, data, meta=ObjectMeta(name=name))
+
+    async def read_object(self, name: str) -> bytes | None:
+        """What `put_object` kept under `name`; None when nothing is (expired, or deleted)."""
+        with tempfile.TemporaryFile() as out:
+            try:
+                async with asyncio.timeout(TRANSFER_TIMEOUT_S):
+                    await self._objects.get(name, writeinto=out)  # type: ignore[arg-type]
+            except nats.js.errors.ObjectNotFoundError:
+                return None
+            out.seek(0)
+            return out.read()
+
+    async def delete_object(self, name: str) -> None:
+        with contextlib.suppress(nats.js.errors.ObjectNotFoundError, nats.js.errors.ObjectDeletedError):
+            await self._objects.delete(name)
+
     async def list(self, *, purpose: str | None, limit: int, order: str, after: str | None) -> FileList:
         with store_answers():
             records = [found.value for found in (await self._records.get_all(FILE_KEY_PREFIX + "*")).values()]

@@ -1,6 +1,7 @@
 """The Batch API's runner (services/gateway/batch_runner.py) on a real nats-server, sending to a
 real HTTP server on a socket: answers split into the output and error files in the input's
-order, one runner per batch, cancels, a dead gateway's batch taken over, bad files, expiry."""
+order, one runner per batch, cancels, a dead or stopped gateway's batch taken over from the
+answers it saved, bad files, expiry."""
 
 from __future__ import annotations
 
@@ -79,10 +80,11 @@ async def _make(files: FileStore, batches: BatchStore, lines: list[str]) -> Batc
 
 @contextlib.asynccontextmanager
 async def _running(batches: BatchStore, files: FileStore, url: str, owner: str = "gw-a", *, concurrency: int = 2,
-                   clock: Callable[[], float] = time.time, registry: Registry | None = None
-                   ) -> AsyncIterator[BatchRunner]:
+                   clock: Callable[[], float] = time.time, registry: Registry | None = None,
+                   save_every_s: float = 30.0) -> AsyncIterator[BatchRunner]:
     runner = BatchRunner(batches, files, registry or Registry(), owner=owner, base_url=url, headers={},
-                         concurrency=concurrency, max_running=2, request_timeout_s=5.0, poll_s=0.1, clock=clock)
+                         concurrency=concurrency, max_running=2, request_timeout_s=5.0, poll_s=0.1,
+                         save_every_s=save_every_s, clock=clock)
     runner.start()
     try:
         yield runner
@@ -173,9 +175,11 @@ async def test_a_cancel_keeps_what_was_answered_and_ends_what_was_not(bus: Bus) 
     assert (ended.request_counts.completed, ended.request_counts.failed) == (1, 2)
 
 
-async def test_a_batch_whose_runner_stopped_answering_is_taken_over_and_started_over(bus: Bus) -> None:
+async def test_a_batch_whose_runner_stopped_answering_is_taken_over_and_what_it_never_saved_sent_again(
+        bus: Bus) -> None:
     """A runner whose claim lapsed (a dead or cut-off gateway) loses the batch to another, and
-    learns so at its next write: it stops without writing files, the other answers everything."""
+    learns so at its next write: it stops without writing files, the other answers everything
+    it had not saved (here: nothing yet, its first save was 30 s away)."""
     target = Target(held=("r1",))
     async with _stores(bus) as (files, batches), serving({CHAT: target.chat}) as url:
         batch = await _make(files, batches, [_line("r0"), _line("r1"), _line("r2")])
@@ -192,6 +196,36 @@ async def test_a_batch_whose_runner_stopped_answering_is_taken_over_and_started_
     assert stored is not None and stored.value.owner == ""
     outputs = [f for f in (await files.list(purpose="batch_output", limit=100, order="asc", after=None)).data]
     assert len(outputs) == 1, "gw-a wrote no file once it lost the batch"
+
+
+async def test_a_runner_taking_over_a_dead_gateways_batch_sends_only_what_was_not_saved(bus: Bus) -> None:
+    target = Target(held=("r1",))
+    async with _stores(bus) as (files, batches), serving({CHAT: target.chat}) as url:
+        batch = await _make(files, batches, [_line("r0"), _line("r1"), _line("r2")])
+        async with _running(batches, files, url, "gw-a", concurrency=1, save_every_s=0.0):
+            await _until_in_flight(target, "r1")
+            saved = await _until_saved(batches, batch.id)
+            async with _running(batches, files, url, "gw-b", concurrency=1, clock=_after_the_lease):
+                await _until(batches, batch.id, lambda b: target.calls.count("r1") == 2)
+                target.release()
+                ended = await _ended(batches, batch.id)
+        output = await _records(files, ended.output_file_id)
+        parts_left = [await files.read_object(name) for name in saved.saved_parts]
+        stored = await batches.read(batch.id)
+    assert ended.status == "completed" and [r["custom_id"] for r in output] == ["r0", "r1", "r2"]
+    assert output[0]["response"]["body"] == {"answer": "r0", "usage": {"total_tokens": 3}}, "the saved answer, whole"
+    assert target.calls.count("r0") == 1, "an answer saved is not asked again"
+    assert (ended.request_counts.completed, ended.request_counts.failed) == (3, 0)
+    assert parts_left == [None] and stored is not None and stored.value.saved == [], "saved parts go with the end"
+
+
+async def _until_saved(batches: BatchStore, batch_id: str) -> StoredBatch:
+    for _ in range(400):
+        stored = await batches.read(batch_id)
+        if stored is not None and stored.value.saved:
+            return stored.value
+        await asyncio.sleep(0.025)
+    raise AssertionError("the runner never saved its answers")
 
 
 def _after_the_lease() -> float:
@@ -241,7 +275,27 @@ async def test_a_stopping_gateway_lets_its_batch_go_and_another_finishes_it(bus:
             ended = await _until(batches, batch.id, lambda b: b.status in FINAL, timeout_s=LEASE_S / 3)
         output = await _records(files, ended.output_file_id)
     assert let_go is not None and let_go.value.owner == "" and let_go.value.batch.status == "in_progress"
+    assert len(let_go.value.saved) == 1, "it saved what it answered before letting go"
     assert ended.status == "completed" and [r["custom_id"] for r in output] == ["r0", "r1"]
+    assert target.calls.count("r0") == 1, "the next runner went on from the saved answer"
+
+
+async def test_a_batch_cancelled_between_runners_writes_the_answers_saved(bus: Bus) -> None:
+    target = Target(held=("r1",))
+    async with _stores(bus) as (files, batches), serving({CHAT: target.chat}) as url:
+        batch = await _make(files, batches, [_line("r0"), _line("r1"), _line("r2")])
+        async with _running(batches, files, url, "gw-a", concurrency=1):
+            await _until_in_flight(target, "r1")
+        cancelling = await batches.cancel(batch.id)  # no runner holds it: its saved answer is kept
+        target.release()
+        async with _running(batches, files, url, "gw-b"):
+            ended = await _ended(batches, batch.id)
+        output, errors = await _records(files, ended.output_file_id), await _records(files, ended.error_file_id)
+    assert cancelling.status == "cancelling"
+    assert ended.status == "cancelled" and [r["custom_id"] for r in output] == ["r0"]
+    assert [(r["custom_id"], r["error"]["code"]) for r in errors] == [("r1", "batch_cancelled"),
+                                                                       ("r2", "batch_cancelled")]
+    assert target.calls == ["r0", "r1"], "nothing sent after the cancel"
 
 
 async def test_a_batch_cancelled_after_its_runner_died_ends_without_taking_a_slot(bus: Bus) -> None:

@@ -16,6 +16,8 @@ import aiohttp
 import pytest
 
 from shoal.services.gateway.app import start_gateway
+from shoal.services.gateway.batch_store import part_name
+from shoal.services.gateway.file_store import open_file_store
 from shoal.shared.bus import Bus, connect
 from shoal.shared.config import GatewayConfig
 from shoal.shared.nats_permissions import render_users
@@ -43,7 +45,8 @@ def locked_server(tmp_path: Path) -> Iterator[tuple[EmbeddedNatsServer, Users]]:
 async def gateway(locked_server: tuple[EmbeddedNatsServer, Users]) -> AsyncIterator[str]:
     server, users = locked_server
     admin: Bus = await connect(server.url, "admin", nats_config=users.config(None))  # creates the streams
-    config = GatewayConfig(port=free_port(), api_keys=[KEY], request_timeout_s=10.0, max_file_bytes=MAX_FILE_BYTES)
+    config = GatewayConfig(port=free_port(), api_keys=[KEY], request_timeout_s=10.0, max_file_bytes=MAX_FILE_BYTES,
+                           batch_save_interval_s=0.0)  # its saves too under the gateway's permissions
     runner = await start_gateway(config, server.url, nats_config=users.config("gateway"))
     try:
         yield f"http://127.0.0.1:{config.port}"
@@ -51,6 +54,25 @@ async def gateway(locked_server: tuple[EmbeddedNatsServer, Users]) -> AsyncItera
         await runner.cleanup()
         await admin.close()
     assert not [line for line in server.error_lines if "Violation" in line], "the gateway's user may do all of it"
+
+
+async def test_the_gateways_user_may_save_read_and_delete_a_batchs_answers(
+        locked_server: tuple[EmbeddedNatsServer, Users]) -> None:
+    """What a runner does with a running batch's saved answers (batch_saves.py), as the gateway's user."""
+    server, users = locked_server
+    admin: Bus = await connect(server.url, "admin", nats_config=users.config(None))
+    gateway_bus: Bus = await connect(server.url, "gateway", nats_config=users.config("gateway"), role="gateway")
+    try:
+        files = await open_file_store(gateway_bus.js, GatewayConfig())
+        name = part_name("batch_0193a4c2", "run1", 0)
+        await files.put_object(name, b'{"index": 0}\n')
+        assert await files.read_object(name) == b'{"index": 0}\n'
+        await files.delete_object(name)
+        assert await files.read_object(name) is None
+    finally:
+        await gateway_bus.close()
+        await admin.close()
+    assert not [line for line in server.error_lines if "Violation" in line]
 
 
 async def _upload(url: str, data: bytes, purpose: str | None = "batch", filename: str = "in.jsonl",

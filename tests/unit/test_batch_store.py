@@ -9,6 +9,7 @@ from shoal.services.gateway.batch_api import BatchCreate, BatchError
 from shoal.services.gateway.batch_store import (
     BATCH_ID,
     LEASE_S,
+    SavedRun,
     StoredBatch,
     cancel,
     claim,
@@ -16,9 +17,12 @@ from shoal.services.gateway.batch_store import (
     finalizing,
     is_claimable,
     new_batch,
+    part_name,
+    part_saved,
     released,
     renewed,
     started,
+    without_saves,
 )
 from shoal.services.gateway.file_store import page_after
 
@@ -74,6 +78,33 @@ def test_a_cancel_stops_a_running_batch_through_its_runner_and_a_waiting_one_at_
         assert cancel(_stored(status, owner="gw-a", lease_until=NOW + 20), NOW) is None, status
     orphan = cancel(_stored("in_progress", owner="gw-dead", lease_until=NOW - 1), NOW)
     assert orphan is not None and orphan.batch.status == "cancelled" and not orphan.owner, "no runner to wait for"
+
+
+def test_saved_answers_stay_with_the_batch_through_claims_and_only_its_runner_adds_to_them() -> None:
+    mine = _stored("in_progress", owner="gw-a", lease_until=NOW + 5)
+    once = part_saved(mine, "gw-a", NOW + 1, "run1")
+    twice = part_saved(once, "gw-a", NOW + 2, "run1")
+    assert twice is not None and twice.saved == [SavedRun(run="run1", parts=2)]
+    assert twice.lease_until == NOW + 2 + LEASE_S, "a save renews the claim"
+    assert part_saved(twice, "gw-b", NOW + 3, "run9") is None, "a runner that lost the batch saves nothing"
+    let_go = released(twice, "gw-a")
+    taken = claim(let_go, "gw-b", NOW + 4)
+    assert taken is not None and taken.saved == twice.saved, "the next runner finds them"
+    more = part_saved(renewed(taken, "gw-b", NOW + 5), "gw-b", NOW + 5, "run2")
+    assert more is not None and more.saved == [SavedRun(run="run1", parts=2), SavedRun(run="run2", parts=1)]
+    batch_id = more.batch.id
+    assert more.saved_parts == [part_name(batch_id, "run1", 0), part_name(batch_id, "run1", 1),
+                                part_name(batch_id, "run2", 0)]
+    assert not BATCH_ID.fullmatch(more.saved_parts[0]) and more.saved_parts[0].startswith(batch_id + ".")
+    forgot = without_saves(more, "gw-b")
+    assert forgot is not None and forgot.saved == [] and without_saves(more, "gw-a") is None
+
+
+def test_a_cancel_with_no_runner_waits_for_one_only_to_write_the_answers_saved() -> None:
+    orphan = part_saved(_stored("in_progress", owner="gw-dead", lease_until=NOW + 1), "gw-dead", NOW, "run1")
+    assert orphan is not None
+    cancelled = cancel(orphan, NOW + LEASE_S + 2)
+    assert cancelled is not None and cancelled.batch.status == "cancelling" and is_claimable(cancelled, NOW + 60)
 
 
 def test_a_runners_steps_never_write_over_a_cancel() -> None:
