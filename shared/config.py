@@ -214,8 +214,8 @@ class GatewayConfig(Struct, forbid_unknown_fields=True, kw_only=True):
     max_running_batches: int = 2
     """Batches one gateway runs at once (the others wait, oldest first, for any gateway)."""
     batch_save_interval_s: float = 30.0
-    """How often a running batch's new answers are saved, so that a gateway taking it over
-    (this one stopped or died) sends only the rest (0: after every progress write)."""
+    """How often a running batch's new answers are saved (one part in the object store), so
+    that a gateway taking it over (this one stopped or died) sends only the rest."""
     insecure_open_admin: bool = False
     """Serve /admin with no key on a non-loopback address (anyone who reaches the gateway may
     register, remove and scale models). Without it such a gateway refuses to start."""
@@ -248,8 +248,8 @@ class GatewayConfig(Struct, forbid_unknown_fields=True, kw_only=True):
                              "max_file_bytes")
         if self.batch_concurrency < 1 or self.max_running_batches < 1:
             raise ValueError("gateway.batch_concurrency and max_running_batches must be >= 1")
-        if not 0 <= self.batch_save_interval_s < float("inf"):
-            raise ValueError("gateway.batch_save_interval_s must be a number >= 0")
+        if not 1 <= self.batch_save_interval_s < float("inf"):
+            raise ValueError("gateway.batch_save_interval_s must be a number >= 1 (a taker reads every part)")
 
 
 class SchedulerConfig(Struct, forbid_unknown_fields=True, kw_only=True):

@@ -93,8 +93,11 @@ WRITE_ATTEMPTS = 5
 STORE_ERRORS = (*NATS_ERRORS, CasConflict)
 STOP_TIMEOUT_S = 5.0
 """A stopping gateway waits this long for its batches' tasks (they are cancelled: at once, normally)."""
+SAVE_TIMEOUT_S = 10.0
+"""A save not done within this is given up (its answers wait for the next one): a store that
+hangs must not hold up a batch's cancel, expiry or progress."""
 STOP_SAVE_TIMEOUT_S = 10.0
-"""... and at most this long for each batch's last save."""
+"""A stopping gateway saves its batches' answers (all at once) within this."""
 
 
 class _LostClaim(Exception):
@@ -146,6 +149,8 @@ class _Run:
     run: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
     parts: int = 0
     """Parts this run saved."""
+    answers_saved: int = 0
+    """Answers in those parts."""
     saved_at: float = 0.0
     answers: _Answers | None = None
     """Once its lines are read."""
@@ -210,12 +215,13 @@ class BatchRunner:
             _, stuck = await asyncio.wait(tasks, timeout=STOP_TIMEOUT_S)
             if stuck:
                 log.error("batch_runner_not_stopped", tasks=sorted(task.get_name() for task in stuck))
+        saves = [self._save(run, run.answers) for batch_id in held
+                 if (run := runs.get(batch_id)) is not None and run.answers is not None and run.answers.unsaved]
+        if saves:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(STOP_SAVE_TIMEOUT_S):
+                    await asyncio.gather(*saves, return_exceptions=True)  # each one's failure logged by it
         for batch_id in held:
-            run = runs.get(batch_id)
-            if run is not None and run.answers is not None and run.answers.unsaved:
-                with contextlib.suppress(*STORE_ERRORS, _LostClaim):
-                    async with asyncio.timeout(STOP_SAVE_TIMEOUT_S):
-                        await self._save(run, run.answers)
             with contextlib.suppress(*STORE_ERRORS):
                 await self._store.update(batch_id, lambda stored: released(stored, self.owner))
 
@@ -267,7 +273,7 @@ class BatchRunner:
                 log.warning("batch_claim_lost", detail="another runner holds it now")
             except (*STORE_ERRORS, ApiError) as exc:
                 log.warning("batch_run_interrupted", error=str(exc),
-                            detail="its claim lapses and a runner starts it over")
+                            detail="its claim lapses and a runner goes on from its saved answers")
             except asyncio.CancelledError:
                 if not heartbeat.done():
                     raise  # this runner stops
@@ -398,27 +404,34 @@ class BatchRunner:
                 return "expired"
             if is_save_due(len(answers.unsaved), self._clock() - run.saved_at, every_s=self._save_every_s,
                            every_answers=self._save_every_answers):
-                await self._save(run, answers)
+                with contextlib.suppress(*STORE_ERRORS):  # kept in memory: the batch goes on, the next save tries again
+                    await self._save(run, answers)
 
     async def _save(self, run: _Run, answers: _Answers) -> None:
-        """The answers since the last save, kept as the run's next part (batch_saves.py)."""
+        """The answers since the last save, kept as the run's next part (batch_saves.py). A save
+        that fails leaves them unsaved and its part deleted; the next save writes that part
+        again with them (the record's count of it is idempotent: `part_saved`)."""
         indexes, answers.unsaved = answers.unsaved, []
-        name = part_name(run.batch_id, run.run, run.parts)
+        part, through = run.parts, run.answers_saved + len(indexes)
+        name = part_name(run.batch_id, run.run, part)
+        recorded = False
         try:
-            await self._files.put_object(name, encode_part(
-                (index, outcome) for index in indexes if (outcome := answers.outcomes[index]) is not None))
-            try:
-                await self._write_record(run.batch_id, lambda stored, now: part_saved(stored, self.owner, now, run.run))
-            except _LostClaim:
-                with contextlib.suppress(*STORE_ERRORS):
-                    await self._files.delete_object(name)
-                raise
-        except BaseException:
-            answers.unsaved = indexes + answers.unsaved  # not saved after all
+            async with asyncio.timeout(SAVE_TIMEOUT_S):
+                await self._files.put_object(name, encode_part(
+                    (index, outcome) for index in indexes if (outcome := answers.outcomes[index]) is not None))
+                await self._write_record(run.batch_id, lambda stored, now: part_saved(
+                    stored, self.owner, now, run.run, part, through))
+            recorded = True
+        except (*STORE_ERRORS, _LostClaim) as exc:
+            log.warning("batch_answers_not_saved", error=str(exc) or type(exc).__name__, answers=len(indexes))
             raise
-        run.parts += 1
-        run.saved_at = self._clock()
-        log.info("batch_answers_saved", part=run.parts, answers=len(indexes))
+        finally:
+            if not recorded:
+                answers.unsaved = indexes + answers.unsaved
+                with contextlib.suppress(*STORE_ERRORS):  # no record names it (or the next save writes it again)
+                    await self._files.delete_object(name)
+        run.parts, run.answers_saved, run.saved_at = part + 1, through, self._clock()
+        log.info("batch_answers_saved", part=part, answers=len(indexes))
 
     async def _finish(self, batch_id: str, lines: list[BatchLine], answers: _Answers, ending: str) -> None:
         """Write the output and error files, then the batch's end."""

@@ -59,6 +59,8 @@ class SavedRun(Struct, kw_only=True):
 
     run: str
     parts: int
+    answers: int = 0
+    """Answers in those parts."""
 
 
 class StoredBatch(Struct, kw_only=True):
@@ -69,6 +71,10 @@ class StoredBatch(Struct, kw_only=True):
     """Wall-clock time the owner's claim lapses."""
     saved: list[SavedRun] = []
     """Answers saved by its runs so far (a runner taking it over goes on from them)."""
+
+    @property
+    def num_saved_answers(self) -> int:
+        return sum(saved.answers for saved in self.saved)
 
     @property
     def saved_parts(self) -> list[str]:
@@ -116,15 +122,18 @@ def renewed(stored: StoredBatch | None, owner: str, now: float, change: Callable
     return structs.replace(stored, batch=batch, lease_until=now + LEASE_S)
 
 
-def part_saved(stored: StoredBatch | None, owner: str, now: float, run: str) -> StoredBatch | None:
-    """`stored` renewed by `owner`, with one more part saved by `run`; None if another runner took it."""
+def part_saved(stored: StoredBatch | None, owner: str, now: float, run: str, part: int, answers_through: int
+               ) -> StoredBatch | None:
+    """`stored` renewed by `owner`, with `run`'s part `part` saved (its parts up to that one
+    hold `answers_through` answers); None if another runner took it. Idempotent: a write
+    tried again, or a part written again after a failed save, counts once."""
     kept = renewed(stored, owner, now)
     if kept is None:
         return None
-    saved = [structs.replace(s, parts=s.parts + 1) if s.run == run else s for s in kept.saved]
-    if not any(s.run == run for s in saved):
-        saved.append(SavedRun(run=run, parts=1))
-    return structs.replace(kept, saved=saved)
+    others = [s for s in kept.saved if s.run != run]
+    before = next((s for s in kept.saved if s.run == run), SavedRun(run=run, parts=0))
+    entry = SavedRun(run=run, parts=max(before.parts, part + 1), answers=max(before.answers, answers_through))
+    return structs.replace(kept, saved=[*others, entry])
 
 
 def without_saves(stored: StoredBatch | None, owner: str) -> StoredBatch | None:

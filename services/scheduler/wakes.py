@@ -291,6 +291,7 @@ class WakeCoordinator:
             look = await self._look_at_place(wake)
             # Placed by a request's pass meanwhile (on other GPUs), or memory freed for the first in line.
             if await self._has_enough_replicas(wake) or (look.fits and await self._try_claim(wake)):
+                self._observe_fairness_wait(wake)
                 await self._store.update_model(wake.model, _unblocked)
                 return "done"
             if ahead - look.ahead and now < until:

@@ -219,6 +219,33 @@ async def test_a_runner_taking_over_a_dead_gateways_batch_sends_only_what_was_no
     assert parts_left == [None] and stored is not None and stored.value.saved == [], "saved parts go with the end"
 
 
+async def test_a_store_that_takes_no_save_neither_stops_the_batch_nor_sends_a_request_twice(bus: Bus) -> None:
+    """Saves are a help, not a step the batch needs: with ``shoal_files`` full, the run goes on
+    past every failed save to its end, where its output cannot be stored either (``failed``,
+    naming that), instead of dying at its first save and being taken over again and again."""
+    target = Target(held=("r3",))
+    config = GatewayConfig(max_file_bytes=4096, files_max_bytes=32 * 1024)
+    files, batches = await open_file_store(bus.js, config), await open_batch_store(bus.js, config)
+    async with serving({CHAT: target.chat}) as url:
+        batch = await _make(files, batches, [_line(f"r{i}") for i in range(5)])
+        filled = 0
+        with contextlib.suppress(Exception):  # the store refuses the first object that does not fit
+            while True:
+                await files.put_object(f"filler-{filled}", b"x" * 64)
+                filled += 1
+        async with _running(batches, files, url, concurrency=1, save_every_s=0.0):
+            await _until_in_flight(target, "r3")
+            await asyncio.sleep(2.5)  # two progress writes, each with a save the store refused
+            target.release()
+            ended = await _ended(batches, batch.id)
+        stored = await batches.read(batch.id)
+    assert filled > 0
+    assert ended.status == "failed" and ended.errors is not None
+    assert [error.code for error in ended.errors.data] == ["output_not_stored"]
+    assert Counter(target.calls) == Counter(f"r{i}" for i in range(5)), "each sent once: the run never broke off"
+    assert stored is not None and stored.value.saved == []
+
+
 async def _until_saved(batches: BatchStore, batch_id: str) -> StoredBatch:
     for _ in range(400):
         stored = await batches.read(batch_id)
@@ -275,7 +302,7 @@ async def test_a_stopping_gateway_lets_its_batch_go_and_another_finishes_it(bus:
             ended = await _until(batches, batch.id, lambda b: b.status in FINAL, timeout_s=LEASE_S / 3)
         output = await _records(files, ended.output_file_id)
     assert let_go is not None and let_go.value.owner == "" and let_go.value.batch.status == "in_progress"
-    assert len(let_go.value.saved) == 1, "it saved what it answered before letting go"
+    assert let_go.value.num_saved_answers == 1, "it saved what it answered (r0) before letting go"
     assert ended.status == "completed" and [r["custom_id"] for r in output] == ["r0", "r1"]
     assert target.calls.count("r0") == 1, "the next runner went on from the saved answer"
 

@@ -46,7 +46,7 @@ async def gateway(locked_server: tuple[EmbeddedNatsServer, Users]) -> AsyncItera
     server, users = locked_server
     admin: Bus = await connect(server.url, "admin", nats_config=users.config(None))  # creates the streams
     config = GatewayConfig(port=free_port(), api_keys=[KEY], request_timeout_s=10.0, max_file_bytes=MAX_FILE_BYTES,
-                           batch_save_interval_s=0.0)  # its saves too under the gateway's permissions
+                           batch_save_interval_s=1.0)
     runner = await start_gateway(config, server.url, nats_config=users.config("gateway"))
     try:
         yield f"http://127.0.0.1:{config.port}"

@@ -11,7 +11,7 @@ from msgspec import structs
 
 from shoal.cli.inspection import inspect, ping_services, status
 from shoal.services.gateway.batch_api import BatchCreate
-from shoal.services.gateway.batch_store import StoredBatch, new_batch, open_batch_store, started
+from shoal.services.gateway.batch_store import SavedRun, StoredBatch, new_batch, open_batch_store, started
 from shoal.shared.bus import Bus
 from shoal.shared.config import GatewayConfig
 from shoal.shared.nats_server import EmbeddedNatsServer
@@ -52,7 +52,8 @@ async def test_status_shows_the_batches_with_work_left_and_who_runs_them(bus: Bu
     for batch in (waiting, running, ended):
         await batches.create(batch)
     await batches.update(running.id, lambda stored: stored and StoredBatch(
-        batch=started(stored.batch, now, 40), owner="gw-1", lease_until=now + 20))
+        batch=started(stored.batch, now, 40), owner="gw-1", lease_until=now + 20,
+        saved=[SavedRun(run="r1", parts=2, answers=12), SavedRun(run="r2", parts=1, answers=3)]))
     await batches.update(ended.id, lambda stored: stored and StoredBatch(
         batch=structs.replace(stored.batch, status="completed")))
     out = io.StringIO()
@@ -60,5 +61,5 @@ async def test_status_shows_the_batches_with_work_left_and_who_runs_them(bus: Bu
     section = out.getvalue().split("Batches with work left (2):\n", 1)[1].splitlines()
     assert waiting.id in section[0] and "validating" in section[0] and "waiting for a gateway" in section[0]
     assert "not started" in section[0]
-    assert running.id in section[1] and "in_progress" in section[1] and "0/40 answered" in section[1]
+    assert running.id in section[1] and "in_progress" in section[1] and "0/40 answered (15 saved)" in section[1]
     assert "gateway gw-1 (claim" in section[1] and ended.id not in out.getvalue()

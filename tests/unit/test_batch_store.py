@@ -82,16 +82,21 @@ def test_a_cancel_stops_a_running_batch_through_its_runner_and_a_waiting_one_at_
 
 def test_saved_answers_stay_with_the_batch_through_claims_and_only_its_runner_adds_to_them() -> None:
     mine = _stored("in_progress", owner="gw-a", lease_until=NOW + 5)
-    once = part_saved(mine, "gw-a", NOW + 1, "run1")
-    twice = part_saved(once, "gw-a", NOW + 2, "run1")
-    assert twice is not None and twice.saved == [SavedRun(run="run1", parts=2)]
+    once = part_saved(mine, "gw-a", NOW + 1, "run1", 0, 5)
+    twice = part_saved(once, "gw-a", NOW + 2, "run1", 1, 8)
+    assert twice is not None and twice.saved == [SavedRun(run="run1", parts=2, answers=8)]
+    assert part_saved(twice, "gw-a", NOW + 2, "run1", 1, 8).saved == twice.saved, "a write tried again counts once"
+    rewritten = part_saved(twice, "gw-a", NOW + 2, "run1", 1, 11)  # part 1 written again with 3 more answers
+    assert rewritten is not None and rewritten.saved == [SavedRun(run="run1", parts=2, answers=11)]
     assert twice.lease_until == NOW + 2 + LEASE_S, "a save renews the claim"
-    assert part_saved(twice, "gw-b", NOW + 3, "run9") is None, "a runner that lost the batch saves nothing"
+    assert part_saved(twice, "gw-b", NOW + 3, "run9", 0, 1) is None, "a runner that lost the batch saves nothing"
     let_go = released(twice, "gw-a")
     taken = claim(let_go, "gw-b", NOW + 4)
     assert taken is not None and taken.saved == twice.saved, "the next runner finds them"
-    more = part_saved(renewed(taken, "gw-b", NOW + 5), "gw-b", NOW + 5, "run2")
-    assert more is not None and more.saved == [SavedRun(run="run1", parts=2), SavedRun(run="run2", parts=1)]
+    more = part_saved(renewed(taken, "gw-b", NOW + 5), "gw-b", NOW + 5, "run2", 0, 4)
+    assert more is not None and more.saved == [SavedRun(run="run1", parts=2, answers=8),
+                                             SavedRun(run="run2", parts=1, answers=4)]
+    assert more.num_saved_answers == 12
     batch_id = more.batch.id
     assert more.saved_parts == [part_name(batch_id, "run1", 0), part_name(batch_id, "run1", 1),
                                 part_name(batch_id, "run2", 0)]
@@ -101,7 +106,7 @@ def test_saved_answers_stay_with_the_batch_through_claims_and_only_its_runner_ad
 
 
 def test_a_cancel_with_no_runner_waits_for_one_only_to_write_the_answers_saved() -> None:
-    orphan = part_saved(_stored("in_progress", owner="gw-dead", lease_until=NOW + 1), "gw-dead", NOW, "run1")
+    orphan = part_saved(_stored("in_progress", owner="gw-dead", lease_until=NOW + 1), "gw-dead", NOW, "run1", 0, 2)
     assert orphan is not None
     cancelled = cancel(orphan, NOW + LEASE_S + 2)
     assert cancelled is not None and cancelled.batch.status == "cancelling" and is_claimable(cancelled, NOW + 60)

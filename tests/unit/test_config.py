@@ -65,7 +65,7 @@ def test_file_then_env_then_overrides(tmp_path: Path) -> None:
         ("[gateway]\nfiles_ttl_s = 0\n", "files_ttl_s"),
         ("[gateway]\nmax_file_bytes = 2048\nfiles_max_bytes = 1024\n", "files_max_bytes at least max_file_bytes"),
         ("[gateway]\nbatch_concurrency = 0\n", "batch_concurrency and max_running_batches must be >= 1"),
-        ("[gateway]\nbatch_save_interval_s = -1\n", "gateway.batch_save_interval_s must be a number >= 0"),
+        ("[gateway]\nbatch_save_interval_s = 0.5\n", "gateway.batch_save_interval_s must be a number >= 1"),
         ("[gateway]\ncors_origins = [\"localhost:3000\"]\n", "gateway.cors_origins: 'localhost:3000' is not an origin"),
         ("[gateway]\ncors_origins = [\"http://a.example/app\"]\n", "is not an origin"),
         ("not toml = = 1", "not valid TOML"),
