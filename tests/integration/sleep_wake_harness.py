@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import aiohttp
+import msgspec
 
 from shoal.services.node_agent.agent import NodeAgent
 from shoal.services.node_agent.gpus import discover_gpus
@@ -85,6 +87,16 @@ class SleepWakeCluster:
         entry = await self.bus.models.get(subjects.model_token(model_key))
         assert entry is not None
         return entry.value
+
+    async def eligible_in(self, model_key: str, seconds: float) -> None:
+        """Make `model_key`'s serving replica preemptible `seconds` from now (its minimum runtime
+        counted from when it started serving), however long the models placed after it took to
+        load: a test that needs it inside its minimum runtime a while longer does not depend on
+        the machine's load."""
+        since = next(o.since for o in (await self.gpu()).occupants if o.model == model_key and o.state == "serving")
+        spec = await self.spec(model_key)
+        fairness = msgspec.structs.replace(spec.fairness, min_runtime_s=time.time() - since + seconds)
+        await self.bus.models.put(subjects.model_token(model_key), msgspec.structs.replace(spec, fairness=fairness))
 
     async def gpu(self) -> GpuRecord:
         entry = await self.bus.gpus.get(self.gpu_key)

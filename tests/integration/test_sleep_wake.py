@@ -113,12 +113,14 @@ async def test_a_gateway_that_waits_for_capacity_answers_once_a_victim_may_be_pr
     """With `gateway.capacity_wait_s` the request that found every occupant inside its minimum
     runtime is held (as Ollama queues one while models swap) and answered once one of them may
     be preempted, instead of a 503."""
-    young = FairnessSettings(min_runtime_s=8.0, max_wait_s=0.2)
+    young = FairnessSettings(min_runtime_s=60.0, max_wait_s=0.2)
     models = [model("a", fairness=young), model("b", fairness=young), model("c")]
     async with sleep_wake_cluster(nats_server.url, demo_models_root, tmp_path, models,
                                   capacity_wait_s=60.0) as cluster:
         await cluster.complete("a")
         await cluster.complete("b")
+        await cluster.eligible_in("a", 4.0)
+        await cluster.eligible_in("b", 5.0)
         status, body, _ = await cluster.post("c")
         assert status == 200, body
         serving = await cluster.serving()
@@ -134,11 +136,12 @@ async def test_a_blocked_waker_keeps_its_place_in_line_over_a_newer_one(
     preempted, d asks first, yet c, which has waited longer, gets a's memory: d's wake sees c's
     intent (its first `since` kept through the block) as taken, and b is still too young. d,
     next in line, is then served once c may be preempted, not after b's 600 s."""
-    models = [model("a", fairness=FairnessSettings(min_runtime_s=10.0, max_wait_s=0.2)),
+    models = [model("a", fairness=FairnessSettings(min_runtime_s=60.0, max_wait_s=0.2)),
               model("b", fairness=FairnessSettings(min_runtime_s=600.0, max_wait_s=0.2)), model("c"), model("d")]
     async with sleep_wake_cluster(nats_server.url, demo_models_root, tmp_path, models) as cluster:
         await cluster.complete("a")
         await cluster.complete("b")
+        await cluster.eligible_in("a", 4.0)
         c_status, _, _ = await cluster.post("c")
         await asyncio.sleep(0.05)  # d's wake starts in a later millisecond than c's
         d_status, _, _ = await cluster.post("d")
@@ -169,12 +172,14 @@ async def test_a_waiting_request_whose_queued_message_was_purged_is_published_ag
     the purged request is not in its queue: the gateway notices its message gone and publishes
     it again, instead of waiting out its deadline (found by a soak that removed and registered
     models under load)."""
-    young = FairnessSettings(min_runtime_s=6.0, max_wait_s=0.2)
+    young = FairnessSettings(min_runtime_s=60.0, max_wait_s=0.2)
     models = [model("a", fairness=young), model("b", fairness=young), model("c")]
     async with sleep_wake_cluster(nats_server.url, demo_models_root, tmp_path, models,
                                   capacity_wait_s=60.0) as cluster:
         await cluster.complete("a")
         await cluster.complete("b")
+        await cluster.eligible_in("a", 3.0)
+        await cluster.eligible_in("b", 4.0)
         body = {"model": "c", "prompt": "Once upon a time", "max_tokens": 4, "temperature": 0, "ignore_eos": True,
                 "stream": True}
 
