@@ -152,6 +152,8 @@ class _Run:
     answers_saved: int = 0
     """Answers in those parts."""
     saved_at: float = 0.0
+    failed_at: float = float("-inf")
+    """When a save last failed (the next try waits a whole interval)."""
     answers: _Answers | None = None
     """Once its lines are read."""
 
@@ -402,10 +404,14 @@ class BatchRunner:
                 return "cancelled"
             if self._clock() >= batch.expires_at:
                 return "expired"
-            if is_save_due(len(answers.unsaved), self._clock() - run.saved_at, every_s=self._save_every_s,
-                           every_answers=self._save_every_answers):
-                with contextlib.suppress(*STORE_ERRORS):  # kept in memory: the batch goes on, the next save tries again
+            now = self._clock()
+            if now - run.failed_at >= self._save_every_s and is_save_due(
+                    len(answers.unsaved), now - run.saved_at, every_s=self._save_every_s,
+                    every_answers=self._save_every_answers):
+                try:
                     await self._save(run, answers)
+                except STORE_ERRORS:  # kept in memory: the batch goes on, a save is tried again an interval later
+                    run.failed_at = self._clock()
 
     async def _save(self, run: _Run, answers: _Answers) -> None:
         """The answers since the last save, kept as the run's next part (batch_saves.py). A save
