@@ -210,12 +210,11 @@ def render_batches(batches: list[StoredBatch], out: TextIO, now: float) -> None:
     for stored in batches:
         batch, counts = stored.batch, stored.batch.request_counts
         held = bool(stored.owner) and stored.lease_until > now
-        progress = (f"{counts.completed + counts.failed}/{counts.total} answered ({counts.failed} refused)"
+        saved = f", {stored.num_saved_answers} saved" if stored.saved else ""  # what a taker will not ask again
+        progress = (f"{counts.completed + counts.failed}/{counts.total} answered ({counts.failed} refused{saved})"
                     if batch.status != "validating" else "file being checked" if held else "not started")
         runner = f"gateway {stored.owner} (claim {stored.lease_until - now:.0f} s left)" if held else \
             "waiting for a gateway"
-        if stored.saved:  # what a gateway taking it over will not ask again
-            progress += f" ({stored.num_saved_answers} saved)"
         out.write(f"  {batch.id:<36} {batch.status:<12} {batch.endpoint:<22} {progress}, {runner}, made "
                   f"{_ago(batch.created_at, now)}\n")
 

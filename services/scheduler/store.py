@@ -85,6 +85,13 @@ class ClusterStore:
         self._conflicts.inc(scheduler=self._owner)
 
     async def snapshot(self) -> StoredCluster:
+        # The specs first: a pass commits its specs' leases (a CAS from the revisions read
+        # here), then GPU keys and replica records, and releases the leases last. Specs read
+        # before the rest are either older than another pass's lease (the CAS loses) or newer
+        # than its release, so the records read after them include that pass's replicas.
+        # Read last, specs newer than the records let two passes both place one model's
+        # missing replicas on GPUs the other did not touch (a model got 18 of 10).
+        models = await self._bus.models.get_all()
         nodes = {k: v.value for k, v in (await self._bus.nodes.get_all()).items()}
         malformed: set[str] = set()
         bad_gpus: set[str] = set()
@@ -92,7 +99,7 @@ class ClusterStore:
             nodes=nodes,
             gpus=await self._bus.gpus.get_all(malformed=bad_gpus),
             replicas=await self._bus.replicas.get_all(malformed=malformed),
-            models=await self._bus.models.get_all(),
+            models=models,
             malformed_replica_ids=frozenset(key.split(".", 1)[-1] for key in malformed),
             malformed_gpu_keys=frozenset(bad_gpus),
         )

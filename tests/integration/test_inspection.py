@@ -61,5 +61,5 @@ async def test_status_shows_the_batches_with_work_left_and_who_runs_them(bus: Bu
     section = out.getvalue().split("Batches with work left (2):\n", 1)[1].splitlines()
     assert waiting.id in section[0] and "validating" in section[0] and "waiting for a gateway" in section[0]
     assert "not started" in section[0]
-    assert running.id in section[1] and "in_progress" in section[1] and "0/40 answered (15 saved)" in section[1]
+    assert running.id in section[1] and "in_progress" in section[1] and "0/40 answered (0 refused, 15 saved)" in section[1]
     assert "gateway gw-1 (claim" in section[1] and ended.id not in out.getvalue()
