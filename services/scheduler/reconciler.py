@@ -146,7 +146,8 @@ class Reconciler:
             elif not node_alive:
                 if missing_for[record.node_id] >= self._node_lost_after_s and await self._store.mark_lost(record, f"node {record.node_id} stopped heartbeating"):
                     log.warning("replica_lost", model=record.model, replica=record.replica_id, node=record.node_id)
-            elif subjects.model_token(record.model) not in snapshot.models:
+            elif subjects.model_token(record.model) not in snapshot.models \
+                    and await self._store.get_model(record.model) is None:  # (snapshots read specs first)
                 self._repair(record, self.reap_held_replica(record, node_alive=True,
                                                             reason="its model is no longer registered"))
             elif (op := records.get_stalled_step(record)) is not None \

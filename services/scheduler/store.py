@@ -90,7 +90,9 @@ class ClusterStore:
         # before the rest are either older than another pass's lease (the CAS loses) or newer
         # than its release, so the records read after them include that pass's replicas.
         # Read last, specs newer than the records let two passes both place one model's
-        # missing replicas on GPUs the other did not touch (a model got 18 of 10).
+        # missing replicas on GPUs the other did not touch (a model got 18 of 10). So a model
+        # registered meanwhile may have records here and no spec: look it up before calling
+        # it unregistered (the reconciler does).
         models = await self._bus.models.get_all()
         nodes = {k: v.value for k, v in (await self._bus.nodes.get_all()).items()}
         malformed: set[str] = set()

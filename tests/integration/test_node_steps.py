@@ -9,6 +9,7 @@ what these tests are about; real agents and workers are in test_warm_restore.py.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import AsyncIterator
 
 import msgspec
@@ -17,6 +18,7 @@ from nats.micro import add_service
 
 from shoal.services.node_agent.release import record_parked, record_stopped
 from shoal.services.scheduler.service import SchedulerService
+from shoal.services.scheduler.store import StoredCluster
 from shoal.shared import subjects
 from shoal.shared.bus import Bus
 from shoal.shared.config import SchedulerConfig
@@ -432,3 +434,28 @@ async def test_a_wake_nobody_waits_for_is_cancelled_and_leaves_no_intent(
     assert (await _gpu(bus, 0)).intents == []
     assert await _replicas(bus, "org/m") == {} and [verb for verb, _ in node.log] == [], "nothing was preempted"
     assert 'outcome="cancelled"' in scheduler.metrics.render()
+
+
+async def test_only_a_replica_whose_model_is_really_gone_is_stopped_by_the_reconciler(
+        bus: Bus, node: StandInNode, scheduler: SchedulerService, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A snapshot reads the specs first (store.py), so a model registered and placed while it
+    read the records has records and no spec there: the reconciler looks the spec up before it
+    stops such a replica. A model that was removed loses its replica."""
+    await node.start()
+    await _model(bus, "org/new", 4, desired=1)
+    await _serving(bus, "org/new", "n1", {0: 4 * GIB})
+    await _serving(bus, "org/old", "o1", {1: 2 * GIB})  # never registered (removed)
+    snapshot = await scheduler.store.snapshot()
+    specs_read_before_it_registered = {k: v for k, v in snapshot.models.items() if v.value.key != "org/new"}
+
+    async def racing_snapshot() -> StoredCluster:
+        return dataclasses.replace(snapshot, models=specs_read_before_it_registered)
+
+    monkeypatch.setattr(scheduler.store, "snapshot", racing_snapshot)
+    await scheduler.reconcile()
+
+    async def old_stopped() -> bool:
+        return ("stop", "o1") in node.log
+
+    await _until(old_stopped, "the removed model's replica stopped")
+    assert ("stop", "n1") not in node.log and "n1" in await _replicas(bus, "org/new")
