@@ -134,15 +134,19 @@ class FileStore:
         """The file's bytes written to `out`; its record. A 404 naming `param` when there are none."""
         record = await self.get(file_id, param)
         try:
-            async with asyncio.timeout(TRANSFER_TIMEOUT_S):
-                await self._objects.get(file_id, writeinto=out)  # type: ignore[arg-type]
+            await self._download(file_id, out)
         except nats.js.errors.ObjectNotFoundError as exc:
             raise NotFound(f"file {file_id!r} has no content (expired or lost)", param=param) from exc
         except (*NATS_ERRORS, nats.js.errors.BadObjectMetaError, nats.js.errors.DigestMismatchError) as exc:
             raise _unavailable(exc) from exc
+        return record
+
+    async def _download(self, name: str, out: IO[bytes]) -> None:
+        """Object `name`'s bytes into `out` (chunk by chunk, never whole in memory), rewound."""
+        async with asyncio.timeout(TRANSFER_TIMEOUT_S):
+            await self._objects.get(name, writeinto=out)  # type: ignore[arg-type]
         out.flush()
         out.seek(0)
-        return record
 
     async def read(self, file_id: str, param: str | None = None) -> bytes:
         """A small file's bytes (tests, tools)."""
@@ -166,11 +170,9 @@ class FileStore:
         """What `put_object` kept under `name`; None when nothing is (expired, or deleted)."""
         with tempfile.TemporaryFile() as out:
             try:
-                async with asyncio.timeout(TRANSFER_TIMEOUT_S):
-                    await self._objects.get(name, writeinto=out)  # type: ignore[arg-type]
+                await self._download(name, out)
             except nats.js.errors.ObjectNotFoundError:
                 return None
-            out.seek(0)
             return out.read()
 
     async def delete_object(self, name: str) -> None:

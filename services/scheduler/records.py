@@ -54,7 +54,13 @@ import msgspec
 from shoal.shared.messages import GpuRecord, ModelSpec, NodeRecord, Occupant, ReplicaRecord
 from shoal.shared.model_settings import FairnessSettings
 from shoal.shared.placement.config import PlacementConfig
-from shoal.shared.placement.fairness import IntentView, OccupantView, get_pinned_intent_bytes, is_protected
+from shoal.shared.placement.fairness import (
+    IntentView,
+    OccupantView,
+    get_older_intents,
+    get_pinned_intent_bytes,
+    is_protected,
+)
 from shoal.shared.placement.memory_figure import get_memory_figure
 from shoal.shared.placement.plan import PlacementPlan
 from shoal.shared.placement.replicas import DeltaOp, ReplicaLocation
@@ -519,5 +525,13 @@ def get_stalled_step(record: ReplicaRecord) -> DeltaOp | None:
 def get_pinned_bytes(record: GpuRecord, claimant: str | None, now: float) -> int:
     """Bytes of one GPU its wakers' intents keep from `claimant` (`fairness.get_pinned_intent_bytes`:
     every live intent's for a model not waking, the older ones' for a waker)."""
-    intents = [IntentView(i.model, i.num_bytes, i.since, i.expires_at) for i in record.intents]
-    return get_pinned_intent_bytes(intents, claimant, now)
+    return get_pinned_intent_bytes(_intent_views(record), claimant, now)
+
+
+def get_wakers_ahead(record: GpuRecord, claimant: str, now: float) -> frozenset[str]:
+    """The models whose intents on one GPU are ahead of `claimant`'s in line (`fairness.get_older_intents`)."""
+    return frozenset(i.model for i in get_older_intents(_intent_views(record), claimant, now))
+
+
+def _intent_views(record: GpuRecord) -> list[IntentView]:
+    return [IntentView(i.model, i.num_bytes, i.since, i.expires_at) for i in record.intents]

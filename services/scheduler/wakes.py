@@ -278,7 +278,7 @@ class WakeCoordinator:
         if not keeps_place(why) or not wake.gpu_bytes:
             return "blocked"
         wake.phase = "blocked"
-        ahead = (await self._look_at_place(wake)).ahead
+        ahead: frozenset[str] | None = None  # the line seen at the last look
         while True:
             wake.asked.clear()
             now = self._clock()
@@ -294,7 +294,7 @@ class WakeCoordinator:
                 self._observe_fairness_wait(wake)
                 await self._store.update_model(wake.model, _unblocked)
                 return "done"
-            if ahead - look.ahead and now < until:
+            if ahead is not None and ahead - look.ahead and now < until:
                 # A waker ahead in line claimed or gave up: the block it was part of may end sooner.
                 until = await self._reconsider_block(wake, until)
             ahead = look.ahead
@@ -321,8 +321,7 @@ class WakeCoordinator:
             own = next((i for i in entry.value.intents if i.model == wake.model), None)
             if own is not None:
                 _note_interest(wake, own.interest_until)
-            ahead.update(i.model for i in entry.value.intents if i.expires_at > now and own is not None
-                         and (i.since, i.model) < (own.since, own.model))
+            ahead |= records.get_wakers_ahead(entry.value, wake.model, now)
         return PlaceLook(fits, frozenset(ahead))
 
     async def _has_enough_replicas(self, wake: Wake) -> bool:

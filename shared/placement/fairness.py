@@ -278,8 +278,16 @@ def get_pinned_intent_bytes(intents: Iterable[IntentView], claimant: str | None,
     live intent's for a model that is not waking (None), only the older ones' for a waker
     (first come, first served; ties by model key)."""
     live = [i for i in intents if i.expires_at > now]
-    mine = [i for i in live if i.model == claimant]
-    if not mine:
+    if claimant is None or not any(i.model == claimant for i in live):
         return sum(i.num_bytes for i in live)
-    own = min((i.since, i.model) for i in mine)
-    return sum(i.num_bytes for i in live if i.model != claimant and (i.since, i.model) < own)
+    return sum(i.num_bytes for i in get_older_intents(live, claimant, now))
+
+
+def get_older_intents(intents: Iterable[IntentView], claimant: str, now: float) -> list[IntentView]:
+    """The live intents ahead of `claimant`'s own in line (first come, first served; ties by
+    model key); none when `claimant` holds no live intent."""
+    live = [i for i in intents if i.expires_at > now]
+    own = min(((i.since, i.model) for i in live if i.model == claimant), default=None)
+    if own is None:
+        return []
+    return [i for i in live if i.model != claimant and (i.since, i.model) < own]

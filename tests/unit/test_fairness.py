@@ -11,6 +11,7 @@ from shoal.shared.placement.fairness import (
     OccupantView,
     Victims,
     behind_older_wakers,
+    get_older_intents,
     get_pinned_intent_bytes,
     get_skip_reason,
     get_voluntary_release_at,
@@ -176,6 +177,8 @@ def test_intents_are_served_first_come_first_served() -> None:
     assert get_pinned_intent_bytes(intents, "b", NOW) == 6 * GiB, "b waits behind a"
     assert get_pinned_intent_bytes(intents, None, NOW) == 12 * GiB, "a model not waking sees both kept"
     assert get_pinned_intent_bytes(intents, "x", NOW) == 12 * GiB
+    assert get_older_intents(intents, "b", NOW) == [older], "a lapsed intent is nobody's place in line"
+    assert get_older_intents(intents, "a", NOW) == [] and get_older_intents(intents, "x", NOW) == []
 
 
 def test_a_waker_blocked_until_a_victim_is_eligible_soon_keeps_its_place() -> None:
