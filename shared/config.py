@@ -289,6 +289,10 @@ class NodeConfig(Struct, forbid_unknown_fields=True, kw_only=True):
     heartbeat_interval_s: float = 3.0
     worker_start_timeout_s: float = 180.0
     """A worker not ready by then is stopped and its replica failed."""
+    worker_fork_server: bool = True
+    """Start workers as forks of a fork server that imported torch, transformers and the engine
+    once (services/worker/forkserver.py): each starts loading its model seconds sooner. Off:
+    every worker is a new Python process that imports them itself."""
     reconcile_interval_s: float = 5.0
     """How often the agent compares its worker processes with the replica records (and stops
     workers no record accounts for: docs/reliability.md)."""

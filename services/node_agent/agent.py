@@ -28,9 +28,10 @@ import structlog
 from nats.micro import add_service
 from nats.micro.service import Service
 
+from shoal.services.node_agent.forkserver import ForkServerClient
 from shoal.services.node_agent.gpus import NodeGpus, host_ram_bytes, nvml_process_bytes
 from shoal.services.node_agent.model_files import ModelInspectionError, inspect_model
-from shoal.services.node_agent.processes import WorkerProcess, spawn_worker, tail_log
+from shoal.services.node_agent.processes import WorkerProcess, spawn_worker, tail_log, worker_env
 from shoal.services.node_agent.reconcile import Repair, plan_repairs
 from shoal.services.node_agent.release import record_parked, record_stopped
 from shoal.services.worker.launch import WORKER_EXIT_DEVICE_ERROR, WorkerLaunch
@@ -141,6 +142,7 @@ class NodeAgent:
         self._nats_url = nats_url
         self._nats_config = nats_config or NatsConfig()
         self._log_dir = log_dir
+        self._fork_server = ForkServerClient(log_dir, worker_env()) if node.worker_fork_server else None
         self._inspecting = asyncio.Lock()
         self._replicas: dict[str, _Replica] = {}
         self._stopping: dict[str, WorkerProcess] = {}
@@ -163,6 +165,8 @@ class NodeAgent:
     # ------------------------------------------------------------------ lifecycle
 
     async def start(self) -> None:
+        if self._fork_server is not None:
+            await self._fork_server.start()  # its imports run while the agent registers
         await self._register_gpus()
         await self._heartbeat_once()
         await self._fail_orphaned_replicas()
@@ -198,6 +202,8 @@ class NodeAgent:
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._fork_server is not None:
+            await self._fork_server.close()
         if self._service is not None:
             await self._service.stop()
         with contextlib.suppress(Exception):
@@ -363,7 +369,7 @@ class NodeAgent:
                               device=self._gpus.device, replica=replica.record, model=replica.spec,
                               worker=self._worker, logging=self._logging)
         replica.ready.clear()
-        replica.process = await spawn_worker(launch, self._log_dir)
+        replica.process = await spawn_worker(launch, self._log_dir, self._fork_server)
         await self._set_state(replica.record, "loading", pid=replica.process.pid, phase="starting")
         self._spawn_task(self._watch(replica, replica.process))
         self._spawn_task(self._start_deadline(replica, replica.process))

@@ -2,10 +2,10 @@
 
 Each worker is started in its own process group with a parent-death signal
 (Linux), so a node agent that dies without cleaning up still takes its workers
-with it. It reads its `WorkerLaunch` from stdin (nothing it is told shows on a
-command line); its environment is the agent's less Shoal's NATS secrets
-(`is_secret_env_var`), which it gets in the launch instead. Output goes to one log
-file per replica under the state directory.
+with it. It gets its `WorkerLaunch` on stdin, or from the fork server it is forked
+from (nothing it is told shows on a command line); its environment is the agent's
+less Shoal's NATS secrets (`is_secret_env_var`), which it gets in the launch
+instead. Output goes to one log file per replica under the state directory.
 """
 
 from __future__ import annotations
@@ -16,20 +16,34 @@ import signal
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 import structlog
 
+from shoal.services.node_agent.forkserver import ForkServerClient, ForkServerUnavailable
 from shoal.services.worker.launch import WorkerLaunch, encode_launch
 from shoal.shared.child_process import die_with_parent
 from shoal.shared.subjects import validate_replica_id
 
 log = structlog.get_logger(__name__)
 
+
+class ChildProcess(Protocol):
+    """What the agent needs of a worker's process: an `asyncio.subprocess.Process` it spawned,
+    or a `ForkedWorker` its fork server started."""
+
+    @property
+    def pid(self) -> int: ...
+    @property
+    def returncode(self) -> int | None: ...
+    async def wait(self) -> int: ...
+
+
 @dataclass
 class WorkerProcess:
     replica_id: str
     model: str
-    process: asyncio.subprocess.Process
+    process: ChildProcess
     log_path: Path
     stopping: bool = False
     """Set when the agent asked it to stop: its exit is not a failure."""
@@ -75,12 +89,22 @@ def worker_env() -> dict[str, str]:
     return {**{k: v for k, v in os.environ.items() if not is_secret_env_var(k)}, "PYTHONUNBUFFERED": "1"}
 
 
-async def spawn_worker(launch: WorkerLaunch, log_dir: Path) -> WorkerProcess:
-    """Start a worker process for `launch.replica`, hand it `launch` on stdin; its stdout
-    and stderr go to ``<log_dir>/<replica_id>.log``."""
+async def spawn_worker(launch: WorkerLaunch, log_dir: Path, fork_server: ForkServerClient | None = None
+                       ) -> WorkerProcess:
+    """Start a worker process for `launch.replica`: a fork of `fork_server` when it can fork,
+    else a new process handed `launch` on stdin. Its stdout and stderr go to
+    ``<log_dir>/<replica_id>.log``."""
     replica_id, model = validate_replica_id(launch.replica.replica_id), launch.replica.model  # a file name
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / f"{replica_id}.log"
+    if fork_server is not None:
+        try:
+            forked = await fork_server.fork(encode_launch(launch), log_path, title=f"shoal worker {model} {replica_id}")
+        except ForkServerUnavailable as exc:
+            log.warning("worker_fork_unavailable", replica=replica_id, model=model, error=str(exc))
+        else:
+            log.info("worker_forked", replica=replica_id, model=model, pid=forked.pid, log=str(log_path))
+            return WorkerProcess(replica_id=replica_id, model=model, process=forked, log_path=log_path)
     with open(log_path, "ab") as log_file:
         process = await asyncio.create_subprocess_exec(
             *WORKER_ARGV,

@@ -65,11 +65,20 @@ def read_launch(source: str | None, stdin: TextIO = sys.stdin) -> WorkerLaunch:
     """The launch from file `source`, or from `stdin` when None; SystemExit naming what is wrong."""
     try:
         raw = Path(source).read_bytes() if source else stdin.buffer.read()
-        return _decoder.decode(raw)
     except OSError as exc:
         raise SystemExit(f"shoal worker: cannot read the launch: {exc}") from exc
+    try:
+        return decode_launch(raw)
+    except ValueError as exc:
+        raise SystemExit(f"shoal worker: {exc}") from exc
+
+
+def decode_launch(raw: bytes) -> WorkerLaunch:
+    """`raw` as a `WorkerLaunch`; ValueError naming what is wrong."""
+    try:
+        return _decoder.decode(raw)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-        raise SystemExit(f"shoal worker: the launch is not a valid WorkerLaunch (JSON): {exc}") from exc
+        raise ValueError(f"the launch is not a valid WorkerLaunch (JSON): {exc}") from exc
 
 
 def add_worker_arguments(parser: argparse.ArgumentParser) -> None:

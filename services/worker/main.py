@@ -246,7 +246,12 @@ async def _exit_after_device_error(service: WorkerService, control: Service, tas
 
 
 def run_worker(ns: argparse.Namespace) -> int:
-    launch = read_launch(ns.launch)
+    return run_launch(read_launch(ns.launch))
+
+
+def run_launch(launch: WorkerLaunch) -> int:
+    """Serve `launch`'s replica until stopped; the process's exit status (a fork server's
+    child runs this too: services/worker/forkserver.py)."""
     configure_logging(launch.logging.format, launch.logging.level, service="worker")
     configure_kernels(launch.worker.kernels)
     if launch.worker.torch_threads > 0:

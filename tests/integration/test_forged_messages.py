@@ -108,7 +108,7 @@ async def test_a_replica_id_that_would_leave_the_log_directory_is_refused(
     reply = await bus.nc.request(subjects.node_subject(NODE, "create"), raw, timeout=10)
     assert reply.headers is not None and reply.headers.get("Nats-Service-Error-Code") == "400"
     assert not list(tmp_path.rglob("escaped*")), "no file was made for it"
-    assert sorted(p.name for p in log_dir.iterdir()) == [f"{record.replica_id}.log"]
+    assert sorted(p.name for p in log_dir.iterdir()) == [f"{record.replica_id}.log", "forkserver.log"]
 
 
 FORGED_COMMANDS = [

@@ -1,0 +1,167 @@
+"""Workers forked by the node agent's fork server (services/worker/forkserver.py): a real node
+agent, scheduler, nats-server and fork server. A forked worker serves like a spawned one, its
+exit status reaches the agent through the server, and a server that dies takes its workers
+with it and is started again."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import os
+import signal
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import msgspec
+import pytest
+import torch
+from nats.aio.msg import Msg
+
+from shoal.services.node_agent.agent import NodeAgent
+from shoal.services.node_agent.forkserver import ForkServerClient, ForkServerUnavailable
+from shoal.services.node_agent.gpus import discover_gpus
+from shoal.services.node_agent.processes import worker_env
+from shoal.services.scheduler.service import SchedulerService
+from shoal.services.worker.forkserver import reseed_after_fork
+from shoal.shared import subjects
+from shoal.shared.bus import Bus, connect
+from shoal.shared.config import LoggingConfig, NodeConfig, SchedulerConfig, WorkerConfig
+from shoal.shared.messages import Event, ModelSpec, ReplicaRecord
+from shoal.shared.nats_server import EmbeddedNatsServer
+from tests.integration.test_warm_restore import MODEL, _complete, _ready, _replicas
+
+
+@asynccontextmanager
+async def _cluster(nats_url: str, models_root: Path, log_dir: Path, *, fork_server: bool
+                   ) -> AsyncIterator[tuple[Bus, SchedulerService]]:
+    buses = [await connect(nats_url, name) for name in ("scheduler", "node-a", "test")]
+    agent = NodeAgent(buses[1], discover_gpus("virtual:1x2GiB"),
+                      NodeConfig(node_id="node-a", models_root=str(models_root), worker_fork_server=fork_server),
+                      WorkerConfig(torch_threads=1), LoggingConfig(), nats_url=nats_url, log_dir=log_dir)
+    await agent.start()
+    scheduler = SchedulerService(buses[0], SchedulerConfig(reconcile_interval_s=3600))
+    await scheduler.start([ModelSpec(key=MODEL, path=MODEL)])
+    try:
+        yield buses[2], scheduler
+    finally:
+        await scheduler.stop()
+        await agent.stop()
+        for bus in buses:
+            await bus.close()
+
+
+def _parent_of(pid: int) -> int:
+    status = Path(f"/proc/{pid}/status").read_text()
+    return int(next(line.split()[1] for line in status.splitlines() if line.startswith("PPid:")))
+
+
+def _command_line(pid: int) -> str:
+    return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode().strip()
+
+
+@asynccontextmanager
+async def _failures(bus: Bus) -> AsyncIterator[dict[str, asyncio.Future[str]]]:
+    """Each failed replica's error, from its ``replica_failed`` event (the scheduler replaces
+    a failed replica, and its record with it, at once)."""
+    errors: dict[str, asyncio.Future[str]] = collections.defaultdict(asyncio.get_running_loop().create_future)
+
+    async def on_event(msg: Msg) -> None:
+        event = msgspec.json.decode(msg.data, type=Event)
+        if event.replica_id is not None and not errors[event.replica_id].done():
+            errors[event.replica_id].set_result(event.message)
+
+    subscription = await bus.nc.subscribe(subjects.event_subject("replica_failed"), cb=on_event)
+    try:
+        yield errors
+    finally:
+        await subscription.unsubscribe()
+
+
+async def _serving(bus: Bus, other_than: str) -> ReplicaRecord:
+    while not (serving := [r for rid, r in (await _replicas(bus)).items() if r.serving and rid != other_than]):
+        await asyncio.sleep(0.1)
+    return serving[0]
+
+
+@pytest.mark.parametrize("fork_server", [True, False], ids=["forked", "spawned"])
+async def test_a_worker_serves_and_its_exit_status_reaches_the_agent(
+        nats_server: EmbeddedNatsServer, demo_models_root: Path, tmp_path: Path, fork_server: bool) -> None:
+    async with _cluster(nats_server.url, demo_models_root, tmp_path / "logs", fork_server=fork_server) as (bus, scheduler):
+        assert (await scheduler.scale(MODEL, 1)).ok
+        (worker,) = (await _ready(bus, 1)).values()
+        assert worker.pid is not None
+        assert (await _complete(bus, "served")).completion_tokens == 6
+
+        parent = _parent_of(worker.pid)
+        if fork_server:
+            assert parent != os.getpid(), "the fork server is the worker's parent"
+            assert "shoal.services.worker.forkserver" in _command_line(parent)
+            assert _command_line(worker.pid) == f"shoal worker {MODEL} {worker.replica_id}", "ps names its model"
+        else:
+            assert parent == os.getpid(), "the agent (this process) spawned it"
+        assert "worker_ready" in (tmp_path / "logs" / f"{worker.replica_id}.log").read_text(), "its log is its own"
+
+        async with _failures(bus) as errors:
+            os.killpg(worker.pid, signal.SIGKILL)
+            assert "exited with code -9" in await asyncio.wait_for(errors[worker.replica_id], 30)
+
+
+async def test_a_fork_server_that_dies_takes_its_workers_and_is_started_again(
+        nats_server: EmbeddedNatsServer, demo_models_root: Path, tmp_path: Path) -> None:
+    async with _cluster(nats_server.url, demo_models_root, tmp_path / "logs", fork_server=True) as (bus, scheduler):
+        assert (await scheduler.scale(MODEL, 1)).ok
+        (worker,) = (await _ready(bus, 1)).values()
+        assert worker.pid is not None
+        server = _parent_of(worker.pid)
+        async with _failures(bus) as errors:
+            os.kill(server, signal.SIGKILL)
+            assert "exited with code -9" in await asyncio.wait_for(errors[worker.replica_id], 30)
+        assert not Path(f"/proc/{worker.pid}").exists() or " Z " in Path(f"/proc/{worker.pid}/stat").read_text()
+
+        # The scheduler replaces the failed replica: a fork of a new server.
+        replacement = await asyncio.wait_for(_serving(bus, other_than=worker.replica_id), 60)
+        assert replacement.pid is not None
+        new_server = _parent_of(replacement.pid)
+        assert new_server not in (server, os.getpid())
+        assert "shoal.services.worker.forkserver" in _command_line(new_server)
+
+
+async def test_a_launch_the_server_cannot_read_is_refused_and_the_server_forks_on(tmp_path: Path) -> None:
+    client = ForkServerClient(tmp_path, worker_env())
+    await client.start()
+    try:
+        with pytest.raises(ForkServerUnavailable, match="not a valid WorkerLaunch"):
+            await client.fork(b'{"nats_url": 42}', tmp_path / "w.log", title="shoal worker x y")
+        with pytest.raises(ForkServerUnavailable, match="not a valid WorkerLaunch"):
+            await client.fork(b"not json", tmp_path / "w.log", title="shoal worker x y")
+    finally:
+        await client.close()
+    assert not (tmp_path / "w.log").exists(), "nothing was forked"
+
+
+def test_each_forked_child_draws_its_own_random_numbers() -> None:
+    """Without a reseed every fork would continue its parent's torch generator: the same samples."""
+    torch.manual_seed(0)
+
+    def draws(reseed: bool) -> list[float]:
+        results = []
+        for _ in range(2):
+            read, write = os.pipe()
+            pid = os.fork()
+            if pid == 0:
+                os.close(read)
+                if reseed:
+                    reseed_after_fork()
+                os.write(write, str(torch.rand(1).item()).encode())
+                os._exit(0)
+            os.close(write)
+            with os.fdopen(read) as pipe:
+                results.append(float(pipe.read()))
+            os.waitpid(pid, 0)
+        return results
+
+    same = draws(reseed=False)
+    assert same[0] == same[1], "forks continue the parent's generator"
+    first, second = draws(reseed=True)
+    assert first != second
