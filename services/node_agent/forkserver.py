@@ -19,6 +19,7 @@ import contextlib
 import itertools
 import os
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -40,7 +41,7 @@ from shoal.shared.child_process import die_with_parent
 log = structlog.get_logger(__name__)
 
 SERVER_ARGV = (sys.executable, "-m", "shoal.services.worker.forkserver")
-READY_TIMEOUT_S = 15.0
+READY_TIMEOUT_S = 20.0
 """How long a fork waits for the server's imports before the agent spawns the worker itself (well
 within the scheduler's 30 s for a `create`'s answer)."""
 FORK_TIMEOUT_S = 10.0
@@ -82,6 +83,7 @@ class ForkServerClient:
         self._workers: dict[int, ForkedWorker] = {}
         self._request_ids = itertools.count(1)
         self._reader: asyncio.Task[None] | None = None
+        self._abandoned: set[int] = set()
         self._restarts = 0
         self._closing = False
 
@@ -96,7 +98,7 @@ class ForkServerClient:
                     *SERVER_ARGV, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=log_file,
                     start_new_session=True, preexec_fn=die_with_parent, env=self._env,
                 )
-        except OSError as exc:
+        except (OSError, subprocess.SubprocessError) as exc:
             log.error("fork_server_not_started", error=str(exc), detail="workers are spawned directly")
             self._process = None
             return
@@ -117,14 +119,15 @@ class ForkServerClient:
         forked = asyncio.get_running_loop().create_future()
         self._pending[request_id] = forked
         try:
-            process.stdin.write(encode_line(Fork(request_id, launch, str(log_path), title)))
-            await process.stdin.drain()
             async with asyncio.timeout(FORK_TIMEOUT_S):
+                process.stdin.write(encode_line(Fork(request_id, launch, str(log_path), title)))
+                await process.stdin.drain()
                 return await forked
         except (ConnectionError, TimeoutError) as exc:
             raise ForkServerUnavailable(f"the fork server did not fork: {exc!r}") from exc
         finally:
-            self._pending.pop(request_id, None)
+            if self._pending.pop(request_id, None) is not None and not forked.done():
+                self._abandoned.add(request_id)  # given up on (timeout, cancel): a late fork is killed
 
     async def close(self) -> None:
         """Stop the server (its stdin closes); workers still running die with it."""
@@ -154,8 +157,12 @@ class ForkServerClient:
                     log.warning("fork_server_said_nonsense", line=line[:200])
                     continue
                 self._on_message(message)
-        finally:
-            await self._on_server_gone(process)
+        except asyncio.CancelledError:  # the agent's loop is going away without `close`
+            self._closing = True
+            with contextlib.suppress(ProcessLookupError):
+                process.kill()
+            raise
+        await self._on_server_gone(process)
 
     def _on_message(self, message: ServerReady | Forked | ForkFailed | WorkerExited) -> None:
         match message:
@@ -165,7 +172,12 @@ class ForkServerClient:
                 log.info("fork_server_ready", pid=pid)
             case Forked(request_id=request_id, pid=pid):
                 worker = self._workers[pid] = ForkedWorker(pid)
-                if (waiting := self._pending.get(request_id)) is not None and not waiting.done():
+                if request_id in self._abandoned:  # its replica was spawned directly meanwhile
+                    self._abandoned.discard(request_id)
+                    log.warning("late_fork_killed", pid=pid)
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(pid, signal.SIGKILL)
+                elif (waiting := self._pending.get(request_id)) is not None and not waiting.done():
                     waiting.set_result(worker)
             case ForkFailed(request_id=request_id, error=error):
                 if (waiting := self._pending.get(request_id)) is not None and not waiting.done():
@@ -190,6 +202,8 @@ class ForkServerClient:
             self._restarts += 1
             log.warning("fork_server_restarting", exit_code=code, restart=self._restarts)
             await self.start()
+            if self._closing and self._process is not None and self._process.stdin is not None:
+                self._process.stdin.close()  # `close` ran meanwhile, on the server that had died
         else:
             log.error("fork_server_gone", exit_code=code, detail="workers are spawned directly from now on")
             self._process = None

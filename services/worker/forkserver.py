@@ -7,8 +7,8 @@ it gives its workers and talks to it over stdin/stdout (`forkserver_messages`). 
 initialises CUDA nor runs a torch operation, so a fork copies no CUDA context and no started
 thread pool. Each child:
 
-- leaves the server's session (its own process group: the agent stops it with ``killpg``) and
-  dies with the server, which dies with its agent (parent-death signals);
+- has its own process group (the agent stops it with ``killpg``; the server's session has no
+  terminal) and dies with the server, which dies with its agent (parent-death signals);
 - holds none of the server's pipes: stdin is /dev/null, stdout and stderr its log file;
 - reseeds torch's random generator (each would otherwise continue the server's state: every
   worker the same "random" samples);
@@ -19,16 +19,17 @@ The server reaps its children and reports each exit status; it exits when its st
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import selectors
 import signal
 import sys
+import time
 import traceback
 
 import msgspec
 import setproctitle
-import torch
 
 from shoal.services.worker.forkserver_messages import (
     Fork,
@@ -40,8 +41,9 @@ from shoal.services.worker.forkserver_messages import (
     request_decoder,
 )
 from shoal.services.worker.launch import WorkerLaunch, decode_launch
-from shoal.services.worker.main import run_launch
 from shoal.shared.child_process import die_with_parent
+
+# torch, transformers and the worker are imported by `main`, once its replies have their own fd.
 
 
 class ForkServer:
@@ -56,6 +58,7 @@ class ForkServer:
         os.set_blocking(self._wake_w, False)
         signal.set_wakeup_fd(self._wake_w)
         signal.signal(signal.SIGCHLD, lambda *_: None)  # the wakeup fd is what wakes the loop
+        gc.collect()
         gc.freeze()  # the imported modules' objects stay shared with every child (no GC writes to them)
         self._send(ServerReady(self._pid))
         self._selector.register(self._requests_fd, selectors.EVENT_READ)
@@ -81,19 +84,31 @@ class ForkServer:
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             print(f"forkserver: a request that is not a Fork was ignored: {exc}", file=sys.stderr, flush=True)
             return
+        import torch
+
         try:
             launch = decode_launch(request.launch)
+            if torch.cuda.is_initialized():
+                raise RuntimeError("CUDA is initialised in the fork server: no fork of it could use CUDA")
             pid = os.fork()
-        except (ValueError, OSError) as exc:
+        except (ValueError, RuntimeError, OSError) as exc:
             self._send(ForkFailed(request.request_id, str(exc)))
             return
         if pid == 0:
-            os._exit(self._run_child(request, launch))
+            code = 1
+            try:
+                code = self._run_child(request, launch)
+            finally:
+                os._exit(code)  # whatever happened, the child never returns into the server's loop
+        with contextlib.suppress(OSError):  # the child may have done it (or exited) already
+            os.setpgid(pid, pid)  # set on both sides: a killpg right after `Forked` reaches it
         self._send(Forked(request.request_id, pid))
 
     def _run_child(self, request: Fork, launch: WorkerLaunch) -> int:
+        from shoal.services.worker.main import run_launch
+
         try:
-            os.setsid()
+            os.setpgid(0, 0)
             die_with_parent()
             if os.getppid() != self._pid:
                 return 1  # the server died before the parent-death signal was set
@@ -145,6 +160,8 @@ class ForkServer:
 def reseed_after_fork() -> None:
     """A fresh seed for torch's generator, which a fork continues from its parent's state
     (Python's `random` reseeds itself in a forked child)."""
+    import torch
+
     torch.seed()
 
 
@@ -152,6 +169,10 @@ def main() -> int:
     sys.stdout.flush()
     replies_fd = os.dup(sys.stdout.fileno())  # the replies' own fd: a stray print on stdout cannot corrupt them
     os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
+    started = time.monotonic()
+    import shoal.services.worker.main  # noqa: F401 - what every fork inherits imported
+    print(f"forkserver: ready, pid {os.getpid()}, imports took {time.monotonic() - started:.1f}s",
+          file=sys.stderr, flush=True)
     return ForkServer(sys.stdin.fileno(), replies_fd).serve()
 
 

@@ -50,9 +50,13 @@ def test_nats_credentials_reach_every_process_and_leak_nowhere(demo_models_root:
         assert completion.usage is not None and completion.usage.completion_tokens == 4  # a worker served it
 
         command_lines = _proc_files("cmdline")
-        workers = [pid for pid, cmdline in command_lines.items()
-                   if cmdline.startswith(b"shoal worker ") or b"shoal.services.worker" in cmdline]
-        assert any(command_lines[pid].startswith(b"shoal worker ") for pid in workers), "a worker serves the model"
+        # Forked workers (named "shoal worker ...") have the fork server's environment (setproctitle
+        # reuses their copy of its memory for the name); spawned ones (the server not ready yet) and
+        # the server run `python -m shoal.services.worker[.forkserver]`.
+        forked = [pid for pid, cmdline in command_lines.items() if cmdline.startswith(b"shoal worker ")]
+        workers = [pid for pid, cmdline in command_lines.items() if b"shoal.services.worker" in cmdline]
+        assert forked or workers, "a worker process serves the model"
+        assert not forked or workers, "the fork server of the forked workers runs"
         for secret in (password, api_key):
             leaked = [pid for pid, cmdline in command_lines.items() if secret.encode() in cmdline]
             assert not leaked, f"a secret shows in the command line of {leaked}"

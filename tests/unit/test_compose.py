@@ -173,6 +173,7 @@ def test_node_agent_reserves_nvidia_gpus_and_mounts_models(compose_config: dict[
     devices = node_agent["deploy"]["resources"]["reservations"]["devices"]
     assert devices == [{"driver": "nvidia", "count": "all", "capabilities": ["gpu"]}]
     assert "models:/models:rw" in node_agent["volumes"]
+    assert node_agent["init"] is True, "an init reaps the workers of a fork server that died"
 
 
 def test_compose_shows_the_virtual_gpu_alternative() -> None:
