@@ -369,7 +369,13 @@ class NodeAgent:
                               device=self._gpus.device, replica=replica.record, model=replica.spec,
                               worker=self._worker, logging=self._logging)
         replica.ready.clear()
-        replica.process = await spawn_worker(launch, self._log_dir, self._fork_server)
+        replica.process = process = await spawn_worker(launch, self._log_dir, self._fork_server)
+        if self._replicas.get(replica.record.replica_id) is not replica:
+            # Stopped (or failed) while it started: a fork may wait for its server's imports.
+            log.info("worker_stopped_while_starting", replica=replica.record.replica_id, pid=process.pid)
+            process.stopping = True
+            await self._stop_process(replica.record.replica_id, process, STOP_GRACE_S)
+            return
         await self._set_state(replica.record, "loading", pid=replica.process.pid, phase="starting")
         self._spawn_task(self._watch(replica, replica.process))
         self._spawn_task(self._start_deadline(replica, replica.process))

@@ -9,6 +9,7 @@ import asyncio
 import collections
 import os
 import signal
+import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -27,7 +28,15 @@ from shoal.services.worker.forkserver import reseed_after_fork
 from shoal.shared import subjects
 from shoal.shared.bus import Bus, connect
 from shoal.shared.config import LoggingConfig, NodeConfig, SchedulerConfig, WorkerConfig
-from shoal.shared.messages import Event, ModelSpec, ReplicaRecord
+from shoal.shared.messages import (
+    CreateReplica,
+    Event,
+    ModelSpec,
+    ReplicaRecord,
+    StopReplica,
+    node_reply_decoder,
+)
+from shoal.shared.micro import request_json
 from shoal.shared.nats_server import EmbeddedNatsServer
 from tests.integration.test_warm_restore import MODEL, _complete, _ready, _replicas
 
@@ -140,6 +149,38 @@ async def test_a_fork_server_that_dies_takes_its_workers_and_is_started_again(
         parents = {_parent_of(r.pid) for r in serving if r.pid is not None}
         new_servers = [pid for pid in parents if "shoal.services.worker.forkserver" in _command_line(pid)]
         assert new_servers and server not in new_servers, (parents, server)
+
+
+async def test_a_replica_stopped_while_its_worker_waits_for_the_fork_server_leaves_no_worker(
+        nats_server: EmbeddedNatsServer, demo_models_root: Path, tmp_path: Path) -> None:
+    """A create waits for the fork server's imports (seconds); a stop that comes meanwhile finds
+    no process and answers so: the worker forked after it must be stopped at once, not left to
+    serve a replica nobody knows of."""
+    agent_bus, bus = await connect(nats_server.url, "node-a"), await connect(nats_server.url, "test")
+    agent = NodeAgent(agent_bus, discover_gpus("virtual:1x2GiB"),
+                      NodeConfig(node_id="node-a", models_root=str(demo_models_root)),
+                      WorkerConfig(torch_threads=1), LoggingConfig(), nats_url=nats_server.url, log_dir=tmp_path)
+    await agent.start()  # its fork server starts importing now
+    try:
+        record = ReplicaRecord(replica_id=uuid.uuid4().hex, model=MODEL, node_id="node-a", gpu_bytes={0: 1 << 28})
+        create = asyncio.create_task(request_json(
+            bus.nc, subjects.node_subject("node-a", "create"), CreateReplica(record, ModelSpec(key=MODEL, path=MODEL)),
+            node_reply_decoder, timeout_s=60))
+        await asyncio.sleep(0.5)
+        assert not create.done(), "the create waits for the fork server"
+        stopped = await request_json(bus.nc, subjects.node_subject("node-a", "stop"),
+                                     StopReplica(record.replica_id, "test"), node_reply_decoder)
+        assert stopped.message == "not running"
+        created = await create
+        assert created.ok and created.pid is not None
+        async with asyncio.timeout(30):
+            while Path(f"/proc/{created.pid}").exists() and " Z " not in Path(f"/proc/{created.pid}/stat").read_text():
+                await asyncio.sleep(0.1)
+        assert record.replica_id not in await _replicas(bus), "no record brought back"
+    finally:
+        await agent.stop()
+        for each in (agent_bus, bus):
+            await each.close()
 
 
 async def test_a_launch_the_server_cannot_read_is_refused_and_the_server_forks_on(tmp_path: Path) -> None:
