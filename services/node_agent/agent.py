@@ -28,7 +28,7 @@ import structlog
 from nats.micro import add_service
 from nats.micro.service import Service
 
-from shoal.services.node_agent.forkserver import ForkServerClient
+from shoal.services.node_agent.forkserver import ForkedWorker, ForkServerClient
 from shoal.services.node_agent.gpus import NodeGpus, host_ram_bytes, nvml_process_bytes
 from shoal.services.node_agent.model_files import ModelInspectionError, inspect_model
 from shoal.services.node_agent.processes import WorkerProcess, spawn_worker, tail_log, worker_env
@@ -153,6 +153,8 @@ class NodeAgent:
         registry = metrics or Registry()
         self._workers_gauge = registry.gauge("shoal_node_workers", "Worker processes running", ["node"])
         self._failures = registry.counter("shoal_node_worker_failures_total", "Workers that died unasked", ["node"])
+        self._starts = registry.counter("shoal_node_worker_starts_total",
+                                        "Workers started, forked by the fork server or spawned", ["node", "how"])
         self._sleep_seconds = registry.histogram("shoal_node_sleep_duration_seconds",
                                                  "A park: drain, engine closed, weights to CPU RAM", ["model"])
         self._restore_seconds = registry.histogram("shoal_node_restore_duration_seconds",
@@ -370,6 +372,7 @@ class NodeAgent:
                               worker=self._worker, logging=self._logging)
         replica.ready.clear()
         replica.process = process = await spawn_worker(launch, self._log_dir, self._fork_server)
+        self._starts.inc(node=self.node_id, how="forked" if isinstance(process.process, ForkedWorker) else "spawned")
         if self._replicas.get(replica.record.replica_id) is not replica:
             # Stopped (or failed) while it started: a fork may wait for its server's imports.
             log.info("worker_stopped_while_starting", replica=replica.record.replica_id, pid=process.pid)

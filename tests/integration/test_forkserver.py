@@ -36,18 +36,20 @@ from shoal.shared.messages import (
     StopReplica,
     node_reply_decoder,
 )
+from shoal.shared.metrics import Registry
 from shoal.shared.micro import request_json
 from shoal.shared.nats_server import EmbeddedNatsServer
 from tests.integration.test_warm_restore import MODEL, _complete, _ready, _replicas
 
 
 @asynccontextmanager
-async def _cluster(nats_url: str, models_root: Path, log_dir: Path, *, fork_server: bool
-                   ) -> AsyncIterator[tuple[Bus, SchedulerService]]:
+async def _cluster(nats_url: str, models_root: Path, log_dir: Path, *, fork_server: bool,
+                   metrics: Registry | None = None) -> AsyncIterator[tuple[Bus, SchedulerService]]:
     buses = [await connect(nats_url, name) for name in ("scheduler", "node-a", "test")]
     agent = NodeAgent(buses[1], discover_gpus("virtual:1x2GiB"),
                       NodeConfig(node_id="node-a", models_root=str(models_root), worker_fork_server=fork_server),
-                      WorkerConfig(torch_threads=1), LoggingConfig(), nats_url=nats_url, log_dir=log_dir)
+                      WorkerConfig(torch_threads=1), LoggingConfig(), nats_url=nats_url, log_dir=log_dir,
+                      metrics=metrics)
     await agent.start()
     scheduler = SchedulerService(buses[0], SchedulerConfig(reconcile_interval_s=3600))
     await scheduler.start([ModelSpec(key=MODEL, path=MODEL)])
@@ -104,7 +106,9 @@ async def _serving(bus: Bus, other_than: str, count: int) -> list[ReplicaRecord]
 @pytest.mark.parametrize("fork_server", [True, False], ids=["forked", "spawned"])
 async def test_a_worker_serves_and_its_exit_status_reaches_the_agent(
         nats_server: EmbeddedNatsServer, demo_models_root: Path, tmp_path: Path, fork_server: bool) -> None:
-    async with _cluster(nats_server.url, demo_models_root, tmp_path / "logs", fork_server=fork_server) as (bus, scheduler):
+    metrics = Registry()
+    async with _cluster(nats_server.url, demo_models_root, tmp_path / "logs", fork_server=fork_server,
+                        metrics=metrics) as (bus, scheduler):
         if fork_server:
             await asyncio.wait_for(_fork_servers_ready(tmp_path / "logs"), 120)
         assert (await scheduler.scale(MODEL, 1)).ok
@@ -119,6 +123,8 @@ async def test_a_worker_serves_and_its_exit_status_reaches_the_agent(
             assert _command_line(worker.pid) == f"shoal worker {MODEL} {worker.replica_id}", "ps names its model"
         else:
             assert parent == os.getpid(), "the agent (this process) spawned it"
+        how = "forked" if fork_server else "spawned"
+        assert f'shoal_node_worker_starts_total{{how="{how}",node="node-a"}} 1.0' in metrics.render()
         assert "worker_ready" in (tmp_path / "logs" / f"{worker.replica_id}.log").read_text(), "its log is its own"
 
         async with _failures(bus) as errors:
