@@ -11,14 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from shoal.services.node_agent.agent import NodeAgent
-from shoal.services.node_agent.gpus import discover_gpus
-from shoal.services.scheduler.service import SchedulerService
-from shoal.shared.bus import connect
-from shoal.shared.config import LoggingConfig, NodeConfig, SchedulerConfig, WorkerConfig
-from shoal.shared.messages import ModelSpec
 from shoal.shared.nats_server import EmbeddedNatsServer
-from tests.integration.test_warm_restore import MODEL, _complete, _ready
+from tests.integration.test_warm_restore import MODEL, _complete, _ready, one_node_cluster
 
 FAULT = '''
 import os
@@ -64,15 +58,7 @@ async def test_a_worker_killed_by_a_device_assert_is_restarted_and_its_request_c
     marker = tmp_path / "fault-fired"
     monkeypatch.setenv("PYTHONPATH", str(fault_dir))
     monkeypatch.setenv("SHOAL_TEST_FAULT_MARKER", str(marker))
-    buses = [await connect(nats_server.url, name) for name in ("scheduler", "node-a", "test")]
-    agent = NodeAgent(buses[1], discover_gpus("virtual:1x2GiB"),
-                      NodeConfig(node_id="node-a", models_root=str(demo_models_root)), WorkerConfig(torch_threads=1),
-                      LoggingConfig(), nats_url=nats_server.url, log_dir=tmp_path / "node-a")
-    await agent.start()
-    scheduler = SchedulerService(buses[0], SchedulerConfig(reconcile_interval_s=3600))
-    await scheduler.start([ModelSpec(key=MODEL, path=MODEL)])
-    bus = buses[2]
-    try:
+    async with one_node_cluster(nats_server.url, demo_models_root, tmp_path / "node-a") as (bus, scheduler):
         assert (await scheduler.scale(MODEL, 1)).ok
         (first,) = (await _ready(bus, 1)).values()
         final = await asyncio.wait_for(_complete(bus, "through-a-restart"), 120)
@@ -83,8 +69,3 @@ async def test_a_worker_killed_by_a_device_assert_is_restarted_and_its_request_c
         assert after.replica_id == first.replica_id and after.pid != first.pid, "restarted in place"
         log = (tmp_path / "node-a" / f"{first.replica_id}.log").read_text()
         assert "device-side assert triggered" in log and "worker_device_error" in log
-    finally:
-        await scheduler.stop()
-        await agent.stop()
-        for b in buses:
-            await b.close()

@@ -23,11 +23,10 @@ from shoal.services.node_agent.agent import NodeAgent
 from shoal.services.node_agent.forkserver import ForkServerClient, ForkServerUnavailable
 from shoal.services.node_agent.gpus import discover_gpus
 from shoal.services.node_agent.processes import worker_env
-from shoal.services.scheduler.service import SchedulerService
 from shoal.services.worker.forkserver import reseed_after_fork
 from shoal.shared import subjects
 from shoal.shared.bus import Bus, connect
-from shoal.shared.config import LoggingConfig, NodeConfig, SchedulerConfig, WorkerConfig
+from shoal.shared.config import LoggingConfig, NodeConfig, WorkerConfig
 from shoal.shared.messages import (
     CreateReplica,
     Event,
@@ -39,27 +38,7 @@ from shoal.shared.messages import (
 from shoal.shared.metrics import Registry
 from shoal.shared.micro import request_json
 from shoal.shared.nats_server import EmbeddedNatsServer
-from tests.integration.test_warm_restore import MODEL, _complete, _ready, _replicas
-
-
-@asynccontextmanager
-async def _cluster(nats_url: str, models_root: Path, log_dir: Path, *, fork_server: bool,
-                   metrics: Registry | None = None) -> AsyncIterator[tuple[Bus, SchedulerService]]:
-    buses = [await connect(nats_url, name) for name in ("scheduler", "node-a", "test")]
-    agent = NodeAgent(buses[1], discover_gpus("virtual:1x2GiB"),
-                      NodeConfig(node_id="node-a", models_root=str(models_root), worker_fork_server=fork_server),
-                      WorkerConfig(torch_threads=1), LoggingConfig(), nats_url=nats_url, log_dir=log_dir,
-                      metrics=metrics)
-    await agent.start()
-    scheduler = SchedulerService(buses[0], SchedulerConfig(reconcile_interval_s=3600))
-    await scheduler.start([ModelSpec(key=MODEL, path=MODEL)])
-    try:
-        yield buses[2], scheduler
-    finally:
-        await scheduler.stop()
-        await agent.stop()
-        for bus in buses:
-            await bus.close()
+from tests.integration.test_warm_restore import MODEL, _complete, _ready, _replicas, one_node_cluster
 
 
 async def _fork_servers_ready(log_dir: Path, count: int = 1) -> None:
@@ -107,7 +86,7 @@ async def _serving(bus: Bus, other_than: str, count: int) -> list[ReplicaRecord]
 async def test_a_worker_serves_and_its_exit_status_reaches_the_agent(
         nats_server: EmbeddedNatsServer, demo_models_root: Path, tmp_path: Path, fork_server: bool) -> None:
     metrics = Registry()
-    async with _cluster(nats_server.url, demo_models_root, tmp_path / "logs", fork_server=fork_server,
+    async with one_node_cluster(nats_server.url, demo_models_root, tmp_path / "logs", fork_server=fork_server,
                         metrics=metrics) as (bus, scheduler):
         if fork_server:
             await asyncio.wait_for(_fork_servers_ready(tmp_path / "logs"), 120)
@@ -135,7 +114,7 @@ async def test_a_worker_serves_and_its_exit_status_reaches_the_agent(
 async def test_a_fork_server_that_dies_takes_its_workers_and_is_started_again(
         nats_server: EmbeddedNatsServer, demo_models_root: Path, tmp_path: Path) -> None:
     log_dir = tmp_path / "logs"
-    async with _cluster(nats_server.url, demo_models_root, log_dir, fork_server=True) as (bus, scheduler):
+    async with one_node_cluster(nats_server.url, demo_models_root, log_dir, fork_server=True) as (bus, scheduler):
         await asyncio.wait_for(_fork_servers_ready(log_dir), 120)
         assert (await scheduler.scale(MODEL, 1)).ok
         (worker,) = (await _ready(bus, 1)).values()

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 
 import pytest
@@ -31,19 +32,23 @@ from shoal.shared.messages import (
     encode_msgpack,
     reply_decoder,
 )
+from shoal.shared.metrics import Registry
 from shoal.shared.nats_server import EmbeddedNatsServer
 from tests.integration.model_records import wait_for_measured_spec
 
 MODEL = "demo/llama-5m"
 
 
-@pytest.fixture
-async def cluster(nats_server: EmbeddedNatsServer, demo_models_root: Path, tmp_path: Path
-                  ) -> AsyncIterator[tuple[Bus, SchedulerService]]:
-    buses = [await connect(nats_server.url, name) for name in ("scheduler", "node-a", "test")]
+@asynccontextmanager
+async def one_node_cluster(nats_url: str, models_root: Path, log_dir: Path, *, fork_server: bool = True,
+                           metrics: Registry | None = None) -> AsyncIterator[tuple[Bus, SchedulerService]]:
+    """A node agent on one 2 GiB virtual GPU and a scheduler with `MODEL` registered; yields a
+    bus of the test's own and the scheduler."""
+    buses = [await connect(nats_url, name) for name in ("scheduler", "node-a", "test")]
     agent = NodeAgent(buses[1], discover_gpus("virtual:1x2GiB"),
-                      NodeConfig(node_id="node-a", models_root=str(demo_models_root)), WorkerConfig(torch_threads=1),
-                      LoggingConfig(), nats_url=nats_server.url, log_dir=tmp_path / "node-a")
+                      NodeConfig(node_id="node-a", models_root=str(models_root), worker_fork_server=fork_server),
+                      WorkerConfig(torch_threads=1), LoggingConfig(), nats_url=nats_url, log_dir=log_dir,
+                      metrics=metrics)
     await agent.start()
     scheduler = SchedulerService(buses[0], SchedulerConfig(reconcile_interval_s=3600))
     await scheduler.start([ModelSpec(key=MODEL, path=MODEL)])
@@ -54,6 +59,13 @@ async def cluster(nats_server: EmbeddedNatsServer, demo_models_root: Path, tmp_p
         await agent.stop()
         for bus in buses:
             await bus.close()
+
+
+@pytest.fixture
+async def cluster(nats_server: EmbeddedNatsServer, demo_models_root: Path, tmp_path: Path
+                  ) -> AsyncIterator[tuple[Bus, SchedulerService]]:
+    async with one_node_cluster(nats_server.url, demo_models_root, tmp_path / "node-a") as running:
+        yield running
 
 
 async def _replicas(bus: Bus) -> dict[str, ReplicaRecord]:
