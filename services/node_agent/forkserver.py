@@ -36,7 +36,7 @@ from shoal.services.worker.forkserver_messages import (
     encode_line,
     server_message_decoder,
 )
-from shoal.shared.child_process import die_with_parent
+from shoal.shared.child_process import die_with_parent, is_running
 
 log = structlog.get_logger(__name__)
 
@@ -196,20 +196,22 @@ class ForkServerClient:
             if not waiting.done():
                 waiting.set_exception(gone)
         orphans, self._workers = self._workers, {}
-        if self._closing:
-            pass
-        elif self._restarts < MAX_RESTARTS:  # before the orphans' replicas fail: their replacements wait for it
-            self._restarts += 1
-            log.warning("fork_server_restarting", exit_code=code, restart=self._restarts)
-            await self.start()
-            if self._closing and self._process is not None and self._process.stdin is not None:
-                self._process.stdin.close()  # `close` ran meanwhile, on the server that had died
-        else:
-            log.error("fork_server_gone", exit_code=code, detail="workers are spawned directly from now on")
-            self._process = None
+        if not self._closing:
+            await self._restart_or_give_up(code)
         if orphans:
             log.error("fork_server_died_with_workers", exit_code=code, workers=sorted(orphans))
             await asyncio.gather(*(_kill_orphan(worker) for worker in orphans.values()))
+
+    async def _restart_or_give_up(self, code: int) -> None:
+        if self._restarts >= MAX_RESTARTS:
+            log.error("fork_server_gone", exit_code=code, detail="workers are spawned directly from now on")
+            self._process = None
+            return
+        self._restarts += 1  # restarted before the orphans' replicas fail: their replacements wait for it
+        log.warning("fork_server_restarting", exit_code=code, restart=self._restarts)
+        await self.start()
+        if self._closing and self._process is not None and self._process.stdin is not None:
+            self._process.stdin.close()  # `close` ran meanwhile, on the server that had died
 
 
 async def _kill_orphan(worker: ForkedWorker) -> None:
@@ -218,15 +220,7 @@ async def _kill_orphan(worker: ForkedWorker) -> None:
     with contextlib.suppress(ProcessLookupError):
         os.killpg(worker.pid, signal.SIGKILL)
     deadline = time.monotonic() + ORPHAN_EXIT_TIMEOUT_S
-    while time.monotonic() < deadline and _is_alive(worker.pid):
+    while time.monotonic() < deadline and is_running(worker.pid):
         await asyncio.sleep(0.05)
     worker.set_exited(-signal.SIGKILL)
 
-
-def _is_alive(pid: int) -> bool:
-    """Whether `pid` runs (a zombie nobody reaped yet does not)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rpartition(")")[2].split()[0] != "Z"

@@ -26,6 +26,7 @@ from shoal.services.node_agent.processes import worker_env
 from shoal.services.worker.forkserver import reseed_after_fork
 from shoal.shared import subjects
 from shoal.shared.bus import Bus, connect
+from shoal.shared.child_process import is_running
 from shoal.shared.config import LoggingConfig, NodeConfig, WorkerConfig
 from shoal.shared.messages import (
     CreateReplica,
@@ -123,7 +124,7 @@ async def test_a_fork_server_that_dies_takes_its_workers_and_is_started_again(
         async with _failures(bus) as errors:
             os.kill(server, signal.SIGKILL)
             assert "exited with code -9" in await asyncio.wait_for(errors[worker.replica_id], 30)
-        assert not Path(f"/proc/{worker.pid}").exists() or " Z " in Path(f"/proc/{worker.pid}/stat").read_text()
+        assert not is_running(worker.pid)
 
         # The scheduler replaces the failed replica at once (a fork of the new server once it is
         # ready, spawned directly if it is not ready in time); a replica placed after it is ready
@@ -159,7 +160,7 @@ async def test_a_replica_stopped_while_its_worker_waits_for_the_fork_server_leav
         created = await create
         assert created.ok and created.pid is not None
         async with asyncio.timeout(30):
-            while Path(f"/proc/{created.pid}").exists() and " Z " not in Path(f"/proc/{created.pid}/stat").read_text():
+            while is_running(created.pid):
                 await asyncio.sleep(0.1)
         assert record.replica_id not in await _replicas(bus), "no record brought back"
     finally:
