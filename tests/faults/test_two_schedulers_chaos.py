@@ -95,8 +95,8 @@ async def test_two_schedulers_under_random_commands_never_count_held_memory_free
         await cluster.bus.nc.subscribe(f"$KV.{subjects.GPUS_BUCKET}.>", cb=on_gpu_write)
         violations: list[str] = []
         stop_watching, stop_loading = asyncio.Event(), asyncio.Event()
-        background = [asyncio.create_task(watch_memory(cluster, violations, stop_watching)),
-                      asyncio.create_task(load(cluster, random.Random(1), stop_loading))]
+        watching = asyncio.create_task(watch_memory(cluster, violations, stop_watching))
+        loading = asyncio.create_task(load(cluster, random.Random(1), stop_loading))
         try:
             until = time.monotonic() + CHAOS_S
             async with asyncio.TaskGroup() as group:  # one failing cancels the other
@@ -105,7 +105,10 @@ async def test_two_schedulers_under_random_commands_never_count_held_memory_free
             commands = [run.result() for run in runs]
         finally:
             stop_loading.set()
-        # Settle: every model ends with one replica, nothing waits for a node step.
+        # The last requests end (answered or timed out) before the state may settle: one still
+        # waiting would wake its model after the settle was seen.
+        await loading
+        # Settle: every model ends with one replica, nothing waits for a node step or a wake.
         for key in MODELS:
             await cluster.schedulers[0].register(model(key, drain_timeout_s=3.0))
 
@@ -113,12 +116,14 @@ async def test_two_schedulers_under_random_commands_never_count_held_memory_free
             records = await cluster.replicas()
             if any(r.state in ("pending", "draining", "stopping", "failed", "lost", "loading") for r in records):
                 return False
+            if any(s.wakes.phase_of(key) is not None for s in cluster.schedulers for key in MODELS):
+                return False
             return held_by_workers(cluster).keys() <= {r.replica_id for r in records if r.level == "HOT"} and \
                 cluster.agent._replicas.keys() == {r.replica_id for r in records}
 
         await cluster.wait_for(settled, "the cluster to settle", timeout_s=120)
         stop_watching.set()
-        await asyncio.gather(*background)
+        await watching
         await cluster.assert_no_orphans()
         await cluster.assert_memory_matches_records()
         num_commands = sum(len(c) for c in commands)
