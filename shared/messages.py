@@ -94,6 +94,10 @@ GREEDY_BELOW_TEMPERATURE = 1e-5
 
 class SamplingParams(Struct, omit_defaults=True):
     max_tokens: int = 16
+    max_tokens_must_fit: bool = False
+    """`max_tokens` is the client's own (OpenAI's chat and completions): a prompt that leaves
+    less room than that in the context is refused (400, ``context_length_exceeded``), as OpenAI
+    and vLLM refuse it; False: the answer stops where the context ends (finish reason "length")."""
     temperature: float = 1.0
     top_p: float = 1.0
     seed: int | None = None
@@ -153,9 +157,11 @@ class SamplingParams(Struct, omit_defaults=True):
     truncation_side: Literal["left", "right"] = "left"
     """Which end a cut prompt loses: ``left``, its start (vLLM's, for generation: the latest
     words stay), or ``right``, its end (Ollama's for embeddings)."""
-    drop_old_messages: bool = False
-    """A chat too long for the context loses its oldest messages (system messages and the last
-    one kept) until it fits, as Ollama truncates a conversation; False: a 413."""
+    fit_context: bool = False
+    """A prompt too long for the context is cut to fit, leaving room to answer, as Ollama's
+    ``truncate`` does (services/worker/prompts.py `prompt_budget`): a chat first loses its oldest
+    messages (system messages and the last one kept), then what is still too long loses the
+    tokens after its first few; False: a prompt too long is a 400."""
 
     @property
     def has_grammar(self) -> bool:

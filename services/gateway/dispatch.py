@@ -541,7 +541,7 @@ class Dispatcher:
     @staticmethod
     def _worker_error(request: InferenceRequest, reply: ErrorReply) -> ApiError:
         error = error_for_status(reply.status, reply.message, code=reply.code)
-        if reply.status in (400, 413):
+        if reply.status == 400:
             # Unless the worker names a field, it rejected the prompt (vocabulary, length,
             # chat template).
             error.param = reply.param or ("prompt" if request.messages is None else "messages")

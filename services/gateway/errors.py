@@ -18,7 +18,6 @@ import structlog
 from aiohttp import web
 
 from shoal.shared.errors import ShoalError
-from shoal.shared.messages import CONTEXT_LENGTH_EXCEEDED
 
 log = structlog.get_logger(__name__)
 
@@ -149,14 +148,8 @@ _ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 4
 """Anthropic's error types by status (other 4xx: invalid request; other 5xx: ``api_error``)."""
 
 
-def _anthropic_status(error: ApiError) -> int:
-    """A prompt too long for the model is Anthropic's 400 (clients such as Claude Code read its
-    "prompt is too long" to compact a conversation); a body too large stays a 413."""
-    return 400 if error.code == CONTEXT_LENGTH_EXCEEDED else error.status
-
-
 def anthropic_error(error: ApiError, request_id: str | None = None) -> AnthropicError:
-    status = _anthropic_status(error)
+    status = error.status
     kind = _ANTHROPIC_TYPES.get(status, "invalid_request_error" if status < 500 else "api_error")
     return AnthropicError(AnthropicErrorBody(kind, error.message), request_id)
 
@@ -182,7 +175,7 @@ def error_response(error: ApiError, path: str = "") -> web.Response:
         headers[SHOULD_RETRY_HEADER] = "false"
     anthropic = path.startswith(ANTHROPIC_PREFIX)
     request_id = structlog.contextvars.get_contextvars().get("request_id") if anthropic else None
-    return web.Response(status=_anthropic_status(error) if anthropic else error.status,
+    return web.Response(status=error.status,
                         body=error_payload(error, path, request_id), content_type="application/json",
                         headers=headers)
 

@@ -129,14 +129,15 @@ class _Generating(_Request, kw_only=True):
     think: Think | None = None
     logprobs: bool | None = None
     top_logprobs: TopLogprobs | None = None
+    truncate: bool | None = None
+    """A prompt too long for the model's context is cut to fit, leaving room to answer (a chat
+    first loses its oldest messages: `SamplingParams.fit_context`; None: true, Ollama's
+    default); false: a 400."""
 
 
 class ChatRequest(_Generating, kw_only=True):
     messages: list[Message] | None = None
     tools: list[dict[str, Any]] | None = None
-    truncate: bool | None = None
-    """A conversation too long for the model's context loses its oldest messages (system
-    messages and the last one kept) until it fits (None: true, Ollama's default); false: a 413."""
 
 
 class GenerateRequest(_Generating, kw_only=True):
@@ -308,7 +309,7 @@ def generate_request(req: GenerateRequest, reasoning: ReasoningParser | None
 def embed_request(req: EmbedRequest | EmbeddingsRequest) -> EmbeddingRequest:
     """The embeddings request of `req`'s inputs (at least one; ``/api/embeddings``: a prompt, not
     empty). An input longer than the model's context loses its end (Ollama's ``truncate``, on
-    unless false: then it is a 413). Any number of inputs: computed in batches (plans.py)."""
+    unless false: then it is a 400). Any number of inputs: computed in batches (plans.py)."""
     cut = {"truncate_prompt_tokens": -1, "truncation_side": "right"}
     if isinstance(req, EmbeddingsRequest):
         return _convert({"model": req.model, "input": req.prompt, "normalize": False, **cut}, EmbeddingRequest)

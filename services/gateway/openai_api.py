@@ -67,8 +67,12 @@ TruncatePromptTokens = Annotated[int, Meta(ge=-1, le=MAX_INT32)]
 
 
 class TextPart(Struct):
+    """A part of a message's content: ``text``, or in an assistant's message ``refusal``."""
+
     type: str
     text: str | None = None
+    refusal: str | None = None
+    """A ``refusal`` part's text: a past answer that refused, replayed (OpenAI's)."""
 
 
 ChatRole = Literal["system", "developer", "user", "assistant", "tool"]
@@ -417,14 +421,7 @@ def chat_messages(req: ChatCompletionRequest, max_chars: int) -> list[ChatMessag
     messages: list[ChatMessage] = []
     total_chars = 0
     for i, message in enumerate(req.messages):
-        if isinstance(message.content, list):
-            kinds = {part.type for part in message.content}
-            if kinds - {"text"}:
-                raise BadRequest(f"messages[{i}].content: only text parts are supported, got {sorted(kinds)}",
-                                 param="messages")
-            content = "".join(part.text or "" for part in message.content)
-        else:
-            content = message.content or ""
+        content = _content_text(i, message)
         if message.tool_calls and message.role != "assistant":
             raise BadRequest(f"messages[{i}]: only assistant messages hold tool_calls", param="messages")
         calls = [ToolCall(call.id, call.function.name, call.function.arguments) for call in message.tool_calls or ()]
@@ -435,6 +432,21 @@ def chat_messages(req: ChatCompletionRequest, max_chars: int) -> list[ChatMessag
     if total_chars > max_chars:
         raise_prompt_too_large(total_chars, max_chars, param="messages")
     return messages
+
+
+def _content_text(index: int, message: InMessage) -> str:
+    """`message`'s text: its text parts joined, an assistant's ``refusal`` parts read as text
+    (OpenAI takes them there only, its answers' refusals replayed); any other part is a 400."""
+    if not isinstance(message.content, list):
+        return message.content or ""
+    kinds = {part.type for part in message.content}
+    if "refusal" in kinds and message.role != "assistant":
+        raise BadRequest(f"messages[{index}].content: refusal parts belong to assistant messages, "
+                         f"not to the {message.role}'s", param="messages")
+    if kinds - {"text", "refusal"}:
+        raise BadRequest(f"messages[{index}].content: only text parts are supported (and refusal parts in an "
+                         f"assistant's), got {sorted(kinds)}", param="messages")
+    return "".join((part.text if part.type == "text" else part.refusal) or "" for part in message.content)
 
 
 def template_kwargs(req: ChatCompletionRequest) -> dict[str, Any] | None:
@@ -515,7 +527,9 @@ def check_fits_in_message(request: InferenceRequest, max_payload_bytes: int) -> 
 
 
 def raise_prompt_too_large(num_chars: int, max_chars: int, param: str = "prompt") -> None:
-    raise PayloadTooLarge(f"prompt is too long: {num_chars} characters > {max_chars} maximum "
+    """A 400 for a prompt surely longer than any context (before it is tokenized): what the
+    worker answers for one longer than the model's (``context_length_exceeded``)."""
+    raise BadRequest(f"prompt is too long: {num_chars} characters > {max_chars} maximum "
                           "(gateway.max_prompt_chars)", param=param, code=CONTEXT_LENGTH_EXCEEDED)
 
 

@@ -65,7 +65,7 @@ def _content(ref: dict[str, Any]) -> dict[str, Any]:
 def _errors(refs: dict[str, dict[str, Any]], *statuses: int) -> dict[str, Any]:
     reasons = {400: "invalid request (the message names the field; `param` holds it)",
                401: "a key is needed and none or a wrong one was sent", 403: "this key may not use the route",
-               404: "unknown model or route", 413: "the request or its prompt is too large",
+               404: "unknown model or route", 413: "the request is too large (its body, or as a queue message)",
                429: "the model's queue in this gateway is full (Retry-After)",
                503: "the model cannot be placed now, or NATS / the scheduler is unavailable (Retry-After)",
                504: "the request's deadline passed"}
@@ -309,7 +309,7 @@ def _ollama_paths(refs: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """Ollama's routes (routes_ollama.py, routes_ollama_models.py); their errors are ``{"error": "..."}``."""
     reasons = {400: "invalid request (the message names the field)", 401: "a key is needed and none or a wrong "
                "one was sent", 403: "this key may not unload models", 404: "unknown model or route",
-               413: "the request or its prompt is too large", 429: "the model's queue in this gateway is full",
+               413: "the request is too large (its body, or as a queue message)", 429: "the model's queue in this gateway is full",
                503: "the model cannot be placed now, or NATS / the scheduler is unavailable",
                504: "the request's deadline passed"}
 

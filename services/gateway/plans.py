@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,7 +28,7 @@ from shoal.services.gateway.embeddings_api import (
     completion_request,
     embed_params,
 )
-from shoal.services.gateway.errors import BadRequest
+from shoal.services.gateway.errors import ApiError, BadRequest
 from shoal.services.gateway.openai_api import (
     UNLIMITED_MAX_TOKENS,
     Answer,
@@ -79,6 +79,15 @@ class Plan:
     """How a reasoning model's thinking is split out of its chat answers; None: it is not."""
     continued: str | None = None
     """The assistant message the answers go on with (``continue_final_message``), if any."""
+    param_names: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    """The client's names of the fields a worker's error names otherwise (the Responses API's
+    ``input`` for ``messages``, its ``max_output_tokens`` for ``max_tokens``)."""
+
+    def name_param(self, error: ApiError) -> ApiError:
+        """`error`, its ``param`` named as the client named that field."""
+        if error.param is not None:
+            error.param = self.param_names.get(error.param, error.param)
+        return error
 
     def answer_reader(self) -> AnswerReader:
         """A reader for one choice's text."""
@@ -238,9 +247,12 @@ class Collected:
 async def collect(state: GatewayState, plan: Plan) -> list[Collected]:
     """Every choice's answer, collected as its events come (a response that is not streamed)."""
     collected = [Collected(choice, plan.answer_reader()) for choice in plan.choices]
-    async with generating(state, plan.choices, restartable=True) as events:
-        async for index, event in events:
-            collected[index].add(event)
+    try:
+        async with generating(state, plan.choices, restartable=True) as events:
+            async for index, event in events:
+                collected[index].add(event)
+    except ApiError as exc:
+        raise plan.name_param(exc) from None
     return collected
 
 

@@ -368,7 +368,7 @@ class ResponseShell:
             output=output, parallel_tool_calls=req.parallel_tool_calls is not False,
             temperature=1.0 if req.temperature is None else req.temperature,
             top_p=1.0 if req.top_p is None else req.top_p,
-            tool_choice=req.tool_choice or ("auto" if req.tools else "none"), tools=req.tools or [],
+            tool_choice=req.tool_choice or "auto", tools=req.tools or [],
             text=req.text or TextConfig(format={"type": "text"}), top_logprobs=req.top_logprobs,
             usage=None if token_usage is None else response_usage(token_usage),
             metadata=req.metadata or {}, user=req.user, store=req.store is not False,

@@ -76,6 +76,8 @@ class ItemReference(Struct, kw_only=True):
 class _Part(Struct):
     type: str
     text: str | None = None
+    refusal: str | None = None
+    """A ``refusal`` part's text (an assistant's output replayed)."""
 
 
 class _Message(Struct, kw_only=True):
@@ -128,7 +130,7 @@ def read_input(value: str | list[dict[str, Any]]) -> list[InputItem | ItemRefere
             case _Message():
                 role_part = "output_text" if item.role == "assistant" else "input_text"
                 items.append(InputMessageItem(id=_kept_id(item.id, "msg"), role=item.role,
-                                              content=[ContentPart(role_part, _text(item.content, i))]))
+                                              content=[ContentPart(role_part, _text(item.content, i, item.role))]))
             case _FunctionCall():
                 items.append(FunctionCallItem(id=_kept_id(item.id, "fc"), call_id=item.call_id, name=item.name,
                                               arguments=item.arguments))
@@ -144,13 +146,16 @@ def _kept_id(sent: str | None, prefix: str) -> str:
     return sent if sent is not None and ITEM_ID.fullmatch(sent) else new_id(prefix)
 
 
-def _text(content: str | list[_Part], i: int) -> str:
+def _text(content: str | list[_Part], i: int, role: str | None = None) -> str:
+    """The text of an item's content: its text parts, and an assistant's ``refusal`` parts (its
+    output replayed, as OpenAI takes it back)."""
     if isinstance(content, str):
         return content
-    kinds = {part.type for part in content} - _TEXT_PARTS
+    readable = _TEXT_PARTS | {"refusal"} if role == "assistant" else _TEXT_PARTS
+    kinds = {part.type for part in content} - readable
     if kinds:
         raise BadRequest(f"input[{i}].content: only text parts are supported, got {sorted(kinds)}", param="input")
-    return "".join(part.text or "" for part in content)
+    return "".join((part.refusal if part.type == "refusal" else part.text) or "" for part in content)
 
 
 def resolved(items: list[InputItem | ItemReference]) -> list[InputItem]:

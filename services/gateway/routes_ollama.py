@@ -198,7 +198,7 @@ async def _generate(request: web.Request, api: Api) -> web.StreamResponse:
                        else generate_request(body, spec.reasoning_parser))
         plan = with_params(plan_request(state, openai_body, request[REQUEST_ID], None, format_param="format"),
                             stop=stop_strings(body.options),
-                            drop_old_messages=isinstance(body, ChatRequest) and body.truncate is not False)
+                            fit_context=body.truncate is not False)
         with admitted(state, plan):
             tally.start()
             if plan.stream:

@@ -10,6 +10,7 @@ stream is typed events instead (responses_stream.py).
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -59,6 +60,7 @@ from shoal.services.gateway.plans import (
     embed_all,
     embedding_plans,
     plan_request,
+    with_params,
 )
 from shoal.services.gateway.request_ids import REPLICA_HEADER, REQUEST_ID
 from shoal.services.gateway.response_store import ResponseStore
@@ -149,8 +151,9 @@ async def _serve(request: web.Request, endpoint: Endpoint) -> web.StreamResponse
             tally.outcome = "ok"
             return json_response(embedding_list(body, finals), headers={REPLICA_HEADER: finals[0].replica_id})
         kind: Kind = "completion" if endpoint == "completion" else "chat"
-        plan = plan_request(state, body, request[REQUEST_ID], request.headers.get(SESSION_HEADER),
-                            format_param="text" if responding is not None else "response_format")
+        plan = as_asked(plan_request(state, body, request[REQUEST_ID], request.headers.get(SESSION_HEADER),
+                                     format_param="text" if responding is not None else "response_format"),
+                        body, responses=responding is not None)
         with admitted(state, plan):
             tally.start()
             if plan.stream:
@@ -160,6 +163,23 @@ async def _serve(request: web.Request, endpoint: Endpoint) -> web.StreamResponse
                 await state.dispatcher.ensure_placed(body.model, plan.choices[0].request.deadline)
                 response, tally.outcome = await _collect(state, plan, kind, request[REQUEST_ID], responding), "ok"
         return response
+
+
+def as_asked(plan: Plan, body: ChatCompletionRequest | CompletionRequest, *, responses: bool) -> Plan:
+    """`plan` as OpenAI's API promises of `body`'s fields: a ``max_tokens`` the client gave must
+    fit in the context with the prompt (else a 400, as OpenAI and vLLM answer, rather than an
+    answer cut short), and a worker's errors name the fields as the client named them."""
+    names: dict[str, str] = {}
+    if isinstance(body, ChatCompletionRequest):
+        given = body.max_completion_tokens is not None or body.max_tokens is not None
+        if responses:
+            names = {"messages": "input", "max_tokens": "max_output_tokens"}
+        elif body.max_completion_tokens is not None:
+            names = {"max_tokens": "max_completion_tokens"}
+    else:
+        given = body.max_tokens is not None
+    asked = with_params(plan, max_tokens_must_fit=True) if given else plan
+    return dataclasses.replace(asked, param_names=names)
 
 
 @dataclass(frozen=True)

@@ -76,6 +76,7 @@ async def stream_answer(request: web.Request, state: GatewayState, plan: Plan,
         except ApiError as exc:
             # Errors before anything was sent (unknown model in the worker, prompt too long...)
             # keep their proper status; after that they become the stream's last event.
+            plan.name_param(exc)
             if not await sse.commit_or_give_up():
                 raise
             log.info("stream_error", status=exc.status, error=exc.message)

@@ -24,17 +24,36 @@ FinishReason = Literal["stop", "length", "cancelled", "error"]
 
 
 def prompt_too_long(num_prompt_tokens: int, max_prompt_tokens: int, what_bounds: str) -> RequestRejected:
-    """A 413 for a prompt longer than `what_bounds` takes, worded as Anthropic's (clients such
-    as Claude Code compact a conversation on "prompt is too long")."""
+    """A 400 (``context_length_exceeded``, as OpenAI and vLLM answer) for a prompt longer than
+    `what_bounds` takes, worded as Anthropic's (clients such as Claude Code compact a
+    conversation on "prompt is too long")."""
     return RequestRejected(f"prompt is too long: {num_prompt_tokens} tokens > {max_prompt_tokens} maximum "
-                           f"({what_bounds})", 413, code=CONTEXT_LENGTH_EXCEEDED)
+                           f"({what_bounds})", 400, code=CONTEXT_LENGTH_EXCEEDED)
+
+
+def check_fits_context(num_prompt_tokens: int, max_model_len: int, params: SamplingParams, what_bounds: str) -> None:
+    """Raise RequestRejected unless the prompt fits a context of `max_model_len` tokens (what
+    `what_bounds` names): with room for one token to answer (an embedding needs none), and for
+    all of ``max_tokens`` when the client asked for exactly that (`max_tokens_must_fit`)."""
+    if params.embed:
+        if num_prompt_tokens > max_model_len:
+            raise prompt_too_long(num_prompt_tokens, max_model_len, what_bounds)
+        return
+    if num_prompt_tokens >= max_model_len:
+        raise prompt_too_long(num_prompt_tokens, max_model_len - 1, f"{what_bounds}, less one token to answer")
+    if params.max_tokens_must_fit and num_prompt_tokens + params.max_tokens > max_model_len:
+        raise RequestRejected(
+            f"this model's maximum context length is {max_model_len} tokens; the request needs "
+            f"{num_prompt_tokens + params.max_tokens} ({num_prompt_tokens} in the prompt, {params.max_tokens} "
+            "to answer): shorten the prompt or lower max_tokens", 400, param="max_tokens",
+            code=CONTEXT_LENGTH_EXCEEDED)
 
 
 class RequestRejected(ShoalError, ValueError):
     """The engine cannot run this request at all (raised by `Engine.generate` before any output).
 
-    `status` is the HTTP status the gateway answers with (413: prompt too long
-    for the model or the KV pool; 400: invalid for this model).
+    `status` is the HTTP status the gateway answers with (400: invalid for this model, a
+    prompt too long for it or its KV pool among them).
     """
 
     def __init__(self, message: str, status: int = 400, *, param: str | None = None, code: str | None = None) -> None:

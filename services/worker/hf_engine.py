@@ -22,8 +22,8 @@ from shoal.services.worker.generation import (
     GenerationRequest,
     RequestRejected,
     TextStream,
+    check_fits_context,
     embedding_bytes,
-    prompt_too_long,
 )
 
 _DONE = object()
@@ -90,8 +90,7 @@ class HFGenerateEngine:
     async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationOutput]:
         num_prompt = len(request.prompt_token_ids)
         max_len = min(self._max_model_len, request.max_model_len or self._max_model_len)
-        if num_prompt >= max_len:
-            raise prompt_too_long(num_prompt, max_len - 1, "the model's context, less one token to answer")
+        check_fits_context(num_prompt, max_len, request.params, "the model's context")
         if request.params.presence_penalty or request.params.frequency_penalty:
             raise RequestRejected(
                 "presence_penalty and frequency_penalty need the paged engine; this model runs on the hf engine",

@@ -12,6 +12,11 @@ from transformers import PreTrainedTokenizerBase
 from shoal.services.worker.generation import RequestRejected
 from shoal.shared.messages import ChatMessage, InferenceRequest, SamplingParams, ToolCall, ToolSpec
 
+NUM_KEPT_FIRST_TOKENS = 4
+"""How many of its first tokens a prompt cut to fit the context keeps (`SamplingParams.fit_context`),
+as Ollama's default ``num_keep``: the BOS token and the template's opening, which a model has
+always seen first (a model without them reads the cut text worse); the rest is its latest text."""
+
 
 def prompt_chars(request: InferenceRequest) -> int:
     """How many characters (or token ids) a request's prompt holds."""
@@ -27,15 +32,18 @@ def prompt_token_ids(tokenizer: PreTrainedTokenizerBase, request: InferenceReque
                      vocab_size: int | None = None, max_model_len: int | None = None) -> list[int]:
     """Chat requests are rendered with the model's chat template (generation prompt added);
     completions are encoded as given; then cut as ``truncate_prompt_tokens`` asks (`truncated`,
-    -1 meaning `max_model_len`). Raises RequestRejected (400) when that is impossible,
+    -1 meaning `max_model_len`), or with ``fit_context`` to `prompt_budget`, a chat first losing
+    its oldest messages (`_fitting_chat_ids`). Raises RequestRejected (400) when that is impossible,
     or when an id (of the prompt, ``logit_bias`` or ``stop_token_ids``) is not below `vocab_size` (the model's
     embedding rows; None: the tokenizer's size): an id past the embedding must never reach
     the model."""
     limit = vocabulary_limit(tokenizer, vocab_size)
     if request.messages is not None:
         token_ids = _chat_ids(tokenizer, request)
-        if request.params.drop_old_messages and max_model_len is not None and len(token_ids) >= max_model_len:
-            token_ids = _fitting_chat_ids(tokenizer, request, max_model_len)
+        if request.params.fit_context and max_model_len is not None:
+            budget = prompt_budget(request.params, max_model_len)
+            if len(token_ids) > budget:
+                token_ids = _fitting_chat_ids(tokenizer, request, budget)
     elif request.prompt_token_ids is not None:
         token_ids = list(request.prompt_token_ids)
     else:
@@ -50,12 +58,22 @@ def _chat_ids(tokenizer: PreTrainedTokenizerBase, request: InferenceRequest) -> 
     return list(tokenizer.encode(chat_prompt(tokenizer, request), add_special_tokens=False))
 
 
-def _fitting_chat_ids(tokenizer: PreTrainedTokenizerBase, request: InferenceRequest, max_model_len: int) -> list[int]:
-    """The chat's tokens without as few of its oldest messages as make it fit `max_model_len`
-    with room for one more token: system messages and the last one are never dropped, and what
-    is kept starts with a user's message (templates that want turns to alternate refuse
-    anything else). Found by bisection: a few renders for any length of conversation. Without
-    every droppable one it may still not fit: the engine then refuses it (413)."""
+def prompt_budget(params: SamplingParams, max_model_len: int) -> int:
+    """How many tokens a prompt fitted to a context of `max_model_len` keeps (``fit_context``):
+    all but room for ``max_tokens``, that room at most half the context (a request without
+    ``num_predict`` asks for all of it: it gets half) and at least one token. Ollama fills the
+    context and shifts it while it answers; Shoal does not shift, so a prompt that filled the
+    context could answer one token only."""
+    room = max(1, min(params.max_tokens, max_model_len // 2))
+    return max(1, max_model_len - room)
+
+
+def _fitting_chat_ids(tokenizer: PreTrainedTokenizerBase, request: InferenceRequest, budget: int) -> list[int]:
+    """The chat's tokens without as few of its oldest messages as make it at most `budget`
+    tokens: system messages and the last one are never dropped, and what is kept starts with a
+    user's message (templates that want turns to alternate refuse anything else). Found by
+    bisection: a few renders for any length of conversation. Without every droppable one it may
+    still not fit: `truncated` then cuts it."""
     messages = request.messages or []
     droppable = [i for i, message in enumerate(messages[:-1]) if message.role != "system"]
     # Counts of oldest droppable messages that may go: what is left starts at a user's turn.
@@ -74,7 +92,7 @@ def _fitting_chat_ids(tokenizer: PreTrainedTokenizerBase, request: InferenceRequ
     while low < high:
         middle = (low + high) // 2
         candidate = without_oldest(counts[middle])
-        if len(candidate) < max_model_len:
+        if len(candidate) <= budget:
             high, fitting = middle, candidate
         else:
             low = middle + 1
@@ -82,14 +100,27 @@ def _fitting_chat_ids(tokenizer: PreTrainedTokenizerBase, request: InferenceRequ
 
 
 def truncated(token_ids: list[int], params: SamplingParams, max_model_len: int | None) -> list[int]:
-    """`token_ids` cut to ``truncate_prompt_tokens`` at its `truncation_side`; -1 keeps what a
-    context of `max_model_len` takes with room for one more token (None: all)."""
-    keep = params.truncate_prompt_tokens
-    if keep == -1:
-        keep = None if max_model_len is None else max(1, max_model_len - 1)
+    """`token_ids` cut to ``truncate_prompt_tokens`` at its `truncation_side` (-1 keeps what a
+    context of `max_model_len` takes with room for one more token, or for all of ``max_tokens``
+    when that must fit: `SamplingParams.max_tokens_must_fit`), or with ``fit_context`` cut
+    as Ollama cuts a prompt: to `prompt_budget`, its first `NUM_KEPT_FIRST_TOKENS` and its latest
+    tokens kept (max_model_len None: all)."""
+    keep = _num_kept_tokens(params, max_model_len)
     if keep is None or len(token_ids) <= keep:
         return token_ids
+    if params.fit_context:
+        first = min(NUM_KEPT_FIRST_TOKENS, keep - 1)
+        return token_ids[:first] + token_ids[len(token_ids) - (keep - first):]
     return token_ids[-keep:] if params.truncation_side == "left" else token_ids[:keep]
+
+
+def _num_kept_tokens(params: SamplingParams, max_model_len: int | None) -> int | None:
+    if max_model_len is not None and params.fit_context:
+        return prompt_budget(params, max_model_len)
+    if params.truncate_prompt_tokens == -1:
+        room = params.max_tokens if params.max_tokens_must_fit else 1
+        return None if max_model_len is None else max(1, max_model_len - room)
+    return params.truncate_prompt_tokens
 
 
 def chat_prompt(tokenizer: PreTrainedTokenizerBase, request: InferenceRequest) -> str:

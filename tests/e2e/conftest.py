@@ -30,6 +30,15 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def context_length(client: openai.OpenAI, model: str) -> int:
+    """`model`'s context, known once a node agent has inspected it (just after startup)."""
+    deadline = time.monotonic() + 60
+    while (length := (client.models.retrieve(model).model_extra or {}).get("max_model_len")) is None:
+        assert time.monotonic() < deadline, "the model was never inspected"
+        time.sleep(0.2)
+    return int(length)
+
+
 def http_json(base_url: str, method: str, path: str, body: dict[str, Any] | None = None, timeout_s: float = 300
               ) -> tuple[int, Any]:
     """(status, decoded JSON body) of one request, errors included."""

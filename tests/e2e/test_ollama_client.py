@@ -266,7 +266,7 @@ def test_embed_is_the_openai_apis_embedding(shoal: ShoalUp, api: ollama.Client, 
 def test_a_conversation_longer_than_the_context_loses_its_oldest_messages(
         shoal: ShoalUp, api: ollama.Client, client: openai.OpenAI, demo_models_root: Path) -> None:
     """Ollama's truncation of a chat: the system message and the latest turns that fit are
-    read (with room to answer); ``truncate: false`` makes it a 413, as ``/v1`` answers."""
+    read (with room to answer); ``truncate: false`` makes it a 400, as ``/v1`` answers."""
     turns = [{"role": "user" if i % 2 == 0 else "assistant", "content": f"Turn {i}. " + "The tide comes in. " * 40}
              for i in range(41)]
     messages = [{"role": "system", "content": "Be brief."}, *turns]
@@ -281,7 +281,34 @@ def test_a_conversation_longer_than_the_context_loses_its_oldest_messages(
                                  add_special_tokens=False)): n for n in range(len(turns))}
     assert reply.prompt_eval_count in kept and kept[reply.prompt_eval_count] > 0
     status, _, raw = _http(shoal, "POST", "/api/chat", {"model": SMALL, "messages": messages, "truncate": False})
-    assert status == 413 and "error" in json.loads(raw)
+    assert status == 400 and "error" in json.loads(raw)
+
+
+def test_a_prompt_longer_than_the_context_loses_its_start_unless_truncate_is_false(
+        shoal: ShoalUp, api: ollama.Client, client: openai.OpenAI, demo_models_root: Path) -> None:
+    """Ollama's truncation of a prompt (or a chat's last message) that no dropped message makes
+    fit: its first 4 tokens (the template's opening) and its latest are read, room left for
+    ``num_predict``; the answer is what ``/v1`` answers to those tokens. ``truncate: false``: a 400."""
+    text = "The tide comes in over the sand, and the gulls call. " * 500
+    context = _context_length(client)
+    tokenizer = AutoTokenizer.from_pretrained(demo_models_root / SMALL)
+    cases = {"/api/generate": {"prompt": text}, "/api/chat": {"messages": [{"role": "user", "content": text}]}}
+    rendered = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                             add_generation_prompt=True)
+    ids = tokenizer.encode(rendered, add_special_tokens=False)
+    assert len(ids) > context
+    kept = ids[:4] + ids[-(context - GREEDY["num_predict"] - 4):]
+    expected = client.completions.create(model=SMALL, prompt=kept, max_tokens=8, temperature=0)
+    assert expected.usage is not None and expected.usage.prompt_tokens == context - 8
+    for path, body in cases.items():
+        status, _, raw = _http(shoal, "POST", path, {"model": SMALL, **body, "options": GREEDY, "stream": False})
+        answer = json.loads(raw)
+        assert status == 200 and answer["done"], answer
+        assert answer["prompt_eval_count"] == context - 8 and answer["eval_count"] == expected.usage.completion_tokens
+        said = answer["response"] if path == "/api/generate" else answer["message"]["content"]
+        assert said and said == expected.choices[0].text
+        status, _, raw = _http(shoal, "POST", path, {"model": SMALL, **body, "stream": False, "truncate": False})
+        assert status == 400 and "prompt is too long" in json.loads(raw)["error"]
 
 
 def test_a_corpus_at_once_is_embedded_in_batches(api: ollama.Client, client: openai.OpenAI) -> None:
@@ -310,7 +337,7 @@ def test_an_input_longer_than_the_context_loses_its_end_unless_truncate_is_false
     assert list(embedded.embeddings[0]) == pytest.approx(start, abs=1e-5)
     with pytest.raises(ollama.ResponseError) as caught:
         api.embed(model=SMALL, input=long_text, truncate=False)
-    assert caught.value.status_code == 413
+    assert caught.value.status_code == 400
 
 
 def test_load_ps_and_unload_follow_the_models_replicas(shoal: ShoalUp, api: ollama.Client) -> None:

@@ -12,6 +12,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +22,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from tests.e2e.conftest import ShoalUp, http_json
+from tests.e2e.conftest import ShoalUp, context_length, http_json
 
 pytestmark = pytest.mark.e2e
 
@@ -494,10 +495,36 @@ def test_null_fields_are_accepted_as_absent(shoal: ShoalUp) -> None:
     assert payload["usage"]["completion_tokens"] == 3 and len(payload["choices"]) == 1
 
 
-def test_prompt_too_long_for_the_model_is_413(shoal: ShoalUp) -> None:
-    body = json.dumps({"model": SMALL, "prompt": "word " * 4000, "max_tokens": 2}).encode()
-    code, payload = _post(shoal.base_url + "/v1/completions", body)
-    assert code == 413 and "prompt" in payload["error"]["message"]
+def test_a_prompt_or_max_tokens_beyond_the_context_is_a_400_the_client_raises_as_bad_request(
+        client: openai.OpenAI) -> None:
+    """What OpenAI and vLLM answer, ``BadRequestError`` with ``context_length_exceeded`` (what
+    LangChain and LiteLLM look for), each naming the field as the route calls it."""
+    context = context_length(client, SMALL)
+    long_prompt, near_full = "word " * (2 * context), "word " * (context - 60)
+    calls: list[tuple[str, Callable[[], object]]] = [
+        ("prompt", lambda: client.completions.create(model=SMALL, prompt=long_prompt, max_tokens=2)),
+        ("messages", lambda: client.chat.completions.create(
+            model=SMALL, messages=[{"role": "user", "content": long_prompt}], max_tokens=2)),
+        ("input", lambda: client.responses.create(model=SMALL, input=long_prompt, max_output_tokens=2)),
+        ("input", lambda: client.embeddings.create(model=SMALL, input=[long_prompt])),
+        ("max_tokens", lambda: client.completions.create(model=SMALL, prompt=near_full, max_tokens=context)),
+        ("max_tokens", lambda: client.chat.completions.create(
+            model=SMALL, messages=[{"role": "user", "content": near_full}], max_tokens=context)),
+        ("max_completion_tokens", lambda: client.chat.completions.create(
+            model=SMALL, messages=[{"role": "user", "content": near_full}], max_completion_tokens=context)),
+        ("max_output_tokens", lambda: client.responses.create(model=SMALL, input=near_full,
+                                                              max_output_tokens=context)),
+    ]
+    for param, call in calls:
+        with pytest.raises(openai.BadRequestError) as caught:
+            call()
+        error = caught.value.body
+        assert isinstance(error, dict) and (error["code"], error["param"]) == ("context_length_exceeded", param), error
+    # A max_tokens Shoal chose (chat's default) stops at the context's end instead.
+    cut = client.chat.completions.create(model=SMALL, messages=[{"role": "user", "content": near_full}],
+                                         extra_body={"ignore_eos": True})
+    assert cut.choices[0].finish_reason == "length" and cut.usage is not None
+    assert cut.usage.prompt_tokens + cut.usage.completion_tokens == context
 
 
 def test_registering_a_model_whose_files_no_node_agent_finds_is_400(shoal: ShoalUp) -> None:
@@ -742,7 +769,8 @@ def test_continue_final_message_goes_on_with_the_assistants_words(client: openai
 
 def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(client: openai.OpenAI, demo_models_root: Path) -> None:
     """vLLM's ``truncate_prompt_tokens``: the prompt's last k tokens are all the model reads
-    (the answer is the one those tokens alone get); -1 fits a prompt longer than the context."""
+    (the answer is the one those tokens alone get); -1 fits a prompt longer than the context,
+    leaving room for the max_tokens the client gave (for one token without it)."""
     tokenizer = AutoTokenizer.from_pretrained(demo_models_root / SMALL)
     text = "The sea is calm tonight and the tide is full"
     greedy: dict[str, Any] = dict(model=SMALL, max_tokens=6, temperature=0)
@@ -752,13 +780,14 @@ def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(client: openai.Ope
     assert cut.choices[0].text == alone.choices[0].text
 
     too_long = "sea " * 3000
-    with pytest.raises(openai.APIStatusError) as caught:
+    with pytest.raises(openai.BadRequestError):
         client.completions.create(prompt=too_long, **greedy)
-    assert caught.value.status_code == 413
-    context = client.models.retrieve(SMALL).model_extra["max_model_len"]  # type: ignore[index]
-    fitted = client.completions.create(prompt=too_long, **greedy, extra_body={"truncate_prompt_tokens": -1})
-    assert fitted.usage is not None and fitted.usage.prompt_tokens == context - 1
-    chat = client.chat.completions.create(messages=[{"role": "user", "content": too_long}], **greedy,
+    context = context_length(client, SMALL)
+    fitted = client.completions.create(prompt=too_long, **greedy, extra_body={"truncate_prompt_tokens": -1,
+                                                                              "ignore_eos": True})
+    assert fitted.usage is not None and (fitted.usage.prompt_tokens, fitted.usage.completion_tokens) == (context - 6, 6)
+    unasked = {k: v for k, v in greedy.items() if k != "max_tokens"}
+    chat = client.chat.completions.create(messages=[{"role": "user", "content": too_long}], **unasked,
                                           extra_body={"truncate_prompt_tokens": -1})
     assert chat.usage is not None and chat.usage.prompt_tokens == context - 1
     with pytest.raises(openai.BadRequestError) as refused:

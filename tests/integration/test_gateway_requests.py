@@ -97,6 +97,7 @@ async def gateway(bus: Bus, nats_server: EmbeddedNatsServer) -> AsyncIterator[st
         ("chat", {"messages": [{"role": "user", "content": "hi", "tool_calls": [CALL]}]}, "messages"),
         ("chat", {"messages": [{"role": "assistant", "tool_calls": [{"id": "c1", "function": {"name": "f"}}]}]},
          "messages"),
+        ("chat", {"messages": [{"role": "user", "content": [{"type": "refusal", "refusal": "no"}]}]}, "messages"),
         ("chat", {"response_format": {"type": "yaml"}}, "response_format"),
         ("chat", {"response_format": {"type": "json_schema"}}, "response_format"),
         ("chat", {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format"),
@@ -192,6 +193,9 @@ async def test_a_number_beyond_float_range_is_400_naming_the_field(gateway: str)
         ("/v1/chat/completions", CHAT | {"tools": [TOOL], "messages": [
             {"role": "user", "content": "hi"}, {"role": "assistant", "content": None, "tool_calls": [CALL]},
             {"role": "tool", "content": "42", "tool_call_id": "c1"}]}),
+        ("/v1/chat/completions", CHAT | {"messages": [  # a refusal replayed as OpenAI answered it
+            {"role": "user", "content": "hi"}, {"role": "assistant", "content": [{"type": "refusal", "refusal": "no"}]},
+            {"role": "user", "content": "why?"}]}),
         ("/v1/responses", RESPONSES | {
             "instructions": None, "max_output_tokens": None, "temperature": None, "top_p": None, "stream": None,
             "tools": None, "tool_choice": None, "parallel_tool_calls": None, "text": None, "include": None,

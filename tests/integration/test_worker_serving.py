@@ -160,14 +160,15 @@ async def test_cancel_stops_a_running_request(bus: Bus, worker: WorkerService) -
     await serving
 
 
-async def test_prompt_longer_than_the_model_gets_413(bus: Bus, worker: WorkerService) -> None:
+async def test_prompt_longer_than_the_model_gets_400_context_length_exceeded(bus: Bus, worker: WorkerService) -> None:
     serving = asyncio.create_task(worker.run())
     request = _request("huge", prompt_token_ids=[5] * 5000, prompt=None)
     collector = asyncio.create_task(_collect(bus, request.reply_to))
     await asyncio.sleep(0.05)
     await _publish(bus, request)
     replies = await collector
-    assert isinstance(replies[-1], ErrorReply) and replies[-1].status == 413
+    assert isinstance(replies[-1], ErrorReply) and (replies[-1].status, replies[-1].code) == (
+        400, "context_length_exceeded")
     await worker.stop(drain_timeout_s=5.0)
     await serving
 

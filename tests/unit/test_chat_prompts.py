@@ -10,7 +10,14 @@ import pytest
 from transformers import AutoTokenizer
 
 from shoal.services.worker.generation import RequestRejected
-from shoal.services.worker.prompts import chat_prompt, prompt_chars, prompt_token_ids, truncated
+from shoal.services.worker.prompts import (
+    NUM_KEPT_FIRST_TOKENS,
+    chat_prompt,
+    prompt_budget,
+    prompt_chars,
+    prompt_token_ids,
+    truncated,
+)
 from shoal.shared.messages import ChatMessage, InferenceRequest, SamplingParams, ToolCall, ToolSpec
 
 WEATHER = ToolSpec("get_weather", "Weather in a city",
@@ -86,17 +93,19 @@ def test_a_prompt_is_cut_as_truncate_prompt_tokens_asks(keep: int | None, side: 
 
 
 def test_a_conversation_too_long_loses_as_few_of_its_oldest_messages_as_make_it_fit(tokenizer: object) -> None:
-    """Ollama's truncation (``drop_old_messages``): system messages and the last one stay; the
-    oldest others go, no more than needed to leave room for one token."""
+    """Ollama's truncation (``fit_context``): system messages and the last one stay; the
+    oldest others go, no more than needed to leave room to answer (`prompt_budget`)."""
     turns = [ChatMessage("user" if i % 2 == 0 else "assistant", f"turn {i}: " + "the tide comes in " * 3)
              for i in range(21)]
     messages = [ChatMessage("system", "Be brief."), *turns]
-    params = SamplingParams(drop_old_messages=True)
+    params = SamplingParams(fit_context=True)
     request = InferenceRequest("r1", "demo/qwen2-25m", params, 0.0, "reply", messages=messages)
     whole = prompt_token_ids(tokenizer, request)  # type: ignore[arg-type]
     limit = len(whole) // 2
+    budget = prompt_budget(params, limit)
+    assert budget == limit - 16  # room for max_tokens
     fitted = prompt_token_ids(tokenizer, request, max_model_len=limit)  # type: ignore[arg-type]
-    assert len(fitted) < limit
+    assert len(fitted) <= budget
 
     def rendered(kept: list[ChatMessage]) -> list[int]:
         text = chat_prompt(tokenizer, _request(kept))
@@ -105,6 +114,50 @@ def test_a_conversation_too_long_loses_as_few_of_its_oldest_messages_as_make_it_
     dropped = next(n for n in range(len(turns)) if rendered([messages[0], *turns[n:]]) == fitted)
     assert 0 < dropped < len(turns) - 1  # the system message and the last turn kept
     assert turns[dropped].role == "user"  # what is kept starts with a user's turn (alternating templates)
-    assert len(rendered([messages[0], *turns[dropped - 2:]])) >= limit  # one turn fewer dropped would not fit
+    assert len(rendered([messages[0], *turns[dropped - 2:]])) > budget  # one turn fewer dropped would not fit
     unfitted = msgspec.structs.replace(request, params=SamplingParams())
     assert prompt_token_ids(tokenizer, unfitted, max_model_len=limit) == whole  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("max_tokens", "max_model_len", "budget"), [
+    (16, 100, 84),        # room for the answer asked for
+    (1 << 30, 100, 50),   # "until the context ends" (Ollama's default): half of it
+    (1, 100, 99),
+    (0, 100, 99),         # room for one token at least
+    (16, 1, 1),
+])
+def test_a_fitted_prompt_leaves_room_for_max_tokens_up_to_half_the_context(max_tokens: int, max_model_len: int,
+                                                                           budget: int) -> None:
+    assert prompt_budget(SamplingParams(max_tokens=max_tokens), max_model_len) == budget
+
+
+@pytest.mark.parametrize(("max_tokens", "max_model_len", "expected"), [
+    (2, 8, [1, 2, 3, 4, 9, 10]),    # its first 4 tokens and its latest, 8 - 2 in all
+    (99, 8, [1, 2, 3, 10]),         # half the context: the last token kept whatever the first
+    (99, 2, [10]),
+    (2, 12, list(range(1, 11))),    # short enough: as it is
+    (2, None, list(range(1, 11))),
+])
+def test_a_prompt_fitted_to_the_context_keeps_its_first_tokens_and_its_latest(
+        max_tokens: int, max_model_len: int | None, expected: list[int]) -> None:
+    params = SamplingParams(max_tokens=max_tokens, fit_context=True)
+    assert truncated(list(range(1, 11)), params, max_model_len) == expected
+
+
+def test_a_message_or_prompt_too_long_alone_loses_its_start_but_the_templates_opening(tokenizer: object) -> None:
+    """Ollama's truncation of what dropping messages cannot fit: the prompt's first
+    `NUM_KEPT_FIRST_TOKENS` and its latest tokens, room left to answer; a prompt that fits, or
+    a request that does not ask, is as it was."""
+    text = " ".join(f"word{i}" for i in range(400))
+    params = SamplingParams(max_tokens=8, fit_context=True)
+    chat = InferenceRequest("r1", "demo/qwen2-25m", params, 0.0, "reply",
+                            messages=[ChatMessage("system", "Be brief."), ChatMessage("user", text)])
+    completion = msgspec.structs.replace(chat, messages=None, prompt=text)
+    for request in (chat, completion):
+        whole = prompt_token_ids(tokenizer, msgspec.structs.replace(request, params=SamplingParams()))  # type: ignore[arg-type]
+        fitted = prompt_token_ids(tokenizer, request, max_model_len=200)  # type: ignore[arg-type]
+        assert len(whole) > 200 and len(fitted) == 200 - 8
+        assert fitted == whole[:NUM_KEPT_FIRST_TOKENS] + whole[-(200 - 8 - NUM_KEPT_FIRST_TOKENS):]
+        assert prompt_token_ids(tokenizer, request, max_model_len=len(whole) + 8) == whole  # type: ignore[arg-type]
+    opening = tokenizer.decode(prompt_token_ids(tokenizer, chat, max_model_len=200)[:NUM_KEPT_FIRST_TOKENS])  # type: ignore[arg-type, attr-defined]
+    assert opening.startswith("<|im_start|>system\n")

@@ -604,13 +604,35 @@ async def test_requests_that_cannot_run_are_rejected(models: Models) -> None:
         assert engine.max_model_len == 32
         with pytest.raises(RequestRejected) as rejected:
             await anext(engine.generate(_request("long", list(range(5, 37)))))
-        assert rejected.value.status == 413
+        assert (rejected.value.status, rejected.value.code) == (400, "context_length_exceeded")
+        assert "32 tokens > 31 maximum" in str(rejected.value)
         with pytest.raises(RequestRejected) as rejected:
             await anext(engine.generate(_request("empty", [])))
         assert rejected.value.status == 400
-        # Prompt + completion stop at the pool's capacity with "length".
+        # Prompt + completion stop at the pool's capacity with "length"...
         _text, final = await _collect(engine.generate(_request("fits", list(range(5, 35)), max_tokens=50)))
         assert (final.finish_reason, final.num_completion_tokens) == ("length", 2)
+        # ...unless the client's max_tokens must fit: then it is refused, naming max_tokens.
+        with pytest.raises(RequestRejected) as rejected:
+            await anext(engine.generate(_request("must", list(range(5, 35)), max_tokens=3, max_tokens_must_fit=True)))
+        assert (rejected.value.status, rejected.value.param, rejected.value.code) == (
+            400, "max_tokens", "context_length_exceeded")
+        _text, final = await _collect(engine.generate(_request("room", list(range(5, 35)), max_tokens=2,
+                                                                max_tokens_must_fit=True)))
+        assert (final.finish_reason, final.num_completion_tokens) == ("length", 2)
+    finally:
+        await engine.close()
+
+
+async def test_an_embedding_input_may_fill_the_context(models: Models) -> None:
+    """An embedding generates nothing: no room to answer is kept (vLLM embeds up to max_model_len)."""
+    engine = _engine(models.load("demo/llama-5m"), num_blocks=8)  # 32 tokens of KV
+    try:
+        _text, final = await _collect(engine.generate(_request("full", list(range(5, 37)), embed=True)))
+        assert final.embedding is not None and final.num_prompt_tokens == 32
+        with pytest.raises(RequestRejected) as rejected:
+            await anext(engine.generate(_request("over", list(range(5, 38)), embed=True)))
+        assert (rejected.value.status, rejected.value.code) == (400, "context_length_exceeded")
     finally:
         await engine.close()
 

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from shoal.services.gateway.choices import choice_seed, expand, merged
-from shoal.services.gateway.errors import BadRequest, PayloadTooLarge
+from shoal.services.gateway.errors import BadRequest
 from shoal.services.gateway.openai_api import CompletionRequest, check_num_choices, completion_prompts
 from shoal.shared.messages import InferenceRequest, SamplingParams
 
@@ -82,8 +82,9 @@ def test_bad_prompts_in_a_batch_are_400_naming_prompt(prompt: Any) -> None:
 
 def test_the_character_bound_counts_the_whole_batch() -> None:
     completion_prompts(_completion(["a" * 50, "b" * 50]), max_chars=100)
-    with pytest.raises(PayloadTooLarge, match="101 characters"):
+    with pytest.raises(BadRequest, match="101 characters") as caught:
         completion_prompts(_completion(["a" * 50, "b" * 51]), max_chars=100)
+    assert (caught.value.status, caught.value.code) == (400, "context_length_exceeded")
 
 
 def test_at_most_128_generations_per_request() -> None:

@@ -94,6 +94,16 @@ def test_items_become_turns_with_calls_joined_to_the_assistant_turn_before_them(
     ]
 
 
+def test_an_assistants_replayed_refusal_is_its_text_and_a_users_is_a_400() -> None:
+    refused = {"type": "message", "role": "assistant",
+               "content": [{"type": "refusal", "refusal": "I can't help with that."}]}
+    assert _messages(input=[{"role": "user", "content": "Help?"}, refused, {"role": "user", "content": "Why?"}])[1] == {
+        "role": "assistant", "content": "I can't help with that."}
+    with pytest.raises(BadRequest) as caught:
+        read_input([{"role": "user", "content": [{"type": "refusal", "refusal": "no"}]}])
+    assert caught.value.param == "input" and "refusal" in caught.value.message
+
+
 def test_tools_tool_choice_and_text_format_mean_what_chat_means() -> None:
     schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}}
     chat = chat_request(_request(tools=[TOOL], tool_choice={"type": "function", "name": "get_time"},
@@ -218,6 +228,16 @@ def test_calls_are_function_call_items_after_any_text() -> None:
                                 usage(3, 12))
     assert [type(item) for item in with_text.output] == [MessageItem, FunctionCallItem]
     assert [item["type"] for item in msgspec.to_builtins(with_text)["output"]] == ["message", "function_call"]
+
+
+@pytest.mark.parametrize(("fields", "echoed"), [
+    ({}, "auto"),                                       # OpenAI's default, with tools or without
+    ({"tools": [TOOL]}, "auto"),
+    ({"tool_choice": "none"}, "none"),
+    ({"tools": [TOOL], "tool_choice": "required"}, "required"),
+])
+def test_tool_choice_is_echoed_as_sent_and_auto_when_unsent(fields: dict[str, Any], echoed: str) -> None:
+    assert response_object(_shell(**fields), Answer("Hi", "stop"), usage(1, 1)).tool_choice == echoed
 
 
 def test_input_items_keep_the_clients_ids_and_get_new_ones_otherwise() -> None:

@@ -70,8 +70,8 @@ from shoal.services.worker.generation import (
     RequestRejected,
     TextStream,
     TokenLogprobs,
+    check_fits_context,
     embedding_bytes,
-    prompt_too_long,
 )
 from shoal.shared.kv_cache.block_pool import BlockPool
 from shoal.shared.kv_cache.cost_model import CostProfile
@@ -316,7 +316,7 @@ class PagedEngine:
 
         Raises:
             RequestRejected: before any output, when the prompt is empty, longer than the
-                model or the KV pool takes (413), or the request id is in use.
+                model or the KV pool takes (400), or the request id is in use.
             EngineFailed: a CUDA error poisoned the engine's context (`device_errors`),
                 before or while the request ran.
         """
@@ -492,10 +492,8 @@ class PagedEngine:
         max_model_len = min(self.max_model_len, request.max_model_len or self.max_model_len)
         if num_prompt_tokens == 0:
             raise RequestRejected("the prompt is empty", 400)
-        if num_prompt_tokens >= max_model_len:
-            raise prompt_too_long(num_prompt_tokens, max_model_len - 1,
-                                  "the model's context or its KV pool, less one token to answer")
         params = request.params
+        check_fits_context(num_prompt_tokens, max_model_len, params, "the model's context or its KV pool")
         if params.min_tokens and params.has_grammar:
             raise RequestRejected(f"min_tokens cannot be combined with {params.grammar_param}: the grammar's end "
                                   "ends the answer", 400, param="min_tokens")
