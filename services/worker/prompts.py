@@ -60,11 +60,12 @@ def _chat_ids(tokenizer: PreTrainedTokenizerBase, request: InferenceRequest) -> 
 
 def prompt_budget(params: SamplingParams, max_model_len: int) -> int:
     """How many tokens a prompt fitted to a context of `max_model_len` keeps (``fit_context``):
-    all but room for ``max_tokens``, that room at most half the context (a request without
-    ``num_predict`` asks for all of it: it gets half) and at least one token. Ollama fills the
-    context and shifts it while it answers; Shoal does not shift, so a prompt that filled the
-    context could answer one token only."""
-    room = max(1, min(params.max_tokens, max_model_len // 2))
+    all but room for ``max_tokens``, that room at most a quarter of the context (a request
+    without ``num_predict`` asks for all of it: a chat's answer rarely needs more, and the
+    conversation keeps the rest) and at least one token. Ollama fills the context and shifts it
+    while it answers; Shoal does not shift, so a prompt that filled the context could answer
+    one token only."""
+    room = max(1, min(params.max_tokens, max_model_len // 4))
     return max(1, max_model_len - room)
 
 

@@ -16,7 +16,7 @@ import openai
 import pytest
 from transformers import AutoTokenizer
 
-from tests.e2e.conftest import ShoalUp
+from tests.e2e.conftest import ShoalUp, context_length
 
 pytestmark = pytest.mark.e2e
 
@@ -45,15 +45,6 @@ def _http(shoal: ShoalUp, method: str, path: str, body: dict[str, Any] | bytes |
             return response.status, response.headers.get("Content-Type", ""), response.read()
     except urllib.error.HTTPError as exc:
         return exc.code, exc.headers.get("Content-Type", ""), exc.read()
-
-
-def _context_length(client: openai.OpenAI, model: str = SMALL) -> int:
-    """The model's context, known once a node agent has inspected it (just after startup)."""
-    deadline = time.monotonic() + 60
-    while (length := (client.models.retrieve(model).model_extra or {}).get("max_model_len")) is None:
-        assert time.monotonic() < deadline, "the model was never inspected"
-        time.sleep(0.2)
-    return int(length)
 
 
 def _register(shoal: ShoalUp, **model: Any) -> None:
@@ -270,7 +261,7 @@ def test_a_conversation_longer_than_the_context_loses_its_oldest_messages(
     turns = [{"role": "user" if i % 2 == 0 else "assistant", "content": f"Turn {i}. " + "The tide comes in. " * 40}
              for i in range(41)]
     messages = [{"role": "system", "content": "Be brief."}, *turns]
-    context = _context_length(client)
+    context = context_length(client, SMALL)
     tokenizer = AutoTokenizer.from_pretrained(demo_models_root / SMALL)
     whole = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     assert len(tokenizer.encode(whole, add_special_tokens=False)) > context
@@ -290,7 +281,7 @@ def test_a_prompt_longer_than_the_context_loses_its_start_unless_truncate_is_fal
     fit: its first 4 tokens (the template's opening) and its latest are read, room left for
     ``num_predict``; the answer is what ``/v1`` answers to those tokens. ``truncate: false``: a 400."""
     text = "The tide comes in over the sand, and the gulls call. " * 500
-    context = _context_length(client)
+    context = context_length(client, SMALL)
     tokenizer = AutoTokenizer.from_pretrained(demo_models_root / SMALL)
     cases = {"/api/generate": {"prompt": text}, "/api/chat": {"messages": [{"role": "user", "content": text}]}}
     rendered = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
@@ -329,7 +320,7 @@ def test_an_input_longer_than_the_context_loses_its_end_unless_truncate_is_false
     (with room for one more) are embedded; ``truncate: false`` makes it an error."""
     long_text = "The tide comes in over the sand. " * 400
     ids = AutoTokenizer.from_pretrained(demo_models_root / SMALL).encode(long_text)
-    context = _context_length(client)
+    context = context_length(client, SMALL)
     assert len(ids) > context
     embedded = api.embed(model=SMALL, input=long_text)
     assert embedded.prompt_eval_count == context - 1

@@ -121,19 +121,19 @@ def test_a_conversation_too_long_loses_as_few_of_its_oldest_messages_as_make_it_
 
 @pytest.mark.parametrize(("max_tokens", "max_model_len", "budget"), [
     (16, 100, 84),        # room for the answer asked for
-    (1 << 30, 100, 50),   # "until the context ends" (Ollama's default): half of it
+    (1 << 30, 100, 75),   # "until the context ends" (Ollama's default): a quarter of it
     (1, 100, 99),
     (0, 100, 99),         # room for one token at least
     (16, 1, 1),
 ])
-def test_a_fitted_prompt_leaves_room_for_max_tokens_up_to_half_the_context(max_tokens: int, max_model_len: int,
-                                                                           budget: int) -> None:
+def test_a_fitted_prompt_leaves_room_for_max_tokens_up_to_a_quarter_of_the_context(
+        max_tokens: int, max_model_len: int, budget: int) -> None:
     assert prompt_budget(SamplingParams(max_tokens=max_tokens), max_model_len) == budget
 
 
 @pytest.mark.parametrize(("max_tokens", "max_model_len", "expected"), [
     (2, 8, [1, 2, 3, 4, 9, 10]),    # its first 4 tokens and its latest, 8 - 2 in all
-    (99, 8, [1, 2, 3, 10]),         # half the context: the last token kept whatever the first
+    (99, 8, [1, 2, 3, 4, 9, 10]),   # a quarter of the context: room for 2
     (99, 2, [10]),
     (2, 12, list(range(1, 11))),    # short enough: as it is
     (2, None, list(range(1, 11))),
