@@ -15,6 +15,7 @@ the model's stream (the gateway asks again every second: that is the wake's inte
       │ none ─▶ blocked, as above
     preemption pass: the victims drain (barrier, in-flight requests finish) and park or
     stop; their node agents release the memory once the workers have let it go
+      │ released, but taken by a waker ahead in line ─▶ victims again
     claim: wake lock on the target GPUs (CAS, expiring), a placement pass that may use
     the memory the intents kept, the restore or start; then the lock and intents go
 
@@ -246,6 +247,20 @@ class WakeCoordinator:
             await asyncio.sleep(wait_s)
             await self._put_intents(wake)
         self._observe_fairness_wait(wake)
+        while True:
+            choice = await self._eligible_victims(wake)
+            if not isinstance(choice, Victims):
+                return choice
+            wake.phase = "preempting"
+            released = await self._claim_released(wake, choice)
+            if released != "taken":
+                return released
+            # Their memory went to a waker ahead in line (another scheduler's, whose intent came
+            # after this choice): choose again now rather than wait out the drain deadline.
+            log.info("wake_memory_taken", model=wake.model, victims=list(choice.replica_ids))
+
+    async def _eligible_victims(self, wake: Wake) -> Literal["done"] | Victims | NoVictim:
+        """The victims fairness allows; "done" if the model got placed meanwhile."""
         while isinstance(choice := await self._choose_victims(wake), NoVictim):
             if not choice.num_skipped.get("not_serving"):
                 return choice
@@ -256,17 +271,34 @@ class WakeCoordinator:
                 return "done"
             await asyncio.sleep(RECHECK_INTERVAL_S)
             await self._put_intents(wake)
-        wake.phase = "preempting"
-        drain_s = await self._preempt(wake, choice)
+        return choice
+
+    async def _claim_released(self, wake: Wake, victims: Victims) -> Literal["done", "taken"] | NoVictim:
+        """Preempt `victims` and claim their memory once released: "done"; "taken" when they
+        released it and it is still not free for this waker; NoVictim when they did not
+        release it in time."""
+        drain_s = await self._preempt(wake, victims)
         deadline = self._clock() + drain_s + RELEASE_MARGIN_S
         while self._clock() < deadline:
             self._check_interest(wake)
             if await self._try_claim(wake):
                 return "done"
+            if await self._released(wake, victims) and not (await self._look_at_place(wake)).fits:
+                return "taken"
             await asyncio.sleep(POLL_S)
             await self._put_intents(wake)
         return NoVictim(f"the preempted replicas did not release their memory within "
                         f"{drain_s + RELEASE_MARGIN_S:.0f} s", retry_after_s=5.0)
+
+    async def _released(self, wake: Wake, victims: Victims) -> bool:
+        """Whether every victim left the wake's GPUs or sleeps there (holding its residue only)."""
+        for key in wake.gpu_bytes:
+            entry = await self._bus.gpus.get(key)
+            if entry is None:
+                raise WakeCancelled(f"GPU {key} is gone")
+            if any(o.replica_id in victims.replica_ids and o.state != "sleeping" for o in entry.value.occupants):
+                return False
+        return True
 
     async def _hold_place(self, wake: Wake, why: NoVictim) -> Literal["again", "done", "blocked"]:
         """No eligible victim: requests get 503 with `why` until the block's end. When a victim

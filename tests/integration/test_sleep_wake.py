@@ -10,11 +10,14 @@ import time
 from pathlib import Path
 
 import aiohttp
+import msgspec
 
 from shoal.shared import subjects
+from shoal.shared.bus import cas_update
+from shoal.shared.messages import PreemptionIntent
 from shoal.shared.model_settings import FairnessSettings, SleepSettings
 from shoal.shared.nats_server import EmbeddedNatsServer
-from tests.integration.sleep_wake_harness import CHECKPOINT, model, sleep_wake_cluster
+from tests.integration.sleep_wake_harness import CHECKPOINT, REPLICA_BYTES, model, sleep_wake_cluster
 
 ACTIVITY_S = 1.2
 """A worker writes its activity at most once a second: wait this long for it to land."""
@@ -296,6 +299,43 @@ async def test_two_wakers_racing_for_one_gpu_never_both_claim_it(
             watching.cancel()
         assert not both_seen, f"both wakers served at once: {both_seen[0]}"
         assert cluster.max_reserved_seen[0] <= (await cluster.gpu()).total_bytes
+
+
+async def test_a_waker_whose_released_memory_went_to_a_waker_ahead_chooses_a_victim_again(
+        nats_server: EmbeddedNatsServer, demo_models_root: Path, tmp_path: Path) -> None:
+    """c's victim (a, draining a long answer) releases its memory to a waker ahead of c in line
+    whose intent came after c chose (another scheduler's, x): c preempts b at once and is
+    placed, instead of polling until a's drain deadline (drain_timeout_s + 60 s) and turning
+    its requests away. (b is popular until a drains, so that a, busy, is the first victim.)"""
+    popular = FairnessSettings(min_runtime_s=0.5, max_wait_s=0.2, popular=True)
+    async with sleep_wake_cluster(nats_server.url, demo_models_root, tmp_path,
+                                  [model("a"), model("b", fairness=popular), model("c")]) as cluster:
+        await cluster.complete("a")
+        await cluster.complete("b")
+        long_answer = asyncio.create_task(cluster.complete("a", max_tokens=1500))  # a's drain waits for it
+        await asyncio.sleep(ACTIVITY_S)
+        waking = asyncio.create_task(cluster.complete("c"))
+
+        async def a_draining() -> bool:
+            return any(r.state == "draining" for r in await cluster.replicas("a"))
+
+        await cluster.wait_for(a_draining, "c's wake to preempt a", timeout_s=30)
+        assert not long_answer.done(), "a's answer must still be in flight when c's wake preempts a"
+        now = time.time()
+        ahead = PreemptionIntent(model="x", num_bytes=REPLICA_BYTES, since=now - 100, owner="s-elsewhere",
+                                 expires_at=now + 300, interest_until=now + 300)
+        await cas_update(cluster.bus.gpus, cluster.gpu_key,
+                         lambda gpu: msgspec.structs.replace(gpu, intents=[*gpu.intents, ahead]) if gpu else None)
+        b = await cluster.spec("b")
+        await cluster.bus.models.put(subjects.model_token("b"), msgspec.structs.replace(
+            b, fairness=msgspec.structs.replace(b.fairness, popular=False)))
+        async with asyncio.timeout(45):  # a's drain deadline is 90 s away
+            await waking
+        assert (await long_answer)["usage"]["completion_tokens"] == 1500, "a's answer completed"
+        states = {r.model: (r.level, r.state) for m in ("a", "b") for r in await cluster.replicas(m)}
+        assert states == {"a": ("WARM", "sleeping"), "b": ("WARM", "sleeping")}, states
+        assert await cluster.serving() == {"c"}
+        assert [i.model for i in (await cluster.gpu()).intents] == ["x"], "x keeps its place; c's intent is gone"
 
 
 async def test_a_cold_sleep_keeps_the_worker_and_reloads_its_weights_on_wake(
