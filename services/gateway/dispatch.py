@@ -212,7 +212,7 @@ class Dispatcher:
         limit = spec.max_queue or self._config.max_queue_per_model
         if self._num_queued[model] >= limit:
             raise TooManyRequests(f"too many requests for {model!r} in flight ({limit}); retry shortly",
-                                  retry_after_s=1.0)
+                                  code="rate_limit_exceeded", retry_after_s=1.0)
         self._num_queued[model] += 1
         self._queued_gauge.set(self._num_queued[model], model=model)
         try:

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import ast
 import json
+import re
 import uuid
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -227,7 +228,9 @@ def _pythonic_calls(text: str) -> list[FunctionCall] | None:
 
 class _Forced:
     """The grammar's JSON, whole when the choice ends: an array of calls (``required``), or
-    the named function's arguments."""
+    the named function's arguments. Cut short (``max_tokens``), it is still the calls begun, as
+    OpenAI and vLLM answer: the last one's arguments as far as they came (not JSON: the
+    frameworks report it as an invalid call, rather than finding no call at all)."""
 
     def __init__(self, plan: ToolPlan) -> None:
         self._function = plan.function if plan.choice == "named" else None
@@ -244,12 +247,39 @@ class _Forced:
 
     def _calls(self, text: str) -> list[FunctionCall] | None:
         if self._function is None:
-            return _json_array_calls(text)
+            return _json_array_calls(text) or _calls_begun(text)
         try:
             answer = json.loads(text)
         except ValueError:
-            return None
+            return [FunctionCall(self._function, text.strip())]  # the grammar's: a prefix of the arguments
         return [FunctionCall(self._function, json.dumps(answer, ensure_ascii=False))] if isinstance(answer, dict) else None
+
+
+_CUT_CALL = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"arguments"\s*:\s*(.*)', re.DOTALL)
+"""A ``required`` call cut short, as its grammar writes it (name first): its name, and its
+arguments as far as they came."""
+
+
+def _calls_begun(text: str) -> list[FunctionCall] | None:
+    """The calls of a ``required`` answer cut short (a prefix of its grammar's array): each
+    whole one, then the one cut, if its name came."""
+    decoder = json.JSONDecoder()
+    at = text.find("[") + 1
+    if at == 0:
+        return None
+    calls: list[FunctionCall] = []
+    while True:
+        while at < len(text) and (text[at].isspace() or text[at] == ","):
+            at += 1
+        try:
+            item, at = decoder.raw_decode(text, at)
+        except ValueError:
+            break
+        if (call := _call_of(item)) is not None:
+            calls.append(call)
+    if (cut := _CUT_CALL.match(text, at)) is not None:
+        calls.append(FunctionCall(json.loads(cut.group(1)), cut.group(2).strip()))
+    return calls or None
 
 
 def _call_of(item: Any) -> FunctionCall | None:

@@ -240,6 +240,22 @@ def test_a_forced_tool_choice_calls_a_tool_with_arguments_that_follow_its_schema
     assert calls[0]["id"].startswith("call_")
 
 
+def test_a_forced_call_cut_at_max_tokens_is_still_the_call_begun(client: openai.OpenAI) -> None:
+    """As OpenAI and vLLM answer (LangChain then reports an invalid call, not no call): the call,
+    its arguments the JSON written so far, finish reason ``length``; streamed alike."""
+    kwargs = dict(model=OTHER, messages=[{"role": "user", "content": "Weather in Oslo?"}], max_tokens=3,
+                  tools=[WEATHER_TOOL], tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    choice = client.chat.completions.create(**kwargs).choices[0]
+    assert choice.finish_reason == "length" and choice.message.content is None
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "get_weather" and call.function.arguments.startswith("{")
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(call.function.arguments)
+    content, calls, finish_reason = _streamed_calls(list(client.chat.completions.create(**kwargs, stream=True)))
+    assert (content, finish_reason) == ("", "length")
+    assert [(c["name"], c["arguments"]) for c in calls] == [("get_weather", call.function.arguments)]
+
+
 def test_a_tool_result_turn_reaches_the_models_template(client: openai.OpenAI, demo_models_root: Path) -> None:
     messages = [
         {"role": "user", "content": "Weather in Oslo?"},

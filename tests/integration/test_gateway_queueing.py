@@ -66,7 +66,7 @@ async def test_requests_waiting_for_placement_count_against_the_queue_bound(
         await _wait_for_metric(url, IN_FLIGHT, 2)  # both wait for placement, both count
         status, body, headers = await call("POST", url + "/v1/chat/completions", json=CHAT)
         assert status == 429, body
-        assert body["error"]["type"] == "rate_limit_error"
+        assert (body["error"]["type"], body["error"]["code"]) == ("rate_limit_error", "rate_limit_exceeded")
         assert int(headers["Retry-After"]) >= 1 and headers["X-Request-Id"]
         assert scheduler.num_asked == 1, "one placement request per model at a time"
         assert not any(task.done() for task in waiting)

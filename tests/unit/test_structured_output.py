@@ -61,6 +61,19 @@ def test_greedy_and_sampled_rows_write_json_that_matches_and_then_end(tokenizer:
         assert " " * (MAX_WHITESPACE + 1) not in text
 
 
+def test_an_object_that_lists_its_properties_takes_no_other_key(tokenizer: object) -> None:
+    """No ``additionalProperties`` in the schema (as pydantic writes it): after the one property,
+    only the object's end may come, not another key."""
+    schema = json.dumps({"type": "object", "properties": {"color": {"enum": ["red", "green"]}}})
+    matcher = Grammars(tokenizer).matcher(SamplingParams(json_schema=schema))
+    for token_id in tokenizer.encode('{"color":"red"', add_special_tokens=False):
+        matcher.advance(token_id)
+    logits = torch.zeros(1, len(tokenizer))
+    mask_rows(logits, [0], [matcher])
+    allowed = [tokenizer.decode([t]) for t in torch.isfinite(logits[0]).nonzero().flatten().tolist()]
+    assert allowed and all(text.strip() in ("", "}") or text.strip().startswith("}") for text in allowed), allowed
+
+
 def test_an_unusable_schema_or_tokenizer_is_a_400_naming_response_format(tokenizer: object) -> None:
     for schema in ('{"type": 5}', "not json", '{"$ref": "#/nowhere"}'):
         with pytest.raises(RequestRejected) as caught:

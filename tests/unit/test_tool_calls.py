@@ -188,14 +188,30 @@ def test_a_named_answer_is_the_functions_arguments() -> None:
     assert (content, calls, reason) == ("", [("get_time", {"tz": "CET"})], "tool_calls")
 
 
+@pytest.mark.parametrize(("plan", "text", "calls"), [
+    (ToolPlan("required"), '[{"name": "get_weather", "arguments": {"ci', [("get_weather", '{"ci')]),
+    (ToolPlan("required"), '[{"name":"get_time","arguments":{}} , {"name": "get_weather", "arguments": {"city": "Ro',
+     [("get_time", "{}"), ("get_weather", '{"city": "Ro')]),
+    (ToolPlan("required"), '[ {"name":"get_time","arguments":{}},\n {"na', [("get_time", "{}")]),
+    (ToolPlan("named", function="get_time"), '{"tz": "CE', [("get_time", '{"tz": "CE')]),
+    (ToolPlan("named", function="get_time"), "", [("get_time", "")]),
+])
+def test_a_forced_answer_cut_short_is_the_calls_begun(plan: ToolPlan, text: str, calls: list[tuple[str, str]]) -> None:
+    """As OpenAI and vLLM answer at max_tokens: every whole call, then the one cut, its
+    arguments as far as they came (LangChain reports it as an invalid call, not as no call)."""
+    reader = ToolCallReader(plan)
+    assert reader.feed(text) == ("", [])
+    content, made, reason = reader.finish("length")
+    assert (content, [(c.function.name, c.function.arguments) for c in made], reason) == ("", calls, "length")
+
+
 @pytest.mark.parametrize(("plan", "text"), [
-    (ToolPlan("required"), '[{"name": "get_weather", "arguments": {"ci'),
     (ToolPlan("required"), "[]"),
     (ToolPlan("required"), '{"name": "get_time"}'),
-    (ToolPlan("named", function="get_time"), '{"tz": "CE'),
+    (ToolPlan("required"), '[{"nam'),
     (ToolPlan("named", function="get_time"), "[1]"),
 ])
-def test_a_forced_answer_that_does_not_parse_is_the_content(plan: ToolPlan, text: str) -> None:
+def test_a_forced_answer_that_begins_no_call_is_the_content(plan: ToolPlan, text: str) -> None:
     assert _read(plan, [text], "length") == (text, [], "length")
 
 

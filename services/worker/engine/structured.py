@@ -8,16 +8,19 @@ When the JSON is complete only end-of-sequence remains allowed, so the request s
 
 JSON is written compactly, with at most `MAX_WHITESPACE` whitespace characters between its
 items: a grammar that allowed any amount would let a model pad without end (a known failure of
-unbounded JSON grammars with small models).
+unbounded JSON grammars with small models). An object schema that lists its properties takes
+no others unless it says so (json_schemas.py).
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import numpy as np
 import torch
 
+from shoal.services.worker.engine.json_schemas import closed_objects
 from shoal.services.worker.generation import RequestRejected
 from shoal.shared.messages import SamplingParams
 
@@ -57,7 +60,8 @@ class Grammars:
         ll_tokenizer = self._ll_tokenizer(param)
         try:
             if params.json_schema is not None:
-                grammar = llguidance.LLMatcher.grammar_from_json_schema(params.json_schema, defaults=_JSON_OPTIONS)
+                schema = closed_objects(json.loads(params.json_schema))
+                grammar = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=_JSON_OPTIONS)
             else:
                 assert params.regex is not None, "a grammar is a schema or a regex"
                 grammar = llguidance.LLMatcher.grammar_from_regex(params.regex)
