@@ -171,7 +171,7 @@ class NodeAgent:
             await self._fork_server.start()  # its imports run while the agent registers
         await self._register_gpus()
         await self._heartbeat_once()
-        await self._fail_orphaned_replicas()
+        await self._hand_back_orphaned_replicas()
         self._service = await add_service(
             self._bus.nc,
             name="shoal-node-agent",
@@ -312,13 +312,26 @@ class NodeAgent:
                 assert repair.record is not None, "a record that was stopping"
                 await record_stopped(self._bus, repair.record)
 
-    async def _fail_orphaned_replicas(self) -> None:
-        """Replicas recorded on this node from before a restart have no worker any more."""
+    async def _hand_back_orphaned_replicas(self) -> None:
+        """Replicas recorded on this node from before a restart have no worker any more: they are
+        ``lost``, as on a node that died (the scheduler's reconciler frees their memory once this
+        agent confirms, and places the desired ones again), not failed: a restart, planned or
+        not, says nothing against the model (its failure count and backoff are its own)."""
+        error = "node agent restarted; its worker is gone"
+
+        def mutate(current: ReplicaRecord | None) -> ReplicaRecord | None:
+            if current is None or current.state in ("failed", "stopping", "lost"):
+                return None
+            return msgspec.structs.replace(current, state="lost", error=error, updated_at=now())
+
         for entry in (await self._bus.replicas.get_all()).values():
             record = entry.value
             if (record.node_id == self.node_id and record.replica_id not in self._replicas
-                    and record.state not in ("failed", "stopping")):
-                await self._mark_failed(record.model, record.replica_id, "node agent restarted; its worker is gone")
+                    and record.state not in ("failed", "stopping", "lost")):
+                await cas_update(self._bus.replicas, subjects.replica_kv_key(record.model, record.replica_id), mutate)
+                log.warning("replica_lost", model=record.model, replica=record.replica_id, error=error)
+                await publish_event(self._bus.js, Event("replica_stopped", now(), error, record.model,
+                                                        record.replica_id, self.node_id))
 
     # ------------------------------------------------------------------ commands
 
