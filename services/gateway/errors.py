@@ -35,6 +35,18 @@ class ApiError(ShoalError):
         self.retry_after_s = retry_after_s
 
 
+CAPACITY_CODES = frozenset({"no_victim", "contended"})
+"""A 503 for memory short right now (nobody may be preempted yet, or placements collided): the
+client retries after its Retry-After. Capacity, not a server failure."""
+
+
+def request_outcome(error: ApiError) -> str:
+    """`error`'s outcome in ``shoal_gateway_requests_total``: its status, or ``no_capacity`` for a
+    capacity 503 (`CAPACITY_CODES`), which the page alert on server errors must not count
+    (``ShoalNoVictimForWakes`` tickets it)."""
+    return "no_capacity" if error.code in CAPACITY_CODES else str(error.status)
+
+
 class BadRequest(ApiError):
     status = 400
     error_type = "invalid_request_error"

@@ -27,7 +27,7 @@ from aiohttp import web
 from shoal.services.gateway.answer_reader import Read
 from shoal.services.gateway.auth import may_use_admin, presented_key
 from shoal.services.gateway.embeddings_api import embedding_floats
-from shoal.services.gateway.errors import ApiError, Forbidden, OllamaError, Unavailable
+from shoal.services.gateway.errors import ApiError, Forbidden, OllamaError, Unavailable, request_outcome
 from shoal.services.gateway.json_body import json_response
 from shoal.services.gateway.ndjson import NdjsonStream
 from shoal.services.gateway.ollama_api import (
@@ -271,7 +271,7 @@ async def _stream(request: web.Request, state: GatewayState, plan: Plan, replies
             if not lines.committed:
                 raise  # nothing sent yet: the error's own status
             log.info("stream_error", status=exc.status, error=exc.message)
-            outcome = str(exc.status)
+            outcome = request_outcome(exc)
             await lines.send(OllamaError(exc.message))
     await lines.close()
     return lines.response, outcome

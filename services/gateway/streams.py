@@ -10,7 +10,7 @@ from typing import Protocol
 import structlog
 from aiohttp import web
 
-from shoal.services.gateway.errors import ApiError
+from shoal.services.gateway.errors import ApiError, request_outcome
 from shoal.services.gateway.openai_api import Usage
 from shoal.services.gateway.plans import Plan, choices_usage, generating
 from shoal.services.gateway.progress import WaitProgress
@@ -80,7 +80,7 @@ async def stream_answer(request: web.Request, state: GatewayState, plan: Plan,
             if not await sse.commit_or_give_up():
                 raise
             log.info("stream_error", status=exc.status, error=exc.message)
-            outcome = str(exc.status)
+            outcome = request_outcome(exc)
             await out.fail(exc)
         await out.close()
     return sse.response, outcome

@@ -11,7 +11,7 @@ from typing import Any
 
 import structlog
 
-from shoal.services.gateway.errors import ApiError
+from shoal.services.gateway.errors import ApiError, request_outcome
 from shoal.services.gateway.openai_api import decode_body, model_named_in
 from shoal.services.gateway.state import GatewayState
 from shoal.shared.subjects import MAX_MODEL_KEY_CHARS
@@ -25,7 +25,8 @@ class Tally:
         self._state = state
         self.model = ""
         self.outcome = "500"
-        """"ok", a status (of an error, or of one sent in a stream after its 200), or "cancelled"."""
+        """"ok", a status (of an error, or of one sent in a stream after its 200), "no_capacity"
+        (`request_outcome`), or "cancelled"."""
         self.started: float | None = None
 
     def name_model(self, model: str | None) -> None:
@@ -56,7 +57,7 @@ def tallied(state: GatewayState, kind: str) -> Iterator[Tally]:
     try:
         yield tally
     except ApiError as exc:
-        tally.outcome = str(exc.status)
+        tally.outcome = request_outcome(exc)
         raise
     except asyncio.CancelledError:
         tally.outcome = "cancelled"  # the client went away

@@ -109,6 +109,10 @@ async def test_no_eligible_victim_is_a_503_that_says_why(
         assert "inside their minimum runtime" in body["error"]["message"]
         assert 500 < float(headers["Retry-After"]) <= 600
         await cluster.expect_serving({"a", "b"}, "nobody inside its min runtime was preempted")
+        async with aiohttp.ClientSession() as session, session.get(cluster.url + "/metrics") as response:
+            metrics = await response.text()
+        # Capacity, not a server error: the page alert on 5xx does not count it.
+        assert 'shoal_gateway_requests_total{kind="completion",model="c",outcome="no_capacity"} 1.0' in metrics
 
 
 async def test_a_gateway_that_waits_for_capacity_answers_once_a_victim_may_be_preempted(
