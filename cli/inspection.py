@@ -198,10 +198,20 @@ def render_status(nodes: dict[str, Any], gpus: dict[str, GpuRecord], replicas: l
         blocked = (f" wake blocked ({spec.wake_blocked_reason})"
                    if spec.wake_blocked_until is not None and spec.wake_blocked_until > now else "")
         out.write(f"  {spec.key:<28} desired={spec.desired_replicas} memory={figure} ({source}){flags}{blocked}\n")
+        if spec.num_failures or spec.is_held(now):
+            out.write(f"    {_failing(spec, now)}\n")
     if sessions:
         render_sessions(replicas, sessions, out)
     if batches:
         render_batches(batches, out, now)
+
+
+def _failing(spec: ModelSpec, now: float) -> str:
+    """A failing model's line: failures in a row, its placement backoff, the last error."""
+    held = f", placement held {spec.hold_until - now:.0f} s more" if spec.hold_until and spec.is_held(now) else ""
+    error = " ".join((spec.last_error or "").split())
+    error = error if len(error) <= 160 else error[:157] + "..."
+    return f"failing: {spec.num_failures} in a row{held}; last error: {error or '-'}"
 
 
 def render_batches(batches: list[StoredBatch], out: TextIO, now: float) -> None:

@@ -67,3 +67,15 @@ def test_status_shows_memory_figures_with_the_configured_factor() -> None:
                   config=PlacementConfig(gpu_fraction_factor=2.0))
     assert "memory=3.00 GiB (factor)" in default.getvalue()
     assert "memory=2.00 GiB (factor)" in configured.getvalue()
+
+
+def test_status_shows_a_failing_models_failures_backoff_and_last_error() -> None:
+    failing = ModelSpec(key="broken", path="broken", num_failures=3, hold_until=1_000_030.0,
+                        last_error="worker exited with code 1:\n  OSError: truncated safetensors file " + "x" * 300)
+    out = io.StringIO()
+    render_status({}, {}, [], [failing, ModelSpec(key="fine", path="fine")], out, now=1_000_000.0)
+    lines = out.getvalue().splitlines()
+    (line,) = [text for text in lines if "failing:" in text]
+    assert line.strip().startswith("failing: 3 in a row, placement held 30 s more; last error: worker exited with "
+                                   "code 1: OSError: truncated safetensors file")
+    assert len(line) < 240 and line.endswith("...")
