@@ -60,6 +60,20 @@ def check(config: ShoalConfig, specs: list[ModelSpec]) -> list[Finding]:
     return sorted(findings, key=lambda finding: order[finding.level])
 
 
+def unservable_models(config: ShoalConfig, specs: list[ModelSpec]) -> list[Finding]:
+    """The models `shoal up` refuses to start with, as vLLM refuses a model it cannot load:
+    files not readable under the models root (a path that does not exist, a config that does
+    not parse), or a replica larger than every GPU of this node. Started anyway, their requests
+    would get 503s that say "retry" for ever."""
+    try:
+        gpus = discover_gpus(config.node.gpus)
+    except (GpuDiscoveryError, ConfigError):
+        return []  # the node agent says so when it starts
+    totals = sorted((gpu.total_bytes for gpu in gpus.gpus), reverse=True)
+    findings = [_model(config, spec, totals, on_cpu=gpus.virtual)[0] for spec in specs]
+    return [finding for finding in findings if finding.level == "error"]
+
+
 def _admin_exposure(config: ShoalConfig) -> Finding:
     try:
         warning = check_admin_exposure(config.gateway)

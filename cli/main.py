@@ -244,6 +244,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "up":
             launcher.ensure_demo_models(config)
+            if refused := _unservable(config):
+                return refused
             with launcher.nats_for(config) as url:
                 event_loop.run(launcher.run_up(config, url))
         elif args.command == "inspect":
@@ -268,6 +270,19 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         return 130
     return 0
+
+
+def _unservable(config: ShoalConfig) -> int:
+    """2, having said why, when a configured model cannot be served at all (`check.unservable_models`)."""
+    from shoal.cli.check import unservable_models
+    from shoal.cli.launcher import model_specs
+
+    findings = unservable_models(config, model_specs(config))
+    for finding in findings:
+        print(f"shoal up: model {finding.subject}: {finding.message}", file=sys.stderr)
+    if findings:
+        print("shoal up: fix or remove these models (`shoal check` reports on a config)", file=sys.stderr)
+    return 2 if findings else 0
 
 
 def _quiet_stdout() -> None:

@@ -102,3 +102,27 @@ def test_an_invalid_file_is_exit_status_2(tmp_path: Path, capsys: pytest.Capture
     path.write_text('[[models]]\nkey = "x"\npath = "../etc"\n')
     assert main(["check", "--config", str(path)]) == 2
     assert "must be relative to the models root" in capsys.readouterr().err
+
+
+def test_shoal_up_refuses_a_model_it_can_never_serve_before_starting_anything(
+        tmp_path: Path, demo_models_root: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """As vLLM refuses a model it cannot load: no NATS server, no services, no 503s that say
+    "retry" for ever; each model named, with why."""
+    path = _config_file(tmp_path, demo_models_root, '''
+[[models]]
+key = "org/fine"
+path = "demo/llama-5m"
+[[models]]
+key = "org/missing"
+path = "nowhere/model"
+[[models]]
+key = "org/big"
+path = "demo/llama-5m"
+memory_override_bytes = "3GiB"
+''')
+    assert main(["up", "--config", str(path), "--state-dir", str(tmp_path / "state")]) == 2
+    err = capsys.readouterr().err
+    assert "shoal up: model org/missing: " in err and "nowhere/model" in err
+    assert "shoal up: model org/big: " in err and "never fits" in err
+    assert "org/fine" not in err
+    assert not (tmp_path / "state").exists(), "nothing was started (no NATS store, no logs)"
