@@ -16,6 +16,8 @@ from shoal.services.gateway.openai_api import decode_body, model_named_in
 from shoal.services.gateway.state import GatewayState
 from shoal.shared.subjects import MAX_MODEL_KEY_CHARS
 
+log = structlog.get_logger(__name__)
+
 
 class Tally:
     """One request's labels as they become known: ``model`` is empty unless the request named a
@@ -53,7 +55,10 @@ class Tally:
 
 @contextlib.contextmanager
 def tallied(state: GatewayState, kind: str) -> Iterator[Tally]:
+    """Count the request when it ends, and log it (``request_answered``, with its request id,
+    model, outcome and seconds since it came: the access log an operator follows a request by)."""
     tally = Tally(state)
+    came = time.monotonic()
     try:
         yield tally
     except ApiError as exc:
@@ -64,5 +69,7 @@ def tallied(state: GatewayState, kind: str) -> Iterator[Tally]:
         raise
     finally:
         state.requests_total.inc(model=tally.model, kind=kind, outcome=tally.outcome)
+        log.info("request_answered", kind=kind, model=tally.model, outcome=tally.outcome,
+                 seconds=round(time.monotonic() - came, 3))
         if tally.started is not None:
             state.latency.observe(time.monotonic() - tally.started, model=tally.model)

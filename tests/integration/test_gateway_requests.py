@@ -226,6 +226,10 @@ async def test_every_response_has_a_request_id_and_every_error_log_line_carries_
     errors = [entry for entry in logs if entry["event"] == "request_error"]
     assert errors and all(entry["request_id"] == request_id for entry in errors)
     assert errors[0]["model"] == MODEL
+    (answered,) = [entry for entry in logs if entry["event"] == "request_answered"]  # the access log's line
+    assert (answered["request_id"], answered["model"], answered["kind"], answered["outcome"]) == (
+        request_id, MODEL, "chat", "400")
+    assert answered["seconds"] >= 0
     for method, path in (("GET", "/v1/models"), ("GET", "/healthz"), ("GET", "/v1/nothing"),
                          ("POST", "/v1/completions")):
         _, _, headers = await call(method, gateway + path)
