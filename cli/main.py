@@ -235,6 +235,8 @@ def main(argv: list[str] | None = None) -> int:
         from shoal.cli.launcher import model_specs
 
         return report(check(config, model_specs(config)), sys.stdout)  # demo models: those written
+    if args.command == "up" and (refused := _unservable(config)):  # before logging is set up: nothing ran
+        return refused
     configure_logging(config.logging.format, config.logging.level, service=args.command)
     from shoal.cli import launcher
     from shoal.cli.inspection import inspect, status
@@ -244,8 +246,6 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "up":
             launcher.ensure_demo_models(config)
-            if refused := _unservable(config):
-                return refused
             with launcher.nats_for(config) as url:
                 event_loop.run(launcher.run_up(config, url))
         elif args.command == "inspect":

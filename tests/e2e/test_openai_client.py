@@ -244,7 +244,8 @@ def test_a_forced_call_cut_at_max_tokens_is_still_the_call_begun(client: openai.
     """As OpenAI and vLLM answer (LangChain then reports an invalid call, not no call): the call,
     its arguments the JSON written so far, finish reason ``length``; streamed alike."""
     kwargs = dict(model=OTHER, messages=[{"role": "user", "content": "Weather in Oslo?"}], max_tokens=3,
-                  tools=[WEATHER_TOOL], tool_choice={"type": "function", "function": {"name": "get_weather"}})
+                  temperature=0, tools=[WEATHER_TOOL],
+                  tool_choice={"type": "function", "function": {"name": "get_weather"}})
     choice = client.chat.completions.create(**kwargs).choices[0]
     assert choice.finish_reason == "length" and choice.message.content is None
     (call,) = choice.message.tool_calls
