@@ -69,6 +69,7 @@ from shoal.shared.metrics import Registry
 from shoal.shared.micro import RequestError, ServiceCallError, add_json_endpoint, request_json
 from shoal.shared.periodic import sleep_or_stop
 from shoal.shared.placement.memory_figure import next_measured_figure
+from shoal.shared.replica_state import GIVEN_UP, mark_lost
 from shoal.shared.version import SHOAL_VERSION
 
 log = structlog.get_logger(__name__)
@@ -318,17 +319,12 @@ class NodeAgent:
         agent confirms, and places the desired ones again), not failed: a restart, planned or
         not, says nothing against the model (its failure count and backoff are its own)."""
         error = "node agent restarted; its worker is gone"
-
-        def mutate(current: ReplicaRecord | None) -> ReplicaRecord | None:
-            if current is None or current.state in ("failed", "stopping", "lost"):
-                return None
-            return msgspec.structs.replace(current, state="lost", error=error, updated_at=now())
-
         for entry in (await self._bus.replicas.get_all()).values():
             record = entry.value
-            if (record.node_id == self.node_id and record.replica_id not in self._replicas
-                    and record.state not in ("failed", "stopping", "lost")):
-                await cas_update(self._bus.replicas, subjects.replica_kv_key(record.model, record.replica_id), mutate)
+            if record.node_id == self.node_id and record.replica_id not in self._replicas \
+                    and record.state not in GIVEN_UP:
+                await cas_update(self._bus.replicas, subjects.replica_kv_key(record.model, record.replica_id),
+                                 lambda current: mark_lost(current, error, now()))
                 log.warning("replica_lost", model=record.model, replica=record.replica_id, error=error)
                 await publish_event(self._bus.js, Event("replica_stopped", now(), error, record.model,
                                                         record.replica_id, self.node_id))

@@ -34,6 +34,7 @@ from shoal.shared import subjects
 from shoal.shared.bus import Bus, CasConflict, Versioned, cas_update
 from shoal.shared.messages import GpuRecord, ModelSpec, NodeRecord, Occupant, ReplicaRecord, now
 from shoal.shared.metrics import Counter
+from shoal.shared.replica_state import mark_lost
 
 log = structlog.get_logger(__name__)
 
@@ -233,14 +234,8 @@ class ClusterStore:
         """Its node's heartbeats lapsed: the replica is ``lost`` (by CAS), its memory still
         counted until the node agent confirms the worker is gone. False when the record
         changed first (gone, or already given up)."""
-
-        def mutate(current: ReplicaRecord | None) -> ReplicaRecord | None:
-            if current is None or current.state in ("failed", "stopping", "lost"):
-                return None
-            return msgspec.structs.replace(current, state="lost", error=error, updated_at=self._clock())
-
         result = await cas_update(self._bus.replicas, subjects.replica_kv_key(record.model, record.replica_id),
-                                  mutate, rng=self._rng)
+                                  lambda current: mark_lost(current, error, self._clock()), rng=self._rng)
         return result is not None and result.value.state == "lost"
 
     async def release_replica(self, record: ReplicaRecord) -> None:
