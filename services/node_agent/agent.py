@@ -12,6 +12,7 @@ status `WORKER_EXIT_DEVICE_ERROR`, or a device-side assert in its log), up to
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import functools
 import hmac
@@ -78,6 +79,8 @@ MAX_ASSERT_RESTARTS = 3
 DEVICE_ASSERT_MARKER = "device-side assert triggered"
 WORKER_CONTROL_TIMEOUT_S = 120.0
 STOP_GRACE_S = 10.0
+STOPPED_BEFORE_CREATE_S = 600.0
+STOPPED_BEFORE_CREATE_MAX = 4096
 """A stopping worker is killed this long after its model's drain timeout (it should exit by then)."""
 
 
@@ -148,6 +151,9 @@ class NodeAgent:
         self._replicas: dict[str, _Replica] = {}
         self._stopping: dict[str, WorkerProcess] = {}
         """Workers being stopped (no longer in `_replicas`): a second stop waits for their exit."""
+        self._stopped_before_create: collections.OrderedDict[str, float] = collections.OrderedDict()
+        """Replicas told to stop while they ran no worker here, oldest first: a create and a stop
+        for a pending replica may arrive out of order, and its create must then start nothing."""
         self._tasks: set[asyncio.Task[object]] = set()
         self._service: Service | None = None
         self._started_at = now()
@@ -361,6 +367,9 @@ class NodeAgent:
         unknown = [i for i in record.gpu_bytes if i not in {g.index for g in self._gpus.gpus}]
         if unknown:
             raise RequestError(400, f"replica {record.replica_id} names GPUs this node lacks: {unknown}")
+        if record.replica_id in self._stopped_before_create:
+            log.info("create_after_stop_ignored", replica=record.replica_id, model=record.model)
+            return NodeReply(ok=True, message="stopped before its create arrived")
         existing = self._replicas.get(record.replica_id)
         if existing is not None and existing.process is None:
             return NodeReply(ok=True, message="already starting")  # a create sent again meanwhile
@@ -398,6 +407,7 @@ class NodeAgent:
         also when it was gone already (a stop sent again after a scheduler died)."""
         replica = self._replicas.pop(replica_id, None)
         if replica is None or replica.process is None:
+            self._remember_stopped_before_create(replica_id)
             if (stopping := self._stopping.get(replica_id)) is not None:
                 await stopping.process.wait()  # confirmed only once that stop is through
             for entry in (await self._bus.replicas.get_all()).values():
@@ -410,6 +420,18 @@ class NodeAgent:
         await publish_event(self._bus.js, Event("replica_stopped", now(), reason, replica.record.model, replica_id,
                                                 self.node_id, data={"exit_code": code}))
         return NodeReply(ok=True, message=f"stopped (exit {code})", pid=replica.process.pid)
+
+    def _remember_stopped_before_create(self, replica_id: str) -> None:
+        """Replica ids are never reused, so a create that comes later is stale: remember the id
+        for `STOPPED_BEFORE_CREATE_S` (far beyond any create's time in flight), at most
+        `STOPPED_BEFORE_CREATE_MAX` of them."""
+        stamp = time.monotonic()
+        self._stopped_before_create[replica_id] = stamp
+        self._stopped_before_create.move_to_end(replica_id)
+        while self._stopped_before_create and (
+                len(self._stopped_before_create) > STOPPED_BEFORE_CREATE_MAX
+                or next(iter(self._stopped_before_create.values())) < stamp - STOPPED_BEFORE_CREATE_S):
+            self._stopped_before_create.popitem(last=False)
 
     async def _stop_process(self, replica_id: str, process: WorkerProcess, timeout_s: float) -> int | None:
         """Stop a worker no longer in `_replicas`, known as stopping until it has exited."""

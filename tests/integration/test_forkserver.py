@@ -169,6 +169,33 @@ async def test_a_replica_stopped_while_its_worker_waits_for_the_fork_server_leav
             await each.close()
 
 
+async def test_a_create_that_arrives_after_its_replicas_stop_starts_no_worker(
+        nats_server: EmbeddedNatsServer, demo_models_root: Path, tmp_path: Path) -> None:
+    """The other order: a model scaled down while its replica's create was in flight, the stop
+    overtakes the create. The stop finds nothing to stop and the scheduler frees the memory, so
+    a worker the late create started would hold bytes nobody counts."""
+    agent_bus, bus = await connect(nats_server.url, "node-a"), await connect(nats_server.url, "test")
+    agent = NodeAgent(agent_bus, discover_gpus("virtual:1x2GiB"),
+                      NodeConfig(node_id="node-a", models_root=str(demo_models_root), worker_fork_server=False),
+                      WorkerConfig(torch_threads=1), LoggingConfig(), nats_url=nats_server.url, log_dir=tmp_path)
+    await agent.start()
+    try:
+        record = ReplicaRecord(replica_id=uuid.uuid4().hex, model=MODEL, node_id="node-a", gpu_bytes={0: 1 << 28})
+        stopped = await request_json(bus.nc, subjects.node_subject("node-a", "stop"),
+                                     StopReplica(record.replica_id, "scaled down"), node_reply_decoder)
+        assert stopped.message == "not running"
+        created = await request_json(
+            bus.nc, subjects.node_subject("node-a", "create"), CreateReplica(record, ModelSpec(key=MODEL, path=MODEL)),
+            node_reply_decoder, timeout_s=60)
+        assert created.ok and created.pid is None, created
+        assert created.message == "stopped before its create arrived"
+        assert not (tmp_path / f"{record.replica_id}.log").exists(), "no worker was started"
+    finally:
+        await agent.stop()
+        for each in (agent_bus, bus):
+            await each.close()
+
+
 async def test_a_launch_the_server_cannot_read_is_refused_and_the_server_forks_on(tmp_path: Path) -> None:
     client = ForkServerClient(tmp_path, worker_env())
     await client.start()
