@@ -32,7 +32,13 @@ from nats.micro.service import Service
 from shoal.services.node_agent.forkserver import ForkedWorker, ForkServerClient
 from shoal.services.node_agent.gpus import NodeGpus, host_ram_bytes, nvml_process_bytes
 from shoal.services.node_agent.model_files import ModelInspectionError, inspect_model
-from shoal.services.node_agent.processes import WorkerProcess, spawn_worker, tail_log, worker_env
+from shoal.services.node_agent.processes import (
+    WorkerProcess,
+    describe_exit,
+    spawn_worker,
+    tail_log,
+    worker_env,
+)
 from shoal.services.node_agent.reconcile import Repair, plan_repairs
 from shoal.services.node_agent.release import record_parked, record_stopped
 from shoal.services.worker.launch import WORKER_EXIT_DEVICE_ERROR, WorkerLaunch
@@ -160,6 +166,7 @@ class NodeAgent:
         registry = metrics or Registry()
         self._workers_gauge = registry.gauge("shoal_node_workers", "Worker processes running", ["node"])
         self._failures = registry.counter("shoal_node_worker_failures_total", "Workers that died unasked", ["node"])
+        self._failures.inc(0, node=node.node_id)  # a sample from the start: rate() and alerts see the first failure
         self._starts = registry.counter("shoal_node_worker_starts_total",
                                         "Workers started, forked by the fork server or spawned", ["node", "how"])
         self._sleep_seconds = registry.histogram("shoal_node_sleep_duration_seconds",
@@ -568,8 +575,7 @@ class NodeAgent:
             log.warning("worker_device_assert_restart", replica=replica.record.replica_id, exit_code=code)
             await self._launch(replica)
             return
-        last_line = next((line for line in reversed(tail.strip().splitlines()) if line.strip()), "")
-        await self._fail(replica, f"worker exited with code {code}: {last_line[-300:]}")
+        await self._fail(replica, describe_exit(code, tail))
 
     async def _start_deadline(self, replica: _Replica, process: WorkerProcess) -> None:
         try:

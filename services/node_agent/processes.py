@@ -136,3 +136,17 @@ def tail_log(path: Path, num_bytes: int = 2000) -> str:
             return handle.read().decode(errors="replace")
     except OSError:
         return ""
+
+
+def describe_exit(code: int | None, log_tail: str) -> str:
+    """Why a worker ended, for its replica's ``last_error``: the signal that killed it (an
+    operator's kill, the kernel's OOM killer) or its exit code, and its log's last line."""
+    last_line = next((line for line in reversed(log_tail.strip().splitlines()) if line.strip()), "")
+    if code is not None and code < 0:
+        try:
+            how = f"worker killed by {signal.Signals(-code).name}"
+        except ValueError:
+            how = f"worker killed by signal {-code}"
+    else:
+        how = f"worker exited with code {code}"
+    return f"{how}: {last_line[-300:]}" if last_line else how

@@ -109,7 +109,7 @@ async def test_a_worker_serves_and_its_exit_status_reaches_the_agent(
 
         async with _failures(bus) as errors:
             os.killpg(worker.pid, signal.SIGKILL)
-            assert "exited with code -9" in await asyncio.wait_for(errors[worker.replica_id], 30)
+            assert "worker killed by SIGKILL" in await asyncio.wait_for(errors[worker.replica_id], 30)
 
 
 async def test_a_fork_server_that_dies_takes_its_workers_and_is_started_again(
@@ -123,7 +123,7 @@ async def test_a_fork_server_that_dies_takes_its_workers_and_is_started_again(
         server = _parent_of(worker.pid)
         async with _failures(bus) as errors:
             os.kill(server, signal.SIGKILL)
-            assert "exited with code -9" in await asyncio.wait_for(errors[worker.replica_id], 30)
+            assert "worker killed by SIGKILL" in await asyncio.wait_for(errors[worker.replica_id], 30)
         assert not is_running(worker.pid)
 
         # The scheduler replaces the failed replica at once (a fork of the new server once it is
@@ -175,9 +175,11 @@ async def test_a_create_that_arrives_after_its_replicas_stop_starts_no_worker(
     overtakes the create. The stop finds nothing to stop and the scheduler frees the memory, so
     a worker the late create started would hold bytes nobody counts."""
     agent_bus, bus = await connect(nats_server.url, "node-a"), await connect(nats_server.url, "test")
+    registry = Registry()
     agent = NodeAgent(agent_bus, discover_gpus("virtual:1x2GiB"),
                       NodeConfig(node_id="node-a", models_root=str(demo_models_root), worker_fork_server=False),
-                      WorkerConfig(torch_threads=1), LoggingConfig(), nats_url=nats_server.url, log_dir=tmp_path)
+                      WorkerConfig(torch_threads=1), LoggingConfig(), nats_url=nats_server.url, log_dir=tmp_path,
+                      metrics=registry)
     await agent.start()
     try:
         record = ReplicaRecord(replica_id=uuid.uuid4().hex, model=MODEL, node_id="node-a", gpu_bytes={0: 1 << 28})
@@ -190,6 +192,8 @@ async def test_a_create_that_arrives_after_its_replicas_stop_starts_no_worker(
         assert created.ok and created.pid is None, created
         assert created.message == "stopped before its create arrived"
         assert not (tmp_path / f"{record.replica_id}.log").exists(), "no worker was started"
+        # Before any failure, the failure counter has its sample (so the first one is a rise).
+        assert 'shoal_node_worker_failures_total{node="node-a"} 0.0' in registry.render()
     finally:
         await agent.stop()
         for each in (agent_bus, bus):
