@@ -18,7 +18,7 @@ Same benchmark, 9 rounds: no stall.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 
 import nats.errors
 from nats.aio.msg import Msg
@@ -27,10 +27,13 @@ from nats.js import JetStreamContext
 FOLLOW_UP_TIMEOUT_S = 0.002
 """How long the pull request for the rest of a burst lives: messages already in the stream
 come within it; later ones are the next wait's."""
+LATE_ARRIVAL_TIMEOUT_S = 0.05
+"""How long taking a message already delivered to the subscription may wait (it is there: only
+a status message in the way makes the client ask the server again)."""
 
 
 async def pull_arrivals(pull: JetStreamContext.PullSubscription, max_messages: int,
-                        timeout_s: float) -> AsyncIterator[Msg]:
+                        timeout_s: float) -> AsyncGenerator[Msg]:
     """Yields the next message (waiting up to `timeout_s` for one; nothing if none came), then
     up to `max_messages` - 1 more that are queued already. The caller acts on each message as
     it is yielded: the first one's handling starts before the rest are asked for."""
@@ -50,3 +53,24 @@ async def pull_arrivals(pull: JetStreamContext.PullSubscription, max_messages: i
         return
     for msg in rest:
         yield msg
+
+
+async def nak_late_arrivals(pull: JetStreamContext.PullSubscription) -> int:
+    """NAKs the messages delivered to this subscription that no fetch took, so that another
+    replica takes them now; returns how many.
+
+    A pull request can outlive the fetch that sent it (the server's clock for its expiry
+    starts when the request arrives, the client's when it is sent): what the server delivers
+    meanwhile waits in the subscription for the next fetch. A worker that stops fetching (its
+    barrier up) must hand such messages back, or they wait for the consumer's ack wait (30 s).
+    """
+    num_naked = 0
+    while pull.pending_msgs > 0:
+        try:
+            msgs = await pull.fetch(batch=1, timeout=LATE_ARRIVAL_TIMEOUT_S)
+        except (nats.errors.TimeoutError, TimeoutError):
+            break
+        for msg in msgs:
+            await msg.nak()
+            num_naked += 1
+    return num_naked
