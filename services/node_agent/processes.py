@@ -140,13 +140,17 @@ def tail_log(path: Path, num_bytes: int = 2000) -> str:
 
 def describe_exit(code: int | None, log_tail: str) -> str:
     """Why a worker ended, for its replica's ``last_error``: the signal that killed it (an
-    operator's kill, the kernel's OOM killer) or its exit code, and its log's last line."""
-    last_line = next((line for line in reversed(log_tail.strip().splitlines()) if line.strip()), "")
+    operator's kill, the kernel's OOM killer: its log's last line is whatever it was doing, left
+    out) or its exit code and its log's last line (a crash's own words)."""
     if code is not None and code < 0:
         try:
-            how = f"worker killed by {signal.Signals(-code).name}"
+            name = signal.Signals(-code).name
         except ValueError:
-            how = f"worker killed by signal {-code}"
+            name = f"signal {-code}"
+        if name in ("SIGKILL", "SIGTERM"):
+            return f"worker killed by {name}"
+        how = f"worker killed by {name}"
     else:
         how = f"worker exited with code {code}"
+    last_line = next((line for line in reversed(log_tail.strip().splitlines()) if line.strip()), "")
     return f"{how}: {last_line[-300:]}" if last_line else how

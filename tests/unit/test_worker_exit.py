@@ -6,8 +6,10 @@ from shoal.services.node_agent.processes import describe_exit
 
 
 def test_a_killed_worker_names_the_signal_not_a_negative_code() -> None:
-    assert describe_exit(-9, "loading weights\n\n") == "worker killed by SIGKILL: loading weights"
+    assert describe_exit(-9, '{"event": "request_done"}\n') == "worker killed by SIGKILL"
     assert describe_exit(-15, "") == "worker killed by SIGTERM"
+    assert describe_exit(-11, "Fatal Python error: Segmentation fault\n\n") == (
+        "worker killed by SIGSEGV: Fatal Python error: Segmentation fault")
 
 
 def test_an_exited_worker_names_its_code_and_its_logs_last_line() -> None:
