@@ -129,6 +129,7 @@ class CpuKernels:
         Raises:
             NativeBuildError: it cannot be loaded or was built from another signature.
         """
+        self.library_path = library_path
         try:
             library = ctypes.CDLL(str(library_path))
             abi = library.shoal_cpu_kernels_abi

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import os
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
@@ -26,7 +27,14 @@ def native(tmp_path_factory: pytest.TempPathFactory) -> cpu_kernels.CpuKernels:
         if os.environ.get("CI"):
             raise  # CI must not go without the native path
         pytest.skip(str(error))
-    return cpu_kernels.build_and_load(compiler, [tmp_path_factory.mktemp("native-kernels")])
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return cpu_kernels.build_and_load(compiler, [tmp_path_factory.mktemp("native-kernels")])
+    # Under xdist the workers share this run's directory, and the first one to get there builds
+    # (a compile takes seconds of a CPU the other worker's tests need).
+    shared = tmp_path_factory.getbasetemp().parent
+    with open(shared / "native-kernels.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return cpu_kernels.build_and_load(compiler, [shared / "native-kernels"])
 
 
 @pytest.fixture

@@ -367,9 +367,9 @@ def test_a_failed_build_leaves_decode_attention_to_torch(tmp_path, process_choic
     torch.testing.assert_close(out[:2].double(), naive_attention(batch, 0.125)[:2], atol=2e-5, rtol=2e-5)
 
 
-def test_the_attention_choice_is_a_setting(native, tmp_path) -> None:
+def test_the_attention_choice_is_a_setting(native) -> None:
     compiler = cpu_build.default_compiler()
-    cache = [tmp_path / "cache"]
+    cache = [native.library_path.parent]  # built already
     chosen = cpu_kernels.select(KernelSettings(), compiler, cache)
     assert chosen is not None and chosen.decode_attention_enabled
     torch_attention = cpu_kernels.select(KernelSettings(cpu_attention="torch"), compiler, cache)
