@@ -50,6 +50,11 @@ client retrying on Retry-After, which is rounded up to whole seconds, comes with
 BEHIND_RETRY_S = 5.0
 """The longest block of a waker that older wakers' intents on its GPUs helped block: they claim
 or give up within seconds, and what it needs changes then."""
+NOT_SERVING_RECHECK_S = 2.0
+"""A waker blocked by replicas loading or draining asks again this soon: a load ends in seconds
+(then its minimum runtime says exactly when it is eligible), a drain gives memory back.
+Measured: blocked for 30 s (the block without a retry time), a third model's wake behind two
+that loaded in 10 s waited 20 s longer than it needed."""
 MAX_HELD_BLOCK_S = 60.0
 """Blocks longer than this keep no place: the intent would keep its GPU's free memory from
 every other model all that time, for requests that may never come back."""
@@ -90,8 +95,9 @@ class NoVictim:
     reason: str
     """For the waiting requests' 503 (names why: popular, inside min runtime, ...)."""
     retry_after_s: float | None
-    """When a replica inside its minimum runtime becomes eligible, if one does; None when
-    waiting would not help (all popular, or too little memory even then)."""
+    """When to ask again: when a replica inside its minimum runtime becomes eligible, or
+    `NOT_SERVING_RECHECK_S` when one is loading or draining (its state changes soon, at a time
+    nobody knows); None when waiting would not help (all popular, or too little memory even then)."""
     num_skipped: Mapping[SkipReason, int] = field(default_factory=dict)
 
 
@@ -137,7 +143,7 @@ def select_victims(
             holdings.setdefault(occupant.replica_id, []).append(occupant)
     skipped: dict[SkipReason, int] = {}
     eligible: list[list[OccupantView]] = []
-    retry_after_s: float | None = None
+    eligible_in_s: float | None = None
     for held in holdings.values():
         reason = get_skip_reason(held[0], waker_model, now)
         if reason is None:
@@ -146,7 +152,7 @@ def select_victims(
         skipped[reason] = skipped.get(reason, 0) + 1
         if reason == "min_runtime":
             wait_s = held[0].serving_since + held[0].fairness.min_runtime_s - now
-            retry_after_s = wait_s if retry_after_s is None else min(retry_after_s, wait_s)
+            eligible_in_s = wait_s if eligible_in_s is None else min(eligible_in_s, wait_s)
     eligible.sort(key=lambda held: (held[0].last_accessed, held[0].replica_id))
     victims: list[str] = []
     freed: dict[str, int] = {}
@@ -161,19 +167,21 @@ def select_victims(
             freed[occupant.gpu_key] = freed.get(occupant.gpu_key, 0) + occupant.num_bytes
     if all(deficit <= 0 for deficit in remaining.values()):
         return Victims(tuple(victims), freed)
-    return NoVictim(_explain(remaining, skipped, retry_after_s, bool(eligible)), retry_after_s, skipped)
+    retry_after_s = min((s for s in (eligible_in_s, NOT_SERVING_RECHECK_S if skipped.get("not_serving") else None)
+                         if s is not None), default=None)
+    return NoVictim(_explain(remaining, skipped, eligible_in_s, bool(eligible)), retry_after_s, skipped)
 
 
-def _explain(remaining: Mapping[str, int], skipped: Mapping[SkipReason, int], retry_after_s: float | None,
+def _explain(remaining: Mapping[str, int], skipped: Mapping[SkipReason, int], eligible_in_s: float | None,
              any_eligible: bool) -> str:
     gpus = ", ".join(sorted(gpu for gpu, deficit in remaining.items() if deficit > 0))
     parts = []
     if skipped.get("popular"):
         parts.append(f"{skipped['popular']} popular (never preempted)")
     if skipped.get("min_runtime"):
-        assert retry_after_s is not None, "a replica inside its min runtime has a time it becomes eligible"
+        assert eligible_in_s is not None, "a replica inside its min runtime has a time it becomes eligible"
         parts.append(f"{skipped['min_runtime']} inside their minimum runtime (the first is eligible in "
-                     f"{retry_after_s:.1f} s)")
+                     f"{eligible_in_s:.1f} s)")
     if skipped.get("not_serving"):
         parts.append(f"{skipped['not_serving']} loading or draining")
     if skipped.get("waker"):

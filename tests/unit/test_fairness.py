@@ -7,6 +7,7 @@ import pytest
 from shoal.shared.model_settings import FairnessSettings
 from shoal.shared.placement.fairness import (
     IntentView,
+    NOT_SERVING_RECHECK_S,
     NoVictim,
     OccupantView,
     Victims,
@@ -88,6 +89,16 @@ def test_nobody_eligible_is_an_error_that_says_why() -> None:
     assert choice.reason == ("no replica on GPU n.0 may be preempted: 1 popular (never preempted), 1 inside their "
                              "minimum runtime (the first is eligible in 9.0 s), 1 loading or draining")
     assert choice.num_skipped == {"popular": 1, "min_runtime": 1, "not_serving": 1}
+    assert choice.retry_after_s == NOT_SERVING_RECHECK_S, "the loading one is looked at again first"
+
+
+def test_replicas_loading_or_draining_are_looked_at_again_soon() -> None:
+    """Their state changes in seconds at a time nobody knows: not a block without a retry time."""
+    loading = select_victims([occupant("l", "loading", serving=False)], {"n.0": GiB}, "waker", NOW)
+    assert isinstance(loading, NoVictim) and loading.retry_after_s == NOT_SERVING_RECHECK_S
+    young = select_victims([occupant("l", "loading", serving=False), occupant("y", "young", since=NOW - 9.5)],
+                           {"n.0": GiB}, "waker", NOW)
+    assert isinstance(young, NoVictim) and young.retry_after_s == 0.5, "a sooner eligible one wins"
 
 
 def test_all_popular_gives_no_retry_time() -> None:

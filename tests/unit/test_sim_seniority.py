@@ -16,6 +16,7 @@ import msgspec
 import numpy as np
 import pytest
 
+from shoal.shared.placement.fairness import NOT_SERVING_RECHECK_S
 from shoal.sim.engine import Simulator
 from shoal.sim.policies import POLICIES
 from shoal.sim.scenario import Scenario
@@ -49,7 +50,8 @@ def test_an_older_blocked_waker_gets_the_memory_before_a_newer_one(keep_place: b
 
     Without: d's request at 15.5 starts a new wake, which preempts a; a parks by 16.5, d
     claims and is created by 21.5 (ttft 6.1). c at 16 starts a wake younger than d's: d's
-    intent keeps the memory and a, leaving, is no victim: c fails, refused for 30 s."""
+    intent keeps the memory and a, leaving, is no victim: c fails, refused for 2 s (a replica
+    leaving or loading is looked at again soon, `NOT_SERVING_RECHECK_S`)."""
     trace = make_trace([(0.0, "a"), (6.0, "c"), (8.0, "d"), (15.5, "d"), (16.0, "c")], KEYS)
     sim, ttft = run(three_models(), trace, "shoal", keep_place=keep_place)
     assert ttft[0] == pytest.approx(5.1)
@@ -67,7 +69,7 @@ def test_an_older_blocked_waker_gets_the_memory_before_a_newer_one(keep_place: b
         assert blocks(sim) == [
             (6.0, "blocked", "c"), (8.0, "blocked", "d"), (15.5, "preempt", "d"), (16.0, "blocked", "c"),
             (16.5, "claimed", "d")]
-        assert sim.models[1].blocked_until == pytest.approx(46.0)
+        assert sim.models[1].blocked_until == pytest.approx(16.0 + NOT_SERVING_RECHECK_S)
         assert "places_kept" not in sim.metrics.counters
     assert sim.metrics.counters["failed_no_victim"] == 3
 
@@ -136,18 +138,20 @@ def test_a_waiting_request_fails_with_the_blocks_reason_when_the_next_block_ends
     """Capacity wait 10 s. c at 6 is blocked until 15, d at 8 behind c's place for 5 s, until 13;
     both wait (15 <= 16, 13 <= 18). d's wake runs again at 13 (its request asks) and is blocked
     again until 15 (a's minimum runtime). At 15 c's wake runs again first (its place is older),
-    preempts a, claims at 16, is created by 21: c's request is answered at 21.1. d's wake,
-    behind c's place, is blocked again for 5 s: 20 is past 8 + 10, so d's request fails with
-    the block's reason at 15."""
+    preempts a, claims at 16, is created by 21: c's request is answered at 21.1. d's wake, with
+    a leaving, is blocked again for 2 s (`NOT_SERVING_RECHECK_S`); at 17 it finds c loading and
+    is blocked until 19: past 8 + 10, so d's request fails with the block's reason at 17, and
+    d's place lapses at 21."""
     trace = make_trace([(0.0, "a"), (6.0, "c"), (8.0, "d")], KEYS)
     sim, ttft = run(three_models(capacity_wait_s=10.0), trace, "shoal")
     assert ttft[1] == pytest.approx(15.1) and math.isinf(ttft[2])
     assert [e for e in blocks(sim) if e[0] >= 13.0] == [
         (13.0, "resumed", "d"), (13.0, "blocked", "d"), (13.0, "held", "d"),
         (15.0, "resumed", "c"), (15.0, "preempt", "c"), (15.0, "resumed", "d"), (15.0, "blocked", "d"),
-        (15.0, "held", "d"), (16.0, "claimed", "c"), (22.0, "lapsed", "d")]
+        (15.0, "held", "d"), (16.0, "claimed", "c"), (17.0, "resumed", "d"), (17.0, "blocked", "d"),
+        (17.0, "held", "d"), (21.0, "lapsed", "d")]
     assert sim.metrics.counters["failed_no_victim"] == 1
-    assert sim.metrics.waits_s == pytest.approx([5.0, 7.0, 15.0])  # a, d (8 to 15), c (6 to 21)
+    assert sim.metrics.waits_s == pytest.approx([5.0, 9.0, 15.0])  # a, d (8 to 17), c (6 to 21)
 
 
 def test_capacity_wait_must_be_a_number_of_seconds() -> None:
