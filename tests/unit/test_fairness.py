@@ -6,8 +6,8 @@ import pytest
 
 from shoal.shared.model_settings import FairnessSettings
 from shoal.shared.placement.fairness import (
-    IntentView,
     NOT_SERVING_RECHECK_S,
+    IntentView,
     NoVictim,
     OccupantView,
     Victims,
