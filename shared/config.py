@@ -525,7 +525,19 @@ def load_config(
     try:
         return msgspec.convert(parse_byte_sizes(raw), ShoalConfig, strict=False)
     except (msgspec.ValidationError, ConfigError) as exc:
-        raise ConfigError(f"invalid configuration{where}: {exc}") from exc
+        raise ConfigError(f"invalid configuration{where}: {_name_model(str(exc), raw)}") from exc
+
+
+def _name_model(message: str, raw: Mapping[str, Any]) -> str:
+    """`message` with the key of the model its ``$.models[N]`` path points at: an operator
+    knows a model by its key, not by its place among twenty ``[[models]]`` tables."""
+    match = re.search(r"\$\.models\[(\d+)\]", message)
+    models = raw.get("models")
+    if match is None or not isinstance(models, list) or int(match.group(1)) >= len(models):
+        return message
+    model = models[int(match.group(1))]
+    key = model.get("key") if isinstance(model, Mapping) else None
+    return f"{message} (model {key!r})" if isinstance(key, str) else message
 
 
 def parse_byte_sizes(raw: Any, path: str = "$") -> Any:

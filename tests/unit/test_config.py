@@ -54,7 +54,9 @@ def test_file_then_env_then_overrides(tmp_path: Path) -> None:
          "not a byte size: 'lots' (examples: 512MiB, 16GiB, 80GB, 1073741824) - at `$.models[0].memory_override_bytes`"),
         ("[node]\ncpu_ram_bytes = -1\n", "cpu_ram_bytes >= 0"),
         ("[[models]]\nkey = \"m\"\npath = \"m\"\n[models.fairness]\nmin_runtim_s = 3\n",
-         "unknown field `min_runtim_s` - at `$.models[0].fairness`"),
+         "unknown field `min_runtim_s` - at `$.models[0].fairness` (model 'm')"),
+        ("[[models]]\nkey = \"a\"\npath = \"a\"\n[[models]]\nkey = \"chat\"\npath = \"c\"\n"
+         "[models.sleep]\ndrain_timeout_s = \"long\"\n", "at `$.models[1].sleep.drain_timeout_s` (model 'chat')"),
         ("[[models]]\nkey = \"m\"\npath = \"m\"\n[models.sleep]\nlevel = \"frozen\"\n", "models[0].sleep.level"),
         ("[[models]]\nkey = \"m\"\npath = \"m\"\n[models.sleep]\nidle_timeout_s = -1\n", "idle_timeout_s"),
         ("[[models]]\nkey = \"m\"\npath = \"m\"\ntool_call_parser = \"granite\"\n",
