@@ -64,12 +64,19 @@ def ensure_demo_models(config: ShoalConfig) -> None:
         make_demo_models(Path(config.node.models_root))
 
 
+def service_logs(service: str) -> contextlib.AbstractContextManager[object]:
+    """Log lines of what starts inside, and of the tasks it starts, say `service` (under `shoal
+    up` the process's own name is ``up``, which says nothing about the line)."""
+    return structlog.contextvars.bound_contextvars(service=service)
+
+
 @contextlib.asynccontextmanager
 async def scheduler_running(config: ShoalConfig, nats_url: str, registry: Registry) -> AsyncIterator[SchedulerService]:
     bus = await connect(nats_url, "scheduler", nats_config=config.nats, role="scheduler")
     scheduler = SchedulerService(bus, config.scheduler, metrics=registry)
     try:
-        await scheduler.start(model_specs(config))
+        with service_logs("scheduler"):
+            await scheduler.start(model_specs(config))
         yield scheduler
     finally:
         await scheduler.stop()
@@ -84,7 +91,8 @@ async def node_agent_running(config: ShoalConfig, nats_url: str, registry: Regis
     agent = NodeAgent(bus, discover_gpus(node.gpus), node, config.worker, config.logging, nats_url=nats_url,
                       nats_config=config.nats, log_dir=Path(config.state_dir).resolve() / "logs", metrics=registry)
     try:
-        await agent.start()
+        with service_logs("node-agent"):
+            await agent.start()
         yield agent
     finally:
         await agent.stop()
@@ -93,8 +101,9 @@ async def node_agent_running(config: ShoalConfig, nats_url: str, registry: Regis
 
 @contextlib.asynccontextmanager
 async def gateway_running(config: ShoalConfig, nats_url: str, registry: Registry) -> AsyncIterator[None]:
-    runner = await start_gateway(config.gateway, nats_url, registry, nats_config=config.nats,
-                                 session_ttl_s=config.worker.sessions.idle_timeout_s)
+    with service_logs("gateway"):
+        runner = await start_gateway(config.gateway, nats_url, registry, nats_config=config.nats,
+                                     session_ttl_s=config.worker.sessions.idle_timeout_s)
     try:
         yield
     finally:

@@ -270,3 +270,20 @@ def _bar_width(page) -> float:  # type: ignore[no-untyped-def]
     """Pixels of GPU bars filled, as drawn."""
     return float(page.evaluate("Array.from(document.querySelectorAll('.bar .seg'))"
                                ".reduce((a, s) => a + s.getBoundingClientRect().width, 0)"))
+
+
+def test_each_log_line_of_shoal_up_names_the_service_it_comes_from(shoal: ShoalUp) -> None:
+    """`shoal up` runs the scheduler, the node agent and the gateway in one process: each line
+    says which (``up`` would say nothing), also those of the tasks they started since."""
+    complete(shoal, "demo/llama-5m", max_tokens=2)
+    services: dict[str, set[str]] = {}
+    for line in list(shoal.log_lines):
+        try:
+            entry = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(entry, dict) and "event" in entry:
+            services.setdefault(entry["event"], set()).add(entry.get("service", ""))
+    expected = {"scheduler_started": "scheduler", "replica_placed": "scheduler", "node_agent_started": "node-agent",
+                "gateway_started": "gateway", "request_answered": "gateway"}
+    assert {event: services.get(event) for event in expected} == {e: {s} for e, s in expected.items()}
