@@ -18,6 +18,7 @@ from shoal.services.node_agent.gpus import GpuDiscoveryError, discover_gpus
 from shoal.services.node_agent.model_files import ModelInspectionError, inspect_model
 from shoal.shared.config import ConfigError, ShoalConfig
 from shoal.shared.messages import InspectModel, ModelSpec
+from shoal.shared.model_settings import max_model_len_error
 from shoal.shared.placement.config import PlacementConfig
 from shoal.shared.placement.memory_figure import UnknownModelMemory, get_memory_figure
 from shoal.shared.placement.node_eval import count_whole_gpus, get_multi_gpu_need, get_single_gpu_allocation
@@ -93,6 +94,8 @@ def _model(config: ShoalConfig, spec: ModelSpec, totals: list[int], *, on_cpu: b
                                    override_bytes=spec.memory_override_bytes, estimated_bytes=facts.estimated_bytes)
     except (ModelInspectionError, UnknownModelMemory, ValueError) as exc:
         return Finding("error", spec.key, str(exc)), None
+    if error := max_model_len_error(spec.max_model_len, facts.max_model_len):
+        return Finding("error", spec.key, error), None
     demand = ModelDemand(spec.key, figure, spec.min_replicas, spec.fairness.popular, spec.num_gpus)
     what = (f"{facts.architecture}, {facts.num_parameters / 1e6:.1f}M parameters, needs "
             f"{figure.required_bytes / GIB:.2f} GiB ({figure.source})")

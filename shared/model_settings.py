@@ -82,6 +82,17 @@ class SleepSettings(Struct, kw_only=True, omit_defaults=True):
             raise ValueError("sleep.idle_timeout_s and sleep.drain_timeout_s must be >= 0")
 
 
+def max_model_len_error(max_model_len: int | None, checkpoint_max: int | None) -> str | None:
+    """Why a model's `max_model_len` cannot be served from a checkpoint trained on
+    `checkpoint_max` positions (``max_position_embeddings``); None if it can. Longer is refused,
+    as vLLM refuses it: rotary positions past the trained ones give garbage, learned ones an
+    index error mid-request."""
+    if max_model_len is None or checkpoint_max is None or max_model_len <= checkpoint_max:
+        return None
+    return (f"max_model_len {max_model_len} is longer than the checkpoint's {checkpoint_max} positions "
+            f"(max_position_embeddings): set max_model_len to {checkpoint_max} or less")
+
+
 class ModelSettings(Struct, kw_only=True, omit_defaults=True):
     """A served model as the operator declares it."""
 

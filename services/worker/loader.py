@@ -28,7 +28,7 @@ from shoal.services.worker.pinned_park import (
 )
 from shoal.shared.errors import ShoalError
 from shoal.shared.messages import ModelSpec, ReplicaRecord
-from shoal.shared.model_settings import InvalidModelPath, resolve_model_dir
+from shoal.shared.model_settings import InvalidModelPath, max_model_len_error, resolve_model_dir
 
 if TYPE_CHECKING:
     from shoal.services.worker.engine.packed_load import PendingLoad
@@ -162,7 +162,10 @@ def load_model(
         config = AutoConfig.from_pretrained(model_dir, trust_remote_code=False)
     except (OSError, ValueError, KeyError) as exc:
         raise ModelLoadError(f"cannot read {model_dir}: {exc}") from exc
-    max_len = spec.max_model_len or int(getattr(config, "max_position_embeddings", 2048) or 2048)
+    checkpoint_max = getattr(config, "max_position_embeddings", None)
+    if error := max_model_len_error(spec.max_model_len, checkpoint_max):
+        raise ModelLoadError(f"{spec.key}: {error}")
+    max_len = spec.max_model_len or int(checkpoint_max or 2048)
     if get_unsupported_reason is not None and (reason := get_unsupported_reason(config, max_len)):
         raise ModelLoadError(f"{spec.key}: {reason}")
     dtype = _torch_dtype(spec.dtype, config)

@@ -45,17 +45,24 @@ path = "nowhere/model"
 key = "org/kept"
 path = "demo/llama-5m"
 min_replicas = 3
+[[models]]
+key = "org/long"
+path = "demo/llama-5m"
+max_model_len = 100000
 ''')
     findings = check(load_config(path), model_specs(load_config(path)))
     by_subject = {finding.subject: finding for finding in findings}
-    assert [finding.level for finding in findings][:4] == ["error"] * 3 + ["warning"]
+    assert [finding.level for finding in findings][:5] == ["error"] * 4 + ["warning"]
     assert "open to anyone who can reach 0.0.0.0:8000" in by_subject["gateway"].message
     assert "it never fits: this node's 2 GPU(s) of 1.00 GiB at most" in by_subject["org/big"].message
     assert "'nowhere/model': no such directory under the models root" in by_subject["org/missing"].message
+    assert by_subject["org/long"].message == (
+        "max_model_len 100000 is longer than the checkpoint's 2048 positions (max_position_embeddings): "
+        "set max_model_len to 2048 or less")
     kept = by_subject["min_replicas"]  # three replicas of 0.8 GiB on two GPUs of 1 GiB
     assert kept.level == "warning" and "org/kept is left out" in kept.message
     assert main(["check", "--config", str(path)]) == 1
-    assert capsys.readouterr().out.endswith("3 error(s), 1 warning(s)\n")
+    assert capsys.readouterr().out.endswith("4 error(s), 1 warning(s)\n")
 
 
 def test_fit_follows_the_schedulers_rules(tmp_path: Path, demo_models_root: Path) -> None:

@@ -35,6 +35,16 @@ def test_a_model_too_large_for_its_virtual_allocation_fails_clearly(demo_models_
         load_model(demo_models_root, ModelSpec(key=MODEL, path=MODEL), _replica(1 << 20), device=CPU)
 
 
+def test_a_max_model_len_beyond_the_checkpoints_positions_is_refused(demo_models_root: Path) -> None:
+    """As vLLM refuses it: positions past the trained ones give garbage (rotary) or fail (learned)."""
+    with pytest.raises(ModelLoadError, match="max_model_len 4096 is longer than the checkpoint's 2048 positions"):
+        load_model(demo_models_root, ModelSpec(key=MODEL, path=MODEL, max_model_len=4096), _replica(1 << 30),
+                   device=CPU)
+    shorter = load_model(demo_models_root, ModelSpec(key=MODEL, path=MODEL, max_model_len=512), _replica(1 << 30),
+                         device=CPU)
+    assert shorter.max_model_len == 512
+
+
 def test_paths_outside_the_models_root_or_without_a_checkpoint_are_refused(demo_models_root: Path,
                                                                          tmp_path: Path) -> None:
     with pytest.raises(InvalidModelPath, match="models root"):
