@@ -41,6 +41,7 @@ from shoal.services.node_agent.processes import (
 )
 from shoal.services.node_agent.reconcile import Repair, plan_repairs
 from shoal.services.node_agent.release import record_parked, record_stopped
+from shoal.services.node_agent.worker_logs import tidy_worker_logs
 from shoal.services.worker.launch import WORKER_EXIT_DEVICE_ERROR, WorkerLaunch
 from shoal.shared import subjects
 from shoal.shared.bus import Bus, cas_update, publish_event
@@ -296,6 +297,9 @@ class NodeAgent:
         for repair in plan_repairs(self.node_id, running, records, malformed_ids=malformed_ids,
                                    starting_ids=starting):
             await self._apply_repair(repair, malformed)
+        tidied = await asyncio.to_thread(tidy_worker_logs, self._log_dir, {*self._replicas, *self._stopping})
+        if tidied.rotated or tidied.deleted:
+            log.info("worker_logs_tidied", rotated=list(tidied.rotated), deleted=len(tidied.deleted))
 
     async def _apply_repair(self, repair: Repair, malformed_keys: set[str]) -> None:
         log.warning("node_repair", kind=repair.kind, replica=repair.replica_id, reason=repair.reason)
