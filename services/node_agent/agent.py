@@ -63,6 +63,7 @@ from shoal.shared.messages import (
     RestoreReplica,
     StopReplica,
     WorkerEvent,
+    WorkerReply,
     cache_replica_decoder,
     create_replica_decoder,
     inspect_model_decoder,
@@ -381,6 +382,13 @@ class NodeAgent:
         if record.replica_id in self._stopped_before_create:
             log.info("create_after_stop_ignored", replica=record.replica_id, model=record.model)
             return NodeReply(ok=True, message="stopped before its create arrived")
+        stored, revision = await self._bus.replicas.read(subjects.replica_kv_key(record.model, record.replica_id))
+        if revision is None or (stored is not None and (stored.node_id != self.node_id or stored.state in GIVEN_UP)):
+            # Freed before its create arrived (a rolled-back placement, a stalled step sent again
+            # from a stale read): a worker started now would hold memory nobody counts.
+            log.info("create_without_record_ignored", replica=record.replica_id, model=record.model,
+                     state=stored.state if stored else None)
+            return NodeReply(ok=True, message="no record to start it for: freed before its create arrived")
         existing = self._replicas.get(record.replica_id)
         if existing is not None and existing.process is None:
             return NodeReply(ok=True, message="already starting")  # a create sent again meanwhile
@@ -465,8 +473,7 @@ class NodeAgent:
         replica = self._running(replica_id)
         started = time.monotonic()
         try:
-            reply = await request_json(self._bus.nc, subjects.worker_subject(replica_id, "to_cache"),
-                                       CacheReplica(replica_id, drop_weights), worker_reply_decoder, timeout_s=WORKER_CONTROL_TIMEOUT_S)
+            reply = await self._ask_worker(replica, "to_cache", CacheReplica(replica_id, drop_weights))
         except ServiceCallError as exc:
             raise RequestError(502, f"worker of {replica_id} did not park: {exc}") from exc
         self._sleep_seconds.observe(time.monotonic() - started, model=replica.record.model)
@@ -483,6 +490,26 @@ class NodeAgent:
                                                 replica_id=replica_id, node_id=self.node_id,
                                                 data={"residual_bytes": residual_bytes}))
         return NodeReply(ok=True, message=reply.message, pid=pid)
+
+    async def _ask_worker(self, replica: _Replica, verb: str, command: CacheReplica | RestoreReplica) -> WorkerReply:
+        """`command` to `replica`'s worker, answered or failed once its worker exits: a worker
+        stopped meanwhile (its model removed while it parked) answers nothing, and waiting out
+        `WORKER_CONTROL_TIMEOUT_S` held the memory and every step waiting on it for 2 minutes."""
+        assert replica.process is not None, "asked only of a running worker (`_running`)"
+        asking = asyncio.ensure_future(request_json(
+            self._bus.nc, subjects.worker_subject(replica.record.replica_id, verb), command, worker_reply_decoder,
+            timeout_s=WORKER_CONTROL_TIMEOUT_S))
+        exited = asyncio.ensure_future(replica.process.exited.wait())
+        try:
+            await asyncio.wait([asking, exited], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            exited.cancel()
+        if not asking.done():
+            asking.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await asking
+            raise ServiceCallError(f"the worker exited before it answered {verb}")
+        return asking.result()
 
     def _measure_residue(self, record: ReplicaRecord, pid: int | None, reported_bytes: int | None) -> dict[int, int]:
         """What a parked worker still holds on each of its GPUs: NVML per process on real GPUs
@@ -506,8 +533,7 @@ class NodeAgent:
         await self._set_state(record, "loading", phase="loading_weights")
         started = time.monotonic()
         try:
-            reply = await request_json(self._bus.nc, subjects.worker_subject(record.replica_id, "from_cache"),
-                                       RestoreReplica(record), worker_reply_decoder, timeout_s=WORKER_CONTROL_TIMEOUT_S)
+            reply = await self._ask_worker(replica, "from_cache", RestoreReplica(record))
         except ServiceCallError as exc:
             await self._fail(replica, f"restore failed: {exc}", tell_scheduler=False)
             raise RequestError(502, f"worker of {record.replica_id} did not restore: {exc}") from exc

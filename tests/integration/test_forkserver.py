@@ -29,6 +29,7 @@ from shoal.shared.bus import Bus, connect
 from shoal.shared.child_process import is_running
 from shoal.shared.config import LoggingConfig, NodeConfig, WorkerConfig
 from shoal.shared.messages import (
+    CacheReplica,
     CreateReplica,
     Event,
     ModelSpec,
@@ -37,7 +38,7 @@ from shoal.shared.messages import (
     node_reply_decoder,
 )
 from shoal.shared.metrics import Registry
-from shoal.shared.micro import request_json
+from shoal.shared.micro import ServiceCallError, request_json
 from shoal.shared.nats_server import EmbeddedNatsServer
 from tests.integration.test_warm_restore import MODEL, _complete, _ready, _replicas, one_node_cluster
 
@@ -137,6 +138,13 @@ async def test_a_fork_server_that_dies_takes_its_workers_and_is_started_again(
         assert new_servers and server not in new_servers, (parents, server)
 
 
+async def _pending_record(bus: Bus) -> ReplicaRecord:
+    """A replica placed on node-a's GPU 0, as a scheduler records it before its create."""
+    record = ReplicaRecord(replica_id=uuid.uuid4().hex, model=MODEL, node_id="node-a", gpu_bytes={0: 1 << 28})
+    await bus.replicas.create(subjects.replica_kv_key(MODEL, record.replica_id), record)
+    return record
+
+
 async def test_a_replica_stopped_while_its_worker_waits_for_the_fork_server_leaves_no_worker(
         nats_server: EmbeddedNatsServer, demo_models_root: Path, tmp_path: Path) -> None:
     """A create waits for the fork server's imports (seconds); a stop that comes meanwhile finds
@@ -148,7 +156,7 @@ async def test_a_replica_stopped_while_its_worker_waits_for_the_fork_server_leav
                       WorkerConfig(torch_threads=1), LoggingConfig(), nats_url=nats_server.url, log_dir=tmp_path)
     await agent.start()  # its fork server starts importing now
     try:
-        record = ReplicaRecord(replica_id=uuid.uuid4().hex, model=MODEL, node_id="node-a", gpu_bytes={0: 1 << 28})
+        record = await _pending_record(bus)
         create = asyncio.create_task(request_json(
             bus.nc, subjects.node_subject("node-a", "create"), CreateReplica(record, ModelSpec(key=MODEL, path=MODEL)),
             node_reply_decoder, timeout_s=60))
@@ -162,7 +170,7 @@ async def test_a_replica_stopped_while_its_worker_waits_for_the_fork_server_leav
         async with asyncio.timeout(30):
             while is_running(created.pid):
                 await asyncio.sleep(0.1)
-        assert record.replica_id not in await _replicas(bus), "no record brought back"
+        assert (await _replicas(bus))[record.replica_id] == record, "the stopped worker never claimed its record"
     finally:
         await agent.stop()
         for each in (agent_bus, bus):
@@ -182,7 +190,7 @@ async def test_a_create_that_arrives_after_its_replicas_stop_starts_no_worker(
                       metrics=registry)
     await agent.start()
     try:
-        record = ReplicaRecord(replica_id=uuid.uuid4().hex, model=MODEL, node_id="node-a", gpu_bytes={0: 1 << 28})
+        record = await _pending_record(bus)  # still there: the stop alone refuses the create
         stopped = await request_json(bus.nc, subjects.node_subject("node-a", "stop"),
                                      StopReplica(record.replica_id, "scaled down"), node_reply_decoder)
         assert stopped.message == "not running"
@@ -194,6 +202,16 @@ async def test_a_create_that_arrives_after_its_replicas_stop_starts_no_worker(
         assert not (tmp_path / f"{record.replica_id}.log").exists(), "no worker was started"
         # Before any failure, the failure counter has its sample (so the first one is a rise).
         assert 'shoal_node_worker_failures_total{node="node-a"} 0.0' in registry.render()
+
+        # A create whose record is gone (a rolled-back placement; a stalled step sent again from
+        # a read made before the record went) starts nothing either.
+        unrecorded = ReplicaRecord(replica_id=uuid.uuid4().hex, model=MODEL, node_id="node-a", gpu_bytes={0: 1 << 28})
+        created = await request_json(
+            bus.nc, subjects.node_subject("node-a", "create"),
+            CreateReplica(unrecorded, ModelSpec(key=MODEL, path=MODEL)), node_reply_decoder, timeout_s=60)
+        assert created.ok and created.pid is None, created
+        assert created.message == "no record to start it for: freed before its create arrived"
+        assert not (tmp_path / f"{unrecorded.replica_id}.log").exists(), "no worker was started"
     finally:
         await agent.stop()
         for each in (agent_bus, bus):
@@ -239,3 +257,25 @@ def test_each_forked_child_draws_its_own_random_numbers() -> None:
     assert same[0] == same[1], "forks continue the parent's generator"
     first, second = draws(reseed=True)
     assert first != second
+
+
+async def test_a_park_whose_worker_dies_meanwhile_fails_at_once(
+        nats_server: EmbeddedNatsServer, demo_models_root: Path, tmp_path: Path) -> None:
+    """The agent asks a worker to park and the worker dies (or is stopped: its model removed
+    meanwhile) before answering: the park fails when the worker exits, not 2 minutes later
+    (`WORKER_CONTROL_TIMEOUT_S`) with its memory and every step waiting on it held all along."""
+    async with one_node_cluster(nats_server.url, demo_models_root, tmp_path / "logs", fork_server=False) as (
+            bus, scheduler):
+        assert (await scheduler.scale(MODEL, 1)).ok
+        (worker,) = (await _ready(bus, 1)).values()
+        assert worker.pid is not None
+        os.kill(worker.pid, signal.SIGSTOP)  # it answers nothing from now on
+        parking = asyncio.create_task(request_json(
+            bus.nc, subjects.node_subject("node-a", "to_cache"), CacheReplica(worker.replica_id), node_reply_decoder,
+            timeout_s=150))
+        await asyncio.sleep(1.0)
+        assert not parking.done()
+        os.kill(worker.pid, signal.SIGKILL)
+        async with asyncio.timeout(20):
+            with pytest.raises(ServiceCallError, match="the worker exited before it answered to_cache"):
+                await parking
