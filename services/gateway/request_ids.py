@@ -31,7 +31,8 @@ async def request_id_middleware(
     themselves before they start."""
     request_id = uuid.uuid4().hex
     structlog.contextvars.clear_contextvars()  # keep-alive: a connection serves many requests
-    structlog.contextvars.bind_contextvars(request_id=request_id)
+    # `service` too: under `shoal up` the process is not only the gateway (cli/launcher.py).
+    structlog.contextvars.bind_contextvars(service="gateway", request_id=request_id)
     request[REQUEST_ID] = request_id
     response = await handler(request)
     if not response.prepared:
