@@ -87,9 +87,10 @@ MAX_ASSERT_RESTARTS = 3
 DEVICE_ASSERT_MARKER = "device-side assert triggered"
 WORKER_CONTROL_TIMEOUT_S = 120.0
 STOP_GRACE_S = 10.0
+"""A stopping worker is killed this long after its model's drain timeout (it should exit by then)."""
 STOPPED_BEFORE_CREATE_S = 600.0
 STOPPED_BEFORE_CREATE_MAX = 4096
-"""A stopping worker is killed this long after its model's drain timeout (it should exit by then)."""
+"""How long, and how many of, the replicas stopped before their create arrived are remembered."""
 
 
 @dataclass
@@ -501,13 +502,11 @@ class NodeAgent:
             timeout_s=WORKER_CONTROL_TIMEOUT_S))
         exited = asyncio.ensure_future(replica.process.exited.wait())
         try:
-            await asyncio.wait([asking, exited], return_when=asyncio.FIRST_COMPLETED)
+            done, _ = await asyncio.wait([asking, exited], return_when=asyncio.FIRST_COMPLETED)
         finally:
-            exited.cancel()
-        if not asking.done():
-            asking.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await asking
+            for waiting in (asking, exited):
+                waiting.cancel()  # a no-op on the one that is done
+        if asking not in done:
             raise ServiceCallError(f"the worker exited before it answered {verb}")
         return asking.result()
 
