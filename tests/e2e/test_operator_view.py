@@ -167,7 +167,9 @@ def test_a_stream_waiting_for_a_cold_start_gets_comment_lines_saying_how_far_it_
                 comments.append(line)
             elif line.startswith("data: "):
                 data.append(line.removeprefix("data: "))
-    assert len(comments) >= 2, comments
+    # One comment line per keep-alive (0.5 s): a cold start this machine finishes within one
+    # (the fork server warm, the weights in the page cache) gets one; a slower one gets more.
+    assert comments, "a comment line while the stream waits"
     assert all(f"for {LARGE}" in c and c.startswith(": waiting ") for c in comments), comments
     seen = [phase for comment in comments for phase in phases_in(comment)]
     assert set(seen) & {"starting", "loading_weights", "building_kernels", "warming_up"}, comments
