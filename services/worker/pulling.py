@@ -60,9 +60,10 @@ async def nak_late_arrivals(pull: JetStreamContext.PullSubscription) -> int:
     replica takes them now; returns how many.
 
     A pull request can outlive the fetch that sent it (the server's clock for its expiry
-    starts when the request arrives, the client's when it is sent): what the server delivers
-    meanwhile waits in the subscription for the next fetch. A worker that stops fetching (its
-    barrier up) must hand such messages back, or they wait for the consumer's ack wait (30 s).
+    starts when the request arrives, the client's when it is sent), and one sent as the barrier
+    rose asks for up to a whole batch: what the server delivers then waits in the subscription
+    for the next fetch. A worker that stops fetching (its barrier up) must hand such messages
+    back, or they wait for the consumer's ack wait (30 s).
     """
     num_naked = 0
     while pull.pending_msgs > 0:
