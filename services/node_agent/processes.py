@@ -147,9 +147,9 @@ def describe_exit(code: int | None, log_tail: str) -> str:
             name = signal.Signals(-code).name
         except ValueError:
             name = f"signal {-code}"
-        if name in ("SIGKILL", "SIGTERM"):
-            return f"worker killed by {name}"
         how = f"worker killed by {name}"
+        if name in ("SIGKILL", "SIGTERM"):
+            return how
     else:
         how = f"worker exited with code {code}"
     last_line = next((line for line in reversed(log_tail.strip().splitlines()) if line.strip()), "")

@@ -167,8 +167,10 @@ def select_victims(
             freed[occupant.gpu_key] = freed.get(occupant.gpu_key, 0) + occupant.num_bytes
     if all(deficit <= 0 for deficit in remaining.values()):
         return Victims(tuple(victims), freed)
-    retry_after_s = min((s for s in (eligible_in_s, NOT_SERVING_RECHECK_S if skipped.get("not_serving") else None)
-                         if s is not None), default=None)
+    retry_after_s = eligible_in_s
+    if skipped.get("not_serving"):
+        retry_after_s = min(retry_after_s if retry_after_s is not None else NOT_SERVING_RECHECK_S,
+                            NOT_SERVING_RECHECK_S)
     return NoVictim(_explain(remaining, skipped, eligible_in_s, bool(eligible)), retry_after_s, skipped)
 
 
